@@ -1,0 +1,103 @@
+#include "loraplex/punica/batch_meta.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "loraplex/core/error.h"
+#include "loraplex/punica/op_dispatch.h"
+
+namespace loraplex {
+
+LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device)
+    : max_loras_(max_loras), max_num_tokens_(max_num_tokens), device_(device) {
+  LORAPLEX_CHECK(max_loras >= 1, "LoraBatchMeta: max_loras ", max_loras, ", expected >= 1");
+  LORAPLEX_CHECK(max_num_tokens >= 1, "LoraBatchMeta: max_num_tokens ", max_num_tokens,
+                 ", expected >= 1");
+  const int64_t n = max_num_tokens;
+  const int64_t l = max_loras;
+  mapping_ = Tensor::empty({n}, DType::kI32, device);
+  sorted_ = Tensor::empty({n}, DType::kI32, device);
+  active_ids_ = Tensor::empty({l + 1}, DType::kI32, device);
+  counts_ = Tensor::empty({l + 1}, DType::kI32, device);
+  start_loc_ = Tensor::empty({l + 2}, DType::kI32, device);
+  num_active_ = Tensor::empty({1}, DType::kI32, device);
+  if (device.is_cuda()) {
+    host_staging_ = Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
+  }
+}
+
+void LoraBatchMeta::prepare(std::span<const int32_t> token_slots, const Stream& stream) {
+  const int64_t n = static_cast<int64_t>(token_slots.size());
+  LORAPLEX_CHECK(n <= max_num_tokens_, "LoraBatchMeta: ", n, " tokens exceed max_num_tokens ",
+                 max_num_tokens_);
+  bool no_lora = true;
+  for (int64_t t = 0; t < n; ++t) {
+    const int32_t slot = token_slots[static_cast<size_t>(t)];
+    LORAPLEX_CHECK(slot >= -1 && slot < max_loras_, "token ", t, " has LoRA slot ", slot,
+                   ", expected -1 (no LoRA) or a slot in [0, ", max_loras_, ")");
+    no_lora = no_lora && slot == -1;
+  }
+  if (n > 0) {
+    if (device_.is_cpu()) {
+      std::memcpy(mapping_.data_ptr(), token_slots.data(), static_cast<size_t>(n) * 4);
+    } else {
+      // The staging buffer is reused every step: wait for the previous upload to finish.
+      stream.synchronize();
+      std::memcpy(host_staging_.data_ptr(), token_slots.data(), static_cast<size_t>(n) * 4);
+      mapping_.narrow(0, 0, n).copy_from(host_staging_.narrow(0, 0, n), stream);
+    }
+  }
+  prepare_from_buffer(static_cast<int>(n), no_lora, stream);
+}
+
+void LoraBatchMeta::prepare_from_buffer(int num_tokens, bool no_lora, const Stream& stream) {
+  LORAPLEX_CHECK(num_tokens >= 0 && num_tokens <= max_num_tokens_, "LoraBatchMeta: ", num_tokens,
+                 " tokens, expected 0..", max_num_tokens_);
+  LORAPLEX_CHECK(stream.device() == device_, "LoraBatchMeta on ", device_,
+                 " prepared on a stream of ", stream.device());
+  num_tokens_ = num_tokens;
+  no_lora_ = no_lora;
+  kernels::cpu::LoraMetaBuffers buffers;
+  buffers.token_lora_mapping = mapping_.data<int32_t>();
+  buffers.sorted_token_indices = sorted_.data<int32_t>();
+  buffers.active_lora_ids = active_ids_.data<int32_t>();
+  buffers.num_tokens_per_lora = counts_.data<int32_t>();
+  buffers.lora_token_start_loc = start_loc_.data<int32_t>();
+  buffers.num_active_loras = num_active_.data<int32_t>();
+  throw_if_error(dispatch_build_lora_meta(num_tokens, max_loras_, buffers, stream));
+}
+
+kernels::LoraMetaView LoraBatchMeta::view() const {
+  kernels::LoraMetaView v;
+  v.num_tokens = num_tokens_;
+  v.max_loras = max_loras_;
+  v.token_lora_mapping = mapping_.data<int32_t>();
+  v.sorted_token_indices = sorted_.data<int32_t>();
+  v.active_lora_ids = active_ids_.data<int32_t>();
+  v.num_tokens_per_lora = counts_.data<int32_t>();
+  v.lora_token_start_loc = start_loc_.data<int32_t>();
+  v.num_active_loras = num_active_.data<int32_t>();
+  return v;
+}
+
+namespace {
+std::vector<int32_t> to_vector(const Tensor& t, int64_t n, const Stream& stream) {
+  Tensor host = t.narrow(0, 0, n).to(Device::cpu(), stream);
+  const int32_t* p = host.data<int32_t>();
+  return std::vector<int32_t>(p, p + n);
+}
+}  // namespace
+
+LoraBatchMeta::HostCopy LoraBatchMeta::to_host(const Stream& stream) const {
+  stream.synchronize();
+  HostCopy h;
+  h.mapping = to_vector(mapping_, num_tokens_, stream);
+  h.sorted_token_indices = to_vector(sorted_, num_tokens_, stream);
+  h.active_lora_ids = to_vector(active_ids_, max_loras_ + 1, stream);
+  h.num_tokens_per_lora = to_vector(counts_, max_loras_ + 1, stream);
+  h.lora_token_start_loc = to_vector(start_loc_, max_loras_ + 2, stream);
+  h.num_active_loras = to_vector(num_active_, 1, stream)[0];
+  return h;
+}
+
+}  // namespace loraplex

@@ -1,0 +1,64 @@
+#pragma once
+// LoraBatchMeta (vLLM's LoRAKernelMeta): per-step token grouping by adapter slot, built once
+// per step on the op device and shared by every layer. Buffers are sized once from max_loras
+// and max_num_tokens, so nothing allocates per step, and the device build reads only device
+// memory, so it can be captured in a CUDA graph.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "loraplex/core/stream.h"
+#include "loraplex/core/tensor.h"
+#include "loraplex/kernels/lora_ops.h"
+
+namespace loraplex {
+
+class LoraBatchMeta {
+ public:
+  LoraBatchMeta(int max_loras, int max_num_tokens, Device device);
+
+  /// Builds the metadata from a host mapping (one slot per token, -1 = no LoRA). Throws when
+  /// a slot is outside [-1, max_loras) or there are more tokens than max_num_tokens.
+  void prepare(std::span<const int32_t> token_slots, const Stream& stream);
+  /// Builds the metadata from a mapping already written to mapping_buffer() on the device;
+  /// `no_lora` is the caller's host-side knowledge that every slot is -1. Capturable.
+  void prepare_from_buffer(int num_tokens, bool no_lora, const Stream& stream);
+
+  /// [max_num_tokens] int32 on the device: the per-token slots read by prepare_from_buffer.
+  const Tensor& mapping_buffer() const { return mapping_; }
+  /// True when every token of the step has slot -1: ops may skip all LoRA work.
+  bool no_lora() const { return no_lora_; }
+  int num_tokens() const { return num_tokens_; }
+  int max_loras() const { return max_loras_; }
+  int max_num_tokens() const { return max_num_tokens_; }
+  Device device() const { return device_; }
+  kernels::LoraMetaView view() const;
+
+  /// The metadata copied to the host (synchronises the stream), for tests and debugging.
+  struct HostCopy {
+    std::vector<int32_t> mapping;
+    std::vector<int32_t> sorted_token_indices;
+    std::vector<int32_t> active_lora_ids;
+    std::vector<int32_t> num_tokens_per_lora;
+    std::vector<int32_t> lora_token_start_loc;
+    int32_t num_active_loras = 0;
+  };
+  HostCopy to_host(const Stream& stream) const;
+
+ private:
+  int max_loras_;
+  int max_num_tokens_;
+  Device device_;
+  int num_tokens_ = 0;
+  bool no_lora_ = true;
+  Tensor mapping_;       // [max_num_tokens]
+  Tensor sorted_;        // [max_num_tokens]
+  Tensor active_ids_;    // [max_loras + 1]
+  Tensor counts_;        // [max_loras + 1]
+  Tensor start_loc_;     // [max_loras + 2]
+  Tensor num_active_;    // [1]
+  Tensor host_staging_;  // [max_num_tokens] pinned host memory for the mapping upload
+};
+
+}  // namespace loraplex

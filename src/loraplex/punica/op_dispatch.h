@@ -1,0 +1,31 @@
+#pragma once
+// Routes each op to the CPU reference or the CUDA kernels by the stream's device. The one
+// place above kernels/ that knows both backends exist.
+
+#include "loraplex/core/status.h"
+#include "loraplex/core/stream.h"
+#include "loraplex/kernels/cpu/lora_ops_cpu.h"
+#include "loraplex/kernels/lora_ops.h"
+
+namespace loraplex {
+
+Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
+                                const kernels::cpu::LoraMetaBuffers& buffers, const Stream& stream);
+Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::LoraMetaView& meta,
+                            const Stream& stream);
+Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
+                            const Stream& stream);
+/// Shrink and expand of one layer in one call: on CUDA a fused kernel keeps the rank-r
+/// intermediate on chip when the batch is small; otherwise shrink into `shrink.out`, then
+/// expand from it.
+Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
+                            const kernels::LoraMetaView& meta, const Stream& stream);
+Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
+                                const kernels::LoraMetaView& meta, const Stream& stream);
+Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArgs& args,
+                                          const Stream& stream);
+Status dispatch_lora_embedding(const kernels::EmbeddingLoraArgs& args, const Stream& stream);
+Status dispatch_moe_lora_align(const kernels::MoeAlignArgs& args, const Stream& stream);
+Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stream& stream);
+
+}  // namespace loraplex
