@@ -129,7 +129,8 @@ Allocator& pinned_host_allocator() {
 }
 
 Allocator& cuda_allocator(int device) {
-  LORAPLEX_CHECK(device >= 0, "CUDA device index must be >= 0, got ", device);
+  LORAPLEX_CHECK(device >= 0 && device < cuda_device_count(), "device cuda:", device,
+                 " is not available (", cuda_device_count(), " CUDA devices found)");
   return caching_allocator(device);
 }
 
