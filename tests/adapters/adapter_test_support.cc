@@ -40,7 +40,7 @@ std::string read_text(const std::string& path) {
 RecordingLayer::RecordingLayer(std::string name, int num_slices) {
   handle_ = LoraLayerHandle(
       std::move(name), num_slices,
-      [this](int slot, const std::vector<LoraSlice>& slices, const Stream&) {
+      [this](int slot, const std::vector<LoraSliceWeights>& slices, const Stream&) {
         std::lock_guard<std::mutex> lock(mutex_);
         slots_[slot] = slices;
         ++set_calls_;
@@ -52,10 +52,10 @@ RecordingLayer::RecordingLayer(std::string name, int num_slices) {
       });
 }
 
-std::vector<LoraSlice> RecordingLayer::slot(int slot) const {
+std::vector<LoraSliceWeights> RecordingLayer::slot(int slot) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = slots_.find(slot);
-  return it == slots_.end() ? std::vector<LoraSlice>{} : it->second;
+  return it == slots_.end() ? std::vector<LoraSliceWeights>{} : it->second;
 }
 
 int RecordingLayer::set_calls() const {

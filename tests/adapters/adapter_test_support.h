@@ -55,13 +55,13 @@ class RecordingLayer {
   RecordingLayer(std::string name, int num_slices);
   LoraLayerHandle handle() const { return handle_; }
   /// What the slot holds: the slices of the last set_lora, or empty after reset_lora / never.
-  std::vector<LoraSlice> slot(int slot) const;
+  std::vector<LoraSliceWeights> slot(int slot) const;
   int set_calls() const;
   int reset_calls() const;
 
  private:
   mutable std::mutex mutex_;
-  std::map<int, std::vector<LoraSlice>> slots_;
+  std::map<int, std::vector<LoraSliceWeights>> slots_;
   int set_calls_ = 0;
   int reset_calls_ = 0;
   LoraLayerHandle handle_;

@@ -74,7 +74,7 @@ TEST(PeftAdapter, FixtureAdaptersPackExactly) {
       const size_t layer = t.registry.layer_index(*target);
       targeted.insert({layer, target->slice});
       ASSERT_FALSE(p.layers[layer].empty()) << module;
-      const LoraSlice& s = p.layers[layer][static_cast<size_t>(target->slice)];
+      const LoraSliceWeights& s = p.layers[layer][static_cast<size_t>(target->slice)];
       ASSERT_TRUE(s.a.defined() && s.b.defined()) << module;
       EXPECT_EQ(s.a.dtype(), DType::kF32);
       EXPECT_EQ(s.a.to_double_vector(), file.tensor(tensor).to_double_vector()) << module;
@@ -117,7 +117,7 @@ TEST(PeftAdapter, PacksIntoBf16WithOneRounding) {
                                       options(16, DType::kBF16));
   auto file = SafetensorsFile::open(kTinyLlamaAdapters + "/pirate/adapter_model.safetensors");
   const LoraTarget* up = t.registry.find_module("model.layers.1.mlp.up_proj");
-  const LoraSlice& s = p.layers[t.registry.layer_index(*up)][1];
+  const LoraSliceWeights& s = p.layers[t.registry.layer_index(*up)][1];
   EXPECT_EQ(s.b.dtype(), DType::kBF16);
   const std::vector<double> b =
       file.tensor("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight").to_double_vector();
@@ -456,7 +456,7 @@ std::vector<double> peft_delta(const Tensor& a, const Tensor& b, int64_t e_count
 
 // The layer-facing weights per expert, as the dense update they apply in forward
 // orientation: W_lora[e] = b[e] a[e], [out, in].
-std::vector<double> forward_update(const LoraSlice& s) {
+std::vector<double> forward_update(const LoraSliceWeights& s) {
   const int64_t e_count = s.a.size(0), r = s.a.size(1), in = s.a.size(2), out = s.b.size(1);
   std::vector<double> w(static_cast<size_t>(e_count * out * in), 0.0);
   for (int64_t e = 0; e < e_count; ++e)
@@ -487,8 +487,8 @@ TEST_F(BrokenAdapter, Experts3dFollowPeftNestingAndLayout) {
                        {m + "lora_B.weight", db}});
   PackedAdapter p = load_peft_adapter("moe", dir, ex.registry, options());
   ASSERT_EQ(p.layers.size(), 2u);
-  const LoraSlice& g = p.layers[0][0];
-  const LoraSlice& d = p.layers[1][0];
+  const LoraSliceWeights& g = p.layers[0][0];
+  const LoraSliceWeights& d = p.layers[1][0];
   EXPECT_EQ(g.a.shape(), (Shape{E, r, 8}));
   EXPECT_EQ(g.b.shape(), (Shape{E, 12, r}));
   EXPECT_EQ(d.a.shape(), (Shape{E, r, 6}));
@@ -538,6 +538,57 @@ TEST_F(BrokenAdapter, Experts3dFollowPeftNestingAndLayout) {
     ADD_FAILURE();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("needs [6, 8]"), std::string::npos) << e.what();
+  }
+}
+
+// PEFT >= 0.19 saves a [E, out, in] parameter's pair the standard way (A [r E, in],
+// B [out, r E]; delta[e] = B_e A_e in the parameter layout); when in == out only peft_version
+// tells the two layouts apart.
+TEST_F(BrokenAdapter, Experts3dSavedByNewerPeft) {
+  const int64_t E = 2, r = 3;
+  const std::string m = "base_model.model.model.layers.0.mlp.experts.";
+  for (const int64_t in : {int64_t{6}, int64_t{8}}) {
+    for (const char* version : {"0.18.1", "0.21.0"}) {
+      SCOPED_TRACE(std::to_string(in) + " " + version);
+      test::RecordingLayer down("down", 1);
+      LoraTargetRegistry registry;
+      LoraTarget d;
+      d.module = "model.layers.0.mlp.experts";
+      d.layer = down.handle();
+      d.in_features = in;
+      d.out_features = 8;
+      d.kind = TargetKind::kExperts3d;
+      d.parameter = "down_proj";
+      d.num_experts = E;
+      d.parameter_out_in = true;
+      registry.add(d);
+      Tensor a = rnd({E * r, in}), b = rnd({8, E * r});
+      const std::string dir = tmp_.sub(std::string("new_") + std::to_string(in) + version);
+      test::write_adapter(dir,
+                          std::string(R"({"r": 3, "lora_alpha": 3, "peft_version": ")") + version +
+                              R"(", "target_parameters": ["down_proj"]})",
+                          {{m + "lora_A.weight", a}, {m + "lora_B.weight", b}});
+      PackedAdapter p = load_peft_adapter("moe", dir, registry, options());
+      const LoraSliceWeights& s = p.layers[0][0];
+      std::vector<double> want(static_cast<size_t>(E * 8 * in));
+      const bool legacy = in == 8 && std::string(version) == "0.18.1";
+      if (!legacy) {
+        // delta[e][o][i] = sum_k B[o, k E + e] A[e r + k, i]
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t o = 0; o < 8; ++o)
+            for (int64_t i = 0; i < in; ++i) {
+              double acc = 0;
+              for (int64_t k = 0; k < r; ++k)
+                acc += b.item({o, k * E + e}) * a.item({e * r + k, i});
+              want[static_cast<size_t>((e * 8 + o) * in + i)] = acc;
+            }
+      } else {
+        // PEFT 0.18 read the square parameter as [E, in, out]: delta[e][o][i] is its (i, o)
+        // entry, i.e. sum_k B[i, k E + e] A[e r + k, o].
+        want = peft_delta(a, b, E, r, 1.0);
+      }
+      ASSERT_LT(test::tolerance_ratio(forward_update(s), want, 1e-6, 1e-7), 1.0);
+    }
   }
 }
 

@@ -28,7 +28,7 @@ int LoraLayerHandle::num_slices() const {
   return impl_->num_slices;
 }
 
-void LoraLayerHandle::set_lora(int slot, const std::vector<LoraSlice>& slices,
+void LoraLayerHandle::set_lora(int slot, const std::vector<LoraSliceWeights>& slices,
                                const Stream& stream) const {
   LORAPLEX_CHECK(defined(), "set_lora on an undefined LoRA layer handle");
   LORAPLEX_CHECK(static_cast<int>(slices.size()) == impl_->num_slices, "LoRA layer '", impl_->name,
@@ -39,6 +39,50 @@ void LoraLayerHandle::set_lora(int slot, const std::vector<LoraSlice>& slices,
 void LoraLayerHandle::reset_lora(int slot, const Stream& stream) const {
   LORAPLEX_CHECK(defined(), "reset_lora on an undefined LoRA layer handle");
   impl_->reset(slot, stream);
+}
+
+LoraLayerHandle LoraLayerHandle::of_moe(FusedMoeWithLora& layer, std::string name,
+                                        GateUpLayout layout) {
+  const int experts = layer.spec().num_experts;
+  const int64_t intermediate = layer.spec().intermediate;
+  FusedMoeWithLora* l = &layer;
+  SetFn set = [l, experts, intermediate, layout](
+                  int slot, const std::vector<LoraSliceWeights>& slices, const Stream&) {
+    MoeLoraWeights w;
+    auto per_expert = [&](int first, std::vector<LoraSliceWeights>& out) {
+      for (int e = 0; e < experts; ++e) {
+        if (slices[static_cast<size_t>(first + e)].a.defined()) {
+          out.assign(slices.begin() + first, slices.begin() + first + experts);
+          return;
+        }
+      }
+    };
+    per_expert(MoeSlices::w1(0), w.w1);
+    per_expert(MoeSlices::w3(experts, 0), w.w3);
+    per_expert(MoeSlices::w2(experts, 0), w.w2);
+    auto unstack = [&](const LoraSliceWeights& s) {
+      std::vector<LoraSliceWeights> out(static_cast<size_t>(experts));
+      for (int e = 0; e < experts; ++e)
+        out[static_cast<size_t>(e)] = {s.a.select(0, e), s.b.select(0, e)};
+      return out;
+    };
+    const LoraSliceWeights& gate_up = slices[static_cast<size_t>(MoeSlices::gate_up_3d(experts))];
+    if (gate_up.a.defined()) {
+      LORAPLEX_CHECK(w.w1.empty() && w.w3.empty(), "MoE layer: an adapter has both per-expert ",
+                     "w1/w3 and 3-D gate_up weights");
+      split_gate_up_lora(unstack(gate_up), intermediate, layout, w.w1, w.w3);
+    }
+    const LoraSliceWeights& down = slices[static_cast<size_t>(MoeSlices::down_3d(experts))];
+    if (down.a.defined()) {
+      LORAPLEX_CHECK(w.w2.empty(), "MoE layer: an adapter has both per-expert w2 and 3-D down ",
+                     "weights");
+      w.w2 = unstack(down);
+    }
+    l->set_lora(slot, w);
+  };
+  ResetFn reset = [l](int slot, const Stream&) { l->reset_lora(slot); };
+  return LoraLayerHandle(std::move(name), MoeSlices::count(experts), std::move(set),
+                         std::move(reset));
 }
 
 const char* target_kind_name(TargetKind kind) {

@@ -12,41 +12,39 @@
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
+#include "loraplex/layers/fused_moe.h"
+#include "loraplex/layers/lora_layer.h"
 
 namespace loraplex {
-
-/// One LoRA slice of one adapter as handed to a layer (the layers' LoraSliceWeights):
-/// a = LoRA-A [rank, in], b = LoRA-B [out, rank] with the scale folded in, both on the CPU.
-/// Undefined tensors mean the adapter does not target the slice (rank 0, exactly no effect).
-struct LoraSlice {
-  Tensor a;
-  Tensor b;
-};
 
 /// What the adapter manager needs from one LoRA layer: write an adapter into a slot, clear a
 /// slot. Copies share the layer; handles compare equal when they refer to the same layer.
 class LoraLayerHandle {
  public:
-  using SetFn =
-      std::function<void(int slot, const std::vector<LoraSlice>& slices, const Stream& stream)>;
+  using SetFn = std::function<void(int slot, const std::vector<LoraSliceWeights>& slices,
+                                   const Stream& stream)>;
   using ResetFn = std::function<void(int slot, const Stream& stream)>;
 
   LoraLayerHandle() = default;
   /// `name` is used in messages; `num_slices` is the length of the slices vector set_lora takes.
   LoraLayerHandle(std::string name, int num_slices, SetFn set_lora, ResetFn reset_lora);
 
-  /// Wraps a layer with set_lora(slot, std::vector<SliceWeights>) and reset_lora(slot), where
-  /// SliceWeights has members a and b (the layers' LoraSliceWeights). When the layer also has
-  /// stream-taking overloads (set_lora(slot, slices, stream), reset_lora(slot, stream)) those
-  /// are used, so uploads run on the adapter manager's copy stream. The layer must outlive the
-  /// handle.
-  template <typename SliceWeights, typename Layer>
+  /// Wraps a layer with set_lora(slot, std::vector<LoraSliceWeights>) and reset_lora(slot)
+  /// (LoraLinear: num_slices = num_lora_slices(); VocabEmbeddingWithLora and
+  /// LogitsProcessorWithLora: 1). When the layer also has stream-taking overloads
+  /// (set_lora(slot, slices, stream), reset_lora(slot, stream)) those are used, so uploads run
+  /// on the adapter manager's copy stream. The layer must outlive the handle.
+  template <typename Layer>
   static LoraLayerHandle of(Layer& layer, std::string name, int num_slices);
+  /// Wraps a fused MoE layer. Its slices (see MoeSlices) are the per-expert 2-D adapters
+  /// (w1, w3, w2 of each expert) and PEFT's two 3-D expert parameters (gate_up, down); a
+  /// 3-D gate_up is split into w1 / w3 by `layout` (the base gate_up_proj row order).
+  static LoraLayerHandle of_moe(FusedMoeWithLora& layer, std::string name, GateUpLayout layout);
 
   bool defined() const { return impl_ != nullptr; }
   const std::string& name() const;
   int num_slices() const;
-  void set_lora(int slot, const std::vector<LoraSlice>& slices, const Stream& stream) const;
+  void set_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream) const;
   void reset_lora(int slot, const Stream& stream) const;
   bool operator==(const LoraLayerHandle& other) const { return impl_ == other.impl_; }
 
@@ -58,6 +56,18 @@ class LoraLayerHandle {
     ResetFn reset;
   };
   std::shared_ptr<const Impl> impl_;
+};
+
+/// Slice indices of a fused MoE layer handle (LoraLayerHandle::of_moe) with E experts: the
+/// per-expert 2-D adapters (transformers-4 modules "...experts.<e>.w1", ".w3", ".w2") and PEFT's
+/// two 3-D expert parameters (kExperts3d targets "gate_up_proj" and "down_proj").
+struct MoeSlices {
+  static constexpr int w1(int e) { return e; }
+  static constexpr int w3(int num_experts, int e) { return num_experts + e; }
+  static constexpr int w2(int num_experts, int e) { return 2 * num_experts + e; }
+  static constexpr int gate_up_3d(int num_experts) { return 3 * num_experts; }
+  static constexpr int down_3d(int num_experts) { return 3 * num_experts + 1; }
+  static constexpr int count(int num_experts) { return 3 * num_experts + 2; }
 };
 
 enum class TargetKind {
@@ -89,10 +99,14 @@ struct LoraTarget {
   Tensor base_weight;
 
   /// kExperts3d: the parameter name ("gate_up_proj", "down_proj"), the number of experts, and
-  /// the parameter's layout: [E, in, out] used as x @ W[e] (false), or [E, out, in] used as
-  /// x @ W[e]^T (true). Register the parameters of one module in the module's parameter order:
-  /// PEFT nests one wrapper per targeted parameter in that order, which decides which saved
-  /// pair ("experts.base_layer.lora_A" or "experts.lora_A") belongs to which parameter.
+  /// the parameter's layout: [E, in, out] used as x @ W[e] (false, GPT-OSS), or [E, out, in]
+  /// used as x @ W[e]^T (true, transformers-5 Mixtral / Qwen MoE). The layout decides how PEFT
+  /// saved the pair: PEFT >= 0.19 (and transformers' patch) saves A [r E, in], B [out, r E]
+  /// for both; PEFT 0.18 saved A [r E, out], B [in, r E] for [E, out, in] parameters. Both are
+  /// read (by shape, by peft_version when square). Register the parameters of one module in
+  /// the module's parameter order: PEFT nests one wrapper per targeted parameter in that
+  /// order, which decides which saved pair ("experts.base_layer.lora_A" or "experts.lora_A")
+  /// belongs to which parameter.
   std::string parameter;
   int64_t num_experts = 0;
   bool parameter_out_in = false;
@@ -126,33 +140,28 @@ class LoraTargetRegistry {
 
 namespace detail {
 
-template <typename Layer, typename Slices>
-concept HasStreamSetLora = requires(Layer& layer, const Slices& slices, const Stream& stream) {
+template <typename Layer>
+concept HasStreamSetLora = requires(Layer& layer, const std::vector<LoraSliceWeights>& slices,
+                                    const Stream& stream) {
   layer.set_lora(0, slices, stream);
   layer.reset_lora(0, stream);
 };
 
 }  // namespace detail
 
-template <typename SliceWeights, typename Layer>
+template <typename Layer>
 LoraLayerHandle LoraLayerHandle::of(Layer& layer, std::string name, int num_slices) {
-  using Slices = std::vector<SliceWeights>;
   Layer* l = &layer;
-  SetFn set = [l](int slot, const std::vector<LoraSlice>& slices, const Stream& stream) {
-    Slices converted(slices.size());
-    for (size_t i = 0; i < slices.size(); ++i) {
-      converted[i].a = slices[i].a;
-      converted[i].b = slices[i].b;
-    }
-    if constexpr (detail::HasStreamSetLora<Layer, Slices>) {
-      l->set_lora(slot, converted, stream);
+  SetFn set = [l](int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream) {
+    if constexpr (detail::HasStreamSetLora<Layer>) {
+      l->set_lora(slot, slices, stream);
     } else {
       (void)stream;
-      l->set_lora(slot, converted);
+      l->set_lora(slot, slices);
     }
   };
   ResetFn reset = [l](int slot, const Stream& stream) {
-    if constexpr (detail::HasStreamSetLora<Layer, Slices>) {
+    if constexpr (detail::HasStreamSetLora<Layer>) {
       l->reset_lora(slot, stream);
     } else {
       (void)stream;

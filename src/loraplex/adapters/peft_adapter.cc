@@ -316,11 +316,20 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
     const int rank = config.rank_for(target_key);
     const double scale = config.scale_for(target_key);
     const int64_t experts = target->kind == TargetKind::kExperts3d ? target->num_experts : 1;
+    const int64_t file_rank = ia.shape[0];
+    // A 3-D parameter stored [E, out, in] was saved with A and B swapped by PEFT < 0.19
+    // (A [r E, out], B [in, r E]); newer PEFT saves the standard A [r E, in], B [out, r E].
+    // The shapes tell which, unless in == out, where the config's peft_version decides.
+    bool swapped_roles = false;
+    if (target->kind == TargetKind::kExperts3d && target->parameter_out_in) {
+      const bool standard =
+          ia.shape[1] == target->in_features && ib.shape[0] == target->out_features;
+      const bool legacy = ia.shape[1] == target->out_features && ib.shape[0] == target->in_features;
+      swapped_roles = legacy && (!standard || config.peft_version < std::pair<int, int>{0, 19});
+    }
     int64_t a_cols = target->in_features;
     int64_t b_rows = target->out_features;
-    if (target->kind == TargetKind::kExperts3d && target->parameter_out_in)
-      std::swap(a_cols, b_rows);
-    const int64_t file_rank = ia.shape[0];
+    if (swapped_roles) std::swap(a_cols, b_rows);
     if (file_rank != static_cast<int64_t>(rank) * experts) {
       at.fail("tensor '", pair.a, "' has ", file_rank, " rows but adapter_config.json gives '",
               target_key, "' rank ", rank, experts > 1 ? " x " : "",
@@ -351,18 +360,18 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
                 " at ", index_str(t->shape(), bad), "; LoRA weights must be finite");
     }
 
-    LoraSlice slice;
+    LoraSliceWeights slice;
     if (target->kind != TargetKind::kExperts3d) {
       slice.a = pack_a(a, options);
       slice.b = pack_b(b, scale, options);
     } else {
-      // PEFT's 3-D layout: A [E * r, d1] with expert-major rows, B [d2, r * E] with
-      // rank-major columns; the parameter delta is delta[e] = (B_e A_e)^T in the parameter's
-      // [d1, d2] layout. Repacked per expert in forward orientation: a [E, r, in],
-      // b [E, out, r].
+      // PEFT's 3-D layout: A [E * r, .] with expert-major rows, B [., r * E] with rank-major
+      // columns (ParamWrapper reshapes A to [E, r, .] and B to [., r, E]). Repacked per
+      // expert in forward orientation: a [E, r, in], b [E, out, r]; with swapped roles
+      // a[e] = B_e^T and b[e] = A_e^T.
       const int64_t e = experts;
       const int64_t r = rank;
-      if (!target->parameter_out_in) {
+      if (!swapped_roles) {
         slice.a = pack_a(a.view({e, r, a_cols}), options);
         slice.b = pack_b(b.view({b_rows, r, e}).permute({2, 0, 1}), scale, options);
       } else {
@@ -378,7 +387,7 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
     out.bytes += slice.a.nbytes() + slice.b.nbytes();
     out.max_rank = std::max(out.max_rank, rank);
     out.modules.push_back({target_key, target->kind, rank, scale});
-    std::vector<LoraSlice>& layer = out.layers[registry.layer_index(*target)];
+    std::vector<LoraSliceWeights>& layer = out.layers[registry.layer_index(*target)];
     if (layer.empty()) layer.resize(static_cast<size_t>(target->layer.num_slices()));
     layer[static_cast<size_t>(target->slice)] = std::move(slice);
   }

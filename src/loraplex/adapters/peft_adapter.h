@@ -44,7 +44,7 @@ struct PackedAdapter {
   std::vector<AdapterModule> modules;
   /// One entry per registry layer (LoraTargetRegistry::layers() order): the slices for
   /// set_lora, or empty when the adapter targets no slice of the layer (its slot is reset).
-  std::vector<std::vector<LoraSlice>> layers;
+  std::vector<std::vector<LoraSliceWeights>> layers;
   /// Bytes of packed weights.
   size_t bytes = 0;
 };

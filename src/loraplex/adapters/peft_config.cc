@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -223,6 +224,14 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
       c.layers_pattern.push_back(
           compile(s, ".*\\." + s + "\\.(\\d+)\\.", source, "layers_pattern"));
     }
+  }
+
+  if (config.contains("peft_version") && config["peft_version"].is_string()) {
+    int major = 0;
+    int minor = 0;
+    if (std::sscanf(config["peft_version"].get<std::string>().c_str(), "%d.%d", &major, &minor) ==
+        2)
+      c.peft_version = {major, minor};
   }
 
   for (const char* field : {"rank_pattern", "alpha_pattern"}) {

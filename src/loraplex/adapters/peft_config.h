@@ -55,6 +55,10 @@ struct PeftLoraConfig {
   /// target_parameters: "<module>.<parameter>" names or suffixes of them, for 3-D MoE experts.
   std::vector<std::string> target_parameters;
 
+  /// peft_version as (major, minor); (0, 0) when the config does not say. It decides the saved
+  /// layout of 3-D expert weights when their shapes cannot (PEFT 0.19 changed it).
+  std::pair<int, int> peft_version{0, 0};
+
   /// Reads `path` (an adapter_config.json); throws loraplex::Error naming the file and the
   /// field on anything malformed or not served.
   static PeftLoraConfig from_file(const std::string& path);
