@@ -129,14 +129,18 @@ class AdapterManager {
   bool unload(const std::string& name);
 
   /// Puts `name` in a GPU slot (reusing its slot, else a free one, else the least recently used
-  /// unpinned one) and pins it. Throws AdapterNotLoadedError for an unknown name,
+  /// unpinned one) and pins it. Waits only while another thread reloads or writes the same
+  /// adapter. Throws AdapterNotLoadedError for an unknown name,
   /// AdapterCapacityError at once when every slot is pinned, and loraplex::Error when an
   /// evicted adapter cannot be reloaded or a layer refuses the weights. Do not hold a
   /// Lease of a second adapter expecting it to free capacity while you wait: nothing waits.
   Lease acquire(const std::string& name);
 
   /// Serialises slot writes with the layers' forward: hold it while running (or, on CUDA,
-  /// enqueuing) a forward pass. Recursive, so acquire() may be called while holding it.
+  /// enqueuing) a forward pass. Recursive, so the thread holding it may call acquire(); but
+  /// acquire() can wait for another thread that is writing the same adapter into a slot, and
+  /// that thread needs this lock, so when several threads acquire, call acquire() before
+  /// taking the lock (as an engine does: acquire the step's adapters, then run the step).
   std::unique_lock<std::recursive_mutex> lock_layers();
 
   bool contains(const std::string& name) const;

@@ -36,6 +36,11 @@ class LoraLayerHandle {
   /// on the adapter manager's copy stream. The layer must outlive the handle.
   template <typename Layer>
   static LoraLayerHandle of(Layer& layer, std::string name, int num_slices);
+  /// Wraps the per-rank instances of one tensor-parallel layer (one per rank, all of the same
+  /// kind): set_lora and reset_lora go to every rank (each takes its own shard of the full
+  /// weights). Uploads use each layer's own default stream.
+  template <typename Layer>
+  static LoraLayerHandle of_ranks(std::vector<Layer*> ranks, std::string name, int num_slices);
   /// Wraps a fused MoE layer. Its slices (see MoeSlices) are the per-expert 2-D adapters
   /// (w1, w3, w2 of each expert) and PEFT's two 3-D expert parameters (gate_up, down); a
   /// 3-D gate_up is split into w1 / w3 by `layout` (the base gate_up_proj row order).
@@ -167,6 +172,19 @@ LoraLayerHandle LoraLayerHandle::of(Layer& layer, std::string name, int num_slic
       (void)stream;
       l->reset_lora(slot);
     }
+  };
+  return LoraLayerHandle(std::move(name), num_slices, std::move(set), std::move(reset));
+}
+
+template <typename Layer>
+LoraLayerHandle LoraLayerHandle::of_ranks(std::vector<Layer*> ranks, std::string name,
+                                          int num_slices) {
+  LORAPLEX_CHECK(!ranks.empty(), "LoRA layer '", name, "': no ranks");
+  SetFn set = [ranks](int slot, const std::vector<LoraSliceWeights>& slices, const Stream&) {
+    for (Layer* l : ranks) l->set_lora(slot, slices);
+  };
+  ResetFn reset = [ranks](int slot, const Stream&) {
+    for (Layer* l : ranks) l->reset_lora(slot);
   };
   return LoraLayerHandle(std::move(name), num_slices, std::move(set), std::move(reset));
 }

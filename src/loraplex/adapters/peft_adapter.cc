@@ -184,6 +184,18 @@ std::string adapter_weights_path(const std::string& dir) {
   return dir + "/adapter_model.safetensors";
 }
 
+PeftLoraConfig read_peft_adapter_config(const std::string& name, const std::string& dir) {
+  const std::string config_path = adapter_config_path(dir);
+  const Where at_config{name, config_path};
+  if (!file_exists(config_path))
+    at_config.fail("file not found (a PEFT adapter directory has one)");
+  try {
+    return PeftLoraConfig::from_file(config_path);
+  } catch (const Error& e) {
+    LORAPLEX_FAIL("adapter '", name, "': ", e.what());
+  }
+}
+
 PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
                                 const LoraTargetRegistry& registry,
                                 const AdapterLoadOptions& options) {
@@ -193,16 +205,7 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
   LORAPLEX_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "adapter '", name, "' (",
                  dir, "): not a directory");
 
-  const std::string config_path = adapter_config_path(dir);
-  const Where at_config{name, config_path};
-  if (!file_exists(config_path))
-    at_config.fail("file not found (a PEFT adapter directory has one)");
-  PeftLoraConfig config;
-  try {
-    config = PeftLoraConfig::from_file(config_path);
-  } catch (const Error& e) {
-    LORAPLEX_FAIL("adapter '", name, "': ", e.what());
-  }
+  const PeftLoraConfig config = read_peft_adapter_config(name, dir);
 
   const std::string weights_path = adapter_weights_path(dir);
   const Where at{name, weights_path};

@@ -53,6 +53,10 @@ struct PackedAdapter {
 std::string adapter_config_path(const std::string& dir);
 std::string adapter_weights_path(const std::string& dir);
 
+/// Reads only the adapter's config (no weights, no model needed): for choosing max_lora_rank
+/// before the layers exist (PeftLoraConfig::max_rank()). Errors name the adapter and the file.
+PeftLoraConfig read_peft_adapter_config(const std::string& name, const std::string& dir);
+
 /// Loads adapter `name` from `dir`. Throws loraplex::Error whose message starts with
 /// "adapter '<name>'", names the file (and the tensor or config field) and the problem.
 PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,

@@ -1,3 +1,9 @@
+// GCC 12 reports a false -Wmaybe-uninitialized inside libstdc++'s <regex> compiler when
+// building with sanitizers at -O3 (GCC bug 105562); this file is where regexes are compiled.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #include "loraplex/adapters/peft_config.h"
 
 #include <algorithm>

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# CI stage for the adapter code: the adapter stress test and the safetensors tests under
+# AddressSanitizer (+UBSan) and ThreadSanitizer, then the safetensors fuzzer for a bounded time
+# on its seed corpus. CPU only (sanitizers cannot run CUDA code here).
+#
+# Usage: scripts/ci_sanitizers_and_fuzz.sh
+# Environment: JOBS (parallel build jobs, default 2), FUZZ_SECONDS (default 60),
+#              BUILD_PREFIX (build directories are <prefix>-asan, -tsan, -fuzz; default "build").
+# Fuzzer findings are written to <prefix>-fuzz/artifacts/; new corpus entries to
+# <prefix>-fuzz/corpus/ (the committed seed corpus is only read).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+JOBS="${JOBS:-2}"
+FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
+PREFIX="${BUILD_PREFIX:-build}"
+TEST_TARGETS=(loraplex_adapters_stress_tests loraplex_safetensors_tests)
+
+TOTAL_START=$SECONDS
+stage() {
+  local name="$1"
+  shift
+  local start=$SECONDS
+  echo "=== ${name}"
+  "$@"
+  echo "=== ${name}: $((SECONDS - start)) s"
+}
+
+configure() {
+  local dir="$1"
+  shift
+  cmake -S . -B "$dir" -G Ninja -DLORAPLEX_ENABLE_CUDA=OFF "$@" >/dev/null
+}
+
+run_tests() {
+  local dir="$1"
+  local t
+  for t in "${TEST_TARGETS[@]}"; do
+    "$dir/tests/adapters/$t" --gtest_brief=1
+  done
+}
+
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
+
+stage "asan: configure" configure "${PREFIX}-asan" -DLORAPLEX_SANITIZE=address
+stage "asan: build" ninja -C "${PREFIX}-asan" -j"$JOBS" "${TEST_TARGETS[@]}"
+stage "asan: run" run_tests "${PREFIX}-asan"
+
+stage "tsan: configure" configure "${PREFIX}-tsan" -DLORAPLEX_SANITIZE=thread
+stage "tsan: build" ninja -C "${PREFIX}-tsan" -j"$JOBS" "${TEST_TARGETS[@]}"
+stage "tsan: run" run_tests "${PREFIX}-tsan"
+
+FUZZ_DIR="${PREFIX}-fuzz"
+stage "fuzz: configure" configure "$FUZZ_DIR" -DCMAKE_CXX_COMPILER=clang++ \
+  -DLORAPLEX_BUILD_FUZZERS=ON -DLORAPLEX_BUILD_TESTS=OFF
+stage "fuzz: build" ninja -C "$FUZZ_DIR" -j"$JOBS" loraplex_safetensors_fuzz
+mkdir -p "$FUZZ_DIR/corpus" "$FUZZ_DIR/artifacts"
+stage "fuzz: run ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_safetensors_fuzz" \
+  -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 -dict=fuzz/safetensors.dict \
+  -artifact_prefix="$FUZZ_DIR/artifacts/" "$FUZZ_DIR/corpus" fuzz/corpus/safetensors
+
+echo "=== sanitizers and fuzzing passed in $((SECONDS - TOTAL_START)) s"
