@@ -13,6 +13,7 @@ cp -r /usr/include/nlohmann "$dest/include/"
 cp -r /usr/share/cmake/nlohmann_json "$dest/share/cmake/"
 cp /usr/include/oniguruma.h /usr/include/oniggnu.h /usr/include/onigposix.h "$dest/include/"
 cp -P /usr/lib/x86_64-linux-gnu/libonig.so* "$dest/lib/"
-sed "s|^prefix=.*|prefix=$(cd "$dest" && pwd -P)|" /usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc \
+# The prefix is written relative to the .pc file so the folder can move to another machine.
+sed 's|^prefix=.*|prefix=${pcfiledir}/../..|' /usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc \
   >"$dest/lib/pkgconfig/oniguruma.pc"
 echo "packed into $dest: $(du -sh "$dest" | cut -f1)"
