@@ -119,31 +119,21 @@ class StripDecoder final : public Decoder {
 
  private:
   std::string strip(const std::string& token) const {
-    std::vector<size_t> starts;  // byte offset of each character
+    std::vector<size_t> starts;  // byte offset of each character, plus the end
     for (size_t pos = 0; pos < token.size(); pos += utf8_char_len(token, pos))
       starts.push_back(pos);
+    const size_t n = starts.size();
+    starts.push_back(token.size());
     const auto is_content = [&](size_t i) {
-      const size_t end = i + 1 < starts.size() ? starts[i + 1] : token.size();
-      return std::string_view(token).substr(starts[i], end - starts[i]) == content_;
+      return std::string_view(token).substr(starts[i], starts[i + 1] - starts[i]) == content_;
     };
     size_t start_cut = 0;
-    while (start_cut < start_ && start_cut < starts.size() && is_content(start_cut)) ++start_cut;
-    size_t stop_cut = 0;
-    while (stop_cut < stop_ && stop_cut < starts.size() &&
-           is_content(starts.size() - 1 - stop_cut)) {
-      ++stop_cut;
-    }
-    // HF keeps `token.len() - start_cut - stop_cut` characters after the cut, with len() in
-    // bytes: with multi-byte characters the end cut is partly or wholly lost. Mirror that
-    // (and Rust's wrapping subtraction when both cuts overlap).
-    size_t keep = starts.size() - start_cut;
-    if (start_cut + stop_cut <= token.size()) {
-      keep = std::min(keep, token.size() - start_cut - stop_cut);
-    }
-    const size_t begin = start_cut < starts.size() ? starts[start_cut] : token.size();
-    const size_t last = start_cut + keep;
-    const size_t end = last < starts.size() ? starts[last] : token.size();
-    return token.substr(begin, end - begin);
+    while (start_cut < start_ && start_cut < n && is_content(start_cut)) ++start_cut;
+    // The end cut never reaches into the start cut. HF 0.23 panics in that case (a token of
+    // fewer than `stop` content characters); this is the bounded form of its later fix.
+    size_t stop_cut = n;
+    while (n - stop_cut < stop_ && stop_cut > start_cut && is_content(stop_cut - 1)) --stop_cut;
+    return token.substr(starts[start_cut], starts[stop_cut] - starts[start_cut]);
   }
 
   std::string content_;
