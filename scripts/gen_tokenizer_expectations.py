@@ -242,7 +242,10 @@ def build_strip_style():
               " ", "éeée", "eexee", "ex", "xe"]
     vocab = {p: i for i, p in enumerate(pieces)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="isolated")
+    # "x*" matches empty strings: checks the regex iteration over empty matches.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(" ", behavior="isolated"),
+        pre_tokenizers.Split(Regex("x*"), behavior="merged_with_next")])
     tok.decoder = decoders.Sequence([decoders.Strip("e", 1, 2)])
     return tok
 
@@ -332,13 +335,21 @@ def special_cases(specials):
 
 
 def safe_decode(tok, ids, skip):
-    # Some HF decoders panic on degenerate tokens; those cases are recorded as null.
+    # Some HF decoders panic on degenerate tokens; those cases are recorded as null (and the
+    # Rust panic message, written straight to fd 2, is silenced).
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     try:
         return tok.decode(ids, skip_special_tokens=skip)
     except BaseException as e:  # pyo3's PanicException derives from BaseException
         if type(e).__name__ != "PanicException":
             raise
         return None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def sample_windows(ids, rng, count):

@@ -150,22 +150,40 @@ TEST(TokenizerComponents, StripDecoderWithStop) {
   expect_decode_matches("strip_style");
 }
 
-// Encoding shares the BPE cache across threads: concurrent calls must agree with HF.
+// Encoding shares the BPE cache and the compiled regexes across threads: concurrent calls must
+// still agree with HF.
 TEST(TokenizerConcurrency, ParallelEncodesMatchHf) {
-  const nlohmann::json exp = load_expectations("sentencepiece_style");
-  const Tokenizer tok = Tokenizer::from_file(data_path("sentencepiece_style.json"));
-  std::vector<int> mismatches(4, 0);
+  for (const std::string name : {"qwen2_style", "sentencepiece_style"}) {
+    const nlohmann::json exp = load_expectations(name);
+    const Tokenizer tok = Tokenizer::from_file(data_path(name + ".json"));
+    std::vector<int> mismatches(4, 0);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (size_t i = t; i < exp["encode"].size(); i += 2) {
+          const auto& c = exp["encode"][i];
+          if (tok.encode(c["text"].get<std::string>(), true) != ids_of(c["ids"])) ++mismatches[t];
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(mismatches, std::vector<int>(4, 0)) << name;
+  }
+}
+
+// Loading from several threads at once compiles regexes concurrently.
+TEST(TokenizerConcurrency, ParallelLoads) {
+  const nlohmann::json exp = load_expectations("llama3_style");
+  const auto& c = exp["encode"][12];
+  const std::string text = c["text"];
+  std::vector<std::vector<int32_t>> ids(4);
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      for (size_t i = t; i < exp["encode"].size(); i += 2) {
-        const auto& c = exp["encode"][i];
-        if (tok.encode(c["text"].get<std::string>(), true) != ids_of(c["ids"])) ++mismatches[t];
-      }
-    });
+    threads.emplace_back(
+        [&, t] { ids[t] = Tokenizer::from_file(data_path("llama3_style.json")).encode(text); });
   }
   for (auto& th : threads) th.join();
-  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
+  for (const auto& got : ids) EXPECT_EQ(got, ids_of(c["ids"])) << show(text);
 }
 
 }  // namespace

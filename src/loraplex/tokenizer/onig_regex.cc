@@ -3,12 +3,20 @@
 #include <oniguruma.h>
 
 #include <mutex>
+#include <optional>
 
 #include "loraplex/core/error.h"
 #include "loraplex/tokenizer/utf8.h"
 
 namespace loraplex::tok {
 namespace {
+
+// Oniguruma requires that regex objects are not created or freed by several threads at once
+// (doc/API, "thread safe"); searching a compiled regex concurrently is fine.
+std::mutex& onig_lifecycle_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
 
 void init_oniguruma() {
   static std::once_flag once;
@@ -32,8 +40,10 @@ OnigRegex::OnigRegex(const std::string& pattern, const std::string& context) : r
   init_oniguruma();
   regex_t* reg = nullptr;
   OnigErrorInfo info;
+  std::unique_lock lock(onig_lifecycle_mutex());
   const int rc = onig_new(&reg, uchars(pattern), uchars(pattern) + pattern.size(), ONIG_OPTION_NONE,
                           ONIG_ENCODING_UTF8, ONIG_SYNTAX_DEFAULT, &info);
+  lock.unlock();
   if (rc != ONIG_NORMAL) {
     OnigUChar message[ONIG_MAX_ERROR_MESSAGE_LEN];
     onig_error_code_to_str(message, rc, &info);
@@ -43,7 +53,10 @@ OnigRegex::OnigRegex(const std::string& pattern, const std::string& context) : r
   regex_ = reg;
 }
 
-OnigRegex::~OnigRegex() { onig_free(static_cast<regex_t*>(regex_)); }
+OnigRegex::~OnigRegex() {
+  std::lock_guard lock(onig_lifecycle_mutex());
+  onig_free(static_cast<regex_t*>(regex_));
+}
 
 std::vector<std::pair<size_t, size_t>> OnigRegex::find_all(std::string_view text) const {
   std::vector<std::pair<size_t, size_t>> matches;
@@ -51,23 +64,25 @@ std::vector<std::pair<size_t, size_t>> OnigRegex::find_all(std::string_view text
   Region region;
   const OnigUChar* begin = uchars(text);
   const OnigUChar* end = begin + text.size();
-  size_t pos = 0;
-  while (pos <= text.size()) {
+  // The Rust onig crate's FindMatches: an empty match right where the previous match ended is
+  // skipped by stepping one character ahead.
+  size_t last_end = 0;
+  std::optional<size_t> last_match_end;
+  while (last_end <= text.size()) {
     onig_region_clear(region.r);
-    const int found = onig_search(reg, begin, end, begin + pos, end, region.r, ONIG_OPTION_NONE);
+    const int found =
+        onig_search(reg, begin, end, begin + last_end, end, region.r, ONIG_OPTION_NONE);
     if (found == ONIG_MISMATCH) break;
     LORAPLEX_CHECK(found >= 0, "oniguruma search failed with code ", found);
     const auto start = static_cast<size_t>(region.r->beg[0]);
     const auto stop = static_cast<size_t>(region.r->end[0]);
-    matches.emplace_back(start, stop);
-    if (stop > start) {
-      pos = stop;
-    } else if (stop < text.size()) {
-      // An empty match: step over one character so the search makes progress.
-      pos = stop + utf8_char_len(text, stop);
-    } else {
-      break;
+    if (start == stop && last_match_end == stop) {
+      last_end += last_end < text.size() ? utf8_char_len(text, last_end) : 1;
+      continue;
     }
+    last_end = stop;
+    last_match_end = stop;
+    matches.emplace_back(start, stop);
   }
   return matches;
 }
