@@ -250,6 +250,20 @@ def build_strip_style():
     return tok
 
 
+def build_rederived_ids_style():
+    # Added-token "id" fields that disagree with the vocabulary: HF ignores them on load and
+    # assigns ids itself (an existing token keeps its model id, new ones follow the model).
+    data = json.loads(build_strip_style().to_str())
+    flags = {"single_word": False, "lstrip": False, "rstrip": False}
+    data["added_tokens"] = [
+        {"id": 100, "content": "<a>", **flags, "normalized": False, "special": True},
+        {"id": 50, "content": "<b>", **flags, "normalized": False, "special": False},
+        {"id": 3, "content": "eeee", **flags, "normalized": False, "special": True},
+        {"id": 7, "content": "<c>", **flags, "normalized": True, "special": False},
+    ]
+    return json.dumps(data, ensure_ascii=False, indent=1)
+
+
 COMMON_CASES = [
     "",
     " ",
@@ -456,6 +470,8 @@ def main():
     write("components_no_decoder", None, components_specials,
           build_components_style(vocab, merges, with_decoder=False), include_long=False)
     write("strip_style", build_strip_style(), ["ee"], include_long=False)
+    write("rederived_ids_style", None, ["<a>", "<b>", "eeee", "<c>"],
+          build_rederived_ids_style(), include_long=False)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,12 @@ TEST(TokenizerComponents, StripDecoderWithStop) {
   expect_decode_matches("strip_style");
 }
 
+TEST(TokenizerAddedTokens, IdsRederivedAsHfDoes) {
+  expect_vocabulary_matches("rederived_ids_style");
+  expect_encode_matches("rederived_ids_style");
+  expect_decode_matches("rederived_ids_style");
+}
+
 // Encoding shares the BPE cache and the compiled regexes across threads: concurrent calls must
 // still agree with HF.
 TEST(TokenizerConcurrency, ParallelEncodesMatchHf) {
