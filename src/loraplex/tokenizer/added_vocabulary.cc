@@ -61,9 +61,11 @@ AddedVocabulary::AddedVocabulary(const JsonNode& node, const BpeModel& model,
         special_tokens.push_back(t);
         special_set_.insert(t.content);
       }
-      const bool duplicate = std::any_of(id_to_token_.begin(), id_to_token_.end(),
-                                         [&](const auto& kv) { return kv.second == t; });
-      if (duplicate) continue;
+      // A repeat of an already added token with identical flags changes nothing.
+      if (const auto it = token_to_id_.find(t.content); it != token_to_id_.end()) {
+        const auto same = id_to_token_.find(it->second);
+        if (same != id_to_token_.end() && same->second == t) continue;
+      }
       int32_t id;
       if (const auto existing = token_to_id(t.content)) {
         id = *existing;

@@ -1,5 +1,7 @@
 #include "loraplex/tokenizer/bpe_model.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <queue>
@@ -100,6 +102,13 @@ BpeModel::BpeModel(const JsonNode& node) {
     ++rank;
   }
 
+  byte_ids_.fill(-1);
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof(name), "<0x%02X>", b);
+    if (const auto id = token_to_id(name)) byte_ids_[b] = *id;
+  }
+
   if (unk_token_ && !token_to_id(*unk_token_)) {
     node.at("unk_token").fail("\"", *unk_token_, "\" is not in the vocabulary");
   }
@@ -141,20 +150,12 @@ std::vector<int32_t> BpeModel::merge_word(std::string_view word) const {
       add(*id, len);
       continue;
     }
-    if (byte_fallback_) {
-      std::vector<int32_t> byte_ids;
-      for (const char c : ch) {
-        char name[8];
-        std::snprintf(name, sizeof(name), "<0x%02X>", static_cast<unsigned char>(c));
-        const auto id = token_to_id(name);
-        if (!id) break;
-        byte_ids.push_back(*id);
-      }
-      if (byte_ids.size() == ch.size()) {
-        // HF adds the byte tokens without flushing a pending unknown first; keep that order.
-        for (const int32_t id : byte_ids) add(id, 1);
-        continue;
-      }
+    if (byte_fallback_ && std::all_of(ch.begin(), ch.end(), [&](char c) {
+          return byte_ids_[static_cast<unsigned char>(c)] >= 0;
+        })) {
+      // HF adds the byte tokens without flushing a pending unknown first; keep that order.
+      for (const char c : ch) add(byte_ids_[static_cast<unsigned char>(c)], 1);
+      continue;
     }
     if (unk_token_) {
       if (unk_id >= 0 && fuse_unk_) {

@@ -2,6 +2,7 @@
 // tokenizer.json "model" of type BPE: vocabulary, ranked merges, byte fallback and unknown-token
 // handling, with the merge order of Hugging Face's Word::merge_all.
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <shared_mutex>
@@ -50,6 +51,8 @@ class BpeModel {
   bool byte_fallback_ = false;
   bool ignore_merges_ = false;
   int32_t max_id_ = -1;
+  // Id of the byte-fallback token <0xXX> of each byte, -1 when the vocabulary lacks it.
+  std::array<int32_t, 256> byte_ids_{};
 
   // Per-word cache as in HF: only short words, and it stops growing once full.
   static constexpr size_t kCacheCapacity = 10000;

@@ -1,5 +1,7 @@
 #include "loraplex/tokenizer/post_processors.h"
 
+#include <limits>
+#include <string>
 #include <unordered_map>
 #include <utility>
 
@@ -25,7 +27,8 @@ class TemplatePostProcessor final : public PostProcessor {
       std::vector<int32_t> ids;
       for (const JsonNode& id : entry.at("ids").elements()) {
         const int64_t v = id.as_int();
-        if (v < 0 || v > INT32_MAX) id.fail("must be a token id, got ", v);
+        if (v < 0 || v > std::numeric_limits<int32_t>::max())
+          id.fail("must be a token id, got ", v);
         ids.push_back(static_cast<int32_t>(v));
       }
       special_ids.emplace(name, std::move(ids));

@@ -1,5 +1,6 @@
 #include "loraplex/tokenizer/tokenizer.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
