@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 
 import tokenizers
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
