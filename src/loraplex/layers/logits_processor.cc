@@ -39,8 +39,10 @@ LogitsProcessorWithLora::LogitsProcessorWithLora(int64_t hidden, int64_t vocab, 
   lora_a_ = Tensor::zeros({config.max_loras, config.max_lora_rank, hidden}, dtype, device);
   lora_b_ = Tensor::zeros({config.max_loras, b_rows, config.max_lora_rank}, dtype, device);
   ranks_ = SlotRanks(1, config.max_loras, config.max_lora_rank, device);
-  local_ = Tensor::empty({max_num_seqs, shard_}, dtype, device);
-  if (tp_ > 1) gathered_ = Tensor::empty({tp_ * max_num_seqs * shard_}, dtype, device);
+  if (tp_ > 1) {
+    local_ = Tensor::empty({max_num_seqs, shard_}, dtype, device);
+    gathered_ = Tensor::empty({tp_ * max_num_seqs * shard_}, dtype, device);
+  }
   out_buffer_ = Tensor::empty({max_num_seqs, vocab}, dtype, device);
   lora_ws_ =
       Tensor::zeros({PunicaWrapper::workspace_elements(1, max_num_seqs, config.max_lora_rank)},
@@ -157,14 +159,13 @@ void LogitsProcessorWithLora::forward(const Tensor& hidden_states, Tensor& logit
                  " sampled rows, the step's sampler metadata has ",
                  punica.sampler_meta().num_tokens());
   const bool lora = !punica.sampler_meta().no_lora();
-  Tensor local = local_.narrow(0, 0, seqs);
+  // One rank holds the whole (unpadded) vocabulary: compute straight into the output.
+  Tensor local = tp_ == 1 ? logits : local_.narrow(0, 0, seqs);
   linear_base(hidden_states, weight_, bias_, local, stream);
   if (lora && config_.fully_sharded) {
     punica.add_lora_logits(local, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
   }
-  if (tp_ == 1) {
-    logits.copy_from(local, stream);
-  } else {
+  if (tp_ > 1) {
     Tensor staging = workspace_view(gathered_, {tp_ * seqs, shard_});
     comm().all_gather(local, staging, 0, stream);
     // staging holds [rank][seq][shard]; the full row of seq s is the ranks' pieces in order.
