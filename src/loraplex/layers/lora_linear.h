@@ -62,7 +62,7 @@ struct LinearSpec {
   bool fused_lora = false;
   bool gather_output = false;     // column: all-gather the output shards
   bool input_is_parallel = true;  // row: x is this rank's input shard (else the full input)
-  bool reduce_results = true;     // row: all-reduce (else return the partial sums)
+  bool reduce_results = true;     // row: all-reduce (else the partial sums; bias on rank 0)
 
   static LinearSpec replicated(int64_t in, int64_t out, DType dtype);
   static LinearSpec column(int64_t in, int64_t out, DType dtype, bool gather_output = false);
