@@ -22,9 +22,11 @@ struct GemmCase {
   int64_t pad;  // extra columns in every row stride
 };
 
-void check_gemm(DType dtype, const GemmCase& c, std::mt19937_64& rng) {
-  const std::string name = std::string(dtype_name(dtype)) + " m" + std::to_string(c.m) + " n" +
-                           std::to_string(c.n) + " k" + std::to_string(c.k);
+void check_gemm(DType dtype, const GemmCase& c, kernels::cpu::GemmIsa isa, std::mt19937_64& rng) {
+  const std::string name =
+      std::string(isa == kernels::cpu::GemmIsa::kAuto ? "auto " : "baseline ") +
+      std::string(dtype_name(dtype)) + " m" + std::to_string(c.m) + " n" + std::to_string(c.n) +
+      " k" + std::to_string(c.k);
   const Tensor x = test::random_tensor({c.m, c.k + c.pad}, dtype, rng);
   const Tensor w = test::random_tensor({c.n, c.k + c.pad}, dtype, rng);
   const Tensor bias = test::random_tensor({c.n}, dtype, rng);
@@ -63,6 +65,7 @@ void check_gemm(DType dtype, const GemmCase& c, std::mt19937_64& rng) {
   a.y = y.data_ptr();
   a.y_row_stride = ys;
   a.accumulate = c.accumulate;
+  a.isa = isa;
   ASSERT_TRUE(kernels::cpu::gemm_xwt(a).ok()) << name;
   test::expect_close(y.narrow(1, 0, c.n), ref, test::default_rtol(dtype),
                      (dtype == DType::kF32 ? 1e-6 : 4e-3) * scale, name);
@@ -81,7 +84,10 @@ TEST(CpuGemm, MatchesDoubleLoop) {
   };
   std::mt19937_64 rng(3);
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (const GemmCase& c : cases) check_gemm(dtype, c, rng);
+    for (const GemmCase& c : cases) {
+      check_gemm(dtype, c, kernels::cpu::GemmIsa::kAuto, rng);
+      check_gemm(dtype, c, kernels::cpu::GemmIsa::kBaseline, rng);
+    }
   }
 }
 

@@ -73,6 +73,23 @@ void sum_range(InProcessGroup& g, int64_t lo, int64_t hi) {
   }
 }
 
+// Every rank reads every published tensor, so all of them find the same mismatch; they wait
+// for each other before throwing, so no rank's tensor disappears while another still reads it.
+void check_agreement(InProcessGroup& g, const Tensor& mine, const std::string& who,
+                     const char* op) {
+  std::string error;
+  for (int r = 0; r < g.size() && error.empty(); ++r) {
+    const Tensor& other = g.published(r);
+    if (other.shape() != mine.shape() || other.dtype() != mine.dtype()) {
+      error = detail::concat(who, ": ", op, " of ", mine.describe(), " but rank ", r, " passed ",
+                             other.describe());
+    }
+  }
+  if (error.empty()) return;
+  g.barrier();
+  LORAPLEX_FAIL(error);
+}
+
 }  // namespace
 
 void InProcessCommunicator::all_reduce_sum(Tensor& tensor, const Stream&) {
@@ -85,12 +102,7 @@ void InProcessCommunicator::all_reduce_sum(Tensor& tensor, const Stream&) {
   InProcessGroup& g = *group_;
   g.publish(rank_, &tensor);
   g.barrier();
-  for (int r = 0; r < g.size(); ++r) {
-    const Tensor& other = g.published(r);
-    LORAPLEX_CHECK(other.shape() == tensor.shape() && other.dtype() == tensor.dtype(), who,
-                   ": all_reduce_sum of ", tensor.describe(), " but rank ", r, " passed ",
-                   other.describe());
-  }
+  check_agreement(g, tensor, who, "all_reduce_sum");
   // Rank r reduces elements [r * chunk, (r + 1) * chunk) of every rank's buffer; nobody else
   // reads or writes those elements in this phase.
   const int64_t numel = tensor.numel();
@@ -109,12 +121,7 @@ void InProcessCommunicator::all_gather(const Tensor& in, Tensor& out, int dim, c
   LORAPLEX_CHECK(in.device().is_cpu(), who, ": needs CPU tensors, got ", in.describe());
   g.publish(rank_, &in);
   g.barrier();
-  for (int r = 0; r < g.size(); ++r) {
-    const Tensor& other = g.published(r);
-    LORAPLEX_CHECK(other.shape() == in.shape() && other.dtype() == in.dtype(), who,
-                   ": all_gather of ", in.describe(), " but rank ", r, " passed ",
-                   other.describe());
-  }
+  check_agreement(g, in, who, "all_gather");
   // out viewed as [outer, size, inner]; rank r's input fills [:, r, :].
   int64_t outer = 1;
   for (int i = 0; i < d; ++i) outer *= in.size(i);

@@ -96,8 +96,14 @@ void split_gate_up_lora(const std::vector<LoraSliceWeights>& gate_up, int64_t in
 }
 
 FusedMoeWithLora::FusedMoeWithLora(const MoeSpec& spec, const LoraConfig& config,
-                                   Communicator* comm, Device device, int max_num_tokens)
-    : spec_(spec), config_(config), comm_(comm), device_(device), max_num_tokens_(max_num_tokens) {
+                                   Communicator* comm, Device device, int max_num_tokens,
+                                   std::shared_ptr<LayerWorkspace> workspace)
+    : spec_(spec),
+      config_(config),
+      comm_(comm),
+      device_(device),
+      max_num_tokens_(max_num_tokens),
+      workspace_(std::move(workspace)) {
   const DType dt = spec.dtype;
   LORAPLEX_CHECK(dt == DType::kF32 || dt == DType::kF16 || dt == DType::kBF16, kName, ": dtype ",
                  dt, ", expected float32, float16 or bfloat16");
@@ -146,38 +152,53 @@ FusedMoeWithLora::FusedMoeWithLora(const MoeSpec& spec, const LoraConfig& config
   adapter_enabled_ = Tensor::zeros({L}, DType::kI32, device);
   host_ranks_.assign(static_cast<size_t>(3 * L), 0);
 
-  const int64_t T = max_num_tokens;
-  const int64_t P = T * spec.top_k;
-  logits_ = Tensor::empty({T, E}, dt, device);
-  topk_ids_ = Tensor::empty({P}, DType::kI32, device);
-  topk_weights_ = Tensor::empty({P}, DType::kF32, device);
-  if (device.is_cpu()) {
-    host_order_ = Tensor::empty({2, P}, DType::kI32);
-    pair_index_ = host_order_;
-  } else {
+  const int64_t P = static_cast<int64_t>(max_num_tokens) * spec.top_k;
+  if (!device.is_cpu()) {
     host_ids_ = Tensor::empty_with({P}, DType::kI32, Device::cpu(), pinned_host_allocator());
     host_order_ = Tensor::empty_with({2, P}, DType::kI32, Device::cpu(), pinned_host_allocator());
-    pair_index_ = Tensor::empty({2, P}, DType::kI32, device);
   }
-  x_sorted_ = Tensor::empty({P, H}, dt, device);
-  gate_up_sorted_ = Tensor::empty({P, 2 * inter_local_}, dt, device);
-  gate_up_ = Tensor::empty({P, 2 * inter_local_}, dt, device);
-  act_ = Tensor::empty({P, inter_local_}, dt, device);
-  act_sorted_ = Tensor::empty({P, inter_local_}, dt, device);
-  down_sorted_ = Tensor::empty({P, H}, dt, device);
-  down_ = Tensor::empty({P, H}, dt, device);
-  out_buffer_ = Tensor::empty({T, H}, dt, device);
-  const kernels::MoeAlignSizes sizes = kernels::moe_align_sizes(P, E, kAlignBlock);
-  align_padded_ = sizes.max_num_tokens_padded;
-  align_blocks_ = sizes.max_num_m_blocks;
-  sorted_ids_ = Tensor::empty({L, align_padded_}, DType::kI32, device);
-  expert_ids_ = Tensor::empty({L, align_blocks_}, DType::kI32, device);
-  num_post_pad_ = Tensor::empty({L}, DType::kI32, device);
-  if (fs) {
-    fs13_ = Tensor::zeros({P * 2 * rank_shard_}, dt, device);
-    fs13_gathered_ = Tensor::zeros({P * 2 * rank_pad_}, dt, device);
-    fs2_ = Tensor::zeros({P * R}, dt, device);
+  const bool own_workspace = workspace_ == nullptr;
+  if (own_workspace) workspace_ = std::make_shared<LayerWorkspace>(device);
+  LORAPLEX_CHECK(workspace_->device() == device, kName, ": workspace on ", workspace_->device(),
+                 ", the layer is on ", device);
+  LayerWorkspace::Carver measure = LayerWorkspace::measure();
+  carve(measure, max_num_tokens);
+  workspace_->reserve(measure.used());
+  if (own_workspace) workspace_->allocate();
+}
+
+FusedMoeWithLora::Scratch FusedMoeWithLora::carve(LayerWorkspace::Carver& carver,
+                                                  int64_t tokens) const {
+  const DType dt = spec_.dtype;
+  const int64_t P = tokens * spec_.top_k;
+  const int64_t H = spec_.hidden;
+  const int L = config_.max_loras;
+  Scratch s;
+  s.logits = carver.take({tokens, spec_.num_experts}, dt);
+  s.topk_ids = carver.take({P}, DType::kI32);
+  s.topk_weights = carver.take({P}, DType::kF32);
+  s.pair_index = carver.take({2, P}, DType::kI32);
+  s.rows_h = carver.take({P, H}, dt);
+  s.gate_up_sorted = carver.take({P, 2 * inter_local_}, dt);
+  if (s.gate_up_sorted.defined()) {
+    s.act_sorted =
+        s.gate_up_sorted.view({-1}).narrow(0, 0, P * inter_local_).view({P, inter_local_});
   }
+  s.gate_up = carver.take({P, 2 * inter_local_}, dt);
+  s.act = carver.take({P, inter_local_}, dt);
+  s.down = carver.take({P, H}, dt);
+  const kernels::MoeAlignSizes sizes = kernels::moe_align_sizes(P, spec_.num_experts, kAlignBlock);
+  s.align_padded = sizes.max_num_tokens_padded;
+  s.align_blocks = sizes.max_num_m_blocks;
+  s.sorted_ids = carver.take({L, s.align_padded}, DType::kI32);
+  s.expert_ids = carver.take({L, s.align_blocks}, DType::kI32);
+  s.num_post_pad = carver.take({L}, DType::kI32);
+  if (config_.fully_sharded) {
+    s.fs13 = carver.take({P * 2 * rank_shard_}, dt);
+    s.fs13_gathered = carver.take({P * 2 * rank_pad_}, dt);
+    s.fs2 = carver.take({P * config_.max_lora_rank}, dt);
+  }
+  return s;
 }
 
 int FusedMoeWithLora::lora_rank(int slot, int projection) const {
@@ -374,6 +395,9 @@ Tensor FusedMoeWithLora::forward(const Tensor& x, const PunicaWrapper& punica,
   LORAPLEX_CHECK(x.defined() && x.dim() == 2 && x.size(0) <= max_num_tokens_, kName,
                  ": x must be [<= ", max_num_tokens_, ", ", spec_.hidden, "], got ",
                  x.defined() ? x.describe() : "undefined");
+  if (!out_buffer_.defined()) {
+    out_buffer_ = Tensor::empty({max_num_tokens_, spec_.hidden}, spec_.dtype, device_);
+  }
   Tensor y = out_buffer_.narrow(0, 0, x.size(0));
   forward(x, y, punica, stream);
   return y;
@@ -383,10 +407,10 @@ void FusedMoeWithLora::route_on_host(int64_t tokens, const Stream& stream) {
   const int K = spec_.top_k;
   const int E = spec_.num_experts;
   const int64_t P = tokens * K;
-  const int32_t* ids = topk_ids_.data<int32_t>();
+  const int32_t* ids = s_.topk_ids.data<int32_t>();
   if (!device_.is_cpu()) {
     Tensor dst = host_ids_.narrow(0, 0, P);
-    dst.copy_from(topk_ids_.narrow(0, 0, P), stream);  // synchronises
+    dst.copy_from(s_.topk_ids, stream);  // synchronises
     ids = host_ids_.data<int32_t>();
   }
   expert_offsets_.assign(static_cast<size_t>(E + 1), 0);
@@ -395,17 +419,17 @@ void FusedMoeWithLora::route_on_host(int64_t tokens, const Stream& stream) {
     expert_offsets_[static_cast<size_t>(e + 1)] += expert_offsets_[static_cast<size_t>(e)];
   }
   std::vector<int64_t> next(expert_offsets_.begin(), expert_offsets_.end() - 1);
-  int32_t* order = host_order_.data<int32_t>();
-  int32_t* token = order + host_order_.size(1);
+  // On the CPU the sorted order is written straight into the scratch; on a GPU into pinned
+  // memory, then uploaded.
+  Tensor staging = device_.is_cpu() ? s_.pair_index : host_order_.narrow(1, 0, P);
+  int32_t* order = staging.data<int32_t>();
+  int32_t* token = order + staging.stride(0);
   for (int64_t p = 0; p < P; ++p) {
     const int64_t pos = next[static_cast<size_t>(ids[p])]++;
     order[pos] = static_cast<int32_t>(p);
     token[pos] = static_cast<int32_t>(p / K);
   }
-  if (!device_.is_cpu()) {
-    Tensor dst = pair_index_.narrow(1, 0, P);
-    dst.copy_from(host_order_.narrow(1, 0, P), stream);
-  }
+  if (!device_.is_cpu()) s_.pair_index.copy_from(staging, stream);
 }
 
 kernels::FusedMoeLoraArgs FusedMoeWithLora::lora_args(const PunicaWrapper& punica,
@@ -418,15 +442,15 @@ kernels::FusedMoeLoraArgs FusedMoeWithLora::lora_args(const PunicaWrapper& punic
   a.max_loras = config_.max_loras;
   a.token_lora_mapping = punica.token_meta().view().token_lora_mapping;
   a.adapter_enabled = adapter_enabled_.data<int32_t>();
-  a.topk_ids = topk_ids_.data<int32_t>();
-  a.topk_weights = topk_weights_.data<float>();
+  a.topk_ids = s_.topk_ids.data<int32_t>();
+  a.topk_weights = s_.topk_weights.data<float>();
   a.naive_blocks = naive_blocks_;
   a.block_size = kAlignBlock;
-  a.max_num_tokens_padded = align_padded_;
-  a.max_num_m_blocks = align_blocks_;
-  a.sorted_ids = sorted_ids_.data<int32_t>();
-  a.expert_ids = expert_ids_.data<int32_t>();
-  a.num_tokens_post_pad = num_post_pad_.data<int32_t>();
+  a.max_num_tokens_padded = s_.align_padded;
+  a.max_num_m_blocks = s_.align_blocks;
+  a.sorted_ids = s_.sorted_ids.data<int32_t>();
+  a.expert_ids = s_.expert_ids.data<int32_t>();
+  a.num_tokens_post_pad = s_.num_post_pad.data<int32_t>();
   a.add_inputs = true;
   return a;
 }
@@ -463,13 +487,13 @@ void FusedMoeWithLora::add_w13_lora(const Tensor& x, Tensor& gate_up, const Puni
   shrink.n = rank_shard_;
   shrink.max_rank = static_cast<int>(rank_shard_);
   shrink.ranks = ranks13_.device().data<int32_t>();
-  shrink.out = fs13_.data_ptr();
+  shrink.out = s_.fs13.data_ptr();
   shrink.out_row_width = 2 * rank_shard_;
   shrink.add_inputs = false;
   throw_if_error(dispatch_fused_moe_lora(shrink, stream));
   const int64_t cols = P * 2 * rank_shard_;
-  Tensor gathered = fs13_gathered_.narrow(0, 0, cols * tp_).view({cols, tp_});
-  comm().all_gather(fs13_.narrow(0, 0, cols).view({cols, 1}), gathered, 1, stream);
+  Tensor gathered = s_.fs13_gathered.view({cols, tp_});
+  comm().all_gather(s_.fs13.view({cols, 1}), gathered, 1, stream);
   kernels::FusedMoeLoraArgs expand = a;
   expand.hidden_in = 2 * rank_pad_;
   expand.x = gathered.data_ptr();
@@ -507,7 +531,7 @@ void FusedMoeWithLora::add_w2_lora(const Tensor& act, Tensor& down, const Punica
   }
   // Partial shrink over this rank's intermediate columns (B = identity), all-reduce, then
   // expand into this rank's hidden columns (A = identity), router weight applied once.
-  Tensor partial = fs2_.narrow(0, 0, P * R);
+  Tensor partial = s_.fs2;
   partial.zero_(stream);
   kernels::FusedMoeLoraArgs shrink = a;
   shrink.hidden_in = inter_local_;
@@ -549,19 +573,20 @@ void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& 
                  " tokens, the step's metadata has ", punica.token_meta().num_tokens());
   if (tokens == 0) return;
   const int K = spec_.top_k;
-  const int64_t P = tokens * K;
-  Tensor logits = logits_.narrow(0, 0, tokens);
+  LayerWorkspace::Carver carver = workspace_->carver();
+  s_ = carve(carver, tokens);
+  Tensor& logits = s_.logits;
   linear_base(x, router_, Tensor(), logits, stream);
-  Tensor ids = topk_ids_.narrow(0, 0, P);
-  Tensor weights = topk_weights_.narrow(0, 0, P);
+  Tensor& ids = s_.topk_ids;
+  Tensor& weights = s_.topk_weights;
   layer_ops::topk_softmax(logits, K, spec_.renormalize, ids, weights, stream);
   route_on_host(tokens, stream);
-  const Tensor order = pair_index_.select(0, 0).narrow(0, 0, P);
-  const Tensor order_tokens = pair_index_.select(0, 1).narrow(0, 0, P);
+  const Tensor order = s_.pair_index.select(0, 0);
+  const Tensor order_tokens = s_.pair_index.select(0, 1);
 
-  Tensor x_sorted = x_sorted_.narrow(0, 0, P);
+  Tensor& x_sorted = s_.rows_h;
   layer_ops::gather_rows(x, order_tokens, x_sorted, stream);
-  Tensor gu_sorted = gate_up_sorted_.narrow(0, 0, P);
+  Tensor& gu_sorted = s_.gate_up_sorted;
   for (int e = 0; e < spec_.num_experts; ++e) {
     const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
     const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
@@ -569,7 +594,7 @@ void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& 
     Tensor dst = gu_sorted.narrow(0, lo, n);
     linear_base(x_sorted.narrow(0, lo, n), w13_.select(0, e), Tensor(), dst, stream);
   }
-  Tensor gate_up = gate_up_.narrow(0, 0, P);
+  Tensor& gate_up = s_.gate_up;
   layer_ops::scatter_rows(gu_sorted, order, Tensor(), gate_up, stream);
 
   const bool lora = !punica.token_meta().no_lora();
@@ -582,24 +607,25 @@ void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& 
       al.num_experts = spec_.num_experts;
       al.block_size = kAlignBlock;
       al.max_loras = config_.max_loras;
-      al.topk_ids = topk_ids_.data<int32_t>();
+      al.topk_ids = s_.topk_ids.data<int32_t>();
       al.token_lora_mapping = punica.token_meta().view().token_lora_mapping;
       al.adapter_enabled = adapter_enabled_.data<int32_t>();
-      al.max_num_tokens_padded = align_padded_;
-      al.max_num_m_blocks = align_blocks_;
-      al.sorted_ids = sorted_ids_.data<int32_t>();
-      al.expert_ids = expert_ids_.data<int32_t>();
-      al.num_tokens_post_pad = num_post_pad_.data<int32_t>();
+      al.max_num_tokens_padded = s_.align_padded;
+      al.max_num_m_blocks = s_.align_blocks;
+      al.sorted_ids = s_.sorted_ids.data<int32_t>();
+      al.expert_ids = s_.expert_ids.data<int32_t>();
+      al.num_tokens_post_pad = s_.num_post_pad.data<int32_t>();
       throw_if_error(dispatch_moe_lora_align(al, stream));
     }
     add_w13_lora(x, gate_up, punica, stream);
   }
 
-  Tensor act = act_.narrow(0, 0, P);
+  Tensor& act = s_.act;
   layer_ops::silu_and_mul(gate_up, act, stream);
-  Tensor act_sorted = act_sorted_.narrow(0, 0, P);
+  Tensor& act_sorted = s_.act_sorted;
   layer_ops::gather_rows(act, order, act_sorted, stream);
-  Tensor down_sorted = down_sorted_.narrow(0, 0, P);
+  // The gathered x rows are dead after the gate_up GEMMs: their rows hold the down outputs.
+  Tensor& down_sorted = s_.rows_h;
   for (int e = 0; e < spec_.num_experts; ++e) {
     const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
     const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
@@ -607,7 +633,7 @@ void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& 
     Tensor dst = down_sorted.narrow(0, lo, n);
     linear_base(act_sorted.narrow(0, lo, n), w2_.select(0, e), Tensor(), dst, stream);
   }
-  Tensor down = down_.narrow(0, 0, P);
+  Tensor& down = s_.down;
   layer_ops::scatter_rows(down_sorted, order, weights, down, stream);
   if (lora) add_w2_lora(act, down, punica, stream);
   layer_ops::sum_topk(down, K, y, stream);

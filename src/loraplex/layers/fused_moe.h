@@ -22,6 +22,7 @@
 // needs the routing on the host (one device-to-host copy of the top-k ids per forward).
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "loraplex/core/stream.h"
@@ -29,6 +30,7 @@
 #include "loraplex/dist/communicator.h"
 #include "loraplex/kernels/lora_ops.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/workspace.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
 
@@ -80,8 +82,10 @@ void split_gate_up_lora(const std::vector<LoraSliceWeights>& gate_up, int64_t in
 class FusedMoeWithLora {
  public:
   /// comm: tensor-parallel group or nullptr. intermediate must be divisible by the group size.
+  /// workspace: shared scratch for the routed pairs' intermediates (see workspace.h; the MoE
+  /// layer needs the most of all layers), nullptr = its own.
   FusedMoeWithLora(const MoeSpec& spec, const LoraConfig& config, Communicator* comm, Device device,
-                   int max_num_tokens);
+                   int max_num_tokens, std::shared_ptr<LayerWorkspace> workspace = nullptr);
 
   /// FULL base weights, CPU, any float dtype: router [E, hidden]; per expert w1 (gate) and w3
   /// (up) [intermediate, hidden], w2 (down) [hidden, intermediate].
@@ -97,7 +101,8 @@ class FusedMoeWithLora {
   void reset_lora(int slot);
 
   /// x: [num_tokens, hidden] in, contiguous. Returns a view of the layer's output buffer
-  /// [num_tokens, hidden], valid until the next forward. Every rank must call it.
+  /// [num_tokens, hidden] (allocated by the first call), valid until the next forward. Every
+  /// rank must call it.
   Tensor forward(const Tensor& x, const PunicaWrapper& punica, const Stream& stream);
   /// y: [num_tokens, hidden] out, contiguous.
   void forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica, const Stream& stream);
@@ -148,30 +153,35 @@ class FusedMoeWithLora {
   Tensor adapter_enabled_;           // int32 [L] on the device
   std::vector<int32_t> host_ranks_;  // [projection * L + slot]
 
-  // Workspaces, sized from max_num_tokens.
-  Tensor logits_;        // [T, E]
-  Tensor topk_ids_;      // int32 [T * top_k]
-  Tensor topk_weights_;  // f32 [T * top_k]
-  Tensor host_ids_;      // int32 [T * top_k] on the host
-  Tensor host_order_;    // int32 [2, T * top_k] on the host: pair order, its tokens
-  Tensor pair_index_;    // int32 [2, T * top_k] on the device
+  // Views of one forward's scratch (P = tokens * top_k routed pairs).
+  struct Scratch {
+    Tensor logits;          // [T, E]
+    Tensor topk_ids;        // int32 [P]
+    Tensor topk_weights;    // f32 [P]
+    Tensor pair_index;      // int32 [2, P]: pairs sorted by expert, and their tokens
+    Tensor rows_h;          // [P, hidden]: gathered x rows, later the sorted down outputs
+    Tensor gate_up_sorted;  // [P, 2 * inter_local]
+    Tensor act_sorted;      // [P, inter_local], aliases gate_up_sorted (dead by then)
+    Tensor gate_up;         // [P, 2 * inter_local] pair-major
+    Tensor act;             // [P, inter_local] pair-major
+    Tensor down;            // [P, hidden] pair-major
+    Tensor sorted_ids;      // int32 [L, align_padded]
+    Tensor expert_ids;      // int32 [L, align_blocks]
+    Tensor num_post_pad;    // int32 [L]
+    int64_t align_padded = 0;
+    int64_t align_blocks = 0;
+    Tensor fs13;           // fully sharded: [P * 2 * rank_shard]
+    Tensor fs13_gathered;  // [P * 2 * rank_pad]
+    Tensor fs2;            // [P * max_rank]
+  };
+  Scratch carve(LayerWorkspace::Carver& carver, int64_t tokens) const;
+
+  std::shared_ptr<LayerWorkspace> workspace_;
+  Scratch s_;          // the current forward's views
+  Tensor host_ids_;    // CUDA: pinned int32 [max pairs]
+  Tensor host_order_;  // CUDA: pinned int32 [2, max pairs]
   std::vector<int64_t> expert_offsets_;
-  Tensor x_sorted_;        // [P, hidden]
-  Tensor gate_up_sorted_;  // [P, 2 * inter_local]
-  Tensor gate_up_;         // [P, 2 * inter_local] pair-major
-  Tensor act_;             // [P, inter_local] pair-major
-  Tensor act_sorted_;      // [P, inter_local]
-  Tensor down_sorted_;     // [P, hidden]
-  Tensor down_;            // [P, hidden] pair-major
-  Tensor out_buffer_;      // [T, hidden]
-  Tensor sorted_ids_;      // int32 [L, padded]
-  Tensor expert_ids_;      // int32 [L, blocks]
-  Tensor num_post_pad_;    // int32 [L]
-  int64_t align_padded_ = 0;
-  int64_t align_blocks_ = 0;
-  Tensor fs13_;                // fully sharded: [P, 2 * rank_shard]
-  Tensor fs13_gathered_;       // [P, 2 * rank_pad]
-  Tensor fs2_;                 // [P, max_rank]
+  Tensor out_buffer_;          // [max_num_tokens, hidden], on first use
   bool naive_blocks_ = false;  // this step's choice (vLLM's sparsity rule)
 };
 

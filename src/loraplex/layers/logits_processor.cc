@@ -9,18 +9,19 @@
 namespace loraplex {
 
 using layers_detail::host_block;
-using layers_detail::workspace_view;
 
 LogitsProcessorWithLora::LogitsProcessorWithLora(int64_t hidden, int64_t vocab, DType dtype,
                                                  const LoraConfig& config, Communicator* comm,
-                                                 Device device, int max_num_seqs)
+                                                 Device device, int max_num_seqs,
+                                                 std::shared_ptr<LayerWorkspace> workspace)
     : hidden_(hidden),
       vocab_(vocab),
       dtype_(dtype),
       config_(config),
       comm_(comm),
       device_(device),
-      max_num_seqs_(max_num_seqs) {
+      max_num_seqs_(max_num_seqs),
+      workspace_(std::move(workspace)) {
   const char* k = "LogitsProcessorWithLora";
   LORAPLEX_CHECK(dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16, k,
                  ": dtype ", dtype, ", expected float32, float16 or bfloat16");
@@ -39,13 +40,27 @@ LogitsProcessorWithLora::LogitsProcessorWithLora(int64_t hidden, int64_t vocab, 
   lora_a_ = Tensor::zeros({config.max_loras, config.max_lora_rank, hidden}, dtype, device);
   lora_b_ = Tensor::zeros({config.max_loras, b_rows, config.max_lora_rank}, dtype, device);
   ranks_ = SlotRanks(1, config.max_loras, config.max_lora_rank, device);
-  local_ = Tensor::empty({max_num_seqs, shard_}, dtype, device);
-  if (tp_ > 1) gathered_ = Tensor::empty({tp_ * max_num_seqs * shard_}, dtype, device);
-  out_buffer_ = Tensor::empty({max_num_seqs, vocab}, dtype, device);
-  lora_ws_ =
-      Tensor::zeros({PunicaWrapper::workspace_elements(1, max_num_seqs, config.max_lora_rank)},
-                    DType::kF32, device);
+  const bool own_workspace = workspace_ == nullptr;
+  if (own_workspace) workspace_ = std::make_shared<LayerWorkspace>(device);
+  LORAPLEX_CHECK(workspace_->device() == device, k, ": workspace on ", workspace_->device(),
+                 ", the layer is on ", device);
+  LayerWorkspace::Carver measure = LayerWorkspace::measure();
+  carve(measure, max_num_seqs);
+  workspace_->reserve(measure.used());
+  if (own_workspace) workspace_->allocate();
   host_ranks_.assign(static_cast<size_t>(config.max_loras), 0);
+}
+
+LogitsProcessorWithLora::Scratch LogitsProcessorWithLora::carve(LayerWorkspace::Carver& carver,
+                                                                int64_t seqs) const {
+  Scratch s;
+  if (tp_ > 1) {
+    s.local = carver.take({seqs, shard_}, dtype_);
+    s.staging = carver.take({tp_ * seqs, shard_}, dtype_);
+  }
+  s.lora =
+      carver.take({PunicaWrapper::workspace_elements(1, seqs, config_.max_lora_rank)}, DType::kF32);
+  return s;
 }
 
 int LogitsProcessorWithLora::lora_rank(int slot) const {
@@ -132,6 +147,7 @@ Tensor LogitsProcessorWithLora::forward(const Tensor& hidden_states, const Punic
       hidden_states.defined() && hidden_states.dim() == 2 && hidden_states.size(0) <= max_num_seqs_,
       "LogitsProcessorWithLora: hidden states must be [<= ", max_num_seqs_, ", ", hidden_,
       "], got ", hidden_states.defined() ? hidden_states.describe() : "undefined");
+  if (!out_buffer_.defined()) out_buffer_ = Tensor::empty({max_num_seqs_, vocab_}, dtype_, device_);
   Tensor y = out_buffer_.narrow(0, 0, hidden_states.size(0));
   forward(hidden_states, y, punica, stream);
   return y;
@@ -157,15 +173,17 @@ void LogitsProcessorWithLora::forward(const Tensor& hidden_states, Tensor& logit
                  " sampled rows, the step's sampler metadata has ",
                  punica.sampler_meta().num_tokens());
   const bool lora = !punica.sampler_meta().no_lora();
-  Tensor local = local_.narrow(0, 0, seqs);
+  LayerWorkspace::Carver carver = workspace_->carver();
+  Scratch scratch = carve(carver, seqs);
+  // One rank holds the whole (unpadded) vocabulary: compute straight into the output.
+  Tensor local = tp_ == 1 ? logits : scratch.local;
   linear_base(hidden_states, weight_, bias_, local, stream);
   if (lora && config_.fully_sharded) {
-    punica.add_lora_logits(local, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
+    punica.add_lora_logits(local, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, scratch.lora,
+                           stream);
   }
-  if (tp_ == 1) {
-    logits.copy_from(local, stream);
-  } else {
-    Tensor staging = workspace_view(gathered_, {tp_ * seqs, shard_});
+  if (tp_ > 1) {
+    Tensor& staging = scratch.staging;
     comm().all_gather(local, staging, 0, stream);
     // staging holds [rank][seq][shard]; the full row of seq s is the ranks' pieces in order.
     for (int r = 0; r < tp_; ++r) {
@@ -177,7 +195,8 @@ void LogitsProcessorWithLora::forward(const Tensor& hidden_states, Tensor& logit
     }
   }
   if (lora && !config_.fully_sharded) {
-    punica.add_lora_logits(logits, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
+    punica.add_lora_logits(logits, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, scratch.lora,
+                           stream);
   }
 }
 

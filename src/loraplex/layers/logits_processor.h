@@ -10,12 +10,14 @@
 //     logits before the gather (1/tp of B's memory, no redundant expand work).
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/workspace.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
 
@@ -23,9 +25,11 @@ namespace loraplex {
 
 class LogitsProcessorWithLora {
  public:
-  /// max_num_seqs bounds the sampled rows of one forward.
+  /// max_num_seqs bounds the sampled rows of one forward. workspace: shared scratch (see
+  /// workspace.h), nullptr = its own.
   LogitsProcessorWithLora(int64_t hidden, int64_t vocab, DType dtype, const LoraConfig& config,
-                          Communicator* comm, Device device, int max_num_seqs);
+                          Communicator* comm, Device device, int max_num_seqs,
+                          std::shared_ptr<LayerWorkspace> workspace = nullptr);
 
   /// lm_head: FULL [vocab, hidden], CPU, any float dtype; bias [vocab] or undefined.
   void load_base(const Tensor& lm_head, const Tensor& bias = Tensor());
@@ -36,7 +40,7 @@ class LogitsProcessorWithLora {
 
   /// hidden_states: [num_seqs, hidden] in (the rows to sample, one per sequence, matching the
   /// wrapper's sampler mapping). Returns a view of the layer's buffer [num_seqs, vocab], valid
-  /// until the next forward. Every rank of the group must call it.
+  /// until the next forward (allocated by the first call). Every rank of the group must call it.
   Tensor forward(const Tensor& hidden_states, const PunicaWrapper& punica, const Stream& stream);
   /// logits: [num_seqs, vocab] out (rows contiguous).
   void forward(const Tensor& hidden_states, Tensor& logits, const PunicaWrapper& punica,
@@ -48,6 +52,12 @@ class LogitsProcessorWithLora {
 
  private:
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
+  struct Scratch {
+    Tensor local;    // tp > 1: [seqs, shard]
+    Tensor staging;  // tp > 1: [tp * seqs, shard]
+    Tensor lora;     // f32 [seqs * max_rank]
+  };
+  Scratch carve(LayerWorkspace::Carver& carver, int64_t seqs) const;
 
   int64_t hidden_;
   int64_t vocab_;
@@ -66,10 +76,8 @@ class LogitsProcessorWithLora {
   Tensor lora_a_;            // [max_loras, max_rank, hidden]
   Tensor lora_b_;            // [max_loras, vocab (or shard when fully sharded), max_rank]
   SlotRanks ranks_;
-  Tensor local_;     // [max_num_seqs, shard]
-  Tensor gathered_;  // [tp * max_num_seqs * shard] flat
-  Tensor out_buffer_;
-  Tensor lora_ws_;
+  std::shared_ptr<LayerWorkspace> workspace_;
+  Tensor out_buffer_;  // on first use
   std::vector<int32_t> host_ranks_;
 };
 

@@ -86,12 +86,13 @@ LinearSpec LinearSpec::row(int64_t in, int64_t out, DType dtype, bool input_is_p
 }
 
 LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* comm, Device device,
-                       int max_num_tokens)
+                       int max_num_tokens, std::shared_ptr<LayerWorkspace> workspace)
     : spec_(std::move(spec)),
       config_(config),
       comm_(comm),
       device_(device),
-      max_num_tokens_(max_num_tokens) {
+      max_num_tokens_(max_num_tokens),
+      workspace_(std::move(workspace)) {
   const std::string& k = spec_.kind;
   LORAPLEX_CHECK(
       spec_.dtype == DType::kF32 || spec_.dtype == DType::kF16 || spec_.dtype == DType::kBF16, k,
@@ -164,17 +165,28 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   }
   host_ranks_.assign(static_cast<size_t>(num_lora * config_.max_loras), 0);
 
-  out_buffer_ = Tensor::empty({max_num_tokens, output_width()}, spec_.dtype, device_);
+  const bool own_workspace = workspace_ == nullptr;
+  if (own_workspace) workspace_ = std::make_shared<LayerWorkspace>(device_);
+  LORAPLEX_CHECK(workspace_->device() == device_, k, ": workspace on ", workspace_->device(),
+                 ", the layer is on ", device_);
+  LayerWorkspace::Carver measure = LayerWorkspace::measure();
+  carve(measure, max_num_tokens);
+  workspace_->reserve(measure.used());
+  if (own_workspace) workspace_->allocate();
+}
+
+LoraLinear::Scratch LoraLinear::carve(LayerWorkspace::Carver& carver, int64_t tokens) const {
+  Scratch s;
+  const int64_t num_lora = num_lora_slices();
+  const int64_t a_rows = lora_a_[0].size(1);
+  const int64_t b_cols = lora_b_[0].size(2);
+  s.lora = carver.take({num_lora * tokens * a_rows}, DType::kF32);
+  if (fully_sharded_column()) s.gathered = carver.take({num_lora * tokens * b_cols}, DType::kF32);
   if (spec_.gather_output && tp_ > 1) {
-    local_out_ = Tensor::empty({max_num_tokens, out_local_}, spec_.dtype, device_);
-    gather_buffer_ = Tensor::empty({tp_ * max_num_tokens * out_local_}, spec_.dtype, device_);
+    s.local_out = carver.take({tokens, out_local_}, spec_.dtype);
+    s.staging = carver.take({tp_ * tokens, out_local_}, spec_.dtype);
   }
-  lora_ws_ = Tensor::zeros(
-      {PunicaWrapper::workspace_elements(num_lora, max_num_tokens, static_cast<int>(a_rows))},
-      DType::kF32, device_);
-  if (fully_sharded_column()) {
-    gathered_ws_ = Tensor::zeros({num_lora * max_num_tokens * b_cols}, DType::kF32, device_);
-  }
+  return s;
 }
 
 bool LoraLinear::fully_sharded_column() const {
@@ -341,6 +353,9 @@ Tensor LoraLinear::forward(const Tensor& x, const PunicaWrapper& punica, const S
                  input_width(), "], got ", x.defined() ? x.describe() : "undefined");
   LORAPLEX_CHECK(x.size(0) <= max_num_tokens_, spec_.kind, ": ", x.size(0),
                  " tokens exceed max_num_tokens ", max_num_tokens_);
+  if (!out_buffer_.defined()) {
+    out_buffer_ = Tensor::empty({max_num_tokens_, output_width()}, spec_.dtype, device_);
+  }
   Tensor y = out_buffer_.narrow(0, 0, x.size(0));
   forward(x, y, punica, stream);
   return y;
@@ -372,16 +387,18 @@ void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica
   }
   const Tensor x_local = row && !spec_.input_is_parallel ? x.narrow(1, in_offset_, in_local_) : x;
   const bool gather = spec_.gather_output && tp_ > 1;
-  Tensor target = gather ? local_out_.narrow(0, 0, tokens) : y;
+  LayerWorkspace::Carver carver = workspace_->carver();
+  Scratch scratch = carve(carver, tokens);
+  Tensor target = gather ? scratch.local_out : y;
   // Row layers add the bias on rank 0 only: the all-reduce then adds it exactly once.
   const Tensor bias = row && rank_ != 0 ? Tensor() : bias_;
   linear_base(x_local, weight_, bias, target, stream);
-  add_lora(target, x_local, punica, stream);
+  add_lora(target, x_local, punica, scratch, stream);
   if (row && spec_.reduce_results && tp_ > 1) comm().all_reduce_sum(y, stream);
-  if (gather) gather_output(target, y, stream);
+  if (gather) gather_output(target, scratch.staging, y, stream);
 }
 
-void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica,
+void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, Scratch& scratch,
                           const Stream& stream) {
   // The mapping is the same on every rank, so every rank skips the collectives together.
   if (punica.token_meta().no_lora()) return;
@@ -390,10 +407,10 @@ void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punic
   if (fully_sharded_column()) {
     const int64_t a_rows = lora_a_[0].size(1);
     const int64_t b_cols = lora_b_[0].size(2);
-    Tensor shrunk = workspace_view(lora_ws_, {num_lora, tokens, a_rows});
+    Tensor shrunk = workspace_view(scratch.lora, {num_lora, tokens, a_rows});
     punica.add_shrink(shrunk, x, lora_a_, ranks_, 1.0f, stream);
     // Interleaved gather: rank i's column j lands in column j * tp + i.
-    Tensor gathered = workspace_view(gathered_ws_, {num_lora, tokens, b_cols});
+    Tensor gathered = workspace_view(scratch.gathered, {num_lora, tokens, b_cols});
     Tensor gathered_cols = gathered.view({num_lora * tokens * a_rows, tp_});
     comm().all_gather(shrunk.view({num_lora * tokens * a_rows, 1}), gathered_cols, 1, stream);
     punica.add_expand(y, gathered, lora_b_, expand_ranks_, 0, true, stream);
@@ -401,7 +418,7 @@ void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punic
   }
   if (fully_sharded_row()) {
     const int64_t max_rank = lora_a_[0].size(1);
-    Tensor shrunk = workspace_view(lora_ws_, {1, tokens, max_rank});
+    Tensor shrunk = workspace_view(scratch.lora, {1, tokens, max_rank});
     // Columns past a slot's rank and rows of slot -1 tokens are never written by the shrink;
     // zeroing keeps what the all-reduce sums well defined.
     shrunk.zero_(stream);
@@ -410,12 +427,12 @@ void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punic
     punica.add_expand(y, shrunk, lora_b_, ranks_, rank_ * lora_width_[0], true, stream);
     return;
   }
-  punica.add_lora_linear(y, x, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
+  punica.add_lora_linear(y, x, lora_a_, lora_b_, ranks_, 1.0f, scratch.lora, stream);
 }
 
-void LoraLinear::gather_output(const Tensor& local, Tensor& y, const Stream& stream) {
+void LoraLinear::gather_output(const Tensor& local, Tensor& staging, Tensor& y,
+                               const Stream& stream) {
   const int64_t tokens = local.size(0);
-  Tensor staging = workspace_view(gather_buffer_, {tp_ * tokens, out_local_});
   comm().all_gather(local, staging, 0, stream);
   for (const LocalSlice& ls : slices_) {
     // Shard q of a slice lives on ranks q * (tp / groups) ... (replicated KV heads).

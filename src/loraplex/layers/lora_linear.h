@@ -24,6 +24,7 @@
 // ceil(rank / tp) * tp, which the expand then reads (at most tp - 1 extra columns).
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,7 @@
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/workspace.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
 
@@ -60,7 +62,7 @@ struct LinearSpec {
   bool fused_lora = false;
   bool gather_output = false;     // column: all-gather the output shards
   bool input_is_parallel = true;  // row: x is this rank's input shard (else the full input)
-  bool reduce_results = true;     // row: all-reduce (else return the partial sums)
+  bool reduce_results = true;     // row: all-reduce (else the partial sums; bias on rank 0)
 
   static LinearSpec replicated(int64_t in, int64_t out, DType dtype);
   static LinearSpec column(int64_t in, int64_t out, DType dtype, bool gather_output = false);
@@ -82,9 +84,11 @@ struct LinearSpec {
 class LoraLinear {
  public:
   /// comm: the tensor-parallel group (nullptr = single device; ignored by replicated layers).
-  /// max_num_tokens bounds the rows of every forward; workspaces are sized from it once.
+  /// max_num_tokens bounds the rows of every forward; the layer reserves its scratch for it in
+  /// `workspace` (shared by the model's layers; nullptr = a workspace of its own, allocated
+  /// here).
   LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* comm, Device device,
-             int max_num_tokens);
+             int max_num_tokens, std::shared_ptr<LayerWorkspace> workspace = nullptr);
 
   /// Loads the base weights: one FULL [size_s, in_features] per output slice (any float dtype,
   /// CPU; e.g. mmap views), and optionally one bias [size_s] per output slice (an empty span or
@@ -103,7 +107,9 @@ class LoraLinear {
   /// x: [num_tokens, input_width()] in (rows contiguous); row layers with
   /// input_is_parallel == false take the full [num_tokens, in_features] and use their shard.
   /// Returns a view of the layer's output buffer [num_tokens, output_width()], valid until the
-  /// next forward of this layer. Every rank of the group must call it (collectives).
+  /// next forward of this layer. The buffer ([max_num_tokens, output_width()]) is allocated by
+  /// the first call; models that own their activations use the overload below instead.
+  /// Every rank of the group must call it (collectives).
   Tensor forward(const Tensor& x, const PunicaWrapper& punica, const Stream& stream);
   /// As above, writing into `y` ([num_tokens, output_width()], rows contiguous; contiguous
   /// for row layers, which all-reduce it).
@@ -141,8 +147,17 @@ class LoraLinear {
   bool fully_sharded_column() const;
   bool fully_sharded_row() const;
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
-  void add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, const Stream& stream);
-  void gather_output(const Tensor& local, Tensor& y, const Stream& stream);
+  // Views of one forward's scratch, carved from the workspace.
+  struct Scratch {
+    Tensor lora;       // f32 shrink intermediate [num_lora * tokens * A rows]
+    Tensor gathered;   // fully sharded column layers: f32 [num_lora * tokens * B cols]
+    Tensor local_out;  // gathered column layers: [tokens, out_local]
+    Tensor staging;    // gathered column layers: [tp * tokens, out_local]
+  };
+  Scratch carve(LayerWorkspace::Carver& carver, int64_t tokens) const;
+  void add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, Scratch& scratch,
+                const Stream& stream);
+  void gather_output(const Tensor& local, Tensor& staging, Tensor& y, const Stream& stream);
 
   LinearSpec spec_;
   LoraConfig config_;
@@ -167,11 +182,8 @@ class LoraLinear {
   SlotRanks expand_ranks_;           // fully sharded column layers: ceil(r / tp) * tp
   std::vector<int32_t> host_ranks_;  // [slice * max_loras + slot] adapter ranks
 
-  Tensor out_buffer_;     // [max_num_tokens, output_width()]
-  Tensor local_out_;      // gathered column layers: [max_num_tokens, out_local]
-  Tensor gather_buffer_;  // gathered column layers: [tp * max_num_tokens * out_local]
-  Tensor lora_ws_;        // f32 shrink intermediate
-  Tensor gathered_ws_;    // f32, fully sharded column layers
+  std::shared_ptr<LayerWorkspace> workspace_;
+  Tensor out_buffer_;  // [max_num_tokens, output_width()], on first use
 };
 
 }  // namespace loraplex

@@ -41,7 +41,6 @@ VocabEmbeddingWithLora::VocabEmbeddingWithLora(int64_t vocab, int64_t hidden, DT
   lora_b_ = Tensor::zeros({config.max_loras, hidden, config.max_lora_rank}, dtype, device);
   ranks_ = SlotRanks(1, config.max_loras, config.max_lora_rank, device);
   if (config.fully_sharded) local_ids_ = Tensor::empty({max_num_tokens}, DType::kI32, device);
-  out_buffer_ = Tensor::empty({max_num_tokens, hidden}, dtype, device);
   host_ranks_.assign(static_cast<size_t>(config.max_loras), 0);
 }
 
@@ -105,6 +104,8 @@ Tensor VocabEmbeddingWithLora::forward(const Tensor& token_ids, const PunicaWrap
       token_ids.defined() && token_ids.dim() == 1 && token_ids.size(0) <= max_num_tokens_,
       "VocabEmbeddingWithLora: token ids must be int32 [<= ", max_num_tokens_, "], got ",
       token_ids.defined() ? token_ids.describe() : "undefined");
+  if (!out_buffer_.defined())
+    out_buffer_ = Tensor::empty({max_num_tokens_, hidden_}, dtype_, device_);
   Tensor y = out_buffer_.narrow(0, 0, token_ids.size(0));
   forward(token_ids, y, punica, stream);
   return y;

@@ -39,7 +39,8 @@ class VocabEmbeddingWithLora {
   void reset_lora(int slot);
 
   /// token_ids: int32 [num_tokens] on the layer's device, each in [0, vocab). Returns a view
-  /// of the layer's output buffer [num_tokens, hidden], valid until the next forward.
+  /// of the layer's output buffer [num_tokens, hidden] (allocated by the first call), valid
+  /// until the next forward.
   Tensor forward(const Tensor& token_ids, const PunicaWrapper& punica, const Stream& stream);
   /// y: [num_tokens, hidden] out, contiguous.
   void forward(const Tensor& token_ids, Tensor& y, const PunicaWrapper& punica,

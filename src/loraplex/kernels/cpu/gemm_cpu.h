@@ -11,6 +11,10 @@
 
 namespace loraplex::kernels::cpu {
 
+/// Which build of the kernels runs: the best the CPU supports, or the portable baseline (so
+/// tests cover both on machines with AVX2).
+enum class GemmIsa { kAuto, kBaseline };
+
 struct GemmArgs {
   DType dtype = DType::kF32;   // of x, w, bias and y: f32, f16 or bf16
   int64_t m = 0;               // rows of x and y (tokens)
@@ -25,6 +29,7 @@ struct GemmArgs {
   int64_t y_row_stride = 0;    // >= n
   // y += x W^T (+ bias) instead of y = ...; the sum is rounded once.
   bool accumulate = false;
+  GemmIsa isa = GemmIsa::kAuto;
 };
 
 /// y = x W^T (+ bias). Threaded over the pool (parallel_for); never throws.
