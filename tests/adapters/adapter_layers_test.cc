@@ -7,10 +7,12 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <tuple>
 
 #include "adapter_test_support.h"
 #include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/adapters/safetensors.h"
+#include "loraplex/layers/fused_moe.h"
 #include "loraplex/layers/logits_processor.h"
 #include "loraplex/layers/lora_linear.h"
 #include "loraplex/layers/vocab_embedding.h"
@@ -314,6 +316,96 @@ TEST_F(AdapterLayers, EvictionRewritesSlotsCompletely) {
                          1e-5, std::string(n) + " gate_up");
     }
   }
+}
+
+// PEFT 3-D expert adapters (target_parameters on a transformers-5 MoE, saved by PEFT >= 0.19)
+// through the manager into the fused MoE layer, against the same layer given the raw PEFT
+// tensors through the layers' own conversion (peft_3d_expert_lora, split_gate_up_lora).
+TEST(MoeAdapter, Peft3dExpertsThroughTheManagerMatchDirectSetLora) {
+  constexpr int kE = 4, kR = 3, kT = 11;
+  constexpr int64_t kH = 16, kI = 12;
+  std::mt19937_64 rng(31);
+  MoeSpec spec;
+  spec.num_experts = kE;
+  spec.top_k = 2;
+  spec.hidden = kH;
+  spec.intermediate = kI;
+  spec.dtype = DType::kF32;
+  const LoraConfig cfg{2, 8, DType::kF32, false};
+  const Tensor router = test::random_tensor({kE, kH}, DType::kF32, rng);
+  const Tensor gate_up = test::random_tensor({kE, 2 * kI, kH}, DType::kF32, rng, 0.3f);
+  const Tensor down = test::random_tensor({kE, kH, kI}, DType::kF32, rng, 0.3f);
+  FusedMoeWithLora managed(spec, cfg, nullptr, Device::cpu(), kT);
+  FusedMoeWithLora direct(spec, cfg, nullptr, Device::cpu(), kT);
+  managed.load_base_3d(router, gate_up, down);
+  direct.load_base_3d(router, gate_up, down);
+
+  LoraTargetRegistry registry;
+  const LoraLayerHandle h =
+      LoraLayerHandle::of_moe(managed, "experts", GateUpLayout::kConcatenated);
+  for (const auto& [param, in, out, slice] :
+       {std::tuple{"gate_up_proj", kH, 2 * kI, MoeSlices::gate_up_3d(kE)},
+        std::tuple{"down_proj", kI, kH, MoeSlices::down_3d(kE)}}) {
+    LoraTarget t;
+    t.module = "model.layers.0.mlp.experts";
+    t.layer = h;
+    t.slice = slice;
+    t.in_features = in;
+    t.out_features = out;
+    t.kind = TargetKind::kExperts3d;
+    t.parameter = param;
+    t.num_experts = kE;
+    t.parameter_out_in = true;
+    registry.add(t);
+  }
+  const Tensor gu_a = test::random_tensor({kR * kE, kH}, DType::kF32, rng, 0.5f);
+  const Tensor gu_b = test::random_tensor({2 * kI, kR * kE}, DType::kF32, rng, 0.5f);
+  const Tensor dn_a = test::random_tensor({kR * kE, kI}, DType::kF32, rng, 0.5f);
+  const Tensor dn_b = test::random_tensor({kH, kR * kE}, DType::kF32, rng, 0.5f);
+  test::TempDir tmp;
+  const std::string m = "base_model.model.model.layers.0.mlp.experts.";
+  test::write_adapter(tmp.sub("moe"),
+                      R"({"r": 3, "lora_alpha": 6, "peft_version": "0.21.0",
+                          "target_modules": null,
+                          "target_parameters": ["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"]})",
+                      {{m + "base_layer.lora_A.weight", gu_a},
+                       {m + "base_layer.lora_B.weight", gu_b},
+                       {m + "lora_A.weight", dn_a},
+                       {m + "lora_B.weight", dn_b}});
+  AdapterManagerConfig c;
+  c.max_loras = 2;
+  c.max_lora_rank = 8;
+  c.lora_dtype = DType::kF32;
+  AdapterManager manager(registry, c);
+  manager.load("moe", tmp.sub("moe"));
+  auto lease = manager.acquire("moe");
+
+  auto scaled = [](const Tensor& b) {
+    Tensor out = b.clone();
+    float* p = out.data<float>();
+    for (int64_t i = 0; i < out.numel(); ++i) p[i] *= 2.0f;  // lora_alpha / r
+    return out;
+  };
+  MoeLoraWeights w;
+  split_gate_up_lora(peft_3d_expert_lora(gu_a, scaled(gu_b), kE), kI, GateUpLayout::kConcatenated,
+                     w.w1, w.w3);
+  w.w2 = peft_3d_expert_lora(dn_a, scaled(dn_b), kE);
+  direct.set_lora(1, w);
+
+  const Tensor x = test::random_tensor({kT, kH}, DType::kF32, rng);
+  PunicaWrapper p_managed(2, kT, 1, Device::cpu());
+  PunicaWrapper p_direct(2, kT, 1, Device::cpu());
+  PunicaWrapper p_base(2, kT, 1, Device::cpu());
+  p_managed.update_metadata(std::vector<int32_t>(kT, lease.slot()), {}, Stream());
+  p_direct.update_metadata(std::vector<int32_t>(kT, 1), {}, Stream());
+  p_base.update_metadata(std::vector<int32_t>(kT, -1), {}, Stream());
+  auto lock = manager.lock_layers();
+  const std::vector<double> got = managed.forward(x, p_managed, Stream()).to_double_vector();
+  const Tensor want = direct.forward(x, p_direct, Stream());
+  test::expect_close(want, got, 1e-5, 1e-6, "moe");
+  const std::vector<double> base = managed.forward(x, p_base, Stream()).to_double_vector();
+  EXPECT_GT(test::tolerance_ratio(got, base, 1e-3, 1e-3), 1.0) << "the adapter has an effect";
 }
 
 }  // namespace

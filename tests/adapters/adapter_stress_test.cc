@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kAdapters = 200;
 constexpr int kThreads = 8;
-constexpr int kRoundsPerThread = 60;
+constexpr int kRoundsPerThread = 150;
 constexpr int kMaxLoras = 8;
 constexpr int kMaxCpuLoras = 32;
 constexpr int kMaxRank = 16;
