@@ -4,7 +4,7 @@
 # on its seed corpus. CPU only (sanitizers cannot run CUDA code here).
 #
 # Usage: scripts/ci_sanitizers_and_fuzz.sh
-# Environment: JOBS (parallel build jobs, default 2), FUZZ_SECONDS (default 60),
+# Environment: JOBS (parallel build jobs, default nproc), FUZZ_SECONDS (default 60),
 #              BUILD_PREFIX (build directories are <prefix>-asan, -tsan, -fuzz; default "build").
 # Fuzzer findings are written to <prefix>-fuzz/artifacts/; new corpus entries to
 # <prefix>-fuzz/corpus/ (the committed seed corpus is only read).
@@ -12,7 +12,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-JOBS="${JOBS:-2}"
+JOBS="${JOBS:-$(nproc)}"
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
 PREFIX="${BUILD_PREFIX:-build}"
 TEST_TARGETS=(loraplex_adapters_stress_tests loraplex_safetensors_tests)
