@@ -4,9 +4,11 @@
 
 #include <atomic>
 #include <filesystem>
+#include <random>
 #include <thread>
 
 #include "adapter_test_support.h"
+#include "support/random_data.h"
 
 namespace loraplex {
 namespace {
@@ -225,6 +227,70 @@ TEST(AdapterManager, ReloadFailureNamesTheFileAndKeepsTheManagerUsable) {
   EXPECT_EQ(m.acquire("rslora").slot(), 0);
   fs::copy(fixture("sql") + "/adapter_model.safetensors", tmp.sub("sql"));
   EXPECT_EQ(m.acquire("sql").slot(), 0);
+}
+
+// A layer that refuses an adapter (as a real layer refuses a rank above its max_lora_rank):
+// the acquire fails, the slot it was writing is freed, and every other slot is untouched.
+TEST(AdapterManager, FailedActivationFreesTheSlotAndLeavesOthersAlone) {
+  test::RecordingLayer inner("qkv", 3);
+  int refused = 0;
+  LoraLayerHandle picky(
+      "picky_qkv", 3,
+      [&](int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream) {
+        for (const auto& s : slices) {
+          if (s.a.defined() && s.a.size(0) > 8) {
+            ++refused;
+            LORAPLEX_FAIL("picky_qkv: rank ", s.a.size(0), " above 8");
+          }
+        }
+        inner.handle().set_lora(slot, slices, stream);
+      },
+      [&](int slot, const Stream& stream) { inner.handle().reset_lora(slot, stream); });
+  LoraTargetRegistry registry;
+  const char* names[] = {"q_proj", "k_proj", "v_proj"};
+  for (int s = 0; s < 3; ++s) {
+    LoraTarget t;
+    t.module = std::string("model.layers.0.self_attn.") + names[s];
+    t.layer = picky;
+    t.slice = s;
+    t.in_features = 128;
+    t.out_features = s == 0 ? 128 : 64;
+    registry.add(t);
+  }
+  test::TempDir tmp;
+  // q/k/v of layer 0 only, at rank 8 (accepted) and rank 16 (refused by the layer).
+  std::mt19937_64 rng(3);
+  for (const auto& [name, rank] : {std::pair{"r8", 8}, std::pair{"r16", 16}}) {
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (int s = 0; s < 3; ++s) {
+      const std::string p = std::string("base_model.model.model.layers.0.self_attn.") + names[s];
+      tensors.emplace_back(p + ".lora_A.weight",
+                           test::random_tensor({rank, 128}, DType::kF32, rng));
+      tensors.emplace_back(p + ".lora_B.weight",
+                           test::random_tensor({s == 0 ? 128 : 64, rank}, DType::kF32, rng));
+    }
+    test::write_adapter(tmp.sub(name),
+                        "{\"r\": " + std::to_string(rank) +
+                            ", \"lora_alpha\": 8, \"target_modules\": [\"q_proj\", \"k_proj\", "
+                            "\"v_proj\"]}",
+                        tensors);
+  }
+  AdapterManager m(registry, config(2, 2));
+  m.load("r8", tmp.sub("r8"));
+  m.load("r16", tmp.sub("r16"));
+  auto lease = m.acquire("r8");
+  const std::vector<LoraSliceWeights> before = inner.slot(lease.slot());
+  const std::string msg = error_of<Error>([&] { m.acquire("r16"); });
+  EXPECT_NE(msg.find("rank 16 above 8"), std::string::npos) << msg;
+  EXPECT_EQ(refused, 1);
+  EXPECT_EQ(m.info("r16")->slot, -1);
+  EXPECT_EQ(m.slot_contents()[static_cast<size_t>(1 - lease.slot())], "");
+  const std::vector<LoraSliceWeights> after = inner.slot(lease.slot());
+  ASSERT_EQ(after.size(), 3u);
+  for (size_t s = 0; s < 3; ++s) EXPECT_EQ(after[s].a.data_ptr(), before[s].a.data_ptr());
+  EXPECT_EQ(m.acquire("r8").slot(), lease.slot());
+  EXPECT_THROW(m.acquire("r16"), Error) << "refused again, not half-activated";
+  EXPECT_EQ(refused, 2);
 }
 
 TEST(AdapterManager, LoadAsync) {
