@@ -52,6 +52,11 @@ TEST(LoraLayerHandle, ForwardsToTheLayer) {
   EXPECT_EQ(plain.resets, std::vector<int>{1});
   EXPECT_THROW(h.set_lora(0, std::vector<LoraSliceWeights>(3), Stream()), Error);
 
+  PlainLayer old_spelling;
+  LoraLayerHandle::of<LoraSliceWeights>(old_spelling, "old", 1)
+      .set_lora(4, std::vector<LoraSlice>(1), Stream());
+  EXPECT_EQ(old_spelling.sets, std::vector<int>{4});
+
   StreamLayer s;
   LoraLayerHandle hs = LoraLayerHandle::of(s, "s", 1);
   hs.set_lora(0, std::vector<LoraSliceWeights>(1), Stream());

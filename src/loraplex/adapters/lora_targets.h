@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -16,6 +17,9 @@
 #include "loraplex/layers/lora_layer.h"
 
 namespace loraplex {
+
+/// The name this code used for LoraSliceWeights before the layers defined it.
+using LoraSlice = LoraSliceWeights;
 
 /// What the adapter manager needs from one LoRA layer: write an adapter into a slot, clear a
 /// slot. Copies share the layer; handles compare equal when they refer to the same layer.
@@ -35,7 +39,16 @@ class LoraLayerHandle {
   /// (set_lora(slot, slices, stream), reset_lora(slot, stream)) those are used, so uploads run
   /// on the adapter manager's copy stream. The layer must outlive the handle.
   template <typename Layer>
-  static LoraLayerHandle of(Layer& layer, std::string name, int num_slices);
+  static LoraLayerHandle of(Layer& layer, std::string name, int num_slices) {
+    return wrap(layer, std::move(name), num_slices);
+  }
+  /// The same, spelled as before the layers' slice type existed (of<LoraSliceWeights>(...)).
+  template <typename SliceWeights, typename Layer>
+  static LoraLayerHandle of(Layer& layer, std::string name, int num_slices) {
+    static_assert(std::is_same_v<SliceWeights, LoraSliceWeights>,
+                  "layers take std::vector<LoraSliceWeights>");
+    return wrap(layer, std::move(name), num_slices);
+  }
   /// Wraps the per-rank instances of one tensor-parallel layer (one per rank, all of the same
   /// kind): set_lora and reset_lora go to every rank (each takes its own shard of the full
   /// weights). Uploads use each layer's own default stream.
@@ -54,6 +67,9 @@ class LoraLayerHandle {
   bool operator==(const LoraLayerHandle& other) const { return impl_ == other.impl_; }
 
  private:
+  template <typename Layer>
+  static LoraLayerHandle wrap(Layer& layer, std::string name, int num_slices);
+
   struct Impl {
     std::string name;
     int num_slices = 0;
@@ -155,7 +171,7 @@ concept HasStreamSetLora = requires(Layer& layer, const std::vector<LoraSliceWei
 }  // namespace detail
 
 template <typename Layer>
-LoraLayerHandle LoraLayerHandle::of(Layer& layer, std::string name, int num_slices) {
+LoraLayerHandle LoraLayerHandle::wrap(Layer& layer, std::string name, int num_slices) {
   Layer* l = &layer;
   SetFn set = [l](int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream) {
     if constexpr (detail::HasStreamSetLora<Layer>) {
