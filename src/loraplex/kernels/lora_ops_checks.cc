@@ -1,5 +1,6 @@
 #include "loraplex/kernels/lora_ops_checks.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace loraplex::kernels {
@@ -173,10 +174,10 @@ Status check_fused_moe_args(const FusedMoeLoraArgs& a) {
     LORAPLEX_ENSURE(
         a.sorted_ids != nullptr && a.expert_ids != nullptr && a.num_tokens_post_pad != nullptr, op,
         ": aligned blocks need sorted_ids, expert_ids and num_tokens_post_pad");
-    LORAPLEX_ENSURE(a.block_size >= 1 && a.max_num_m_blocks >= 0 &&
-                        a.max_num_m_blocks * a.block_size <= a.max_num_tokens_padded,
-                    op, ": ", a.max_num_m_blocks, " blocks of ", a.block_size,
-                    " do not fit sorted_ids rows of ", a.max_num_tokens_padded);
+    LORAPLEX_ENSURE(a.block_size >= 1 && a.max_num_m_blocks >= 0 && a.max_num_tokens_padded >= 0,
+                    op, ": block size ", a.block_size, ", buffer rows of ", a.max_num_tokens_padded,
+                    " ids and ", a.max_num_m_blocks,
+                    " blocks; expected block size >= 1 and rows >= 0");
   }
   return Status();
 }
@@ -231,8 +232,12 @@ Status check_moe_blocks_host(const FusedMoeLoraArgs& a) {
   for (int32_t slot = 0; slot < a.max_loras; ++slot) {
     if (!slot_enabled(a.adapter_enabled, slot)) continue;
     const int64_t padded = a.num_tokens_post_pad[slot];
-    LORAPLEX_ENSURE(padded >= 0 && padded <= capacity, op, ": slot ", slot, " has ", padded,
-                    " padded pairs, expected 0..", capacity, " (the aligned buffers)");
+    LORAPLEX_ENSURE(padded >= 0 && padded <= a.max_num_tokens_padded && padded <= capacity &&
+                        padded % a.block_size == 0,
+                    op, ": slot ", slot, " has ", padded,
+                    " padded pairs, expected a multiple of the block size ", a.block_size,
+                    " in 0..", std::min(capacity, a.max_num_tokens_padded),
+                    " (the aligned buffers)");
     const int64_t blocks = (padded + a.block_size - 1) / a.block_size;
     for (int64_t b = 0; b < blocks; ++b) {
       const int32_t expert = a.expert_ids[slot * a.max_num_m_blocks + b];

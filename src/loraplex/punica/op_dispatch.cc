@@ -31,6 +31,18 @@ Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::Lora
   return no_cuda_kernel("lora_expand");
 }
 
+Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream) {
+  if (stream.device().is_cpu()) return kernels::cpu::bgmv_shrink(args, token_lora_mapping);
+  return no_cuda_kernel("bgmv_shrink");
+}
+
+Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream) {
+  if (stream.device().is_cpu()) return kernels::cpu::bgmv_expand(args, token_lora_mapping);
+  return no_cuda_kernel("bgmv_expand");
+}
+
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
                             const kernels::LoraMetaView& meta, const Stream& stream) {
   if (stream.device().is_cpu()) {
