@@ -39,6 +39,50 @@ TEST_F(FusedMoeLora, NaiveAndAlignedBlocksAgreeBitwise) {
   }
 }
 
+TEST_F(FusedMoeLora, SlicesAreIndependentCalls) {
+  // Three slices in one call equal three one-slice calls at their column offsets, bit for bit
+  // (and a slice count beyond w13's two exercises the per-slice buffers).
+  std::mt19937_64 rng(23);
+  const int tokens = 9;
+  const int top_k = 2;
+  const int experts = 4;
+  PunicaWrapper wrapper(3, 16, 1, kCpu);
+  Stream cpu;
+  wrapper.update_metadata(std::vector<int32_t>{0, 2, -1, 1, 0, 0, 2, -1, 1}, {}, cpu);
+  wrapper.reserve_moe_lora(experts, top_k, 16);
+  const Tensor topk = Tensor::from_vector(
+      std::vector<int32_t>{0, 1, 2, 3, 1, 2, 3, 0, 0, 2, 1, 3, 2, 0, 3, 1, 0, 3}, {tokens, top_k});
+  const MoeLoraAlignment al = wrapper.moe_lora_align_block_size(topk, experts, 16, Tensor(), cpu);
+  SlotRanks ranks3(3, 3, 8, kCpu);
+  std::vector<SlotRanks> ranks1;
+  std::vector<Tensor> a;
+  std::vector<Tensor> b;
+  for (int s = 0; s < 3; ++s) {
+    ranks1.emplace_back(1, 3, 8, kCpu);
+    for (int k = 0; k < 3; ++k) {
+      ranks3.set(s, k, 8 - 2 * s - k, cpu);
+      ranks1.back().set(0, k, 8 - 2 * s - k, cpu);
+    }
+    a.push_back(random_tensor({3, experts, 8, 20}, DType::kBF16, rng));
+    b.push_back(random_tensor({3, experts, 12, 8}, DType::kBF16, rng));
+  }
+  const Tensor x = random_tensor({tokens, 20}, DType::kBF16, rng);
+  const Tensor y0 = random_tensor({tokens, top_k, 37}, DType::kBF16, rng);
+  Tensor all = y0.clone();
+  FusedMoeLoraOptions options;
+  options.offset = 1;
+  wrapper.add_lora_fused_moe(all, x, a, b, ranks3, Tensor(), al, options, cpu);
+  Tensor each = y0.clone();
+  for (int s = 0; s < 3; ++s) {
+    options.offset = 1 + 12 * s;
+    const Tensor as[1] = {a[s]};
+    const Tensor bs[1] = {b[s]};
+    wrapper.add_lora_fused_moe(each, x, as, bs, ranks1[s], Tensor(), al, options, cpu);
+  }
+  EXPECT_TRUE(bit_identical(all, each));
+  EXPECT_FALSE(bit_identical(all, y0));
+}
+
 struct AlignCase {
   int num_tokens;
   int top_k;

@@ -81,6 +81,7 @@ std::vector<int> sample_lora_tokens(const std::vector<int32_t>& slots, size_t co
     if (slots[t] >= 0) lora.push_back(static_cast<int>(t));
   }
   if (lora.size() <= count) return lora;
+  if (count == 1) return {lora[lora.size() / 2]};
   std::vector<int> out;
   for (size_t i = 0; i < count; ++i) out.push_back(lora[i * (lora.size() - 1) / (count - 1)]);
   return out;

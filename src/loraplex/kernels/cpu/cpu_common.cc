@@ -1,6 +1,7 @@
 #include "loraplex/kernels/cpu/cpu_common.h"
 
 #include <algorithm>
+#include <cassert>
 
 #include "loraplex/core/parallel.h"
 #include "loraplex/kernels/lora_ops_checks.h"
@@ -8,7 +9,8 @@
 namespace loraplex::kernels::cpu::detail {
 
 float* scratch(int index, int64_t n) {
-  thread_local std::vector<float> buffers[16];
+  thread_local std::vector<float> buffers[kScratchBuffers];
+  assert(index >= 0 && index < kScratchBuffers);
   std::vector<float>& b = buffers[index];
   if (static_cast<int64_t>(b.size()) < n) b.resize(static_cast<size_t>(n));
   return b.data();

@@ -106,9 +106,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return lanes[0];
 }
 
-/// Per-thread float scratch buffer `index` (0..15) of at least n floats, reused across calls
-/// so that the ops do not allocate every step. Valid until the next call with the same index
-/// on this thread.
+/// Scratch buffers per thread: enough for a few row buffers plus two per slice.
+inline constexpr int kScratchBuffers = 4 + 2 * kMaxSlices;
+/// Per-thread float scratch buffer `index` (0..kScratchBuffers-1) of at least n floats,
+/// reused across calls so that the ops do not allocate every step. Valid until the next call
+/// with the same index on this thread.
 float* scratch(int index, int64_t n);
 
 /// The tokens with a slot >= 0, stably ordered by slot (counting sort). Slots must already be

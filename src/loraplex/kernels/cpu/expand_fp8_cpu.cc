@@ -43,8 +43,6 @@ void dequantize_bt(const ExpandFp8Args& a, int s, int32_t slot, int32_t rank, fl
   const uint8_t* q = static_cast<const uint8_t*>(b.lora_b[s]) + slot * n * max_rank;
   const float* values = fp8_values(a.weight_dtype).data();
   const float* scales = a.b_scale[s];
-  const int64_t blocks_n = (n + a.group_n - 1) / a.group_n;
-  const int64_t blocks_k = (max_rank + a.group_k - 1) / a.group_k;
   switch (a.scale_kind) {
     case Fp8ScaleKind::kPerTensor:
       detail::pack_panels(n, rank, bt, [&](int64_t j, int32_t r) {
@@ -56,12 +54,16 @@ void dequantize_bt(const ExpandFp8Args& a, int s, int32_t slot, int32_t rank, fl
         return values[q[j * max_rank + r]] * scales[slot * n + j];
       });
       break;
-    case Fp8ScaleKind::kPerBlock:
+    case Fp8ScaleKind::kPerBlock: {
+      // Group sizes are only meaningful (and checked to be >= 1) for block scales.
+      const int64_t blocks_n = (n + a.group_n - 1) / a.group_n;
+      const int64_t blocks_k = (max_rank + a.group_k - 1) / a.group_k;
       detail::pack_panels(n, rank, bt, [&](int64_t j, int32_t r) {
         return values[q[j * max_rank + r]] *
                scales[(slot * blocks_n + j / a.group_n) * blocks_k + r / a.group_k];
       });
       break;
+    }
   }
 }
 

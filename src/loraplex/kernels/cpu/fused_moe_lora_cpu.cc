@@ -43,8 +43,8 @@ void run_items(const FusedMoeLoraArgs& a, const std::vector<WorkItem>& items) {
     detail::WeightCache a_cache[kMaxSlices];
     float* bt[kMaxSlices];
     for (int s = 0; s < a.num_slices; ++s) {
-      a_cache[s].data = detail::scratch(3 + 2 * s, a.max_rank * k_dim);
-      bt[s] = detail::scratch(4 + 2 * s, detail::panel_floats(n, a.max_rank));
+      a_cache[s].data = detail::scratch(2 + s, a.max_rank * k_dim);
+      bt[s] = detail::scratch(2 + kMaxSlices + s, detail::panel_floats(n, a.max_rank));
     }
     for (int64_t i = lo; i < hi; ++i) {
       const WorkItem& item = items[static_cast<size_t>(i)];
