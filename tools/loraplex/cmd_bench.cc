@@ -36,7 +36,8 @@ using nlohmann::json;
 
 const char* kHelp =
     "usage: loraplex bench kernels [--json FILE] [--iters N] [--quick] [--device cuda:N]\n"
-    "                              [--commit HASH] [--no-path-comparison]\n"
+    "                              [--commit HASH] [--no-path-comparison] [--no-metadata]\n"
+    "                              [--only OP:RANK:ADAPTERS:TOKENS:SLICES]\n"
     "Times the LoRA ops (add_lora_linear, add_shrink, add_expand and the metadata build) on\n"
     "the grid hidden 4096 x rank {16, 64} x adapters {1, 8, 32} x tokens {1, 16, 64, 256,\n"
     "1024, 4096} x slices {1: 4096, 3: 4096/1024/1024}, bf16, tokens spread round-robin\n"
@@ -45,13 +46,16 @@ const char* kHelp =
     "rotating weights (calls cycling through >= 128 MB of distinct adapter weights).\n"
     "Reports microseconds, GB/s and percent of the device-to-device copy bandwidth measured\n"
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
-    "$LORAPLEX_COMMIT). Needs a CUDA device; --help does not.\n";
+    "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
+    "OP linear, shrink or expand), e.g. for a profiler. Needs a CUDA device; --help does not.\n";
 
 struct Options {
   std::string json_path;
   int iters = 100;
   bool quick = false;
   bool path_comparison = true;
+  bool metadata = true;
+  std::vector<std::string> only;  // op, rank, adapters, tokens, slices; "*" matches anything
   Device device = Device::cuda(0);
   std::string commit;
 };
@@ -76,6 +80,20 @@ Options parse(const std::vector<std::string>& args) {
       o.quick = true;
     } else if (flag == "--no-path-comparison") {
       o.path_comparison = false;
+    } else if (flag == "--no-metadata") {
+      o.metadata = false;
+    } else if (flag == "--only") {
+      const std::string& v = value();
+      o.only.clear();
+      size_t start = 0;
+      while (true) {
+        const size_t colon = v.find(':', start);
+        o.only.push_back(v.substr(start, colon == std::string::npos ? colon : colon - start));
+        if (colon == std::string::npos) break;
+        start = colon + 1;
+      }
+      LORAPLEX_CHECK(o.only.size() == 5, "--only expects OP:RANK:ADAPTERS:TOKENS:SLICES, got '", v,
+                     "'");
     } else if (flag == "--device") {
       o.device = Device::parse(value());
       LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
@@ -321,10 +339,18 @@ int run_kernels(const Options& o) {
   const std::vector<int> adapters = o.quick ? std::vector<int>{8} : std::vector<int>{1, 8, 32};
   const std::vector<int> tokens =
       o.quick ? std::vector<int>{16, 4096} : std::vector<int>{1, 16, 64, 256, 1024, 4096};
+  auto match = [&](size_t field, const std::string& value) {
+    return o.only.empty() || o.only[field] == "*" || o.only[field] == value;
+  };
   for (int r : ranks)
     for (int a : adapters)
       for (int t : tokens)
-        for (int s : {1, 3}) cases.push_back({r, a, t, s});
+        for (int s : {1, 3}) {
+          if (match(1, std::to_string(r)) && match(2, std::to_string(a)) &&
+              match(3, std::to_string(t)) && match(4, std::to_string(s))) {
+            cases.push_back({r, a, t, s});
+          }
+        }
 
   std::printf("%-7s %4s %4s %5s %-15s %-7s %9s %9s %9s %9s %6s\n", "op", "rank", "lora", "tok",
               "slices", "path", "cold_us", "graph_us", "rot_us", "roof_us", "%bw");
@@ -349,6 +375,7 @@ int run_kernels(const Options& o) {
          [&](int s) { d.wrapper.add_expand(d.y, d.mid, d.b[s], d.ranks, 0, true, stream); }},
     };
     for (const Op& op : ops) {
+      if (!match(0, op.name)) continue;
       const Timings t = bench.time(op.fn, d.sets, true, true);
       const std::string op_path = std::string(op.name) == "linear" ? path : "-";
       json j = entry(op.name, c, op_path, op.bytes, t, copy_gbs);
@@ -393,7 +420,7 @@ int run_kernels(const Options& o) {
 
   // The per-step metadata build: 4096 tokens over 32 adapters, in a graph.
   json meta_json;
-  {
+  if (o.metadata) {
     LoraBatchMeta meta(32, 4096, o.device);
     std::vector<int32_t> slots(4096);
     for (int t = 0; t < 4096; ++t) slots[static_cast<size_t>(t)] = t % 32;

@@ -10,6 +10,7 @@ namespace {
 
 constexpr int kMetaThreads = 1024;
 constexpr int kMetaMaxCounterInts = 16 * 1024;  // 64 KB of per-warp bucket counters
+constexpr int kMetaCachedTokens = 16 * 1024;    // buckets of up to this many tokens in smem
 
 struct MetaOut {
   const int32_t* mapping;
@@ -21,7 +22,7 @@ struct MetaOut {
 };
 
 __global__ void __launch_bounds__(kMetaThreads)
-    build_lora_meta_kernel(int num_tokens, int max_loras, int nw, MetaOut out) {
+    build_lora_meta_kernel(int num_tokens, int max_loras, int nw, bool cached, MetaOut out) {
   // Bucket 0 is slot -1 (and any slot outside [0, max_loras)); bucket k + 1 is slot k, so
   // ascending buckets are ascending slot ids, as in the CPU build.
   extern __shared__ int smem[];
@@ -29,11 +30,16 @@ __global__ void __launch_bounds__(kMetaThreads)
   int* wc = smem;
   int* total = wc + nw * nb;
   int* base = total + nb;
+  int* cache = base + nb;  // [num_tokens] when `cached`: each token's bucket
   __shared__ int active_count;
-  auto bucket = [&](int t) {
-    const int32_t slot = out.mapping[t];
-    return valid_slot(slot, max_loras) ? slot + 1 : 0;
-  };
+  auto bucket_of_slot = [&](int32_t slot) { return valid_slot(slot, max_loras) ? slot + 1 : 0; };
+  // One coalesced pass over the mapping; both sort passes then read shared memory only.
+  if (cached) {
+    for (int t = static_cast<int>(threadIdx.x); t < num_tokens; t += blockDim.x) {
+      cache[t] = bucket_of_slot(out.mapping[t]);
+    }
+  }
+  auto bucket = [&](int t) { return cached ? cache[t] : bucket_of_slot(out.mapping[t]); };
   bucket_count(num_tokens, nb, nw, wc, bucket);
   bucket_offsets(nb, nw, wc, total);
   if (threadIdx.x < 32) {
@@ -88,13 +94,14 @@ Status build_lora_meta(int32_t num_tokens, int32_t max_loras, const cpu::LoraMet
       "build_lora_meta: a metadata buffer is null");
   const int nb = max_loras + 1;
   const int nw = bucket_sort_warps(nb, kMetaMaxCounterInts, kMetaThreads / 32);
-  const int smem = (nw * nb + 2 * nb) * static_cast<int>(sizeof(int));
+  const bool cached = num_tokens <= kMetaCachedTokens;
+  const int smem = (nw * nb + 2 * nb + (cached ? num_tokens : 0)) * static_cast<int>(sizeof(int));
   LORAPLEX_RETURN_IF_ERROR(
       allow_dynamic_smem(reinterpret_cast<const void*>(&build_lora_meta_kernel), smem));
   MetaOut out{buffers.token_lora_mapping,  buffers.sorted_token_indices, buffers.active_lora_ids,
               buffers.num_tokens_per_lora, buffers.lora_token_start_loc, buffers.num_active_loras};
   build_lora_meta_kernel<<<1, kMetaThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-      num_tokens, max_loras, nw, out);
+      num_tokens, max_loras, nw, cached, out);
   return launch_status("build_lora_meta_kernel");
 }
 

@@ -201,12 +201,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-/// Work tiles of `tile_rows` tokens per active slot (entries with slot -1 get none):
-/// prefix[e] = first tile of entry e, prefix[n] = total. Run by the whole block (warp 0
-/// scans, then a barrier). Returns n, the number of active entries.
+/// Work tiles of `tile_rows` tokens per metadata entry (entries with slot -1, and those past
+/// the active ones, get none): prefix[e] = first tile of entry e, prefix[n] = total, over all
+/// n = max_loras + 1 entries, so no load waits for the active count. Run by the whole block
+/// (warp 0 scans, then a barrier). Returns n.
 __device__ __forceinline__ int build_tile_prefix(const LoraMetaView& meta, int tile_rows,
                                                  int* prefix) {
-  const int n = *meta.num_active_loras;
+  const int n = meta.max_loras + 1;
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
     int running = 0;
@@ -256,6 +257,25 @@ __device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = from_float<T>(in[i]);
   return v;
+}
+
+/// Two consecutive 16-bit elements (one 32-bit word) to float.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  const T* e = reinterpret_cast<const T*>(&v);
+  return make_float2(to_float(e[0]), to_float(e[1]));
+}
+
+/// Two floats rounded to T (16-bit), packed low-first for one 32-bit store.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+  } else {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+  }
 }
 
 }  // namespace loraplex::kernels::cuda

@@ -1,15 +1,17 @@
 // Shrink and expand on CUDA.
 //
-// Tensor-core kernels (bf16/f16, 16-byte aligned rows): persistent grids over work items of
-// one active slot, one 64-token tile of that slot's tokens (rows gathered through the sorted
-// token indices) and, for shrink, one slice and 64-rank chunk / for expand, one 128-column
-// tile of one slice. Items are counted on the device from the metadata, so slots that are
-// absent cost nothing and the launch configuration depends only on host-known sizes. Each
-// slot costs its own rank: A rows, B columns and MMA tiles past a slot's rank are never
-// loaded or computed. Operands are staged with cp.async (zero-filled past the valid bytes),
-// multiplied with mma.sync m16n8k16 into fp32.
+// Expand on tensor cores (bf16/f16, 16-byte aligned rows): a persistent grid over work items
+// of one active slot, one 64-token tile of that slot's tokens (rows gathered through the
+// sorted token indices) and one 128-column tile of one slice, all slices in one launch.
+// Items are counted on the device from the metadata, so absent slots cost nothing and the
+// launch configuration depends only on host-known sizes. Each slot costs its own rank: B
+// columns and MMA steps past a slot's rank are never loaded or computed. Operands are staged
+// with cp.async (zero-filled past the valid bytes), multiplied with mma.sync m16n8k16 into
+// fp32 (the intermediate rounded to the weight dtype first, as vLLM does), and y is read,
+// added and written with 16-byte accesses through shared memory.
 //
-// Generic kernels (any dtype, any strides) handle everything else and the BGMV forms.
+// The tensor-core shrink is the cluster split-K kernel of cluster_lora.cu. Generic kernels
+// (any dtype, any strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
 
@@ -18,6 +20,11 @@
 #include "loraplex/kernels/lora_ops_checks.h"
 
 namespace loraplex::kernels::cuda {
+
+// The tensor-core shrink lives with the fused layer kernel (cluster_lora.cu).
+bool cluster_shrink_supported(const ShrinkArgs& args);
+Status cluster_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -172,151 +179,9 @@ constexpr int kTcThreads = 128;      // 4 warps, 16 token rows each
 constexpr int kTcBM = 64;            // tokens per tile
 constexpr int kTcBK = 64;            // K elements per stage
 constexpr int kTcPitch = kTcBK + 8;  // padded rows: fragment loads are bank-conflict free
-constexpr int kShrinkRanks = 64;     // rank rows per shrink item
-constexpr int kShrinkStages = 4;
-constexpr int kShrinkStageElems = (kTcBM + kShrinkRanks) * kTcPitch;
-constexpr int kExpandBN = 128;  // output columns per expand item
+constexpr int kExpandBN = 128;       // output columns per expand item
 constexpr int kYPitch = kExpandBN + 8;
 constexpr int kTcBlocksPerSm = 4;
-
-struct TcShrinkParams {
-  const void* x;
-  int64_t x_stride;
-  int64_t hidden;
-  const void* a[kMaxSlices];
-  int num_slices;
-  int max_loras;
-  int max_rank;
-  int rank_chunks;
-  int tile_rows;  // tokens per work tile: 16, 32 or 64 (more tiles when the batch is small)
-  const int32_t* ranks;
-  float scale;
-  void* out;
-  bool out_f32;
-  int64_t num_tokens;
-  LoraMetaView meta;
-};
-
-template <typename T>
-__global__ void __launch_bounds__(kTcThreads) shrink_tc_kernel(TcShrinkParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* stage_base = reinterpret_cast<T*>(smem_raw);
-  int* tok = reinterpret_cast<int*>(smem_raw + kShrinkStages * kShrinkStageElems * sizeof(T));
-  int* prefix = tok + kTcBM;
-  const int n_entries = build_tile_prefix(p.meta, p.tile_rows, prefix);
-  const int per_tile = p.num_slices * p.rank_chunks;
-  const int64_t items = static_cast<int64_t>(prefix[n_entries]) * per_tile;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int nk = static_cast<int>(ceil_div(p.hidden, kTcBK));
-  const T* xg = static_cast<const T*>(p.x);
-
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int tile = static_cast<int>(item / per_tile);
-    const int rem = static_cast<int>(item % per_tile);
-    const int s = rem / p.rank_chunks;
-    const int r0 = (rem % p.rank_chunks) * kShrinkRanks;
-    const int e = find_tile_entry(prefix, n_entries, tile);
-    const int slot = p.meta.active_lora_ids[e];
-    const int rank = p.ranks[s * p.max_loras + slot];
-    if (r0 >= rank) continue;
-    const int nr = min(kShrinkRanks, rank - r0);
-    const int m0 = (tile - prefix[e]) * p.tile_rows;
-    const int mrows = min(p.tile_rows, p.meta.num_tokens_per_lora[e] - m0);
-    const int start = p.meta.lora_token_start_loc[e] + m0;
-    __syncthreads();  // the previous item is done with tok[] and the stages
-    if (tid < kTcBM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : 0;
-    __syncthreads();
-    const int xrows = (mrows + 15) & ~15;  // x rows staged: whole 16-row MMA groups
-    const T* ag =
-        static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
-
-    auto load_stage = [&](int kt) {
-      T* xs = stage_base + (kt % kShrinkStages) * kShrinkStageElems;
-      T* as = xs + kTcBM * kTcPitch;
-      const int64_t k0 = static_cast<int64_t>(kt) * kTcBK;
-      const int arows = (nr + 7) & ~7;  // A rows staged: whole 8-rank MMA tiles
-      for (int i = tid; i < (xrows + arows) * 8; i += kTcThreads) {
-        const int row = i >> 3;
-        const int ch = i & 7;
-        const int64_t k = k0 + ch * 8;
-        const bool k_in = k < p.hidden;
-        if (row < xrows) {
-          const bool ok = k_in && row < mrows;
-          cp_async16(xs + row * kTcPitch + ch * 8, ok ? xg + tok[row] * p.x_stride + k : xg,
-                     ok ? 16 : 0);
-        } else {
-          const int r = row - xrows;
-          const bool ok = k_in && r < nr;
-          cp_async16(as + r * kTcPitch + ch * 8, ok ? ag + r * p.hidden + k : ag, ok ? 16 : 0);
-        }
-      }
-    };
-
-    float acc[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    const int ntiles = (nr + 7) / 8;
-    const bool warp_has_rows = warp * 16 < mrows;
-#pragma unroll
-    for (int st = 0; st < kShrinkStages - 1; ++st) {
-      if (st < nk) load_stage(st);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < nk; ++kt) {
-      cp_async_wait<kShrinkStages - 2>();
-      __syncthreads();
-      if (kt + kShrinkStages - 1 < nk) load_stage(kt + kShrinkStages - 1);
-      cp_async_commit();
-      const T* xs = stage_base + (kt % kShrinkStages) * kShrinkStageElems;
-      const T* as = xs + kTcBM * kTcPitch;
-      if (warp_has_rows) {
-#pragma unroll
-        for (int kk = 0; kk < kTcBK; kk += 16) {
-          uint32_t af[4];
-          load_a_frag(af, xs + warp * 16 * kTcPitch + kk, kTcPitch, lane);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (j < ntiles) {
-              uint32_t bfr[2];
-              load_b_frag(bfr, as + j * 8 * kTcPitch + kk, kTcPitch, lane);
-              mma_16816<T>(acc[j], af, bfr);
-            }
-          }
-        }
-      }
-    }
-    cp_async_wait<0>();
-
-    if (warp_has_rows) {
-      const int g = lane >> 2;
-      const int tq = (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (j >= ntiles) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = warp * 16 + g + h * 8;
-          if (row >= mrows) continue;
-          const int64_t base =
-              (static_cast<int64_t>(s) * p.num_tokens + tok[row]) * p.max_rank + r0;
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const int col = j * 8 + tq + q;
-            if (col >= nr) continue;
-            const float v = p.scale * acc[j][h * 2 + q];
-            if (p.out_f32) {
-              static_cast<float*>(p.out)[base + col] = v;
-            } else {
-              static_cast<T*>(p.out)[base + col] = from_float<T>(v);
-            }
-          }
-        }
-      }
-    }
-  }
-}
 
 struct TcExpandParams {
   const void* in;
@@ -355,7 +220,14 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
   const int lane = tid & 31;
   T* yg = static_cast<T*>(p.y);
 
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+  // Each CTA takes a contiguous run of items: consecutive column tiles of one token tile
+  // reuse the gathered token rows and, within a slice, the staged intermediate.
+  const int64_t per_cta = ceil_div(items, static_cast<int64_t>(gridDim.x));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * per_cta;
+  const int64_t last = min(items, first + per_cta);
+  int prev_tile = -1;
+  int prev_s = -1;
+  for (int64_t item = first; item < last; ++item) {
     const int tile = static_cast<int>(item / total_nt);
     const int u = static_cast<int>(item % total_nt);
     int s = 0;
@@ -369,9 +241,15 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     const int m0 = (tile - prefix[e]) * kTcBM;
     const int mrows = min(kTcBM, p.meta.num_tokens_per_lora[e] - m0);
     const int start = p.meta.lora_token_start_loc[e] + m0;
-    __syncthreads();  // the previous item is done with tok[] and the tiles
-    if (tid < kTcBM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : 0;
-    __syncthreads();
+    const bool same_rows = tile == prev_tile;
+    const bool same_in = same_rows && s == prev_s && rank <= kTcBK;
+    prev_tile = tile;
+    prev_s = s;
+    __syncthreads();  // the previous item is done with the tiles
+    if (!same_rows) {
+      if (tid < kTcBM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : 0;
+      __syncthreads();
+    }
     const int64_t ycol = p.y_col[s] + n0;
     if (p.add_inputs) {
       for (int i = tid; i < kTcBM * (kExpandBN / 8); i += kTcThreads) {
@@ -397,7 +275,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         cp_async16(bs + n * kTcPitch + ch * 8, bytes ? bg + n * p.max_rank + kb + ch * 8 : bg,
                    bytes);
       }
-      if (!p.in_f32) {
+      if (same_in) {
+        // The intermediate of these rows and this slice is still staged.
+      } else if (!p.in_f32) {
         const T* ing = static_cast<const T*>(p.in);
         for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
           const int row = i >> 3;
@@ -456,14 +336,16 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = warp * 16 + g + h * 8;
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const int col = j * 8 + tq + q;
-            float v = acc[j][h * 2 + q];
-            if (p.add_inputs) v += to_float(ys[row * kYPitch + col]);
-            ys[row * kYPitch + col] = from_float<T>(v);
+          uint32_t* cell =
+              reinterpret_cast<uint32_t*>(ys + (warp * 16 + g + h * 8) * kYPitch + j * 8 + tq);
+          float v0 = acc[j][h * 2];
+          float v1 = acc[j][h * 2 + 1];
+          if (p.add_inputs) {
+            const float2 old = unpack2<T>(*cell);
+            v0 += old.x;
+            v1 += old.y;
           }
+          *cell = pack2<T>(v0, v1);
         }
       }
     }
@@ -481,15 +363,6 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
 
 bool is_half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
-bool tc_shrink_ok(const ShrinkArgs& a) {
-  if (!is_half_dtype(a.dtype) || a.hidden % 8 != 0 || a.x_row_stride % 8 != 0 || !aligned16(a.x))
-    return false;
-  for (int s = 0; s < a.num_slices; ++s) {
-    if (!aligned16(a.lora_a[s])) return false;
-  }
-  return true;
-}
-
 bool tc_expand_ok(const ExpandArgs& a) {
   if (!is_half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.y_row_stride % 8 != 0 ||
       a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
@@ -503,47 +376,6 @@ bool tc_expand_ok(const ExpandArgs& a) {
 // Work tiles can exceed ceil(T / 64) by one per active slot (each slot's last partial tile).
 int64_t tile_upper_bound(int64_t num_tokens, int max_loras, int tile_rows) {
   return ceil_div(num_tokens, tile_rows) + std::min<int64_t>(num_tokens, max_loras);
-}
-
-Status launch_shrink_tc(const ShrinkArgs& a, const LoraMetaView& meta, StreamHandle stream) {
-  TcShrinkParams p{};
-  p.x = a.x;
-  p.x_stride = a.x_row_stride;
-  p.hidden = a.hidden;
-  for (int s = 0; s < a.num_slices; ++s) p.a[s] = a.lora_a[s];
-  p.num_slices = a.num_slices;
-  p.max_loras = a.max_loras;
-  p.max_rank = a.max_rank;
-  p.rank_chunks = static_cast<int>(ceil_div(a.max_rank, kShrinkRanks));
-  p.ranks = a.ranks;
-  p.scale = a.scale;
-  p.out = a.out;
-  p.out_f32 = a.out_dtype == DType::kF32;
-  p.num_tokens = a.num_tokens;
-  p.meta = meta;
-  // Smaller token tiles when there are too few work items to fill the GPU; not below half
-  // the rank rows, so that re-reading A per tile (from L2) stays within 2x the x bytes.
-  const int min_rows = std::min(a.max_rank, kShrinkRanks) >= 64 ? 32 : 16;
-  const int64_t per_tile = int64_t{a.num_slices} * p.rank_chunks;
-  int tile_rows = kTcBM;
-  while (tile_rows > min_rows && ceil_div(a.num_tokens, tile_rows) * per_tile < 2 * sm_count()) {
-    tile_rows /= 2;
-  }
-  p.tile_rows = tile_rows;
-  const int smem = kShrinkStages * kShrinkStageElems * 2 + (kTcBM + a.max_loras + 2) * 4;
-  const int64_t items = tile_upper_bound(a.num_tokens, a.max_loras, tile_rows) * per_tile;
-  const int grid = static_cast<int>(std::min<int64_t>(items, kTcBlocksPerSm * sm_count()));
-  auto s = static_cast<cudaStream_t>(stream);
-  if (a.dtype == DType::kBF16) {
-    LORAPLEX_RETURN_IF_ERROR(
-        allow_dynamic_smem(reinterpret_cast<const void*>(&shrink_tc_kernel<bf16>), smem));
-    shrink_tc_kernel<bf16><<<grid, kTcThreads, smem, s>>>(p);
-  } else {
-    LORAPLEX_RETURN_IF_ERROR(
-        allow_dynamic_smem(reinterpret_cast<const void*>(&shrink_tc_kernel<f16>), smem));
-    shrink_tc_kernel<f16><<<grid, kTcThreads, smem, s>>>(p);
-  }
-  return launch_status("shrink_tc_kernel");
 }
 
 Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
@@ -604,7 +436,7 @@ Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandl
   LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_shrink"));
   if (args.num_tokens == 0) return Status();
-  if (tc_shrink_ok(args)) return launch_shrink_tc(args, meta, stream);
+  if (cluster_shrink_supported(args)) return cluster_shrink(args, meta, stream);
   return launch_shrink_generic(args, meta.token_lora_mapping, stream);
 }
 
