@@ -23,7 +23,8 @@ __device__ __forceinline__ void segment_of(int n, int nw, int w, int& lo, int& h
 }
 
 /// Pass 1: wc[w][b] = number of items of bucket b in warp w's segment. bucket(i) returns
-/// -1 to drop an item. Ends with a block barrier.
+/// -1 to drop an item. Counting needs no order, so plain shared-memory atomics do it. Ends
+/// with a block barrier.
 template <typename BucketFn>
 __device__ void bucket_count(int n, int nb, int nw, int* wc, BucketFn bucket) {
   for (int i = static_cast<int>(threadIdx.x); i < nw * nb; i += blockDim.x) wc[i] = 0;
@@ -35,28 +36,31 @@ __device__ void bucket_count(int n, int nb, int nw, int* wc, BucketFn bucket) {
     int hi = 0;
     segment_of(n, nw, w, lo, hi);
     int* mine = wc + w * nb;
-    for (int base = lo; base < hi; base += 32) {
-      const int i = base + lane;
-      const int b = i < hi ? bucket(i) : -1;
-      const unsigned same = __match_any_sync(kFullMask, b);
-      if (b >= 0 && lane == __ffs(same) - 1) mine[b] += __popc(same);
-      __syncwarp();
+    for (int i = lo + lane; i < hi; i += 32) {
+      const int b = bucket(i);
+      if (b >= 0) atomicAdd(mine + b, 1);
     }
   }
   __syncthreads();
 }
 
 /// Pass 2: wc[w][b] becomes the number of bucket-b items in segments before w; total[b] the
-/// bucket size. Ends with a block barrier.
+/// bucket size. One warp per bucket scans over the (up to 32) segments. Ends with a block
+/// barrier.
 __device__ inline void bucket_offsets(int nb, int nw, int* wc, int* total) {
-  for (int b = static_cast<int>(threadIdx.x); b < nb; b += blockDim.x) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warps = static_cast<int>(blockDim.x) >> 5;
+  for (int b = warp; b < nb; b += warps) {
     int run = 0;
-    for (int w = 0; w < nw; ++w) {
-      const int c = wc[w * nb + b];
-      wc[w * nb + b] = run;
-      run += c;
+    for (int w0 = 0; w0 < nw; w0 += 32) {
+      const int w = w0 + lane;
+      const int c = w < nw ? wc[w * nb + b] : 0;
+      const int incl = warp_inclusive_sum(c, lane);
+      if (w < nw) wc[w * nb + b] = run + incl - c;
+      run += __shfl_sync(kFullMask, incl, 31);
     }
-    total[b] = run;
+    if (lane == 0) total[b] = run;
   }
   __syncthreads();
 }

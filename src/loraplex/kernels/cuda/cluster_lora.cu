@@ -60,12 +60,14 @@ struct ClusterParams {
   const int32_t* ranks;
   float scale;
   LoraMetaView meta;
-  int m_tile;    // tokens per work item: 16, 32 or 64
-  int k_chunk;   // K per CTA (a multiple of 64)
-  int k_pass;    // K staged at once (a multiple of 64 dividing k_chunk)
-  int x_pitch;   // k_pass + 8 elements: fragment loads are bank-conflict free
-  int region0;   // bytes of the staging region (x, A; later pair sums and v_sums)
-  int off_part;  // byte offsets of the other shared arrays
+  int m_tile;     // tokens per work item: 16, 32 or 64
+  int sgroups;    // 1: a work item covers every slice; num_slices: one slice each
+  int k_chunk;    // K per CTA (a multiple of k_pass)
+  int k_pass;     // K staged at once (a power of two >= 64)
+  int cpr_shift;  // log2(k_pass / 8): 16-byte chunks per staged row
+  int x_pitch;    // k_pass + 8 elements: fragment loads are bank-conflict free
+  int region0;    // bytes of the staging region (x, A; later pair sums and v_sums)
+  int off_part;   // byte offsets of the other shared arrays
   int off_b;
   int off_int;
   // shrink-only output
@@ -112,25 +114,29 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
   const int lane = tid & 31;
   const int S = p.num_slices;
   const int MR = p.max_rank;
-  const int RA = S * MR;
+  const int G = p.sgroups;
+  const int RA = (G == 1 ? S : 1) * MR;  // A rows of one work item
   const int mt = p.m_tile;
   const int xp = p.x_pitch;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* xs = reinterpret_cast<T*>(smem_raw);  // [mt][xp], then A rows [RA][xp]
-  T* as = xs + mt * xp;
+  T* xs = reinterpret_cast<T*>(smem_raw);                 // [mt][xp], then the A rows [RA][xp]
   float* pair_sums = reinterpret_cast<float*>(smem_raw);  // [pairs][16 * 8], after the MMAs
   float* v_sums = reinterpret_cast<float*>(smem_raw);     // [mt][RA], after cluster sync 1
-  float* part_sums = reinterpret_cast<float*>(smem_raw + p.off_part);  // [mt][RA]
-  T* bs = reinterpret_cast<T*>(smem_raw + p.off_b);                    // [cols][b_pitch]
-  int* tok = reinterpret_cast<int*>(smem_raw + p.off_int);             // [kMaxTile]
-  int* srank = tok + kMaxTile;                                         // [kMaxSlices]
-  int* tile_row = srank + kMaxSlices;                                  // [kMaxRows / 8]
+  float* part_sums = reinterpret_cast<float*>(smem_raw + p.off_part);     // [mt][RA]
+  T* bs = reinterpret_cast<T*>(smem_raw + p.off_b);                       // [cols][b_pitch]
+  const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_int);  // staged rows
+  int* row_dst = reinterpret_cast<int*>(row_src + kMaxTile + kMaxRows);
+  int* tok = row_dst + kMaxTile + kMaxRows;     // [kMaxTile]
+  int* srank = tok + kMaxTile;                  // [kMaxSlices]
+  int* tile_row = srank + kMaxSlices;           // [kMaxRows / 8]
+  int* unit_row = tile_row + kMaxRows / 8;      // [kWarps * kMaxPairs]
+  int* unit_a = unit_row + kWarps * kMaxPairs;  // [kWarps * kMaxPairs]
   const int ne = p.max_loras + 1;
-  int* ids = tile_row + kMaxRows / 8;  // [ne]
-  int* counts = ids + ne;              // [ne]
-  int* starts = counts + ne;           // [ne]
-  int* prefix = starts + ne;           // [ne + 1]
+  int* ids = unit_a + kWarps * kMaxPairs;  // [ne]
+  int* counts = ids + ne;                  // [ne]
+  int* starts = counts + ne;               // [ne]
+  int* prefix = starts + ne;               // [ne + 1]
 
   // Every entry of the metadata at once (entries past the active ones are -1 / 0), so the
   // work list costs one round trip to memory.
@@ -155,20 +161,25 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
   __syncthreads();
   const int tiles = prefix[ne];
   if (tiles == 0) return;  // the same in every CTA: no cluster barrier is left waiting
-  const int parts = kExpand ? max(1, min(kMaxParts, nclusters / tiles)) : 1;
-  const int works = tiles * parts;
+  const int parts = kExpand ? max(1, min(kMaxParts, nclusters / (tiles * G))) : 1;
+  const int works = tiles * G * parts;
 
   const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
   const int64_t k_hi = min(p.hidden, k_lo + p.k_chunk);
   const int passes = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, p.k_pass)) : 0;
   const int ksteps = p.k_pass / 16;
-  const int64_t n_groups = kExpand ? p.col_begin[S] / 8 : 0;
-  const int64_t groups_per_cta = ceil_div(n_groups, static_cast<int64_t>(parts) * kCluster);
+  // Staging: each thread copies one 16-byte column chunk of every (kThreads / chunks)-th row.
+  const int ch = tid & ((1 << p.cpr_shift) - 1);
+  const int rsub = tid >> p.cpr_shift;
+  const int rstep = kThreads >> p.cpr_shift;
   const T* xg = static_cast<const T*>(p.x);
 
   for (int w = cid; w < works; w += nclusters) {
-    const int tile = w / parts;
     const int part = w % parts;
+    const int group = (w / parts) % G;
+    const int tile = w / (parts * G);
+    const int s_lo = G == 1 ? 0 : group;
+    const int s_hi = G == 1 ? S : group + 1;
     const int e = find_tile_entry(prefix, ne, tile);
     const int slot = ids[e];
     const int m0 = (tile - prefix[e]) * mt;
@@ -178,103 +189,107 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
     if (tid < kMaxTile) tok[tid] = tid < n_tok ? p.meta.sorted_token_indices[start + tid] : 0;
     if (tid < S) srank[tid] = p.ranks[tid * p.max_loras + slot];
     __syncthreads();
-    int ta = 0;  // active MMA column tiles: ceil(rank_s / 8) per slice, as A-row offsets
-    for (int s = 0; s < S; ++s) {
-      const int n8 = (srank[s] + 7) / 8;
-      if (tid < n8) tile_row[ta + tid] = s * MR + tid * 8;
+
+    // Rows to stage: the tile's x rows (whole 16-row MMA groups; rows past the tile's tokens
+    // zero-filled), then each slice's A rows of whole 8-rank MMA tiles (rows past the rank
+    // zero-filled, rows past the last tile not staged at all).
+    const int mgroups = (n_tok + 15) / 16;
+    const int xrows = mgroups * 16;
+    int ta = 0;
+    int arows = 0;
+    for (int s = s_lo; s < s_hi; ++s) {
+      const int rk = srank[s];
+      const int n8 = (rk + 7) / 8;
+      const T* ag = static_cast<const T*>(p.a[s]) + static_cast<int64_t>(slot) * MR * p.hidden;
+      if (tid < n8) tile_row[ta + tid] = (s - s_lo) * MR + tid * 8;
+      for (int r = tid; r < n8 * 8; r += kThreads) {
+        row_src[xrows + arows + r] = r < rk ? ag + r * p.hidden : nullptr;
+        row_dst[xrows + arows + r] = mt + (s - s_lo) * MR + r;
+      }
       ta += n8;
+      arows += n8 * 8;
     }
+    if (tid < xrows) {
+      row_src[tid] = tid < n_tok ? xg + tok[tid] * p.x_stride : nullptr;
+      row_dst[tid] = tid;
+    }
+    const int nrows = xrows + arows;
+    const int units = mgroups * ta;  // MMA tiles of 16 tokens x 8 ranks
+
     int64_t g_lo = 0;
     int64_t g_hi = 0;
     if constexpr (kExpand) {
+      // This CTA's share of the group's output columns, in 8-column groups.
+      const int64_t c_first = p.col_begin[s_lo] / 8;
+      const int64_t n_groups = (p.col_begin[s_hi] - p.col_begin[s_lo]) / 8;
+      const int64_t per_cta = ceil_div(n_groups, static_cast<int64_t>(parts) * kCluster);
       const int64_t q = static_cast<int64_t>(part) * kCluster + crank;
-      g_lo = min(n_groups, q * groups_per_cta);
-      g_hi = min(n_groups, g_lo + groups_per_cta);
-      // Stage this CTA's B rows (they do not depend on the shrink) in the first load group;
-      // warm the L2 with its y rows.
-      for (int s = 0; s < S; ++s) {
-        const int64_t c_lo = max(g_lo * 8, p.col_begin[s]);
-        const int64_t c_hi = min(g_hi * 8, p.col_begin[s + 1]);
-        const int rk = srank[s];
-        if (c_hi <= c_lo || rk == 0) continue;
-        const T* bg =
-            static_cast<const T*>(p.b[s]) + (slot * p.width[s] + (c_lo - p.col_begin[s])) * MR;
-        if (p.stage_b) {
-          const int chunks = (rk + 7) / 8;
-          const int64_t total = (c_hi - c_lo) * chunks;
-          for (int64_t i = tid; i < total; i += kThreads) {
-            const int64_t c = i / chunks;
-            const int ch = static_cast<int>(i % chunks);
-            const int valid = min(8, rk - ch * 8);
-            cp_async16(bs + (c_lo - g_lo * 8 + c) * p.b_pitch + ch * 8, bg + c * MR + ch * 8,
-                       valid * 2);
-          }
-        } else if (2 * rk >= MR) {
-          const char* b0 = reinterpret_cast<const char*>(bg);
-          const int64_t lines = ceil_div((c_hi - c_lo) * MR * static_cast<int64_t>(sizeof(T)), 128);
-          for (int64_t l = tid; l < lines; l += kThreads) prefetch_l2(b0 + l * 128);
-        }
-        if (p.add_inputs) {
-          const int64_t row_bytes = (c_hi - c_lo) * static_cast<int64_t>(sizeof(T));
-          const int64_t row_lines = row_bytes / 128 + 2;
-          T* yg = static_cast<T*>(p.y);
-          for (int64_t i = tid; i < n_tok * row_lines; i += kThreads) {
-            const uintptr_t first = reinterpret_cast<uintptr_t>(
-                yg + tok[i / row_lines] * p.y_stride + p.y_col[s] + (c_lo - p.col_begin[s]));
-            const uintptr_t line = (first & ~uintptr_t{127}) + (i % row_lines) * 128;
-            if (line < first + row_bytes) prefetch_l2(reinterpret_cast<const void*>(line));
+      g_lo = c_first + min(n_groups, q * per_cta);
+      g_hi = c_first + min(n_groups, (q + 1) * per_cta);
+      // B rows of these columns do not depend on the shrink: staged with the first pass.
+      const int64_t ncols = (g_hi - g_lo) * 8;
+      if (p.stage_b) {
+        for (int64_t c = tid; c < ncols; c += kThreads) {
+          const int64_t col = g_lo * 8 + c;
+          int s = s_lo;
+          while (col >= p.col_begin[s + 1]) ++s;
+          const int rk = srank[s];
+          const T* src =
+              static_cast<const T*>(p.b[s]) + (slot * p.width[s] + (col - p.col_begin[s])) * MR;
+          for (int c8 = 0; c8 * 8 < rk; ++c8) {
+            cp_async16(bs + c * p.b_pitch + c8 * 8, src + c8 * 8, min(8, rk - c8 * 8) * 2);
           }
         }
       }
+      if (p.add_inputs) {
+        // Warm the L2 with the y rows the expand reads.
+        const int64_t row_bytes = ncols * static_cast<int64_t>(sizeof(T));
+        const int64_t row_lines = row_bytes / 128 + 2;
+        T* yg = static_cast<T*>(p.y);
+        int s = s_lo;
+        while (s + 1 < s_hi && g_lo * 8 >= p.col_begin[s + 1]) ++s;
+        const int64_t y_first = p.y_col[s] + (g_lo * 8 - p.col_begin[s]);
+        for (int64_t i = tid; i < n_tok * row_lines; i += kThreads) {
+          const uintptr_t first =
+              reinterpret_cast<uintptr_t>(yg + tok[i / row_lines] * p.y_stride + y_first);
+          const uintptr_t line = (first & ~uintptr_t{127}) + (i % row_lines) * 128;
+          if (line < first + row_bytes) prefetch_l2(reinterpret_cast<const void*>(line));
+        }
+      }
     }
-    __syncthreads();  // tile_row is complete
+    __syncthreads();  // row tables and tile_row are complete
+    if (tid < units) {
+      unit_row[tid] = (tid / ta) * 16;
+      unit_a[tid] = tile_row[tid % ta];
+    }
+    __syncthreads();
 
-    // ---- shrink: this CTA's K range ----
-    const int mgroups = (n_tok + 15) / 16;
-    const int units = mgroups * ta;
+    // ---- shrink: this CTA's K range; warps split the MMA tiles and the K steps ----
     const int kg = choose_kgroups(units, ksteps);
     const int pairs = units * kg;
     const int ks_per = (ksteps + kg - 1) / kg;
-    int pair_row[kMaxPairs];  // first token row of the pair's 16-row group
-    int pair_a[kMaxPairs];    // first A row (slice * max_rank + rank) of its 8-rank tile
-    int pair_k[kMaxPairs];    // first K step of its group
+    int pair_row[kMaxPairs];
+    int pair_a[kMaxPairs];
+    int pair_k[kMaxPairs];
 #pragma unroll
     for (int i = 0; i < kMaxPairs; ++i) {
       const int pr = warp + i * kWarps;
       const int u = pr < pairs ? pr % units : 0;
-      pair_row[i] = pr < pairs ? (u / ta) * 16 : 0;
-      pair_a[i] = pr < pairs ? tile_row[u % ta] : 0;
+      pair_row[i] = pr < pairs ? unit_row[u] : 0;
+      pair_a[i] = pr < pairs ? unit_a[u] + mt : 0;  // A rows follow the mt x rows
       pair_k[i] = pr < pairs ? (pr / units) * ks_per : 0;
     }
     float acc[kMaxPairs][4];
 #pragma unroll
     for (int i = 0; i < kMaxPairs; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-
-    const int xrows = mgroups * 16;
-    const int cpr = p.k_pass / 8;  // 16-byte chunks per staged row
     for (int pass = 0; pass < passes; ++pass) {
       if (pass > 0) __syncthreads();  // every warp is done with the previous pass
-      const int64_t k0 = k_lo + static_cast<int64_t>(pass) * p.k_pass;
-      for (int i = tid; i < (xrows + RA) * cpr; i += kThreads) {
-        const int row = i / cpr;
-        const int ch = i - row * cpr;
-        const int64_t k = k0 + ch * 8;
-        const bool k_in = k < k_hi;
-        if (row < xrows) {
-          const bool ok = k_in && row < n_tok;
-          cp_async16(xs + row * xp + ch * 8, ok ? xg + tok[row] * p.x_stride + k : xg, ok ? 16 : 0);
-        } else {
-          const int ra = row - xrows;
-          const int s = ra / MR;
-          const int r = ra - s * MR;
-          if (r < ((srank[s] + 7) & ~7)) {
-            const T* ag = static_cast<const T*>(p.a[s]);
-            const bool ok = k_in && r < srank[s];
-            cp_async16(as + ra * xp + ch * 8,
-                       ok ? ag + (static_cast<int64_t>(slot) * MR + r) * p.hidden + k : ag,
-                       ok ? 16 : 0);
-          }
-        }
+      const int64_t k = k_lo + static_cast<int64_t>(pass) * p.k_pass + ch * 8;
+      const bool k_in = k < k_hi;
+      for (int i = rsub; i < nrows; i += rstep) {
+        const T* src = row_src[i];
+        const bool ok = k_in && src != nullptr;
+        cp_async16(xs + row_dst[i] * xp + ch * 8, ok ? src + k : xg, ok ? 16 : 0);
       }
       cp_async_commit();
       cp_async_wait<0>();
@@ -287,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
           uint32_t af[4];
           uint32_t bfr[2];
           load_a_frag(af, xs + pair_row[i] * xp + ks * 16, xp, lane);
-          load_b_frag(bfr, as + pair_a[i] * xp + ks * 16, xp, lane);
+          load_b_frag(bfr, xs + pair_a[i] * xp + ks * 16, xp, lane);
           mma_16816<T>(acc[i], af, bfr);
         }
       }
@@ -315,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
       const int el = i & 127;
       float v = 0.0f;
       for (int gk = 0; gk < kg; ++gk) v += pair_sums[(gk * units + u) * 128 + el];
-      part_sums[((u / ta) * 16 + (el >> 3)) * RA + tile_row[u % ta] + (el & 7)] = p.scale * v;
+      part_sums[(unit_row[u] + (el >> 3)) * RA + unit_a[u] + (el & 7)] = p.scale * v;
     }
     cluster.sync();  // the partial sums of all 8 CTAs are complete
 
@@ -324,8 +339,8 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
       for (int i = crank * kThreads + tid; i < n_tok * RA; i += kCluster * kThreads) {
         const int m = i / RA;
         const int ra = i - m * RA;
-        const int s = ra / MR;
-        const int r = ra - s * MR;
+        const int s = s_lo + ra / MR;
+        const int r = ra % MR;
         if (r >= srank[s]) continue;
         float v = 0.0f;
 #pragma unroll
@@ -339,11 +354,11 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
       }
       cluster.sync();  // no CTA reads another's partial sums any more
     } else {
-      for (int s = 0; s < S; ++s) {
+      for (int s = s_lo; s < s_hi; ++s) {
         if (p.col_begin[s] >= g_hi * 8 || p.col_begin[s + 1] <= g_lo * 8) continue;
         const int rk = srank[s];
         for (int i = tid; i < n_tok * rk; i += kThreads) {
-          const int off = (i / rk) * RA + s * MR + i % rk;
+          const int off = (i / rk) * RA + (s - s_lo) * MR + i % rk;
           float v = 0.0f;
 #pragma unroll
           for (int c = 0; c < kCluster; ++c) v += cluster.map_shared_rank(part_sums, c)[off];
@@ -356,16 +371,17 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
       T* yg = static_cast<T*>(p.y);
       for (int64_t i = tid; i < n_tok * npairs; i += kThreads) {
         const int m = static_cast<int>(i / npairs);
-        const int64_t col = g_lo * 8 + (i % npairs) * 2;
-        int s = 0;
+        const int64_t c = (i % npairs) * 2;
+        const int64_t col = g_lo * 8 + c;
+        int s = s_lo;
         while (col >= p.col_begin[s + 1]) ++s;
         const int64_t j = col - p.col_begin[s];
         const int rk = srank[s];
         if (rk == 0 && p.add_inputs) continue;
-        const T* b0 = p.stage_b ? bs + (col - g_lo * 8) * p.b_pitch
+        const T* b0 = p.stage_b ? bs + c * p.b_pitch
                                 : static_cast<const T*>(p.b[s]) + (slot * p.width[s] + j) * MR;
         const T* b1 = p.stage_b ? b0 + p.b_pitch : b0 + MR;
-        const float* vrow = v_sums + m * RA + s * MR;
+        const float* vrow = v_sums + m * RA + (s - s_lo) * MR;
         float o0 = 0.0f;
         float o1 = 0.0f;
         for (int r0 = 0; r0 < rk; r0 += 8) {
@@ -384,8 +400,9 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
         }
         T* yrow = yg + tok[m] * p.y_stride + p.y_col[s] + j;
         if (p.add_inputs) {
-          o0 += to_float(yrow[0]);
-          o1 += to_float(yrow[1]);
+          const float2 old = unpack2<T>(*reinterpret_cast<const uint32_t*>(yrow));
+          o0 += old.x;
+          o1 += old.y;
         }
         *reinterpret_cast<uint32_t*>(yrow) = pack2<T>(o0, o1);
       }
@@ -396,6 +413,7 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
 struct ClusterPlan {
   bool ok = false;
   int m_tile = 0;
+  int sgroups = 1;
   int k_chunk = 0;
   int k_pass = 0;
   int region0 = 0;
@@ -412,8 +430,7 @@ bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 int align16(int64_t bytes) { return static_cast<int>(ceil_div(bytes, 16) * 16); }
 
 bool shrink_shape_ok(const ShrinkArgs& s) {
-  if (!half_dtype(s.dtype) || s.max_rank % 8 != 0 || s.num_slices * s.max_rank > kMaxRows)
-    return false;
+  if (!half_dtype(s.dtype) || s.max_rank % 8 != 0 || s.max_rank > kMaxRows) return false;
   if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
   for (int i = 0; i < s.num_slices; ++i) {
     if (!aligned16(s.lora_a[i])) return false;
@@ -421,13 +438,11 @@ bool shrink_shape_ok(const ShrinkArgs& s) {
   return true;
 }
 
-// Shared memory layout for a token tile `mt` and staged K `kp`; expand_cols > 0 adds the B
-// staging of that many columns.
-ClusterPlan layout(const ShrinkArgs& s, int mt, int kc, int kp, int64_t expand_cols) {
+// Shared memory layout for a token tile `mt`, `ra` A rows per work item and K staged `kp`
+// at a time; b_cols > 0 adds the staging of that many B rows.
+ClusterPlan layout(const ShrinkArgs& s, int mt, int ra, int kc, int kp, int64_t b_cols) {
   ClusterPlan plan;
-  const int ra = s.num_slices * s.max_rank;
-  const int xp = kp + 8;
-  const int64_t stage = static_cast<int64_t>(mt + ra) * xp * 2;
+  const int64_t stage = static_cast<int64_t>(mt + ra) * (kp + 8) * 2;
   const int64_t pair_bytes = int64_t{kWarps} * kMaxPairs * 128 * 4;
   const int64_t sums = int64_t{mt} * ra * 4;
   plan.m_tile = mt;
@@ -436,33 +451,29 @@ ClusterPlan layout(const ShrinkArgs& s, int mt, int kc, int kp, int64_t expand_c
   plan.region0 = align16(std::max({stage, pair_bytes, sums}));
   plan.off_part = plan.region0;
   plan.off_b = plan.off_part + align16(sums);
-  const int64_t b_bytes = expand_cols * (s.max_rank + 8) * 2;
-  plan.off_int = plan.off_b + align16(b_bytes);
-  const int ints = kMaxTile + kMaxSlices + kMaxRows / 8 + 4 * (s.max_loras + 1) + 1;
-  plan.smem = plan.off_int + ints * 4;
-  plan.stage_b = expand_cols > 0;
+  plan.off_int = plan.off_b + align16(b_cols * (s.max_rank + 8) * 2);
+  const int64_t table = int64_t{kMaxTile + kMaxRows} * (8 + 4);
+  const int ints =
+      kMaxTile + kMaxSlices + kMaxRows / 8 + 2 * kWarps * kMaxPairs + 4 * (s.max_loras + 1) + 1;
+  plan.smem = static_cast<int>(plan.off_int + table + ints * 4);
+  plan.stage_b = b_cols > 0;
   return plan;
 }
 
-// Largest token tile (<= the batch, rounded to 16) and K pass that fit the shared memory.
-ClusterPlan plan_cluster(const ShrinkArgs& s, int64_t expand_total_cols) {
-  ClusterPlan none;
-  if (!shrink_shape_ok(s) || s.num_tokens == 0) return none;
-  const int ra = s.num_slices * s.max_rank;
+// The first layout that fits, preferring two CTAs per SM, then K in one pass, then B staged
+// on chip, then the largest token tile (<= the batch rounded to 16; fewer re-reads of A).
+ClusterPlan first_fit(const ShrinkArgs& s, int ra, int64_t b_cols) {
   const int kc = static_cast<int>(ceil_div(ceil_div(s.hidden, kCluster), 64) * 64);
+  int kp_max = 64;
+  while (kp_max < kc && kp_max < 1024) kp_max *= 2;
   const int64_t t16 = ceil_div(s.num_tokens, 16) * 16;
-  // B columns one CTA expands when a slot's columns are split into a single part.
-  const int64_t cols = expand_total_cols > 0 ? ceil_div(expand_total_cols / 8, kCluster) * 8 : 0;
-  // Preference: two CTAs per SM, then K staged in one pass, then B staged, then the largest
-  // token tile (fewer re-reads of A).
   for (int budget : {kSmemTarget, kSmemMax}) {
-    for (int kp = kc; kp >= 64; kp /= 2) {
-      if (kc % kp != 0) continue;
-      for (int with_b = (cols > 0 ? 1 : 0); with_b >= 0; --with_b) {
+    for (int kp = kp_max; kp >= 64; kp /= 2) {
+      for (int with_b = b_cols > 0 ? 1 : 0; with_b >= 0; --with_b) {
         for (int mt = 64; mt >= 16; mt /= 2) {
           if (mt > t16 && mt > 16) continue;
           if ((mt / 16) * (ra / 8) > kWarps * kMaxPairs) continue;  // MMA tiles per warp
-          ClusterPlan plan = layout(s, mt, kc, kp, with_b ? cols : 0);
+          ClusterPlan plan = layout(s, mt, ra, kc, kp, with_b ? b_cols : 0);
           if (plan.smem > budget) continue;
           const int per_sm = plan.smem <= kSmemTarget ? 2 : 1;
           plan.clusters = std::max(1, per_sm * sm_count() / kCluster);
@@ -472,7 +483,43 @@ ClusterPlan plan_cluster(const ShrinkArgs& s, int64_t expand_total_cols) {
       }
     }
   }
-  return none;
+  return ClusterPlan{};
+}
+
+// Shrink only: a work item covers every slice (x read once per tile) or one slice (more
+// tokens per tile, so A is re-read less); the one with fewer bytes moved into the SMs wins.
+ClusterPlan plan_shrink(const ShrinkArgs& s) {
+  if (!shrink_shape_ok(s) || s.num_tokens == 0) return ClusterPlan{};
+  ClusterPlan best;
+  double best_bytes = 0;
+  for (int groups : {1, s.num_slices}) {
+    const int ra = (groups == 1 ? s.num_slices : 1) * s.max_rank;
+    if (ra > kMaxRows) continue;
+    ClusterPlan plan = first_fit(s, ra, 0);
+    if (!plan.ok) continue;
+    plan.sgroups = groups;
+    const double x_bytes = static_cast<double>(s.num_tokens) * s.hidden * 2 * groups;
+    const double a_bytes = static_cast<double>(ceil_div(s.num_tokens, plan.m_tile)) * s.num_slices *
+                           s.max_rank * s.hidden * 2;
+    const double passes_penalty = plan.k_pass < plan.k_chunk ? 1.25 : 1.0;
+    const double bytes = (x_bytes + a_bytes) * passes_penalty;
+    if (!best.ok || bytes < best_bytes) {
+      best = plan;
+      best_bytes = bytes;
+    }
+    if (s.num_slices == 1) break;
+  }
+  return best;
+}
+
+// Fused layer: every slice in one work item (the whole layer's intermediate on chip).
+ClusterPlan plan_fused(const ShrinkArgs& s, int64_t total_cols) {
+  if (!shrink_shape_ok(s) || s.num_tokens == 0) return ClusterPlan{};
+  const int ra = s.num_slices * s.max_rank;
+  if (ra > kMaxRows) return ClusterPlan{};
+  ClusterPlan plan = first_fit(s, ra, ceil_div(total_cols / 8, kCluster) * 8);
+  plan.sgroups = 1;
+  return plan;
 }
 
 ClusterParams make_params(const ShrinkArgs& s, const LoraMetaView& meta, const ClusterPlan& plan) {
@@ -488,8 +535,12 @@ ClusterParams make_params(const ShrinkArgs& s, const LoraMetaView& meta, const C
   p.scale = s.scale;
   p.meta = meta;
   p.m_tile = plan.m_tile;
+  p.sgroups = plan.sgroups;
   p.k_chunk = plan.k_chunk;
   p.k_pass = plan.k_pass;
+  int shift = 0;
+  while ((8 << shift) < plan.k_pass) ++shift;
+  p.cpr_shift = shift;
   p.x_pitch = plan.k_pass + 8;
   p.region0 = plan.region0;
   p.off_part = plan.off_part;
@@ -542,10 +593,10 @@ int64_t total_width(const ExpandArgs& e) {
 
 }  // namespace
 
-bool cluster_shrink_supported(const ShrinkArgs& args) { return plan_cluster(args, 0).ok; }
+bool cluster_shrink_supported(const ShrinkArgs& args) { return plan_shrink(args).ok; }
 
 Status cluster_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandle stream) {
-  const ClusterPlan plan = plan_cluster(s, 0);
+  const ClusterPlan plan = plan_shrink(s);
   LORAPLEX_ENSURE(plan.ok, "cluster_shrink: arguments not supported");
   const ClusterParams p = make_params(s, meta, plan);
   // No more clusters than work tiles can keep busy.
@@ -561,7 +612,7 @@ void set_fused_linear_max_tokens(int max_tokens) {
 }
 
 std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand) {
-  if (fused_args_ok(shrink, expand) && plan_cluster(shrink, total_width(expand)).ok) {
+  if (fused_args_ok(shrink, expand) && plan_fused(shrink, total_width(expand)).ok) {
     return "fused";
   }
   return half_dtype(shrink.dtype) ? "split" : "generic";
@@ -577,7 +628,7 @@ Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const Lor
                   meta.num_tokens, " tokens, the call has ", shrink.num_tokens);
   if (shrink.num_tokens == 0) return Status();
   if (fused_args_ok(shrink, expand)) {
-    const ClusterPlan plan = plan_cluster(shrink, total_width(expand));
+    const ClusterPlan plan = plan_fused(shrink, total_width(expand));
     if (plan.ok) {
       ClusterParams p = make_params(shrink, meta, plan);
       p.col_begin[0] = 0;
