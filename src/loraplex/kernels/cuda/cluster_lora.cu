@@ -21,6 +21,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -82,8 +85,10 @@ struct ClusterParams {
   void* y;
   int64_t y_stride;
   bool add_inputs;
-  bool stage_b;  // B rows of the CTA's columns staged in shared memory
-  int b_pitch;   // max_rank + 8
+  bool stage_b;       // B rows of the CTA's columns staged in shared memory
+  bool cache_ranks;   // the layer's ranks copied to shared memory up front
+  bool cache_sorted;  // the batch's sorted token indices copied to shared memory up front
+  int b_pitch;        // max_rank + 8
 };
 
 // Number of K groups the warps split the K steps into, for `units` MMA tiles: the fewest
@@ -137,13 +142,24 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
   int* counts = ids + ne;                  // [ne]
   int* starts = counts + ne;               // [ne]
   int* prefix = starts + ne;               // [ne + 1]
+  int* rank_cache = prefix + ne + 1;       // [num_slices * max_loras] when p.cache_ranks
+  int* sorted_cache = rank_cache + (p.cache_ranks ? S * p.max_loras : 0);  // [num_tokens]
 
-  // Every entry of the metadata at once (entries past the active ones are -1 / 0), so the
-  // work list costs one round trip to memory.
+  // Every entry of the metadata, the layer's ranks and (small batches) the sorted token
+  // indices at once: entries past the active ones are -1 / 0, so the whole work list costs
+  // one round trip to memory and the work items need no other before their data.
   for (int e = tid; e < ne; e += kThreads) {
     ids[e] = p.meta.active_lora_ids[e];
     counts[e] = p.meta.num_tokens_per_lora[e];
     starts[e] = p.meta.lora_token_start_loc[e];
+  }
+  if (p.cache_ranks) {
+    for (int i = tid; i < S * p.max_loras; i += kThreads) rank_cache[i] = p.ranks[i];
+  }
+  if (p.cache_sorted) {
+    for (int i = tid; i < p.num_tokens; i += kThreads) {
+      sorted_cache[i] = p.meta.sorted_token_indices[i];
+    }
   }
   __syncthreads();
   if (warp == 0) {
@@ -186,8 +202,15 @@ __global__ void __launch_bounds__(kThreads, 2) cluster_lora_kernel(ClusterParams
     const int n_tok = min(mt, counts[e] - m0);
     const int start = starts[e] + m0;
     __syncthreads();  // the previous work item is done with the shared arrays
-    if (tid < kMaxTile) tok[tid] = tid < n_tok ? p.meta.sorted_token_indices[start + tid] : 0;
-    if (tid < S) srank[tid] = p.ranks[tid * p.max_loras + slot];
+    if (tid < kMaxTile) {
+      tok[tid] = tid >= n_tok     ? 0
+                 : p.cache_sorted ? sorted_cache[start + tid]
+                                  : p.meta.sorted_token_indices[start + tid];
+    }
+    if (tid < S) {
+      srank[tid] =
+          p.cache_ranks ? rank_cache[tid * p.max_loras + slot] : p.ranks[tid * p.max_loras + slot];
+    }
     __syncthreads();
 
     // Rows to stage: the tile's x rows (whole 16-row MMA groups; rows past the tile's tokens
@@ -438,6 +461,15 @@ bool shrink_shape_ok(const ShrinkArgs& s) {
   return true;
 }
 
+constexpr int kRankCacheInts = 4096;
+constexpr int kSortedCacheInts = 2048;
+bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kRankCacheInts; }
+bool cache_sorted(const ShrinkArgs& s) { return s.num_tokens <= kSortedCacheInts; }
+int cache_ints(const ShrinkArgs& s) {
+  return (cache_ranks(s) ? s.num_slices * s.max_loras : 0) +
+         (cache_sorted(s) ? static_cast<int>(s.num_tokens) : 0);
+}
+
 // Shared memory layout for a token tile `mt`, `ra` A rows per work item and K staged `kp`
 // at a time; b_cols > 0 adds the staging of that many B rows.
 ClusterPlan layout(const ShrinkArgs& s, int mt, int ra, int kc, int kp, int64_t b_cols) {
@@ -453,8 +485,8 @@ ClusterPlan layout(const ShrinkArgs& s, int mt, int ra, int kc, int kp, int64_t 
   plan.off_b = plan.off_part + align16(sums);
   plan.off_int = plan.off_b + align16(b_cols * (s.max_rank + 8) * 2);
   const int64_t table = int64_t{kMaxTile + kMaxRows} * (8 + 4);
-  const int ints =
-      kMaxTile + kMaxSlices + kMaxRows / 8 + 2 * kWarps * kMaxPairs + 4 * (s.max_loras + 1) + 1;
+  const int ints = kMaxTile + kMaxSlices + kMaxRows / 8 + 2 * kWarps * kMaxPairs +
+                   4 * (s.max_loras + 1) + 1 + cache_ints(s);
   plan.smem = static_cast<int>(plan.off_int + table + ints * 4);
   plan.stage_b = b_cols > 0;
   return plan;
@@ -519,6 +551,8 @@ ClusterPlan plan_fused(const ShrinkArgs& s, int64_t total_cols) {
   if (ra > kMaxRows) return ClusterPlan{};
   ClusterPlan plan = first_fit(s, ra, ceil_div(total_cols / 8, kCluster) * 8);
   plan.sgroups = 1;
+  // Fused pays off only with B on chip and K in one pass; otherwise shrink + expand kernels.
+  if (!plan.stage_b || plan.k_pass < plan.k_chunk) plan.ok = false;
   return plan;
 }
 
@@ -551,7 +585,36 @@ ClusterParams make_params(const ShrinkArgs& s, const LoraMetaView& meta, const C
   p.num_tokens = s.num_tokens;
   p.stage_b = plan.stage_b;
   p.b_pitch = s.max_rank + 8;
+  p.cache_ranks = cache_ranks(s);
+  p.cache_sorted = cache_sorted(s);
   return p;
+}
+
+// Clusters of this kernel that fit on the GPU at once (a cluster must sit within one GPC, so
+// this is below SMs * CTAs-per-SM / 8); cached per (kernel, shared memory size, device).
+int max_active_clusters(const void* kernel, cudaLaunchConfig_t cfg) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, size_t, int>, int> cache;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, cfg.dynamicSmemBytes, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 1) {
+    cudaGetLastError();
+    n = 0;  // unknown: the caller keeps its own estimate
+  }
+  cache[key] = n;
+  return n;
 }
 
 template <typename T, bool kExpand>
@@ -559,9 +622,13 @@ Status launch(const ClusterParams& p, const ClusterPlan& plan, int clusters, Str
   auto kernel = &cluster_lora_kernel<T, kExpand>;
   LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  // More clusters than fit at once would run as a second wave behind the first.
+  const int fit = max_active_clusters(reinterpret_cast<const void*>(kernel), cfg);
+  if (fit > 0) clusters = std::min(clusters, fit);
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -199,7 +199,12 @@ struct TcExpandParams {
   bool add_inputs;
   int64_t num_tokens;
   LoraMetaView meta;
+  bool cache_ranks;
+  bool cache_sorted;
 };
+
+constexpr int kCacheRanks = 4096;
+constexpr int kCacheSorted = 2048;
 
 constexpr int kExpandSmemBytes =
     (kTcBM * kYPitch + kTcBM * kTcPitch + kExpandBN * kTcPitch) * 2 + kTcBM * 4;
@@ -212,6 +217,20 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
   T* bs = ins + kTcBM * kTcPitch;
   int* tok = reinterpret_cast<int*>(bs + kExpandBN * kTcPitch);
   int* prefix = tok + kTcBM;
+  int* rank_cache = prefix + p.max_loras + 2;  // when cache_ranks
+  int* sorted_cache = rank_cache + (p.cache_ranks ? p.num_slices * p.max_loras : 0);
+  // The layer's ranks and (small batches) the sorted token indices come with the metadata
+  // in the first round trip, so a work item needs no other load before its data.
+  if (p.cache_ranks) {
+    for (int i = static_cast<int>(threadIdx.x); i < p.num_slices * p.max_loras; i += kTcThreads) {
+      rank_cache[i] = p.ranks[i];
+    }
+  }
+  if (p.cache_sorted) {
+    for (int i = static_cast<int>(threadIdx.x); i < p.num_tokens; i += kTcThreads) {
+      sorted_cache[i] = p.meta.sorted_token_indices[i];
+    }
+  }
   const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix);
   const int total_nt = p.ntile_begin[p.num_slices];
   const int64_t items = static_cast<int64_t>(prefix[n_entries]) * total_nt;
@@ -234,7 +253,8 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     while (u >= p.ntile_begin[s + 1]) ++s;
     const int e = find_tile_entry(prefix, n_entries, tile);
     const int slot = p.meta.active_lora_ids[e];
-    const int rank = p.ranks[s * p.max_loras + slot];
+    const int rank =
+        p.cache_ranks ? rank_cache[s * p.max_loras + slot] : p.ranks[s * p.max_loras + slot];
     if (rank == 0 && p.add_inputs) continue;
     const int64_t n0 = static_cast<int64_t>(u - p.ntile_begin[s]) * kExpandBN;
     const int ncols = static_cast<int>(min(static_cast<int64_t>(kExpandBN), p.width[s] - n0));
@@ -247,7 +267,11 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     prev_s = s;
     __syncthreads();  // the previous item is done with the tiles
     if (!same_rows) {
-      if (tid < kTcBM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : 0;
+      if (tid < kTcBM) {
+        tok[tid] = tid >= mrows     ? 0
+                   : p.cache_sorted ? sorted_cache[start + tid]
+                                    : p.meta.sorted_token_indices[start + tid];
+      }
       __syncthreads();
     }
     const int64_t ycol = p.y_col[s] + n0;
@@ -401,7 +425,11 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   p.add_inputs = a.add_inputs;
   p.num_tokens = a.num_tokens;
   p.meta = meta;
-  const int smem = kExpandSmemBytes + (a.max_loras + 2) * 4;
+  p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
+  p.cache_sorted = a.num_tokens <= kCacheSorted;
+  const int smem = kExpandSmemBytes + (a.max_loras + 2) * 4 +
+                   (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
+                   (p.cache_sorted ? static_cast<int>(a.num_tokens) * 4 : 0);
   const int64_t items =
       tile_upper_bound(a.num_tokens, a.max_loras, kTcBM) * p.ntile_begin[a.num_slices];
   const int grid = static_cast<int>(std::min<int64_t>(items, kTcBlocksPerSm * sm_count()));
