@@ -15,8 +15,8 @@ Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::Lora
                             const Stream& stream);
 Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
                             const Stream& stream);
-/// The BGMV (decode gather) forms: tokens in batch order, each gathering its slot's weights
-/// through `token_lora_mapping` ([num_tokens] on the stream's device).
+/// Per-token gather forms (vLLM's bgmv_shrink / bgmv_expand / bgmv_expand_slice): the same
+/// math driven by the mapping alone, for callers without batch metadata.
 Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
                             const Stream& stream);
 Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,

@@ -48,7 +48,7 @@ constexpr int kMaxPairs = 4;             // (MMA tile, K group) pairs per warp a
 constexpr int kMaxParts = 16;            // column parts per slot at most (fused)
 constexpr int kSmemTarget = 112 * 1024;  // two CTAs per SM
 constexpr int kSmemMax = 220 * 1024;
-constexpr int kDefaultMaxTokens = 128;
+constexpr int kDefaultMaxTokens = 32;
 
 std::atomic<int> g_fused_max_tokens{kDefaultMaxTokens};
 
