@@ -12,6 +12,7 @@
 
 namespace loraplex::cli {
 // Each subcommand lives in its own cmd_*.cc file.
+extern const Command kGenerateCommand;
 extern const Command kSelftestCommand;
 }  // namespace loraplex::cli
 
@@ -19,7 +20,8 @@ namespace {
 
 using loraplex::cli::Command;
 
-const Command* const kCommands[] = {&loraplex::cli::kSelftestCommand};
+const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
+                                    &loraplex::cli::kSelftestCommand};
 
 void print_usage(std::FILE* out) {
   std::fprintf(out, "usage: loraplex <command> [options]\n\ncommands:\n");

@@ -152,6 +152,33 @@ struct MoeCombineArgs {
   void* out = nullptr;                  // [num_tokens, hidden] out
 };
 
+/// y = x W^T for a row-major weight W [out, in] (the GPU base GEMM; float32 compute, no TF32).
+struct LinearArgs {
+  DType dtype = DType::kF32;  // of x, W and y
+  int64_t num_tokens = 0;
+  int64_t in = 0;
+  int64_t out = 0;
+  const void* x = nullptr;  // [num_tokens, in] in
+  const void* w = nullptr;  // [out, in] in
+  void* y = nullptr;        // [num_tokens, out] out
+};
+
+/// The base projection of routed experts: for each pair p = t * top_k + k with expert
+/// e = topk_ids[p], out[p, :] = W[e] x_row, x_row = x[t] (rows are tokens) or x[p] (pairs).
+struct MoeExpertLinearArgs {
+  DType dtype = DType::kF32;  // of x, W and out
+  int64_t num_tokens = 0;
+  int top_k = 0;
+  int num_experts = 0;
+  int64_t in = 0;
+  int64_t out_features = 0;
+  const void* x = nullptr;  // [num_tokens, in] or [num_tokens * top_k, in] in
+  bool x_rows_are_pairs = false;
+  const int32_t* topk_ids = nullptr;  // [num_tokens, top_k] in
+  const void* w = nullptr;            // [num_experts, out_features, in] in
+  void* out = nullptr;                // [num_tokens * top_k, out_features] out
+};
+
 /// ids[r] = argmax_j logits[r, j]; ties go to the lowest j. NaN never wins.
 struct ArgmaxArgs {
   DType dtype = DType::kF32;
@@ -173,6 +200,7 @@ Status add(const AddArgs& a);
 Status bias_add(const BiasArgs& a);
 Status moe_route(const MoeRouteArgs& a);
 Status moe_combine(const MoeCombineArgs& a);
+Status moe_expert_linear(const MoeExpertLinearArgs& a);
 Status argmax(const ArgmaxArgs& a);
 }  // namespace cpu
 
@@ -189,7 +217,9 @@ Status add(const AddArgs& a, const Stream& stream);
 Status bias_add(const BiasArgs& a, const Stream& stream);
 Status moe_route(const MoeRouteArgs& a, const Stream& stream);
 Status moe_combine(const MoeCombineArgs& a, const Stream& stream);
+Status moe_expert_linear(const MoeExpertLinearArgs& a, const Stream& stream);
 Status argmax(const ArgmaxArgs& a, const Stream& stream);
+Status linear(const LinearArgs& a, const Stream& stream);
 }  // namespace cuda
 
 /// Routes to cpu:: or cuda:: by the stream's device.

@@ -313,6 +313,37 @@ Status moe_combine(const MoeCombineArgs& a) {
   });
 }
 
+Status moe_expert_linear(const MoeExpertLinearArgs& a) {
+  LORAPLEX_ENSURE(a.top_k >= 1 && a.num_experts >= 1 && a.in >= 1 && a.out_features >= 1,
+                  "moe_expert_linear: bad sizes (top_k ", a.top_k, ", experts ", a.num_experts,
+                  ", in ", a.in, ", out ", a.out_features, ")");
+  const int64_t pairs = a.num_tokens * a.top_k;
+  for (int64_t p = 0; p < pairs; ++p) {
+    LORAPLEX_ENSURE(a.topk_ids[p] >= 0 && a.topk_ids[p] < a.num_experts, "moe_expert_linear: pair ",
+                    p, " routes to expert ", a.topk_ids[p], ", expected 0..", a.num_experts - 1);
+  }
+  return dispatch(a.dtype, "moe_expert_linear", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.x);
+    const T* w = static_cast<const T*>(a.w);
+    T* out = static_cast<T*>(a.out);
+    parallel_for(0, pairs, 2, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(static_cast<size_t>(a.in));
+      for (int64_t p = lo; p < hi; ++p) {
+        const T* xr = x + (a.x_rows_are_pairs ? p : p / a.top_k) * a.in;
+        for (int64_t i = 0; i < a.in; ++i) row[i] = load_float(xr[i]);
+        const T* we = w + static_cast<int64_t>(a.topk_ids[p]) * a.out_features * a.in;
+        for (int64_t o = 0; o < a.out_features; ++o) {
+          const T* wr = we + o * a.in;
+          float acc = 0.0f;
+          for (int64_t i = 0; i < a.in; ++i) acc += row[i] * load_float(wr[i]);
+          out[p * a.out_features + o] = store_float<T>(acc);
+        }
+      }
+    });
+  });
+}
+
 Status argmax(const ArgmaxArgs& a) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab, "argmax: bad sizes");
   return dispatch(a.dtype, "argmax", [&](auto tag) {
