@@ -57,7 +57,7 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
                  "tokenizer.json)");
   const Tokenizer tokenizer = Tokenizer::from_file(tok_path);
 
-  // Requests: adapter names must be known, prompts must encode to at least one token.
+  // Adapter names must be unique; their configs are read first so a broken one fails early.
   std::map<std::string, int> adapter_index;
   for (size_t i = 0; i < cfg.loras.size(); ++i) {
     LORAPLEX_CHECK(adapter_index.emplace(cfg.loras[i].first, static_cast<int>(i)).second,
@@ -65,15 +65,9 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   }
   std::vector<EngineRequest> requests;
   GenerateReport report;
+  for (const auto& [name, dir] : cfg.loras) model::PeftAdapter::config_max_rank(name, dir);
   for (const RequestSpec& r : cfg.requests) {
     EngineRequest e;
-    if (r.adapter) {
-      const auto it = adapter_index.find(*r.adapter);
-      LORAPLEX_CHECK(it != adapter_index.end(), cfg.requests_path, ":", r.line,
-                     ": unknown adapter '", *r.adapter, "' (load it with --lora ", *r.adapter,
-                     "=DIR)");
-      e.adapter = it->second;
-    }
     try {
       e.prompt_ids = tokenizer.encode(r.prompt, true);
     } catch (const Error& err) {
@@ -86,8 +80,9 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
     report.outputs.push_back({r.prompt, r.adapter, requests.back().prompt_ids, {}, {}});
   }
 
-  // Adapters are checked against the model's modules before the weights are bound, so a broken
-  // one fails fast; the ranks fix --max-lora-rank's default.
+  // Adapter configs were checked above (a broken one fails before the model loads); their
+  // ranks fix --max-lora-rank's default, and the weights are checked against the model's
+  // modules right after it is built, all before any generation.
   const int max_loras =
       cfg.max_loras.value_or(std::max<int>(1, static_cast<int>(cfg.loras.size())));
   LORAPLEX_CHECK(max_loras >= 1, "--max-loras ", max_loras, ", expected >= 1");
@@ -123,6 +118,15 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   std::vector<model::PeftAdapter> adapters;
   for (const auto& [name, dir] : cfg.loras) {
     adapters.push_back(model::PeftAdapter::load(name, dir, decoder->targets(), max_rank));
+  }
+  // Request adapter names are resolved once every adapter has loaded cleanly.
+  for (size_t i = 0; i < cfg.requests.size(); ++i) {
+    const RequestSpec& r = cfg.requests[i];
+    if (!r.adapter) continue;
+    const auto it = adapter_index.find(*r.adapter);
+    LORAPLEX_CHECK(it != adapter_index.end(), cfg.requests_path, ":", r.line, ": unknown adapter '",
+                   *r.adapter, "' (load it with --lora ", *r.adapter, "=DIR)");
+    requests[i].adapter = it->second;
   }
   report.load_seconds = seconds_since(t0);
 
