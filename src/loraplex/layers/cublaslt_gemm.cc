@@ -1,0 +1,208 @@
+// cuBLASLt for the base GEMM. Row-major y[m, n] = x[m, k] W[n, k]^T is, in cuBLAS's
+// column-major terms, D(n x m) = op_T(A = W viewed k x n) * B (= x viewed k x m).
+//
+// Plans (descriptors, layouts and the heuristic's algorithm) are cached per thread and per
+// problem: heuristics are slow and the bias pointer is a descriptor attribute, so a plan is
+// never shared between threads. Each (thread, device, stream) has its own workspace so that
+// work queued on different streams never shares scratch memory.
+
+#include "loraplex/layers/cublaslt_gemm.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <tuple>
+
+namespace loraplex::cuda_blas {
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+#define LORAPLEX_CUBLAS(expr)                                                                 \
+  do {                                                                                        \
+    const cublasStatus_t _st = (expr);                                                        \
+    if (_st != CUBLAS_STATUS_SUCCESS)                                                         \
+      return Status(StatusCode::kCudaError,                                                   \
+                    detail::concat("cuBLASLt: ", #expr, ": ", cublasLtGetStatusString(_st))); \
+  } while (0)
+
+cudaDataType_t cuda_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// Largest power of two (<= 256) dividing the address: cuBLASLt must not pick kernels that
+// assume more alignment than views at odd offsets have.
+uint32_t alignment_of(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && (v % a) != 0) a /= 2;
+  return a;
+}
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr;
+  cublasLtMatrixLayout_t b = nullptr;
+  cublasLtMatrixLayout_t c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ready = false;
+  ~Plan() {
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                           bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+
+struct Workspace {
+  void* ptr = nullptr;
+  int device = 0;
+  ~Workspace() {
+    if (ptr != nullptr) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cudaFree(ptr);
+      cudaSetDevice(previous);
+    }
+  }
+};
+
+struct ThreadState {
+  std::map<int, cublasLtHandle_t> handles;
+  std::map<PlanKey, std::unique_ptr<Plan>> plans;
+  std::map<std::pair<int, void*>, std::unique_ptr<Workspace>> workspaces;
+  ~ThreadState() {
+    plans.clear();
+    for (auto& [device, h] : handles) cublasLtDestroy(h);
+  }
+};
+
+ThreadState& state() {
+  thread_local ThreadState s;
+  return s;
+}
+
+Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmXwtArgs& g, const uint32_t align[4]) {
+  const cudaDataType_t t = cuda_type(g.dtype);
+  LORAPLEX_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T;
+  const cublasOperation_t trans_b = CUBLAS_OP_N;
+  LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
+                                                 sizeof(trans_a)));
+  LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
+                                                 sizeof(trans_b)));
+  if (g.bias != nullptr) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                   sizeof(epilogue)));
+    const cudaDataType_t bias_type = t;
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                   &bias_type, sizeof(bias_type)));
+  }
+  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, t, static_cast<uint64_t>(g.k),
+                                             static_cast<uint64_t>(g.n), g.ldw));
+  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, t, static_cast<uint64_t>(g.k),
+                                             static_cast<uint64_t>(g.m), g.ldx));
+  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, t, static_cast<uint64_t>(g.n),
+                                             static_cast<uint64_t>(g.m), g.ldy));
+  cublasLtMatmulPreference_t pref = nullptr;
+  LORAPLEX_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  const size_t ws = kWorkspaceBytes;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i) {
+    st = cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof(align[i]));
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result,
+                                        &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  LORAPLEX_CUBLAS(st);
+  if (found == 0) {
+    return unsupported("cuBLASLt has no algorithm for y = x W^T with m ", g.m, ", n ", g.n, ", k ",
+                       g.k, ", dtype ", g.dtype);
+  }
+  p.algo = result.algo;
+  p.ready = true;
+  return Status();
+}
+
+}  // namespace
+
+Status gemm_xwt(const GemmXwtArgs& g) {
+  LORAPLEX_ENSURE(g.dtype == DType::kF32 || g.dtype == DType::kF16 || g.dtype == DType::kBF16,
+                  "cuBLASLt gemm: dtype ", g.dtype, ", expected float32, float16 or bfloat16");
+  LORAPLEX_ENSURE(g.m >= 0 && g.n >= 1 && g.k >= 1, "cuBLASLt gemm: bad sizes (m ", g.m, ", n ",
+                  g.n, ", k ", g.k, ")");
+  if (g.m == 0) return Status();
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(g.device) != cudaSuccess) {
+    return Status(StatusCode::kCudaError,
+                  detail::concat("cuBLASLt gemm: cannot select CUDA device ", g.device));
+  }
+  ThreadState& s = state();
+  auto h = s.handles.find(g.device);
+  if (h == s.handles.end()) {
+    cublasLtHandle_t handle = nullptr;
+    LORAPLEX_CUBLAS(cublasLtCreate(&handle));
+    h = s.handles.emplace(g.device, handle).first;
+  }
+  const uint32_t align[4] = {alignment_of(g.w), alignment_of(g.x), alignment_of(g.y),
+                             alignment_of(g.y)};
+  const PlanKey key{
+      g.device, static_cast<int>(g.dtype), g.m,          g.n,      g.k,      g.ldx,    g.ldw,
+      g.ldy,    g.bias != nullptr,         g.accumulate, align[0], align[1], align[2], align[3]};
+  std::unique_ptr<Plan>& plan = s.plans[key];
+  if (plan == nullptr) plan = std::make_unique<Plan>();
+  if (!plan->ready) {
+    const Status st = build_plan(*plan, h->second, g, align);
+    if (!st.ok()) {
+      plan.reset();
+      return st;
+    }
+  }
+  if (g.bias != nullptr) {
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                   &g.bias, sizeof(g.bias)));
+  }
+  std::unique_ptr<Workspace>& ws = s.workspaces[{g.device, g.stream}];
+  if (ws == nullptr) {
+    ws = std::make_unique<Workspace>();
+    ws->device = g.device;
+    if (cudaMalloc(&ws->ptr, kWorkspaceBytes) != cudaSuccess) {
+      ws.reset();
+      return Status(StatusCode::kCudaError,
+                    detail::concat("cuBLASLt gemm: cannot allocate a ", kWorkspaceBytes >> 20,
+                                   " MiB workspace on cuda:", g.device));
+    }
+  }
+  const float alpha = 1.0f;
+  const float beta = g.accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t st = cublasLtMatmul(
+      h->second, plan->desc, &alpha, g.w, plan->a, g.x, plan->b, &beta, g.y, plan->c, g.y, plan->c,
+      &plan->algo, ws->ptr, kWorkspaceBytes, static_cast<cudaStream_t>(g.stream));
+  cudaSetDevice(previous);
+  LORAPLEX_CUBLAS(st);
+  return Status();
+}
+
+}  // namespace loraplex::cuda_blas

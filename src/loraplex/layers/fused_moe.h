@@ -1,0 +1,178 @@
+#pragma once
+// Fused MoE with LoRA (vLLM FusedMoEWithLoRA / FusedMoE3DWithLoRA), including the base MoE:
+// router softmax over experts (float), top-k, renormalisation as Mixtral/transformers do,
+// SiLU-gated experts, router-weighted sum over the top-k.
+//
+// Per token t and routed pair (t, k) with expert e and router weight w:
+//   gate_up = W13[e] x_t                + w13 LoRA delta (gate and up slices)  [before act]
+//   h       = silu(gate) * up
+//   down    = w * (W2[e] h)             + w * w2 LoRA delta                     [before sum]
+//   y_t     = sum_k down
+// which is where vLLM adds the two LoRA deltas. Experts are tensor-parallel over the
+// intermediate dimension (I / tp per rank): w13 LoRA-B is sliced by intermediate rows, w2
+// LoRA-A by intermediate columns, and the partial outputs are summed by one all-reduce.
+// Fully sharded: w13 A is sliced by rank (cyclically, as LoraLinear) and the rank
+// intermediate all-gathered; w2 B is sliced by hidden rows and the rank intermediate
+// all-reduced, then expanded into this rank's hidden columns.
+//
+// Adapters: per-expert 2-D weights (transformers 4.x names block_sparse_moe.experts.N.w1/w3/w2)
+// in MoeLoraWeights, or PEFT's 3-D expert parameters converted with peft_3d_expert_lora().
+//
+// Base experts run as one GEMM per expert over the pairs routed to it; grouping the pairs
+// needs the routing on the host (one device-to-host copy of the top-k ids per forward).
+
+#include <cstdint>
+#include <vector>
+
+#include "loraplex/core/stream.h"
+#include "loraplex/core/tensor.h"
+#include "loraplex/dist/communicator.h"
+#include "loraplex/kernels/lora_ops.h"
+#include "loraplex/layers/lora_layer.h"
+#include "loraplex/punica/punica_wrapper.h"
+#include "loraplex/punica/slot_ranks.h"
+
+namespace loraplex {
+
+/// How a fused gate_up projection orders its 2 * intermediate output rows.
+enum class GateUpLayout {
+  kConcatenated,  // [gate rows; up rows] (transformers' gate_up_proj.chunk(2))
+  kInterleaved,   // gate = even rows, up = odd rows (GPT-OSS)
+};
+
+struct MoeSpec {
+  int num_experts = 8;
+  int top_k = 2;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;  // full (unsharded) per expert
+  DType dtype = DType::kBF16;
+  bool renormalize = true;  // Mixtral: top-k probabilities renormalised to sum 1
+};
+
+/// The MoE part of one adapter, per expert. Each list is empty (the adapter does not target
+/// that projection: rank 0) or has num_experts entries; an entry with undefined a and b means
+/// the adapter does not target that expert (written as zeros). Ranks may differ per expert;
+/// the slot runs at the largest and smaller experts are zero-padded.
+struct MoeLoraWeights {
+  std::vector<LoraSliceWeights> w1;  // gate: a [r, hidden], b [intermediate, r]
+  std::vector<LoraSliceWeights> w3;  // up:   a [r, hidden], b [intermediate, r]
+  std::vector<LoraSliceWeights> w2;  // down: a [r, intermediate], b [hidden, r]
+};
+
+/// PEFT's 3-D expert LoRA (LoraConfig.target_parameters; peft.tuners.lora.layer.ParamWrapper)
+/// as per-expert 2-D slices. PEFT stores one projection of E experts as
+///   A [r * E, in]   rows expert-major:   row    e * r + j  is expert e's A row j
+///   B [out, r * E]  columns rank-major:  column j * E + e  is expert e's B column j
+/// (ParamWrapper.get_delta_weight reshapes A to (E, r, in) and B to (out, r, E)). `in`/`out`
+/// are the projection's true input/output sizes; PEFT >= 0.19 swaps its in/out features for
+/// transformers-5 parameters stored [E, out, in] (_did_swap_in_out_features), and the caller
+/// must pass A and B in the orientation where A's columns are the projection input.
+/// Returns views (no copies). Scale must already be folded into B.
+std::vector<LoraSliceWeights> peft_3d_expert_lora(const Tensor& a, const Tensor& b,
+                                                  int num_experts);
+
+/// Splits per-expert gate_up adapters (B [2 * intermediate, r]) into gate (w1) and up (w3)
+/// adapters sharing A, per the base layer's gate_up row layout. Views, no copies.
+void split_gate_up_lora(const std::vector<LoraSliceWeights>& gate_up, int64_t intermediate,
+                        GateUpLayout layout, std::vector<LoraSliceWeights>& w1,
+                        std::vector<LoraSliceWeights>& w3);
+
+class FusedMoeWithLora {
+ public:
+  /// comm: tensor-parallel group or nullptr. intermediate must be divisible by the group size.
+  FusedMoeWithLora(const MoeSpec& spec, const LoraConfig& config, Communicator* comm, Device device,
+                   int max_num_tokens);
+
+  /// FULL base weights, CPU, any float dtype: router [E, hidden]; per expert w1 (gate) and w3
+  /// (up) [intermediate, hidden], w2 (down) [hidden, intermediate].
+  void load_base(const Tensor& router, const std::vector<Tensor>& w1, const std::vector<Tensor>& w3,
+                 const std::vector<Tensor>& w2);
+  /// transformers-5 style 3-D experts: gate_up [E, 2 * intermediate, hidden] (row layout
+  /// `layout`), down [E, hidden, intermediate].
+  void load_base_3d(const Tensor& router, const Tensor& gate_up, const Tensor& down,
+                    GateUpLayout layout = GateUpLayout::kConcatenated);
+
+  /// Throws loraplex::Error (slot unchanged) on a wrong shape, list length or rank.
+  void set_lora(int slot, const MoeLoraWeights& weights);
+  void reset_lora(int slot);
+
+  /// x: [num_tokens, hidden] in, contiguous. Returns a view of the layer's output buffer
+  /// [num_tokens, hidden], valid until the next forward. Every rank must call it.
+  Tensor forward(const Tensor& x, const PunicaWrapper& punica, const Stream& stream);
+  /// y: [num_tokens, hidden] out, contiguous.
+  void forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica, const Stream& stream);
+
+  const MoeSpec& spec() const { return spec_; }
+  /// Adapter rank of (slot, projection): projection 0 = w1, 1 = w3, 2 = w2.
+  int lora_rank(int slot, int projection) const;
+
+ private:
+  Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
+  void load_experts(const Tensor& router, const std::vector<Tensor>& gate,
+                    const std::vector<Tensor>& up, const std::vector<Tensor>& down);
+  void route_on_host(int64_t tokens, const Stream& stream);
+  void add_w13_lora(const Tensor& x, Tensor& gate_up, const PunicaWrapper& punica,
+                    const Stream& stream);
+  void add_w2_lora(const Tensor& act, Tensor& down, const PunicaWrapper& punica,
+                   const Stream& stream);
+  kernels::FusedMoeLoraArgs lora_args(const PunicaWrapper& punica, int64_t tokens) const;
+
+  MoeSpec spec_;
+  LoraConfig config_;
+  Communicator* comm_;
+  SingleDeviceCommunicator single_;
+  Device device_;
+  int max_num_tokens_;
+  int tp_ = 1;
+  int rank_ = 0;
+  int64_t inter_local_ = 0;
+  int64_t rank_shard_ = 0;  // fully sharded: ceil(max_rank / tp)
+  int64_t rank_pad_ = 0;    // fully sharded: rank_shard_ * tp
+
+  Tensor router_;  // [E, hidden]
+  Tensor w13_;     // [E, 2 * inter_local, hidden] gate rows then up rows
+  Tensor w2_;      // [E, hidden, inter_local]
+
+  Tensor w13_a_[2];  // [L, E, max_rank (or rank_shard), hidden]
+  Tensor w13_b_[2];  // [L, E, inter_local, max_rank (or rank_pad)]
+  Tensor w2_a_;      // [L, E, max_rank, inter_local]
+  Tensor w2_b_;      // [L, E, hidden (or hidden / tp), max_rank]
+  // Fully sharded: the split shrink / expand run as fused_moe_lora calls whose other factor
+  // is a 0/1 selector (identity) matrix.
+  Tensor select_shard_;   // [L, E, rank_shard, rank_shard] identity
+  Tensor select_pad_[2];  // [L, E, rank_pad, 2 * rank_pad]: picks slice s of the gathered rows
+  Tensor select_rank_;    // [L, E, max_rank, max_rank] identity
+  SlotRanks ranks13_;     // [2 slices]
+  SlotRanks ranks13_expand_;
+  SlotRanks ranks2_;                 // [1 slice]
+  Tensor adapter_enabled_;           // int32 [L] on the device
+  std::vector<int32_t> host_ranks_;  // [projection * L + slot]
+
+  // Workspaces, sized from max_num_tokens.
+  Tensor logits_;        // [T, E]
+  Tensor topk_ids_;      // int32 [T * top_k]
+  Tensor topk_weights_;  // f32 [T * top_k]
+  Tensor host_ids_;      // int32 [T * top_k] on the host
+  Tensor host_order_;    // int32 [2, T * top_k] on the host: pair order, its tokens
+  Tensor pair_index_;    // int32 [2, T * top_k] on the device
+  std::vector<int64_t> expert_offsets_;
+  Tensor x_sorted_;        // [P, hidden]
+  Tensor gate_up_sorted_;  // [P, 2 * inter_local]
+  Tensor gate_up_;         // [P, 2 * inter_local] pair-major
+  Tensor act_;             // [P, inter_local] pair-major
+  Tensor act_sorted_;      // [P, inter_local]
+  Tensor down_sorted_;     // [P, hidden]
+  Tensor down_;            // [P, hidden] pair-major
+  Tensor out_buffer_;      // [T, hidden]
+  Tensor sorted_ids_;      // int32 [L, padded]
+  Tensor expert_ids_;      // int32 [L, blocks]
+  Tensor num_post_pad_;    // int32 [L]
+  int64_t align_padded_ = 0;
+  int64_t align_blocks_ = 0;
+  Tensor fs13_;                // fully sharded: [P, 2 * rank_shard]
+  Tensor fs13_gathered_;       // [P, 2 * rank_pad]
+  Tensor fs2_;                 // [P, max_rank]
+  bool naive_blocks_ = false;  // this step's choice (vLLM's sparsity rule)
+};
+
+}  // namespace loraplex

@@ -1,0 +1,185 @@
+#include "loraplex/layers/logits_processor.h"
+
+#include <algorithm>
+
+#include "loraplex/core/error.h"
+#include "loraplex/layers/layer_util.h"
+#include "loraplex/layers/linear_base.h"
+
+namespace loraplex {
+
+using layers_detail::host_block;
+using layers_detail::workspace_view;
+
+LogitsProcessorWithLora::LogitsProcessorWithLora(int64_t hidden, int64_t vocab, DType dtype,
+                                                 const LoraConfig& config, Communicator* comm,
+                                                 Device device, int max_num_seqs)
+    : hidden_(hidden),
+      vocab_(vocab),
+      dtype_(dtype),
+      config_(config),
+      comm_(comm),
+      device_(device),
+      max_num_seqs_(max_num_seqs) {
+  const char* k = "LogitsProcessorWithLora";
+  LORAPLEX_CHECK(dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16, k,
+                 ": dtype ", dtype, ", expected float32, float16 or bfloat16");
+  LORAPLEX_CHECK(config.lora_dtype == dtype, k, ": lora_dtype ", config.lora_dtype,
+                 " must equal the activation dtype ", dtype);
+  LORAPLEX_CHECK(config.max_loras >= 1 && config.max_lora_rank >= 1 && max_num_seqs >= 1 &&
+                     hidden >= 1 && vocab >= 1,
+                 k, ": max_loras ", config.max_loras, ", max_lora_rank ", config.max_lora_rank,
+                 ", max_num_seqs ", max_num_seqs, ", hidden ", hidden, ", vocab ", vocab,
+                 " must be >= 1");
+  tp_ = layers_detail::comm_size(comm);
+  rank_ = layers_detail::comm_rank(comm);
+  shard_ = layers_detail::ceil_div(vocab, tp_);
+  vocab_start_ = rank_ * shard_;
+  const int64_t b_rows = config.fully_sharded ? shard_ : vocab;
+  lora_a_ = Tensor::zeros({config.max_loras, config.max_lora_rank, hidden}, dtype, device);
+  lora_b_ = Tensor::zeros({config.max_loras, b_rows, config.max_lora_rank}, dtype, device);
+  ranks_ = SlotRanks(1, config.max_loras, config.max_lora_rank, device);
+  if (tp_ > 1) {
+    local_ = Tensor::empty({max_num_seqs, shard_}, dtype, device);
+    gathered_ = Tensor::empty({tp_ * max_num_seqs * shard_}, dtype, device);
+  }
+  out_buffer_ = Tensor::empty({max_num_seqs, vocab}, dtype, device);
+  lora_ws_ =
+      Tensor::zeros({PunicaWrapper::workspace_elements(1, max_num_seqs, config.max_lora_rank)},
+                    DType::kF32, device);
+  host_ranks_.assign(static_cast<size_t>(config.max_loras), 0);
+}
+
+int LogitsProcessorWithLora::lora_rank(int slot) const {
+  LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, "LogitsProcessorWithLora: slot ", slot,
+                 " outside [0, ", config_.max_loras, ")");
+  return host_ranks_[static_cast<size_t>(slot)];
+}
+
+void LogitsProcessorWithLora::load_base(const Tensor& lm_head, const Tensor& bias) {
+  const char* k = "LogitsProcessorWithLora";
+  LORAPLEX_CHECK(lm_head.defined() && lm_head.device().is_cpu() && is_floating(lm_head.dtype()) &&
+                     lm_head.dim() == 2 && lm_head.size(0) == vocab_ && lm_head.size(1) == hidden_,
+                 k, ": lm_head must be a CPU float [", vocab_, ", ", hidden_, "], got ",
+                 lm_head.defined() ? lm_head.describe() : "undefined");
+  if (bias.defined()) {
+    LORAPLEX_CHECK(bias.device().is_cpu() && is_floating(bias.dtype()) && bias.dim() == 1 &&
+                       bias.size(0) == vocab_,
+                   k, ": bias must be a CPU float [", vocab_, "], got ", bias.describe());
+  }
+  const int64_t rows = std::max<int64_t>(0, std::min(shard_, vocab_ - vocab_start_));
+  Tensor w = Tensor::zeros({shard_, hidden_}, dtype_);
+  Tensor b = bias.defined() ? Tensor::zeros({shard_}, dtype_) : Tensor();
+  if (rows > 0) {
+    Tensor dst = w.narrow(0, 0, rows);
+    dst.copy_from(lm_head.narrow(0, vocab_start_, rows));
+    if (bias.defined()) {
+      Tensor bd = b.narrow(0, 0, rows);
+      bd.copy_from(bias.narrow(0, vocab_start_, rows));
+    }
+  }
+  const Stream stream = Stream::default_for(device_);
+  weight_ = w.to(device_, stream);
+  bias_ = bias.defined() ? b.to(device_, stream) : Tensor();
+  stream.synchronize();
+}
+
+void LogitsProcessorWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {
+  const std::string where = "LogitsProcessorWithLora set_lora slot " + std::to_string(slot);
+  LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, where, ": slot outside [0, max_loras ",
+                 config_.max_loras, ")");
+  LORAPLEX_CHECK(slices.size() == 1, where, ": got ", slices.size(),
+                 " slices, expected one {lm_head lora_A, lora_B}");
+  const int r =
+      layers_detail::check_lora_pair(slices[0], hidden_, vocab_, config_.max_lora_rank, where);
+  if (r == 0) {
+    reset_lora(slot);
+    return;
+  }
+  Tensor a_host = host_block(slices[0].a, 0, r, 0, hidden_, dtype_);
+  Tensor b_host;
+  if (config_.fully_sharded) {
+    b_host = Tensor::zeros({shard_, r}, dtype_);
+    const int64_t rows = std::max<int64_t>(0, std::min(shard_, vocab_ - vocab_start_));
+    if (rows > 0) {
+      Tensor dst = b_host.narrow(0, 0, rows);
+      dst.copy_from(slices[0].b.narrow(0, vocab_start_, rows));
+    }
+  } else {
+    b_host = host_block(slices[0].b, 0, vocab_, 0, r, dtype_);
+  }
+  const Stream stream = Stream::default_for(device_);
+  ranks_.set(0, slot, 0, stream);
+  Tensor a_dst = lora_a_.select(0, slot).narrow(0, 0, r);
+  a_dst.copy_from(a_host, stream);
+  Tensor b_dst = lora_b_.select(0, slot).narrow(1, 0, r);
+  b_dst.copy_from(b_host, stream);
+  ranks_.set(0, slot, r, stream);
+  host_ranks_[static_cast<size_t>(slot)] = r;
+  stream.synchronize();
+}
+
+void LogitsProcessorWithLora::reset_lora(int slot) {
+  LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, "LogitsProcessorWithLora: reset_lora slot ",
+                 slot, " outside [0, ", config_.max_loras, ")");
+  const Stream stream = Stream::default_for(device_);
+  ranks_.set(0, slot, 0, stream);
+  host_ranks_[static_cast<size_t>(slot)] = 0;
+  stream.synchronize();
+}
+
+Tensor LogitsProcessorWithLora::forward(const Tensor& hidden_states, const PunicaWrapper& punica,
+                                        const Stream& stream) {
+  LORAPLEX_CHECK(
+      hidden_states.defined() && hidden_states.dim() == 2 && hidden_states.size(0) <= max_num_seqs_,
+      "LogitsProcessorWithLora: hidden states must be [<= ", max_num_seqs_, ", ", hidden_,
+      "], got ", hidden_states.defined() ? hidden_states.describe() : "undefined");
+  Tensor y = out_buffer_.narrow(0, 0, hidden_states.size(0));
+  forward(hidden_states, y, punica, stream);
+  return y;
+}
+
+void LogitsProcessorWithLora::forward(const Tensor& hidden_states, Tensor& logits,
+                                      const PunicaWrapper& punica, const Stream& stream) {
+  const char* k = "LogitsProcessorWithLora";
+  LORAPLEX_CHECK(weight_.defined(), k, ": forward before load_base");
+  layers_detail::check_activation(hidden_states, device_, dtype_, k, "hidden states");
+  layers_detail::check_activation(logits, device_, dtype_, k, "logits");
+  const int64_t seqs = hidden_states.size(0);
+  LORAPLEX_CHECK(seqs <= max_num_seqs_ && hidden_states.size(1) == hidden_, k,
+                 ": hidden states are ", shape_str(hidden_states.shape()),
+                 ", expected [<= ", max_num_seqs_, ", ", hidden_, "]");
+  LORAPLEX_CHECK(logits.size(0) == seqs && logits.size(1) == vocab_, k, ": logits are ",
+                 shape_str(logits.shape()), ", expected [", seqs, ", ", vocab_, "]");
+  LORAPLEX_CHECK(punica.device() == device_ && punica.max_loras() == config_.max_loras, k,
+                 ": the Punica wrapper is on ", punica.device(), " with max_loras ",
+                 punica.max_loras(), "; the layer is on ", device_, " with max_loras ",
+                 config_.max_loras);
+  LORAPLEX_CHECK(punica.sampler_meta().num_tokens() == seqs, k, ": ", seqs,
+                 " sampled rows, the step's sampler metadata has ",
+                 punica.sampler_meta().num_tokens());
+  const bool lora = !punica.sampler_meta().no_lora();
+  // One rank holds the whole (unpadded) vocabulary: compute straight into the output.
+  Tensor local = tp_ == 1 ? logits : local_.narrow(0, 0, seqs);
+  linear_base(hidden_states, weight_, bias_, local, stream);
+  if (lora && config_.fully_sharded) {
+    punica.add_lora_logits(local, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
+  }
+  if (tp_ > 1) {
+    Tensor staging = workspace_view(gathered_, {tp_ * seqs, shard_});
+    comm().all_gather(local, staging, 0, stream);
+    // staging holds [rank][seq][shard]; the full row of seq s is the ranks' pieces in order.
+    for (int r = 0; r < tp_; ++r) {
+      const int64_t start = r * shard_;
+      const int64_t cols = std::min(shard_, vocab_ - start);
+      if (cols <= 0) continue;
+      Tensor dst = logits.narrow(1, start, cols);
+      dst.copy_from(staging.narrow(0, r * seqs, seqs).narrow(1, 0, cols), stream);
+    }
+  }
+  if (lora && !config_.fully_sharded) {
+    punica.add_lora_logits(logits, hidden_states, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
+  }
+}
+
+}  // namespace loraplex

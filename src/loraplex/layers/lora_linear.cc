@@ -1,0 +1,432 @@
+#include "loraplex/layers/lora_linear.h"
+
+#include <utility>
+
+#include "loraplex/core/error.h"
+#include "loraplex/layers/layer_util.h"
+#include "loraplex/layers/linear_base.h"
+
+namespace loraplex {
+
+using layers_detail::ceil_div;
+using layers_detail::host_block;
+using layers_detail::PendingWrite;
+using layers_detail::workspace_view;
+
+namespace {
+
+std::vector<OutputSlice> plain_slices(const std::vector<int64_t>& sizes) {
+  std::vector<OutputSlice> out;
+  for (int64_t s : sizes) out.push_back({s, 0});
+  return out;
+}
+
+}  // namespace
+
+LinearSpec LinearSpec::replicated(int64_t in, int64_t out, DType dtype) {
+  LinearSpec s;
+  s.kind = "ReplicatedLinear";
+  s.style = ParallelStyle::kReplicated;
+  s.dtype = dtype;
+  s.in_features = in;
+  s.outputs = {{out, 0}};
+  return s;
+}
+
+LinearSpec LinearSpec::column(int64_t in, int64_t out, DType dtype, bool gather_output) {
+  LinearSpec s;
+  s.kind = "ColumnParallelLinear";
+  s.style = ParallelStyle::kColumn;
+  s.dtype = dtype;
+  s.in_features = in;
+  s.outputs = {{out, 0}};
+  s.gather_output = gather_output;
+  return s;
+}
+
+LinearSpec LinearSpec::merged_column(int64_t in, std::vector<int64_t> sizes, DType dtype,
+                                     bool gather_output) {
+  LinearSpec s = column(in, 0, dtype, gather_output);
+  s.kind =
+      sizes.size() == 2 ? "MergedColumnParallelLinear" : "MergedColumnParallelLinear(variable)";
+  s.outputs = plain_slices(sizes);
+  return s;
+}
+
+LinearSpec LinearSpec::column_fused_lora(int64_t in, std::vector<int64_t> sizes, DType dtype,
+                                         bool gather_output) {
+  LinearSpec s = merged_column(in, std::move(sizes), dtype, gather_output);
+  s.kind = "ColumnParallelLinear(fused LoRA over merged base)";
+  s.fused_lora = true;
+  return s;
+}
+
+LinearSpec LinearSpec::qkv(int64_t in, int64_t head_size, int64_t num_heads, int64_t num_kv_heads,
+                           DType dtype, QkvLora lora, bool gather_output) {
+  LinearSpec s = column(in, 0, dtype, gather_output);
+  s.kind = lora == QkvLora::kFusedLora ? "QKVParallelLinear" : "MergedQKVParallelLinear";
+  s.outputs = {{num_heads * head_size, num_heads},
+               {num_kv_heads * head_size, num_kv_heads},
+               {num_kv_heads * head_size, num_kv_heads}};
+  s.fused_lora = lora == QkvLora::kFusedLora;
+  return s;
+}
+
+LinearSpec LinearSpec::row(int64_t in, int64_t out, DType dtype, bool input_is_parallel,
+                           bool reduce_results) {
+  LinearSpec s;
+  s.kind = "RowParallelLinear";
+  s.style = ParallelStyle::kRow;
+  s.dtype = dtype;
+  s.in_features = in;
+  s.outputs = {{out, 0}};
+  s.input_is_parallel = input_is_parallel;
+  s.reduce_results = reduce_results;
+  return s;
+}
+
+LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* comm, Device device,
+                       int max_num_tokens)
+    : spec_(std::move(spec)),
+      config_(config),
+      comm_(comm),
+      device_(device),
+      max_num_tokens_(max_num_tokens) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(
+      spec_.dtype == DType::kF32 || spec_.dtype == DType::kF16 || spec_.dtype == DType::kBF16, k,
+      ": dtype ", spec_.dtype, ", expected float32, float16 or bfloat16");
+  LORAPLEX_CHECK(config_.lora_dtype == spec_.dtype, k, ": lora_dtype ", config_.lora_dtype,
+                 " must equal the activation dtype ", spec_.dtype,
+                 " (the Punica ops read x and A in one dtype)");
+  LORAPLEX_CHECK(config_.max_loras >= 1 && config_.max_lora_rank >= 1, k, ": max_loras ",
+                 config_.max_loras, " and max_lora_rank ", config_.max_lora_rank, " must be >= 1");
+  LORAPLEX_CHECK(max_num_tokens >= 1, k, ": max_num_tokens ", max_num_tokens, ", expected >= 1");
+  LORAPLEX_CHECK(spec_.in_features >= 1 && !spec_.outputs.empty() &&
+                     static_cast<int>(spec_.outputs.size()) <= kernels::kMaxSlices,
+                 k, ": in_features ", spec_.in_features, " and ", spec_.outputs.size(),
+                 " output slices (expected >= 1 and 1..", kernels::kMaxSlices, " slices)");
+  if (spec_.style != ParallelStyle::kReplicated) {
+    tp_ = layers_detail::comm_size(comm_);
+    rank_ = layers_detail::comm_rank(comm_);
+  }
+  const bool row = spec_.style == ParallelStyle::kRow;
+  if (row) {
+    LORAPLEX_CHECK(spec_.outputs.size() == 1, k,
+                   ": row-parallel layers have one output slice, got ", spec_.outputs.size());
+    LORAPLEX_CHECK(spec_.in_features % tp_ == 0, k, ": in_features ", spec_.in_features,
+                   " is not divisible by the tensor-parallel size ", tp_);
+    in_local_ = spec_.in_features / tp_;
+    in_offset_ = rank_ * in_local_;
+  } else {
+    in_local_ = spec_.in_features;
+  }
+  for (size_t i = 0; i < spec_.outputs.size(); ++i) {
+    const OutputSlice& o = spec_.outputs[i];
+    LocalSlice ls;
+    ls.full_offset = out_full_;
+    ls.full_size = o.size;
+    if (row) {
+      LORAPLEX_CHECK(o.size >= 1, k, ": output width ", o.size, ", expected >= 1");
+      ls.local_size = o.size;
+    } else {
+      const layers_detail::Shard sh = layers_detail::shard_of(
+          o.size, o.units, tp_, rank_, k + " output slice " + std::to_string(i));
+      ls.local_size = sh.size;
+      ls.shard_start = sh.start;
+      ls.groups = sh.groups;
+    }
+    ls.local_offset = out_local_;
+    out_full_ += o.size;
+    out_local_ += ls.local_size;
+    slices_.push_back(ls);
+  }
+  if (fully_sharded_row()) {
+    LORAPLEX_CHECK(out_full_ % tp_ == 0, k, ": fully sharded LoRA splits B by output rows, but ",
+                   out_full_, " outputs are not divisible by the tensor-parallel size ", tp_);
+  }
+
+  const int num_lora = spec_.fused_lora ? 1 : static_cast<int>(spec_.outputs.size());
+  const int64_t max_rank = config_.max_lora_rank;
+  const int64_t a_rows = fully_sharded_column() ? ceil_div(max_rank, tp_) : max_rank;
+  const int64_t b_cols = fully_sharded_column() ? a_rows * tp_ : max_rank;
+  const int64_t a_cols = row ? in_local_ : spec_.in_features;
+  for (int s = 0; s < num_lora; ++s) {
+    int64_t width = spec_.fused_lora ? out_local_ : slices_[static_cast<size_t>(s)].local_size;
+    if (fully_sharded_row()) width = out_full_ / tp_;
+    lora_width_.push_back(width);
+    lora_a_.push_back(Tensor::zeros({config_.max_loras, a_rows, a_cols}, spec_.dtype, device_));
+    lora_b_.push_back(Tensor::zeros({config_.max_loras, width, b_cols}, spec_.dtype, device_));
+  }
+  ranks_ = SlotRanks(num_lora, config_.max_loras, static_cast<int>(a_rows), device_);
+  if (fully_sharded_column()) {
+    expand_ranks_ = SlotRanks(num_lora, config_.max_loras, static_cast<int>(b_cols), device_);
+  }
+  host_ranks_.assign(static_cast<size_t>(num_lora * config_.max_loras), 0);
+
+  out_buffer_ = Tensor::empty({max_num_tokens, output_width()}, spec_.dtype, device_);
+  if (spec_.gather_output && tp_ > 1) {
+    local_out_ = Tensor::empty({max_num_tokens, out_local_}, spec_.dtype, device_);
+    gather_buffer_ = Tensor::empty({tp_ * max_num_tokens * out_local_}, spec_.dtype, device_);
+  }
+  lora_ws_ = Tensor::zeros(
+      {PunicaWrapper::workspace_elements(num_lora, max_num_tokens, static_cast<int>(a_rows))},
+      DType::kF32, device_);
+  if (fully_sharded_column()) {
+    gathered_ws_ = Tensor::zeros({num_lora * max_num_tokens * b_cols}, DType::kF32, device_);
+  }
+}
+
+bool LoraLinear::fully_sharded_column() const {
+  return config_.fully_sharded && spec_.style == ParallelStyle::kColumn;
+}
+
+bool LoraLinear::fully_sharded_row() const {
+  return config_.fully_sharded && spec_.style == ParallelStyle::kRow;
+}
+
+int64_t LoraLinear::input_width() const {
+  if (spec_.style == ParallelStyle::kRow && spec_.input_is_parallel) return in_local_;
+  return spec_.in_features;
+}
+
+int64_t LoraLinear::output_width() const {
+  if (spec_.style == ParallelStyle::kColumn && !spec_.gather_output) return out_local_;
+  return out_full_;
+}
+
+int LoraLinear::lora_rank(int slot, int slice) const {
+  LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras && slice >= 0 && slice < num_lora_slices(),
+                 spec_.kind, ": lora_rank(slot ", slot, ", slice ", slice, ") out of range");
+  return host_ranks_[static_cast<size_t>(slice * config_.max_loras + slot)];
+}
+
+void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(weights.size() == spec_.outputs.size(), k, ": load_base got ", weights.size(),
+                 " weights, expected one per output slice (", spec_.outputs.size(), ")");
+  bool any_bias = false;
+  for (const Tensor& b : biases) any_bias = any_bias || b.defined();
+  if (any_bias) {
+    LORAPLEX_CHECK(biases.size() == spec_.outputs.size(), k, ": load_base got ", biases.size(),
+                   " biases, expected one per output slice (", spec_.outputs.size(), ")");
+  }
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Tensor& w = weights[i];
+    const int64_t size = spec_.outputs[i].size;
+    LORAPLEX_CHECK(w.defined() && w.device().is_cpu() && is_floating(w.dtype()) && w.dim() == 2 &&
+                       w.size(0) == size && w.size(1) == spec_.in_features,
+                   k, ": base weight of slice ", i, " must be a CPU float [", size, ", ",
+                   spec_.in_features, "], got ", w.defined() ? w.describe() : "undefined");
+    if (any_bias) {
+      const Tensor& b = biases[i];
+      LORAPLEX_CHECK(b.defined() && b.device().is_cpu() && is_floating(b.dtype()) && b.dim() == 1 &&
+                         b.size(0) == size,
+                     k, ": bias of slice ", i, " must be a CPU float [", size, "], got ",
+                     b.defined() ? b.describe() : "undefined");
+    }
+  }
+  Tensor host_w = Tensor::empty({out_local_, in_local_}, spec_.dtype);
+  Tensor host_b = any_bias ? Tensor::empty({out_local_}, spec_.dtype) : Tensor();
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const LocalSlice& ls = slices_[i];
+    Tensor rows = host_w.narrow(0, ls.local_offset, ls.local_size);
+    rows.copy_from(
+        weights[i].narrow(0, ls.shard_start, ls.local_size).narrow(1, in_offset_, in_local_));
+    if (any_bias) {
+      Tensor part = host_b.narrow(0, ls.local_offset, ls.local_size);
+      part.copy_from(biases[i].narrow(0, ls.shard_start, ls.local_size));
+    }
+  }
+  const Stream stream = Stream::default_for(device_);
+  weight_ = host_w.to(device_, stream);
+  bias_ = any_bias ? host_b.to(device_, stream) : Tensor();
+  stream.synchronize();
+}
+
+void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, k, ": set_lora slot ", slot,
+                 " outside [0, max_loras ", config_.max_loras, ")");
+  const int num_lora = num_lora_slices();
+  LORAPLEX_CHECK(static_cast<int>(slices.size()) == num_lora, k, ": set_lora got ", slices.size(),
+                 " slices, expected ", num_lora,
+                 spec_.fused_lora ? " (one fused LoRA)" : " (one per output slice)");
+  const DType dt = config_.lora_dtype;
+  const bool row = spec_.style == ParallelStyle::kRow;
+  // Everything is validated and staged on the host first, so a bad slice changes nothing.
+  std::vector<int> ranks(static_cast<size_t>(num_lora));
+  for (int s = 0; s < num_lora; ++s) {
+    const int64_t out = spec_.fused_lora ? out_full_ : spec_.outputs[static_cast<size_t>(s)].size;
+    ranks[static_cast<size_t>(s)] = layers_detail::check_lora_pair(
+        slices[static_cast<size_t>(s)], spec_.in_features, out, config_.max_lora_rank,
+        k + " set_lora slot " + std::to_string(slot) + " slice " + std::to_string(s));
+  }
+  std::vector<PendingWrite> writes;
+  std::vector<std::pair<int, int>> shrink_expand(static_cast<size_t>(num_lora));
+  for (int s = 0; s < num_lora; ++s) {
+    const int r = ranks[static_cast<size_t>(s)];
+    if (r == 0) continue;
+    const Tensor& a = slices[static_cast<size_t>(s)].a;
+    const Tensor& b = slices[static_cast<size_t>(s)].b;
+    Tensor a_slot = lora_a_[static_cast<size_t>(s)].select(0, slot);
+    Tensor b_slot = lora_b_[static_cast<size_t>(s)].select(0, slot);
+    const int64_t width = lora_width_[static_cast<size_t>(s)];
+    if (row) {
+      writes.push_back({a_slot.narrow(0, 0, r), host_block(a, 0, r, in_offset_, in_local_, dt)});
+      const int64_t b_start = fully_sharded_row() ? rank_ * width : 0;
+      writes.push_back({b_slot.narrow(1, 0, r), host_block(b, b_start, width, 0, r, dt)});
+      shrink_expand[static_cast<size_t>(s)] = {r, r};
+      continue;
+    }
+    // Column and replicated: B keeps this rank's output rows of every output slice it spans.
+    Tensor b_local = Tensor::empty({width, r}, dt);
+    const size_t first = spec_.fused_lora ? 0 : static_cast<size_t>(s);
+    const size_t last = spec_.fused_lora ? slices_.size() : first + 1;
+    int64_t row_out = 0;
+    for (size_t o = first; o < last; ++o) {
+      const LocalSlice& ls = slices_[o];
+      const int64_t b_row = (spec_.fused_lora ? ls.full_offset : 0) + ls.shard_start;
+      Tensor dst = b_local.narrow(0, row_out, ls.local_size);
+      dst.copy_from(b.narrow(0, b_row, ls.local_size));
+      row_out += ls.local_size;
+    }
+    Tensor a_full = host_block(a, 0, r, 0, spec_.in_features, dt);
+    if (!fully_sharded_column()) {
+      writes.push_back({a_slot.narrow(0, 0, r), a_full});
+      writes.push_back({b_slot.narrow(1, 0, r), b_local});
+      shrink_expand[static_cast<size_t>(s)] = {r, r};
+      continue;
+    }
+    Tensor a_cyclic = layers_detail::cyclic_rank_rows(a_full, tp_, rank_);
+    const int c = static_cast<int>(a_cyclic.size(0));
+    Tensor b_padded = Tensor::zeros({width, static_cast<int64_t>(c) * tp_}, dt);
+    Tensor b_head = b_padded.narrow(1, 0, r);
+    b_head.copy_from(b_local);
+    writes.push_back({a_slot.narrow(0, 0, c), a_cyclic});
+    writes.push_back({b_slot.narrow(1, 0, c * tp_), b_padded});
+    shrink_expand[static_cast<size_t>(s)] = {c, c * tp_};
+  }
+  const Stream stream = Stream::default_for(device_);
+  // Rank 0 first: while the weights are being replaced the slot has no effect at all.
+  for (int s = 0; s < num_lora; ++s) {
+    ranks_.set(s, slot, 0, stream);
+    if (fully_sharded_column()) expand_ranks_.set(s, slot, 0, stream);
+  }
+  layers_detail::apply_writes(writes, stream);
+  for (int s = 0; s < num_lora; ++s) {
+    ranks_.set(s, slot, shrink_expand[static_cast<size_t>(s)].first, stream);
+    if (fully_sharded_column()) {
+      expand_ranks_.set(s, slot, shrink_expand[static_cast<size_t>(s)].second, stream);
+    }
+    host_ranks_[static_cast<size_t>(s * config_.max_loras + slot)] = ranks[static_cast<size_t>(s)];
+  }
+  stream.synchronize();
+}
+
+void LoraLinear::reset_lora(int slot) {
+  LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, spec_.kind, ": reset_lora slot ", slot,
+                 " outside [0, max_loras ", config_.max_loras, ")");
+  const Stream stream = Stream::default_for(device_);
+  for (int s = 0; s < num_lora_slices(); ++s) {
+    ranks_.set(s, slot, 0, stream);
+    if (fully_sharded_column()) expand_ranks_.set(s, slot, 0, stream);
+    host_ranks_[static_cast<size_t>(s * config_.max_loras + slot)] = 0;
+  }
+  stream.synchronize();
+}
+
+Tensor LoraLinear::forward(const Tensor& x, const PunicaWrapper& punica, const Stream& stream) {
+  LORAPLEX_CHECK(x.defined() && x.dim() == 2, spec_.kind, ": x must be 2-D [tokens, ",
+                 input_width(), "], got ", x.defined() ? x.describe() : "undefined");
+  LORAPLEX_CHECK(x.size(0) <= max_num_tokens_, spec_.kind, ": ", x.size(0),
+                 " tokens exceed max_num_tokens ", max_num_tokens_);
+  Tensor y = out_buffer_.narrow(0, 0, x.size(0));
+  forward(x, y, punica, stream);
+  return y;
+}
+
+void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica,
+                         const Stream& stream) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(weight_.defined(), k, ": forward before load_base");
+  layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
+  layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
+  const int64_t tokens = x.size(0);
+  LORAPLEX_CHECK(tokens <= max_num_tokens_, k, ": ", tokens, " tokens exceed max_num_tokens ",
+                 max_num_tokens_);
+  LORAPLEX_CHECK(x.size(1) == input_width(), k, ": x has ", x.size(1), " columns, expected ",
+                 input_width());
+  LORAPLEX_CHECK(y.size(0) == tokens && y.size(1) == output_width(), k, ": y is ",
+                 shape_str(y.shape()), ", expected [", tokens, ", ", output_width(), "]");
+  LORAPLEX_CHECK(punica.device() == device_ && punica.max_loras() == config_.max_loras, k,
+                 ": the Punica wrapper is on ", punica.device(), " with max_loras ",
+                 punica.max_loras(), "; the layer is on ", device_, " with max_loras ",
+                 config_.max_loras);
+  LORAPLEX_CHECK(punica.token_meta().num_tokens() == tokens, k, ": x has ", tokens,
+                 " tokens, the step's metadata has ", punica.token_meta().num_tokens());
+  const bool row = spec_.style == ParallelStyle::kRow;
+  if (row && spec_.reduce_results) {
+    LORAPLEX_CHECK(y.is_contiguous(), k, ": y must be contiguous for the all-reduce, got strides ",
+                   shape_str(y.strides()));
+  }
+  const Tensor x_local = row && !spec_.input_is_parallel ? x.narrow(1, in_offset_, in_local_) : x;
+  const bool gather = spec_.gather_output && tp_ > 1;
+  Tensor target = gather ? local_out_.narrow(0, 0, tokens) : y;
+  // Row layers add the bias on rank 0 only: the all-reduce then adds it exactly once.
+  const Tensor bias = row && rank_ != 0 ? Tensor() : bias_;
+  linear_base(x_local, weight_, bias, target, stream);
+  add_lora(target, x_local, punica, stream);
+  if (row && spec_.reduce_results && tp_ > 1) comm().all_reduce_sum(y, stream);
+  if (gather) gather_output(target, y, stream);
+}
+
+void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica,
+                          const Stream& stream) {
+  // The mapping is the same on every rank, so every rank skips the collectives together.
+  if (punica.token_meta().no_lora()) return;
+  const int num_lora = num_lora_slices();
+  const int64_t tokens = x.size(0);
+  if (fully_sharded_column()) {
+    const int64_t a_rows = lora_a_[0].size(1);
+    const int64_t b_cols = lora_b_[0].size(2);
+    Tensor shrunk = workspace_view(lora_ws_, {num_lora, tokens, a_rows});
+    punica.add_shrink(shrunk, x, lora_a_, ranks_, 1.0f, stream);
+    // Interleaved gather: rank i's column j lands in column j * tp + i.
+    Tensor gathered = workspace_view(gathered_ws_, {num_lora, tokens, b_cols});
+    Tensor gathered_cols = gathered.view({num_lora * tokens * a_rows, tp_});
+    comm().all_gather(shrunk.view({num_lora * tokens * a_rows, 1}), gathered_cols, 1, stream);
+    punica.add_expand(y, gathered, lora_b_, expand_ranks_, 0, true, stream);
+    return;
+  }
+  if (fully_sharded_row()) {
+    const int64_t max_rank = lora_a_[0].size(1);
+    Tensor shrunk = workspace_view(lora_ws_, {1, tokens, max_rank});
+    // Columns past a slot's rank and rows of slot -1 tokens are never written by the shrink;
+    // zeroing keeps what the all-reduce sums well defined.
+    shrunk.zero_(stream);
+    punica.add_shrink(shrunk, x, lora_a_, ranks_, 1.0f, stream);
+    comm().all_reduce_sum(shrunk, stream);
+    punica.add_expand(y, shrunk, lora_b_, ranks_, rank_ * lora_width_[0], true, stream);
+    return;
+  }
+  punica.add_lora_linear(y, x, lora_a_, lora_b_, ranks_, 1.0f, lora_ws_, stream);
+}
+
+void LoraLinear::gather_output(const Tensor& local, Tensor& y, const Stream& stream) {
+  const int64_t tokens = local.size(0);
+  Tensor staging = workspace_view(gather_buffer_, {tp_ * tokens, out_local_});
+  comm().all_gather(local, staging, 0, stream);
+  for (const LocalSlice& ls : slices_) {
+    // Shard q of a slice lives on ranks q * (tp / groups) ... (replicated KV heads).
+    for (int q = 0; q < ls.groups; ++q) {
+      const int src_rank = q * (tp_ / ls.groups);
+      Tensor src =
+          staging.narrow(0, src_rank * tokens, tokens).narrow(1, ls.local_offset, ls.local_size);
+      Tensor dst = y.narrow(1, ls.full_offset + q * ls.local_size, ls.local_size);
+      dst.copy_from(src, stream);
+    }
+  }
+}
+
+}  // namespace loraplex

@@ -1,0 +1,177 @@
+#pragma once
+// One LoRA-aware linear layer for every projection kind of vLLM's LoRA subsystem, described
+// by data instead of one class per kind (docs/architecture.md "One class, many layer kinds"):
+//
+//   vLLM class                                   LinearSpec factory
+//   ReplicatedLinearWithLoRA                     LinearSpec::replicated
+//   ColumnParallelLinearWithLoRA                 LinearSpec::column (or column_fused_lora for a
+//                                                merged base with one fused LoRA)
+//   MergedColumnParallelLinearWithLoRA           LinearSpec::merged_column (2 slices, gate_up)
+//   MergedColumnParallelLinearVariableSlice...   LinearSpec::merged_column (>= 3 slices)
+//   QKVParallelLinearWithLoRA                    LinearSpec::qkv(..., kFusedLora)
+//   MergedQKVParallelLinearWithLoRA              LinearSpec::qkv(..., kPerSliceLora)
+//   RowParallelLinearWithLoRA                    LinearSpec::row
+//   ...WithShardedLoRA (fully_sharded_loras)     any column/row spec + LoraConfig::fully_sharded
+//
+// forward: y = x W^T (+ bias) on this rank's shard, plus for each token t with slot k >= 0
+// y[t, slice s] += (x A_{s,k}^T) B_{s,k}^T, then the collective of the parallel style:
+// row layers all-reduce (base and LoRA partial sums together), gathered column layers
+// all-gather the output shards back into the full output order.
+//
+// Fully sharded column layers shard A by rank cyclically (rank i holds A rows i, i + tp, ...)
+// and all-gather the rank intermediate interleaved, so gathered column k is x . A[k] and any
+// adapter rank works (no divisibility by tp); the shards are padded with zero rows up to
+// ceil(rank / tp) * tp, which the expand then reads (at most tp - 1 extra columns).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loraplex/core/stream.h"
+#include "loraplex/core/tensor.h"
+#include "loraplex/dist/communicator.h"
+#include "loraplex/layers/lora_layer.h"
+#include "loraplex/punica/punica_wrapper.h"
+#include "loraplex/punica/slot_ranks.h"
+
+namespace loraplex {
+
+enum class ParallelStyle { kReplicated, kColumn, kRow };
+
+/// One output slice of the base layer (q, k, v; gate, up; or the whole output).
+struct OutputSlice {
+  int64_t size = 0;   // full (unsharded) width
+  int64_t units = 0;  // indivisible units it is sharded by (heads); 0 = any column
+};
+
+enum class QkvLora {
+  kPerSliceLora,  // q_proj, k_proj, v_proj adapters (vLLM MergedQKVParallelLinearWithLoRA)
+  kFusedLora,     // one qkv adapter (vLLM QKVParallelLinearWithLoRA: chatglm, baichuan)
+};
+
+struct LinearSpec {
+  std::string kind = "linear";  // for messages ("qkv_proj", "MergedQKV", ...)
+  ParallelStyle style = ParallelStyle::kReplicated;
+  DType dtype = DType::kBF16;  // activations and base weights
+  int64_t in_features = 0;     // full (unsharded)
+  std::vector<OutputSlice> outputs;
+  // One LoRA spanning every output slice (A shared, B split by outputs) instead of one LoRA
+  // per output slice.
+  bool fused_lora = false;
+  bool gather_output = false;     // column: all-gather the output shards
+  bool input_is_parallel = true;  // row: x is this rank's input shard (else the full input)
+  bool reduce_results = true;     // row: all-reduce (else return the partial sums)
+
+  static LinearSpec replicated(int64_t in, int64_t out, DType dtype);
+  static LinearSpec column(int64_t in, int64_t out, DType dtype, bool gather_output = false);
+  /// Merged column layer with one LoRA per output slice: gate_up (2) or variable slices (>= 3).
+  static LinearSpec merged_column(int64_t in, std::vector<int64_t> sizes, DType dtype,
+                                  bool gather_output = false);
+  /// Merged column base (e.g. gate_up) whose adapter is one fused LoRA.
+  static LinearSpec column_fused_lora(int64_t in, std::vector<int64_t> sizes, DType dtype,
+                                      bool gather_output = false);
+  /// QKV with grouped-query attention: q = num_heads heads, k and v num_kv_heads heads each.
+  /// With fewer KV heads than ranks each KV head is replicated on tp / num_kv_heads ranks.
+  static LinearSpec qkv(int64_t in, int64_t head_size, int64_t num_heads, int64_t num_kv_heads,
+                        DType dtype, QkvLora lora = QkvLora::kPerSliceLora,
+                        bool gather_output = false);
+  static LinearSpec row(int64_t in, int64_t out, DType dtype, bool input_is_parallel = true,
+                        bool reduce_results = true);
+};
+
+class LoraLinear {
+ public:
+  /// comm: the tensor-parallel group (nullptr = single device; ignored by replicated layers).
+  /// max_num_tokens bounds the rows of every forward; workspaces are sized from it once.
+  LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* comm, Device device,
+             int max_num_tokens);
+
+  /// Loads the base weights: one FULL [size_s, in_features] per output slice (any float dtype,
+  /// CPU; e.g. mmap views), and optionally one bias [size_s] per output slice (an empty span or
+  /// undefined tensors = no bias). The layer takes its shard and converts to spec.dtype.
+  void load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases = {});
+
+  /// Installs an adapter in `slot`: one LoraSliceWeights per LoRA slice (num_lora_slices():
+  /// 1 for fused or single-output layers, else one per output slice), FULL weights (see
+  /// lora_layer.h). Throws loraplex::Error and leaves the slot unchanged on a wrong shape, a
+  /// rank above max_lora_rank, or a slot outside [0, max_loras).
+  void set_lora(int slot, const std::vector<LoraSliceWeights>& slices);
+  /// The slot has exactly no effect afterwards (every slice at rank 0).
+  void reset_lora(int slot);
+
+  /// y = base(x) + LoRA(x) for the tokens of `punica`'s current step.
+  /// x: [num_tokens, input_width()] in (rows contiguous); row layers with
+  /// input_is_parallel == false take the full [num_tokens, in_features] and use their shard.
+  /// Returns a view of the layer's output buffer [num_tokens, output_width()], valid until the
+  /// next forward of this layer. Every rank of the group must call it (collectives).
+  Tensor forward(const Tensor& x, const PunicaWrapper& punica, const Stream& stream);
+  /// As above, writing into `y` ([num_tokens, output_width()], rows contiguous; contiguous
+  /// for row layers, which all-reduce it).
+  void forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica, const Stream& stream);
+
+  const LinearSpec& spec() const { return spec_; }
+  const LoraConfig& config() const { return config_; }
+  Device device() const { return device_; }
+  int tp_size() const { return tp_; }
+  int tp_rank() const { return rank_; }
+  /// Columns of x that forward expects.
+  int64_t input_width() const;
+  /// Columns of the output: the local shard (column layers without gather) or the full width.
+  int64_t output_width() const;
+  int num_lora_slices() const { return static_cast<int>(lora_a_.size()); }
+  /// The adapter rank installed in (slot, LoRA slice); 0 when empty or reset.
+  int lora_rank(int slot, int slice) const;
+  /// This rank's base weight [local out, local in] and bias (undefined when none).
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  /// Device stacks of LoRA slice s: A [max_loras, rank rows, in], B [max_loras, n, rank cols].
+  const Tensor& lora_a(int s) const { return lora_a_[static_cast<size_t>(s)]; }
+  const Tensor& lora_b(int s) const { return lora_b_[static_cast<size_t>(s)]; }
+
+ private:
+  struct LocalSlice {
+    int64_t full_offset = 0;  // first column of the slice in the full output
+    int64_t full_size = 0;
+    int64_t local_offset = 0;  // first column in this rank's output
+    int64_t local_size = 0;
+    int64_t shard_start = 0;  // first column of this rank's shard, within the slice
+    int groups = 1;           // distinct shards (fewer than tp when KV heads are replicated)
+  };
+
+  bool fully_sharded_column() const;
+  bool fully_sharded_row() const;
+  Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
+  void add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, const Stream& stream);
+  void gather_output(const Tensor& local, Tensor& y, const Stream& stream);
+
+  LinearSpec spec_;
+  LoraConfig config_;
+  Communicator* comm_;
+  SingleDeviceCommunicator single_;
+  Device device_;
+  int max_num_tokens_;
+  int tp_ = 1;
+  int rank_ = 0;
+  int64_t in_local_ = 0;  // columns of the base weight
+  int64_t in_offset_ = 0;
+  int64_t out_local_ = 0;
+  int64_t out_full_ = 0;
+  std::vector<LocalSlice> slices_;
+
+  Tensor weight_;
+  Tensor bias_;
+  std::vector<Tensor> lora_a_;
+  std::vector<Tensor> lora_b_;
+  std::vector<int64_t> lora_width_;  // local output columns of each LoRA slice
+  SlotRanks ranks_;                  // shrink ranks (and expand ranks unless fully sharded)
+  SlotRanks expand_ranks_;           // fully sharded column layers: ceil(r / tp) * tp
+  std::vector<int32_t> host_ranks_;  // [slice * max_loras + slot] adapter ranks
+
+  Tensor out_buffer_;     // [max_num_tokens, output_width()]
+  Tensor local_out_;      // gathered column layers: [max_num_tokens, out_local]
+  Tensor gather_buffer_;  // gathered column layers: [tp * max_num_tokens * out_local]
+  Tensor lora_ws_;        // f32 shrink intermediate
+  Tensor gathered_ws_;    // f32, fully sharded column layers
+};
+
+}  // namespace loraplex
