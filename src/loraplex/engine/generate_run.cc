@@ -7,9 +7,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loraplex/adapters/adapter_manager.h"
+#include "loraplex/adapters/peft_adapter.h"
+#include "loraplex/adapters/peft_config.h"
 #include "loraplex/core/error.h"
 #include "loraplex/model/decoder.h"
-#include "loraplex/model/peft_adapter.h"
 #include "loraplex/tokenizer/tokenizer.h"
 
 namespace loraplex::engine {
@@ -41,6 +43,18 @@ std::vector<int32_t> eos_ids(const std::string& dir, const model::ModelConfig& c
   return ids;
 }
 
+// The largest rank adapter_config.json declares (r and every rank_pattern value), so the
+// layers can be sized before any adapter weights are read.
+int config_max_rank(const std::string& name, const std::string& dir) {
+  namespace fs = std::filesystem;
+  LORAPLEX_CHECK(fs::is_directory(dir), "adapter '", name, "': ", dir, ": not a directory");
+  try {
+    return PeftLoraConfig::from_file(adapter_config_path(dir)).max_rank();
+  } catch (const Error& e) {
+    LORAPLEX_FAIL("adapter '", name, "': ", e.what());
+  }
+}
+
 }  // namespace
 
 GenerateReport run_generate(const GenerateConfig& cfg) {
@@ -65,7 +79,8 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   }
   std::vector<EngineRequest> requests;
   GenerateReport report;
-  for (const auto& [name, dir] : cfg.loras) model::PeftAdapter::config_max_rank(name, dir);
+  std::vector<int> config_ranks;
+  for (const auto& [name, dir] : cfg.loras) config_ranks.push_back(config_max_rank(name, dir));
   for (const RequestSpec& r : cfg.requests) {
     EngineRequest e;
     try {
@@ -90,7 +105,6 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   opts.max_num_seqs =
       cfg.max_num_seqs.value_or(std::max<int64_t>(1, static_cast<int64_t>(requests.size())));
   LORAPLEX_CHECK(opts.max_num_seqs >= 1, "--max-num-seqs ", opts.max_num_seqs, ", expected >= 1");
-  opts.max_loras = max_loras;
   opts.sampling = {cfg.temperature, cfg.top_k, cfg.top_p};
   opts.seed = cfg.seed;
   opts.ignore_eos = cfg.ignore_eos;
@@ -110,15 +124,18 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
                  ", expected >= 1");
   if (!cfg.max_lora_rank) {
     max_rank = 1;
-    for (const auto& [name, dir] : cfg.loras)
-      max_rank = std::max(max_rank, model::PeftAdapter::config_max_rank(name, dir));
+    for (int r : config_ranks) max_rank = std::max(max_rank, r);
   }
   dopts.max_lora_rank = max_rank;
   std::unique_ptr<model::Decoder> decoder = model::Decoder::load(cfg.model_dir, dopts);
-  std::vector<model::PeftAdapter> adapters;
-  for (const auto& [name, dir] : cfg.loras) {
-    adapters.push_back(model::PeftAdapter::load(name, dir, decoder->targets(), max_rank));
-  }
+  AdapterManagerConfig mcfg;
+  mcfg.max_loras = max_loras;
+  mcfg.max_cpu_loras = std::max<int>(max_loras, static_cast<int>(cfg.loras.size()));
+  mcfg.max_lora_rank = max_rank;
+  mcfg.lora_dtype = cfg.dtype;
+  mcfg.device = cfg.device;
+  AdapterManager adapters(decoder->targets(), mcfg);
+  for (const auto& [name, dir] : cfg.loras) adapters.load(name, dir);
   // Request adapter names are resolved once every adapter has loaded cleanly.
   for (size_t i = 0; i < cfg.requests.size(); ++i) {
     const RequestSpec& r = cfg.requests[i];
@@ -126,7 +143,7 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
     const auto it = adapter_index.find(*r.adapter);
     LORAPLEX_CHECK(it != adapter_index.end(), cfg.requests_path, ":", r.line, ": unknown adapter '",
                    *r.adapter, "' (load it with --lora ", *r.adapter, "=DIR)");
-    requests[i].adapter = it->second;
+    requests[i].adapter = it->first;
   }
   report.load_seconds = seconds_since(t0);
 

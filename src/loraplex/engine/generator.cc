@@ -12,50 +12,12 @@ namespace {
 
 struct Sequence {
   size_t index = 0;  // request index
+  AdapterManager::Lease lease;
   int slot = -1;
   std::vector<int32_t> blocks;
   std::vector<int32_t> output;
   bool prefilled = false;
   std::mt19937_64 rng;
-};
-
-// Adapter -> LoRA slot assignment: an adapter stays in its slot while sequences use it and
-// afterwards until the slot is needed (least recently used first).
-class SlotTable {
- public:
-  explicit SlotTable(int max_loras)
-      : adapter_(static_cast<size_t>(max_loras), -1),
-        refs_(static_cast<size_t>(max_loras), 0),
-        used_(static_cast<size_t>(max_loras), 0) {}
-
-  /// The slot holding `adapter`, or -1.
-  int find(int adapter) const {
-    for (size_t k = 0; k < adapter_.size(); ++k)
-      if (adapter_[k] == adapter) return static_cast<int>(k);
-    return -1;
-  }
-  /// A slot that may be (re)programmed: empty, else the least recently used idle one; -1 if all
-  /// are in use.
-  int victim() const {
-    int best = -1;
-    for (size_t k = 0; k < adapter_.size(); ++k) {
-      if (refs_[k] != 0) continue;
-      if (adapter_[k] < 0) return static_cast<int>(k);
-      if (best < 0 || used_[k] < used_[static_cast<size_t>(best)]) best = static_cast<int>(k);
-    }
-    return best;
-  }
-  void assign(int slot, int adapter) { adapter_[static_cast<size_t>(slot)] = adapter; }
-  void acquire(int slot, int64_t now) {
-    ++refs_[static_cast<size_t>(slot)];
-    used_[static_cast<size_t>(slot)] = now;
-  }
-  void release(int slot) { --refs_[static_cast<size_t>(slot)]; }
-
- private:
-  std::vector<int> adapter_;
-  std::vector<int> refs_;
-  std::vector<int64_t> used_;
 };
 
 }  // namespace
@@ -81,22 +43,18 @@ EngineSizing size_engine(const std::vector<EngineRequest>& requests, const Engin
   return s;
 }
 
-std::vector<std::vector<int32_t>> generate(model::Decoder& decoder,
-                                           const std::vector<model::PeftAdapter>& adapters,
+std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManager& adapters,
                                            const std::vector<EngineRequest>& requests,
                                            const EngineOptions& options, EngineStats* stats) {
-  LORAPLEX_CHECK(options.max_num_seqs >= 1 && options.max_loras >= 1, "max_num_seqs ",
-                 options.max_num_seqs, " and max_loras ", options.max_loras, " must be >= 1");
-  LORAPLEX_CHECK(options.max_loras <= decoder.options().max_loras, "max_loras ", options.max_loras,
-                 " exceeds the decoder's ", decoder.options().max_loras, " LoRA slots");
+  LORAPLEX_CHECK(options.max_num_seqs >= 1, "max_num_seqs ", options.max_num_seqs, " must be >= 1");
   model::KvCache& kv = decoder.kv_cache();
   for (size_t i = 0; i < requests.size(); ++i) {
     const EngineRequest& r = requests[i];
     LORAPLEX_CHECK(!r.prompt_ids.empty(), "request ", i, ": the prompt has no tokens");
     LORAPLEX_CHECK(r.max_tokens >= 1, "request ", i, ": max_tokens ", r.max_tokens,
                    ", expected >= 1");
-    LORAPLEX_CHECK(r.adapter >= -1 && r.adapter < static_cast<int>(adapters.size()), "request ", i,
-                   ": adapter index ", r.adapter, " outside -1..", adapters.size() - 1);
+    LORAPLEX_CHECK(r.adapter.empty() || adapters.contains(r.adapter), "request ", i, ": adapter '",
+                   r.adapter, "' is not loaded");
     const int64_t need = kv.blocks_for(static_cast<int64_t>(r.prompt_ids.size()) + r.max_tokens);
     LORAPLEX_CHECK(need <= kv.num_blocks(), "request ", i, " needs ", need,
                    " KV-cache blocks, the cache has ", kv.num_blocks());
@@ -106,36 +64,26 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder,
   std::deque<size_t> waiting;
   for (size_t i = 0; i < requests.size(); ++i) waiting.push_back(i);
   std::vector<Sequence> running;
-  SlotTable slots(options.max_loras);
   const int64_t vocab = decoder.config().vocab_size;
-  int64_t step_no = 0;
 
   while (!waiting.empty() || !running.empty()) {
     // Admission, strictly in input order.
     while (!waiting.empty() && static_cast<int64_t>(running.size()) < options.max_num_seqs) {
       const EngineRequest& r = requests[waiting.front()];
-      int slot = -1;
-      if (r.adapter >= 0) {
-        slot = slots.find(r.adapter);
-        if (slot < 0) {
-          slot = slots.victim();
-          if (slot < 0) break;  // every slot serves a running adapter
-        }
-      }
       const int64_t need = kv.blocks_for(static_cast<int64_t>(r.prompt_ids.size()) + r.max_tokens);
       if (need > kv.num_free_blocks()) break;
       Sequence s;
+      if (!r.adapter.empty()) {
+        try {
+          s.lease = adapters.acquire(r.adapter);
+        } catch (const AdapterCapacityError&) {
+          break;  // every slot serves a running adapter: wait for one to finish
+        }
+        s.slot = s.lease.slot();
+      }
       s.index = waiting.front();
       waiting.pop_front();
       s.blocks = kv.allocate(need);
-      if (slot >= 0) {
-        if (slots.find(r.adapter) != slot) {
-          adapters[static_cast<size_t>(r.adapter)].install(decoder, slot);
-          slots.assign(slot, r.adapter);
-        }
-        slots.acquire(slot, step_no);
-      }
-      s.slot = slot;
       s.rng = model::make_sequence_rng(options.seed, s.index);
       running.push_back(std::move(s));
     }
@@ -180,6 +128,10 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder,
           std::max(stats->max_step_adapters, static_cast<int64_t>(step_adapters.size()));
     }
 
+    for (const Sequence& s : running) {
+      if (s.lease.valid()) s.lease.wait_ready(decoder.stream());
+    }
+    const auto layers_lock = adapters.lock_layers();
     const Tensor logits = decoder.forward(step);
     std::vector<int32_t> next(running.size());
     if (options.sampling.temperature == 0.0f && !logits.device().is_cpu()) {
@@ -208,14 +160,13 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder,
                         (!options.ignore_eos && eos.count(next[q]) != 0);
       if (done) {
         kv.release(s.blocks);
-        if (s.slot >= 0) slots.release(s.slot);
+        s.lease.release();
         results[s.index] = std::move(s.output);
       } else {
         still.push_back(std::move(s));
       }
     }
     running = std::move(still);
-    ++step_no;
   }
   return results;
 }

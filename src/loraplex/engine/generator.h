@@ -8,21 +8,22 @@
 #include <cstdint>
 #include <vector>
 
+#include <string>
+
+#include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/model/decoder.h"
-#include "loraplex/model/peft_adapter.h"
 #include "loraplex/model/sampler.h"
 
 namespace loraplex::engine {
 
 struct EngineRequest {
   std::vector<int32_t> prompt_ids;  // at least one token
-  int adapter = -1;                 // index into the adapters, -1 = base model
+  std::string adapter;              // a name loaded in the adapter manager; "" = base model
   int64_t max_tokens = 16;
 };
 
 struct EngineOptions {
   int64_t max_num_seqs = 1;
-  int max_loras = 1;
   model::SamplingParams sampling;
   uint64_t seed = 0;
   bool ignore_eos = false;
@@ -44,9 +45,10 @@ struct EngineSizing {
 EngineSizing size_engine(const std::vector<EngineRequest>& requests, const EngineOptions& options,
                          int64_t block_size);
 
-/// Generates every request; returns the generated ids of each, in request order.
-std::vector<std::vector<int32_t>> generate(model::Decoder& decoder,
-                                           const std::vector<model::PeftAdapter>& adapters,
+/// Generates every request; returns the generated ids of each, in request order. A sequence
+/// holds a lease on its adapter's slot from admission to its last token; a request whose
+/// adapter finds every slot pinned by other adapters waits (and so does everything after it).
+std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManager& adapters,
                                            const std::vector<EngineRequest>& requests,
                                            const EngineOptions& options,
                                            EngineStats* stats = nullptr);

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <tuple>
 
 #include "loraplex/core/error.h"
 #include "loraplex/model/model_ops.h"
@@ -40,151 +41,219 @@ std::unique_ptr<Decoder> Decoder::load(const std::string& dir, const DecoderOpti
   d->punica_ =
       std::make_unique<PunicaWrapper>(options.max_loras, static_cast<int>(options.max_num_tokens),
                                       static_cast<int>(options.max_num_seqs), options.device);
-  const int64_t ws =
-      std::max(PunicaWrapper::workspace_elements(3, options.max_num_tokens, options.max_lora_rank),
-               PunicaWrapper::workspace_elements(1, options.max_num_seqs, options.max_lora_rank));
-  d->workspace_ = Tensor::empty({ws}, DType::kF32, options.device);
   return d;
 }
 
+namespace {
+
+// The MoE layer takes one MoeLoraWeights; the adapter manager hands it the slices of its
+// targets: slice 0 / 1 = PEFT's 3-D gate_up_proj / down_proj (packed per expert: a [E, r, in],
+// b [E, out, r]), slice 2 + 3e + {0, 1, 2} = expert e's 2-D w1 / w3 / w2.
+LoraLayerHandle moe_handle(FusedMoeWithLora& moe, const std::string& name) {
+  const int e_count = moe.spec().num_experts;
+  const int64_t inter = moe.spec().intermediate;
+  FusedMoeWithLora* layer = &moe;
+  auto set = [layer, e_count, inter, name](int slot, const std::vector<LoraSlice>& slices,
+                                           const Stream&) {
+    MoeLoraWeights w;
+    const bool has_3d_up = slices[0].a.defined();
+    const bool has_3d_down = slices[1].a.defined();
+    bool has_2d[3] = {false, false, false};
+    for (int e = 0; e < e_count; ++e) {
+      for (int k = 0; k < 3; ++k) {
+        has_2d[k] = has_2d[k] || slices[static_cast<size_t>(2 + 3 * e + k)].a.defined();
+      }
+    }
+    LORAPLEX_CHECK(!(has_3d_up && (has_2d[0] || has_2d[1])) && !(has_3d_down && has_2d[2]), name,
+                   ": an adapter targets the experts both as 3-D parameters and per expert");
+    if (has_3d_up) {
+      for (int e = 0; e < e_count; ++e) {
+        const Tensor a = slices[0].a.select(0, e);
+        const Tensor b = slices[0].b.select(0, e);
+        w.w1.push_back({a, b.narrow(0, 0, inter)});
+        w.w3.push_back({a, b.narrow(0, inter, inter)});
+      }
+    }
+    if (has_3d_down) {
+      for (int e = 0; e < e_count; ++e) {
+        w.w2.push_back({slices[1].a.select(0, e), slices[1].b.select(0, e)});
+      }
+    }
+    std::vector<LoraSliceWeights>* lists[3] = {&w.w1, &w.w3, &w.w2};
+    for (int k = 0; k < 3; ++k) {
+      if (!has_2d[k]) continue;
+      for (int e = 0; e < e_count; ++e) {
+        const LoraSlice& sl = slices[static_cast<size_t>(2 + 3 * e + k)];
+        lists[k]->push_back({sl.a, sl.b});
+      }
+    }
+    layer->set_lora(slot, w);
+  };
+  auto reset = [layer](int slot, const Stream&) { layer->reset_lora(slot); };
+  return LoraLayerHandle(name, 2 + 3 * e_count, set, reset);
+}
+
+}  // namespace
+
 void Decoder::bind(const Checkpoint& ckpt) {
   const ModelConfig& c = config_;
-  const LoraShape shape{options_.max_loras, options_.max_lora_rank, options_.dtype,
-                        options_.device};
+  const DType dt = options_.dtype;
+  const Device dev = options_.device;
+  const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt, false};
+  const int max_tokens = static_cast<int>(options_.max_num_tokens);
   const int64_t h = c.hidden_size;
   auto weight = [&](const std::string& name, const Shape& s) {
-    return ckpt.tensor(name, s, DType::kF32);
+    const Tensor t = ckpt.tensor(name);
+    LORAPLEX_CHECK(t.shape() == s, ckpt.dir(), ": tensor '", name, "' has shape ",
+                   shape_str(t.shape()), ", expected ", shape_str(s));
+    LORAPLEX_CHECK(
+        t.dtype() == DType::kF32 || t.dtype() == DType::kF16 || t.dtype() == DType::kBF16,
+        ckpt.dir(), ": tensor '", name, "' has dtype ", t.dtype(),
+        ", expected float32, float16 or bfloat16");
+    return t;
   };
   auto norm = [&](const std::string& name) {
-    return weight(name, {h}).to(options_.dtype).to(options_.device);
+    return weight(name, {h}).to(dt).contiguous().to(dev);
   };
-  auto add_target = [&](const std::string& module, LoraTarget t) { targets_.emplace(module, t); };
+  auto add = [&](const std::string& module, const LoraLayerHandle& handle, int slice, int64_t in,
+                 int64_t out, TargetKind kind = TargetKind::kLinear, Tensor base = Tensor()) {
+    LoraTarget t;
+    t.module = module;
+    t.layer = handle;
+    t.slice = slice;
+    t.in_features = in;
+    t.out_features = out;
+    t.kind = kind;
+    t.base_weight = std::move(base);
+    targets_.add(std::move(t));
+  };
 
   const Tensor embed = weight("model.embed_tokens.weight", {c.vocab_size, h});
-  embed_ = std::make_unique<LoraEmbedding>(embed, shape);
-  add_target("model.embed_tokens",
-             {LoraTarget::Kind::kEmbedding, embed_.get(), 0, nullptr, -1, 0, c.vocab_size, h});
-  const bool has_head = ckpt.has("lm_head.weight");
-  LORAPLEX_CHECK(has_head || c.tie_word_embeddings, ckpt.dir(),
+  embed_ =
+      std::make_unique<VocabEmbeddingWithLora>(c.vocab_size, h, dt, lora, nullptr, dev, max_tokens);
+  embed_->load_base(embed);
+  add("model.embed_tokens", LoraLayerHandle::of<LoraSliceWeights>(*embed_, "model.embed_tokens", 1),
+      0, c.vocab_size, h, TargetKind::kEmbedding, embed);
+  LORAPLEX_CHECK(ckpt.has("lm_head.weight") || c.tie_word_embeddings, ckpt.dir(),
                  ": no lm_head.weight and tie_word_embeddings is false");
-  lm_head_ = std::make_unique<LoraLogits>(
-      c.tie_word_embeddings ? embed : weight("lm_head.weight", {c.vocab_size, h}), shape);
-  add_target("lm_head",
-             {LoraTarget::Kind::kLogits, lm_head_.get(), 0, nullptr, -1, 0, h, c.vocab_size});
+  const Tensor head = c.tie_word_embeddings ? embed : weight("lm_head.weight", {c.vocab_size, h});
+  lm_head_ = std::make_unique<LogitsProcessorWithLora>(h, c.vocab_size, dt, lora, nullptr, dev,
+                                                       static_cast<int>(options_.max_num_seqs));
+  lm_head_->load_base(head);
+  add("lm_head", LoraLayerHandle::of<LoraSliceWeights>(*lm_head_, "lm_head", 1), 0, h, c.vocab_size,
+      TargetKind::kLmHead, head);
   final_norm_ = norm("model.norm.weight");
 
   const int64_t q = c.q_size();
   const int64_t kv = c.kv_size();
+  const int64_t inter = c.intermediate_size;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     Layer layer;
     layer.input_norm = norm(p + "input_layernorm.weight");
     layer.post_norm = norm(p + "post_attention_layernorm.weight");
-    // q, k and v are one fused projection with three LoRA slices.
     const std::string a = p + "self_attn.";
-    Tensor qkv_w = Tensor::empty({q + 2 * kv, h}, DType::kF32);
-    qkv_w.narrow(0, 0, q).copy_from(weight(a + "q_proj.weight", {q, h}));
-    qkv_w.narrow(0, q, kv).copy_from(weight(a + "k_proj.weight", {kv, h}));
-    qkv_w.narrow(0, q + kv, kv).copy_from(weight(a + "v_proj.weight", {kv, h}));
-    Tensor qkv_b;
+    layer.qkv = std::make_unique<LoraLinear>(
+        LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), lora, nullptr, dev,
+        max_tokens);
+    std::vector<Tensor> qkv_b;
     if (c.qkv_bias) {
-      qkv_b = Tensor::empty({q + 2 * kv}, DType::kF32);
-      qkv_b.narrow(0, 0, q).copy_from(weight(a + "q_proj.bias", {q}));
-      qkv_b.narrow(0, q, kv).copy_from(weight(a + "k_proj.bias", {kv}));
-      qkv_b.narrow(0, q + kv, kv).copy_from(weight(a + "v_proj.bias", {kv}));
+      qkv_b = {weight(a + "q_proj.bias", {q}), weight(a + "k_proj.bias", {kv}),
+               weight(a + "v_proj.bias", {kv})};
     }
-    layer.qkv = std::make_unique<LoraLinear>(qkv_w, qkv_b, std::vector<int64_t>{q, kv, kv}, shape);
-    layer.o = std::make_unique<LoraLinear>(weight(a + "o_proj.weight", {h, q}),
-                                           c.o_bias ? weight(a + "o_proj.bias", {h}) : Tensor(),
-                                           std::vector<int64_t>{h}, shape);
-    add_target(a + "q_proj", {LoraTarget::Kind::kLinear, layer.qkv.get(), 0, nullptr, -1, 0, h, q});
-    add_target(a + "k_proj",
-               {LoraTarget::Kind::kLinear, layer.qkv.get(), 1, nullptr, -1, 0, h, kv});
-    add_target(a + "v_proj",
-               {LoraTarget::Kind::kLinear, layer.qkv.get(), 2, nullptr, -1, 0, h, kv});
-    add_target(a + "o_proj", {LoraTarget::Kind::kLinear, layer.o.get(), 0, nullptr, -1, 0, q, h});
+    layer.qkv->load_base({weight(a + "q_proj.weight", {q, h}), weight(a + "k_proj.weight", {kv, h}),
+                          weight(a + "v_proj.weight", {kv, h})},
+                         qkv_b);
+    layer.o =
+        std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, nullptr, dev, max_tokens);
+    std::vector<Tensor> o_b;
+    if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
+    layer.o->load_base({weight(a + "o_proj.weight", {h, q})}, o_b);
+    const LoraLayerHandle qkv_h =
+        LoraLayerHandle::of<LoraSliceWeights>(*layer.qkv, a + "qkv_proj", 3);
+    add(a + "q_proj", qkv_h, 0, h, q);
+    add(a + "k_proj", qkv_h, 1, h, kv);
+    add(a + "v_proj", qkv_h, 2, h, kv);
+    add(a + "o_proj", LoraLayerHandle::of<LoraSliceWeights>(*layer.o, a + "o_proj", 1), 0, q, h);
 
-    const int64_t inter = c.intermediate_size;
     if (!c.is_moe()) {
       const std::string m = p + "mlp.";
-      Tensor gu = Tensor::empty({2 * inter, h}, DType::kF32);
-      gu.narrow(0, 0, inter).copy_from(weight(m + "gate_proj.weight", {inter, h}));
-      gu.narrow(0, inter, inter).copy_from(weight(m + "up_proj.weight", {inter, h}));
-      Tensor gu_b;
+      layer.gate_up = std::make_unique<LoraLinear>(LinearSpec::merged_column(h, {inter, inter}, dt),
+                                                   lora, nullptr, dev, max_tokens);
+      std::vector<Tensor> gu_b;
       if (c.mlp_bias) {
-        gu_b = Tensor::empty({2 * inter}, DType::kF32);
-        gu_b.narrow(0, 0, inter).copy_from(weight(m + "gate_proj.bias", {inter}));
-        gu_b.narrow(0, inter, inter).copy_from(weight(m + "up_proj.bias", {inter}));
+        gu_b = {weight(m + "gate_proj.bias", {inter}), weight(m + "up_proj.bias", {inter})};
       }
-      layer.gate_up =
-          std::make_unique<LoraLinear>(gu, gu_b, std::vector<int64_t>{inter, inter}, shape);
-      layer.down =
-          std::make_unique<LoraLinear>(weight(m + "down_proj.weight", {h, inter}),
-                                       c.mlp_bias ? weight(m + "down_proj.bias", {h}) : Tensor(),
-                                       std::vector<int64_t>{h}, shape);
-      add_target(m + "gate_proj",
-                 {LoraTarget::Kind::kLinear, layer.gate_up.get(), 0, nullptr, -1, 0, h, inter});
-      add_target(m + "up_proj",
-                 {LoraTarget::Kind::kLinear, layer.gate_up.get(), 1, nullptr, -1, 0, h, inter});
-      add_target(m + "down_proj",
-                 {LoraTarget::Kind::kLinear, layer.down.get(), 0, nullptr, -1, 0, inter, h});
+      layer.gate_up->load_base(
+          {weight(m + "gate_proj.weight", {inter, h}), weight(m + "up_proj.weight", {inter, h})},
+          gu_b);
+      layer.down = std::make_unique<LoraLinear>(LinearSpec::row(inter, h, dt), lora, nullptr, dev,
+                                                max_tokens);
+      std::vector<Tensor> down_b;
+      if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
+      layer.down->load_base({weight(m + "down_proj.weight", {h, inter})}, down_b);
+      const LoraLayerHandle gu_h =
+          LoraLayerHandle::of<LoraSliceWeights>(*layer.gate_up, m + "gate_up_proj", 2);
+      add(m + "gate_proj", gu_h, 0, h, inter);
+      add(m + "up_proj", gu_h, 1, h, inter);
+      add(m + "down_proj", LoraLayerHandle::of<LoraSliceWeights>(*layer.down, m + "down_proj", 1),
+          0, inter, h);
     } else {
-      const int64_t e_count = c.num_experts;
-      std::vector<Tensor> w1, w2, w3;
+      MoeSpec spec;
+      spec.num_experts = static_cast<int>(c.num_experts);
+      spec.top_k = static_cast<int>(c.num_experts_per_tok);
+      spec.hidden = h;
+      spec.intermediate = inter;
+      spec.dtype = dt;
+      spec.renormalize = true;
+      layer.moe = std::make_unique<FusedMoeWithLora>(spec, lora, nullptr, dev, max_tokens);
       // transformers 5 still saves Mixtral with the 4.x names (block_sparse_moe.experts.N.wK);
       // a checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
       const std::string old_p = p + "block_sparse_moe.";
       const std::string new_p = p + "mlp.";
-      Tensor router_w;
+      const int64_t e_count = c.num_experts;
       if (ckpt.has(old_p + "gate.weight")) {
-        router_w = weight(old_p + "gate.weight", {e_count, h});
+        std::vector<Tensor> w1, w2, w3;
         for (int64_t e = 0; e < e_count; ++e) {
           const std::string ep = old_p + "experts." + std::to_string(e) + ".";
           w1.push_back(weight(ep + "w1.weight", {inter, h}));
           w2.push_back(weight(ep + "w2.weight", {h, inter}));
           w3.push_back(weight(ep + "w3.weight", {inter, h}));
         }
+        layer.moe->load_base(weight(old_p + "gate.weight", {e_count, h}), w1, w3, w2);
       } else {
-        router_w = weight(new_p + "gate.weight", {e_count, h});
-        const Tensor gu = weight(new_p + "experts.gate_up_proj", {e_count, 2 * inter, h});
-        const Tensor dn = weight(new_p + "experts.down_proj", {e_count, h, inter});
-        for (int64_t e = 0; e < e_count; ++e) {
-          w1.push_back(gu.select(0, e).narrow(0, 0, inter).contiguous());
-          w3.push_back(gu.select(0, e).narrow(0, inter, inter).contiguous());
-          w2.push_back(dn.select(0, e).contiguous());
-        }
+        layer.moe->load_base_3d(weight(new_p + "gate.weight", {e_count, h}),
+                                weight(new_p + "experts.gate_up_proj", {e_count, 2 * inter, h}),
+                                weight(new_p + "experts.down_proj", {e_count, h, inter}));
       }
-      layer.router = BaseLinear(router_w, Tensor(), options_.dtype, options_.device);
-      layer.moe =
-          std::make_unique<LoraMoe>(w1, w3, w2, static_cast<int>(c.num_experts_per_tok), shape);
-      LoraTarget t3{LoraTarget::Kind::kExperts3d, nullptr, 0, layer.moe.get(), -1, 0, h, h};
-      add_target(new_p + "experts", t3);
+      const LoraLayerHandle moe_h = moe_handle(*layer.moe, p + "experts");
+      // PEFT's 3-D LoRA: A always consumes the projection input (ParamWrapper swaps in/out
+      // for transformers-5 [E, out, in] parameters), so both register in forward orientation,
+      // in the module's parameter order (which fixes PEFT's wrapper nesting).
+      const std::tuple<const char*, int, int64_t, int64_t> params[] = {
+          {"gate_up_proj", 0, h, 2 * inter}, {"down_proj", 1, inter, h}};
+      for (const auto& [param, slice, in, out] : params) {
+        LoraTarget t;
+        t.module = new_p + "experts";
+        t.layer = moe_h;
+        t.slice = slice;
+        t.in_features = in;
+        t.out_features = out;
+        t.kind = TargetKind::kExperts3d;
+        t.parameter = param;
+        t.num_experts = e_count;
+        t.parameter_out_in = false;
+        targets_.add(std::move(t));
+      }
       for (int64_t e = 0; e < e_count; ++e) {
         const std::string ep = old_p + "experts." + std::to_string(e) + ".";
-        add_target(ep + "w1", {LoraTarget::Kind::kExpert2d, nullptr, 0, layer.moe.get(),
-                               static_cast<int>(e), 0, h, inter});
-        add_target(ep + "w3", {LoraTarget::Kind::kExpert2d, nullptr, 0, layer.moe.get(),
-                               static_cast<int>(e), 1, h, inter});
-        add_target(ep + "w2", {LoraTarget::Kind::kExpert2d, nullptr, 0, layer.moe.get(),
-                               static_cast<int>(e), 2, inter, h});
+        const int base = 2 + 3 * static_cast<int>(e);
+        add(ep + "w1", moe_h, base + 0, h, inter);
+        add(ep + "w3", moe_h, base + 1, h, inter);
+        add(ep + "w2", moe_h, base + 2, inter, h);
       }
     }
     layers_.push_back(std::move(layer));
-  }
-}
-
-void Decoder::reset_slot(int slot) {
-  embed_->reset_lora(slot);
-  lm_head_->reset_lora(slot);
-  for (Layer& l : layers_) {
-    l.qkv->reset_lora(slot);
-    l.o->reset_lora(slot);
-    if (l.moe) {
-      l.moe->reset_lora(slot);
-    } else {
-      l.gate_up->reset_lora(slot);
-      l.down->reset_lora(slot);
-    }
   }
 }
 
@@ -242,21 +311,22 @@ Tensor Decoder::forward(const StepInput& s) {
   }
 
   punica_->update_metadata(s.token_slots, s.sample_slots, stream_);
-  StepContext ctx{punica_.get(), &workspace_, stream_};
+  const PunicaWrapper& pw = *punica_;
   const Tensor ids = upload(s.token_ids, dev);
   const Tensor positions = upload(s.positions, dev);
   const Tensor token_seq = upload(s.token_seq, dev);
   const Tensor slots = upload(slot_mapping, dev);
   const Tensor tables = upload(s.block_tables, dev);
 
-  Tensor x = embed_->forward(ids, ctx);
+  // The residual stream is owned here: layer outputs are views of the layers' buffers.
+  Tensor x = embed_->forward(ids, pw, stream_).clone(stream_);
   const int64_t q = c.q_size();
   const int64_t kv = c.kv_size();
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& layer = layers_[l];
     const ops::KvCacheView cache = kv_->view(static_cast<int64_t>(l));
     Tensor h = rms_norm(x, layer.input_norm);
-    Tensor qkv = layer.qkv->forward(h, ctx);
+    Tensor qkv = layer.qkv->forward(h, pw, stream_);
     ops::RopeArgs rope;
     rope.dtype = dt;
     rope.num_tokens = n;
@@ -294,19 +364,17 @@ Tensor Decoder::forward(const StepInput& s) {
     pa.cache = cache;
     pa.out = attn.data_ptr();
     throw_if_error(ops::run(&ops::cpu::paged_attention, &ops::cuda::paged_attention, pa, stream_));
-    add_inplace(x, layer.o->forward(attn, ctx));
+    add_inplace(x, layer.o->forward(attn, pw, stream_));
 
     h = rms_norm(x, layer.post_norm);
     if (layer.moe) {
-      Tensor router_logits = Tensor::empty({n, c.num_experts}, dt, dev);
-      layer.router.forward(router_logits, h, stream_);
-      add_inplace(x, layer.moe->forward(h, router_logits, ctx));
+      add_inplace(x, layer.moe->forward(h, pw, stream_));
     } else {
-      const Tensor gu = layer.gate_up->forward(h, ctx);
+      const Tensor gu = layer.gate_up->forward(h, pw, stream_);
       Tensor act = Tensor::empty({n, c.intermediate_size}, dt, dev);
       ops::SiluMulArgs sm{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()};
       throw_if_error(ops::run(&ops::cpu::silu_mul, &ops::cuda::silu_mul, sm, stream_));
-      add_inplace(x, layer.down->forward(act, ctx));
+      add_inplace(x, layer.down->forward(act, pw, stream_));
     }
   }
 
@@ -326,7 +394,7 @@ Tensor Decoder::forward(const StepInput& s) {
     throw_if_error(ops::run(&ops::cpu::embedding, &ops::cuda::embedding, g, stream_));
   }
   const Tensor normed = rms_norm(rows, final_norm_);
-  return lm_head_->forward(normed, ctx);
+  return lm_head_->forward(normed, pw, stream_);
 }
 
 }  // namespace loraplex::model

@@ -10,12 +10,16 @@
 #include <string>
 #include <vector>
 
+#include "loraplex/adapters/lora_targets.h"
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
+#include "loraplex/layers/fused_moe.h"
+#include "loraplex/layers/logits_processor.h"
+#include "loraplex/layers/lora_linear.h"
+#include "loraplex/layers/vocab_embedding.h"
 #include "loraplex/model/checkpoint.h"
 #include "loraplex/model/config.h"
 #include "loraplex/model/kv_cache.h"
-#include "loraplex/model/lora_modules.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::model {
@@ -44,20 +48,6 @@ struct StepInput {
   std::vector<int32_t> sample_slots;   // [S] LoRA slot of each sampled row
 };
 
-/// Where an adapter's module lands: a LoRA module and its output slice, or (Mixtral) the
-/// routed experts of a layer.
-struct LoraTarget {
-  enum class Kind { kLinear, kEmbedding, kLogits, kExperts3d, kExpert2d };
-  Kind kind = Kind::kLinear;
-  LoraModule* module = nullptr;  // kLinear, kEmbedding, kLogits
-  int slice = 0;
-  LoraMoe* moe = nullptr;  // kExperts3d / kExpert2d
-  int expert = -1;         // kExpert2d
-  int which = 0;           // kExpert2d: 0 = w1, 1 = w3, 2 = w2
-  int64_t in_features = 0;
-  int64_t out_features = 0;
-};
-
 class Decoder {
  public:
   /// Loads config.json and the weights of `dir`; throws naming the directory, file, tensor or
@@ -68,25 +58,26 @@ class Decoder {
   const DecoderOptions& options() const { return options_; }
   KvCache& kv_cache() { return *kv_; }
 
-  /// Runs one step; returns float logits [S, vocab] in the activation dtype on the device.
+  /// Runs one step; returns logits [S, vocab] in the activation dtype on the device (a view
+  /// of the lm_head's buffer, valid until the next forward).
   Tensor forward(const StepInput& step);
+  /// The stream every forward runs on.
+  const Stream& stream() const { return stream_; }
 
-  /// Every module an adapter may target, by PEFT module path without "base_model.model."
-  /// ("model.layers.0.self_attn.q_proj", "lm_head", "model.layers.1.mlp.experts", ...).
-  const std::map<std::string, LoraTarget>& targets() const { return targets_; }
-  /// Resets `slot` in every module (exactly no LoRA effect afterwards).
-  void reset_slot(int slot);
+  /// Every module an adapter may target (PEFT module paths without "base_model.model.":
+  /// "model.layers.0.self_attn.q_proj", "lm_head", "model.layers.1.mlp.experts" (3-D),
+  /// "model.layers.1.block_sparse_moe.experts.5.w1", ...), for the adapter manager.
+  const LoraTargetRegistry& targets() const { return targets_; }
 
  private:
   struct Layer {
     Tensor input_norm;
     Tensor post_norm;
-    std::unique_ptr<LoraLinear> qkv;
-    std::unique_ptr<LoraLinear> o;
-    std::unique_ptr<LoraLinear> gate_up;
-    std::unique_ptr<LoraLinear> down;
-    BaseLinear router;
-    std::unique_ptr<LoraMoe> moe;
+    std::unique_ptr<LoraLinear> qkv;      // column, 3 LoRA slices (q, k, v)
+    std::unique_ptr<LoraLinear> o;        // row
+    std::unique_ptr<LoraLinear> gate_up;  // merged column, 2 LoRA slices
+    std::unique_ptr<LoraLinear> down;     // row
+    std::unique_ptr<FusedMoeWithLora> moe;
   };
 
   Decoder() = default;
@@ -97,15 +88,14 @@ class Decoder {
   ModelConfig config_;
   DecoderOptions options_;
   Stream stream_;
-  std::unique_ptr<LoraEmbedding> embed_;
-  std::unique_ptr<LoraLogits> lm_head_;
+  std::unique_ptr<VocabEmbeddingWithLora> embed_;
+  std::unique_ptr<LogitsProcessorWithLora> lm_head_;
   Tensor final_norm_;
   std::vector<Layer> layers_;
   Tensor inv_freq_;  // [head_dim / 2] float32 on the device
   std::unique_ptr<KvCache> kv_;
   std::unique_ptr<PunicaWrapper> punica_;
-  Tensor workspace_;
-  std::map<std::string, LoraTarget> targets_;
+  LoraTargetRegistry targets_;
 };
 
 }  // namespace loraplex::model
