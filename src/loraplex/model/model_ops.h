@@ -1,6 +1,6 @@
 #pragma once
 // The non-LoRA ops of the decoder (embedding gather, RMSNorm, RoPE, paged KV cache write and
-// attention, SiLU-and-multiply, residual add, bias add, MoE routing, greedy argmax) as
+// attention, SiLU-and-multiply, residual add, greedy argmax) as
 // framework-free argument structs over raw pointers. The CPU versions (model_ops_cpu.cc) define
 // the semantics; the CUDA versions (cuda/model_ops_cuda.cu) implement the same structs and are
 // tested against them. Launchers return Status and never throw.
@@ -117,68 +117,6 @@ struct AddArgs {
   void* y = nullptr;        // [num_rows, n] in/out
 };
 
-/// y[r, :] += bias (the bias of a projection, rounded once).
-struct BiasArgs {
-  DType dtype = DType::kF32;
-  int64_t num_rows = 0;
-  int64_t n = 0;
-  const void* bias = nullptr;  // [n] in
-  void* y = nullptr;           // [num_rows, y_row_stride] in/out
-  int64_t y_row_stride = 0;
-};
-
-/// Mixtral routing, as transformers: p = softmax(logits) in float32, the top_k largest (ties to
-/// the lower expert), weights renormalised to sum to 1.
-struct MoeRouteArgs {
-  DType dtype = DType::kF32;  // of logits
-  int64_t num_tokens = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  const void* logits = nullptr;   // [num_tokens, num_experts] in
-  int32_t* topk_ids = nullptr;    // [num_tokens, top_k] out
-  float* topk_weights = nullptr;  // [num_tokens, top_k] out
-};
-
-/// out[t, :] = sum_k w[t, k] * x[t, k, :], summed in ascending expert order as transformers'
-/// per-expert index_add does (exactly its float32 result).
-struct MoeCombineArgs {
-  DType dtype = DType::kF32;
-  int64_t num_tokens = 0;
-  int top_k = 0;
-  int64_t hidden = 0;
-  const void* x = nullptr;              // [num_tokens, top_k, hidden] in
-  const int32_t* topk_ids = nullptr;    // [num_tokens, top_k] in
-  const float* topk_weights = nullptr;  // [num_tokens, top_k] in
-  void* out = nullptr;                  // [num_tokens, hidden] out
-};
-
-/// y = x W^T for a row-major weight W [out, in] (the GPU base GEMM; float32 compute, no TF32).
-struct LinearArgs {
-  DType dtype = DType::kF32;  // of x, W and y
-  int64_t num_tokens = 0;
-  int64_t in = 0;
-  int64_t out = 0;
-  const void* x = nullptr;  // [num_tokens, in] in
-  const void* w = nullptr;  // [out, in] in
-  void* y = nullptr;        // [num_tokens, out] out
-};
-
-/// The base projection of routed experts: for each pair p = t * top_k + k with expert
-/// e = topk_ids[p], out[p, :] = W[e] x_row, x_row = x[t] (rows are tokens) or x[p] (pairs).
-struct MoeExpertLinearArgs {
-  DType dtype = DType::kF32;  // of x, W and out
-  int64_t num_tokens = 0;
-  int top_k = 0;
-  int num_experts = 0;
-  int64_t in = 0;
-  int64_t out_features = 0;
-  const void* x = nullptr;  // [num_tokens, in] or [num_tokens * top_k, in] in
-  bool x_rows_are_pairs = false;
-  const int32_t* topk_ids = nullptr;  // [num_tokens, top_k] in
-  const void* w = nullptr;            // [num_experts, out_features, in] in
-  void* out = nullptr;                // [num_tokens * top_k, out_features] out
-};
-
 /// ids[r] = argmax_j logits[r, j]; ties go to the lowest j. NaN never wins.
 struct ArgmaxArgs {
   DType dtype = DType::kF32;
@@ -197,10 +135,6 @@ Status kv_write(const KvWriteArgs& a);
 Status paged_attention(const PagedAttentionArgs& a);
 Status silu_mul(const SiluMulArgs& a);
 Status add(const AddArgs& a);
-Status bias_add(const BiasArgs& a);
-Status moe_route(const MoeRouteArgs& a);
-Status moe_combine(const MoeCombineArgs& a);
-Status moe_expert_linear(const MoeExpertLinearArgs& a);
 Status argmax(const ArgmaxArgs& a);
 }  // namespace cpu
 
@@ -214,12 +148,7 @@ Status kv_write(const KvWriteArgs& a, const Stream& stream);
 Status paged_attention(const PagedAttentionArgs& a, const Stream& stream);
 Status silu_mul(const SiluMulArgs& a, const Stream& stream);
 Status add(const AddArgs& a, const Stream& stream);
-Status bias_add(const BiasArgs& a, const Stream& stream);
-Status moe_route(const MoeRouteArgs& a, const Stream& stream);
-Status moe_combine(const MoeCombineArgs& a, const Stream& stream);
-Status moe_expert_linear(const MoeExpertLinearArgs& a, const Stream& stream);
 Status argmax(const ArgmaxArgs& a, const Stream& stream);
-Status linear(const LinearArgs& a, const Stream& stream);
 }  // namespace cuda
 
 /// Routes to cpu:: or cuda:: by the stream's device.

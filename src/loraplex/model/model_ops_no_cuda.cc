@@ -19,13 +19,7 @@ Status paged_attention(const PagedAttentionArgs&, const Stream&) {
 }
 Status silu_mul(const SiluMulArgs&, const Stream&) { return no_cuda("silu_mul"); }
 Status add(const AddArgs&, const Stream&) { return no_cuda("add"); }
-Status bias_add(const BiasArgs&, const Stream&) { return no_cuda("bias_add"); }
-Status moe_route(const MoeRouteArgs&, const Stream&) { return no_cuda("moe_route"); }
-Status moe_combine(const MoeCombineArgs&, const Stream&) { return no_cuda("moe_combine"); }
-Status moe_expert_linear(const MoeExpertLinearArgs&, const Stream&) {
-  return no_cuda("moe_expert_linear");
-}
+
 Status argmax(const ArgmaxArgs&, const Stream&) { return no_cuda("argmax"); }
-Status linear(const LinearArgs&, const Stream&) { return no_cuda("linear"); }
 
 }  // namespace loraplex::model::ops::cuda
