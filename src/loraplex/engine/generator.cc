@@ -139,11 +139,11 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManag
       Tensor ids = Tensor::empty({logits.size(0)}, DType::kI32, logits.device());
       model::ops::ArgmaxArgs a{logits.dtype(),    logits.size(0), vocab,
                                logits.data_ptr(), vocab,          ids.data<int32_t>()};
-      throw_if_error(model::ops::cuda::argmax(a, Stream()));
-      const Tensor host = ids.to(Device::cpu());
+      throw_if_error(model::ops::cuda::argmax(a, decoder.stream()));
+      const Tensor host = ids.to(Device::cpu(), decoder.stream());
       std::copy_n(host.data<int32_t>(), next.size(), next.begin());
     } else {
-      const Tensor host = logits.to(Device::cpu()).to(DType::kF32);
+      const Tensor host = logits.to(Device::cpu(), decoder.stream()).to(DType::kF32);
       for (size_t q = 0; q < running.size(); ++q) {
         const std::span<const float> row(host.data<float>() + static_cast<int64_t>(q) * vocab,
                                          static_cast<size_t>(vocab));

@@ -11,9 +11,9 @@ namespace loraplex::model {
 namespace {
 
 template <typename T>
-Tensor upload(const std::vector<T>& v, Device device) {
+Tensor upload(const std::vector<T>& v, Device device, const Stream& stream) {
   const Tensor host = Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
-  return device.is_cpu() ? host : host.to(device);
+  return device.is_cpu() ? host : host.to(device, stream);
 }
 
 }  // namespace
@@ -35,7 +35,7 @@ std::unique_ptr<Decoder> Decoder::load(const std::string& dir, const DecoderOpti
   d->stream_ = options.device.is_cpu() ? Stream() : Stream::create(options.device);
   const Checkpoint ckpt = Checkpoint::open(dir);
   d->bind(ckpt);
-  d->inv_freq_ = upload(rope_inv_freq(d->config_), options.device);
+  d->inv_freq_ = upload(rope_inv_freq(d->config_), options.device, d->stream_);
   d->kv_ = std::make_unique<KvCache>(d->config_, options.kv_blocks, options.kv_block_size,
                                      options.dtype, options.device);
   d->punica_ =
@@ -312,11 +312,11 @@ Tensor Decoder::forward(const StepInput& s) {
 
   punica_->update_metadata(s.token_slots, s.sample_slots, stream_);
   const PunicaWrapper& pw = *punica_;
-  const Tensor ids = upload(s.token_ids, dev);
-  const Tensor positions = upload(s.positions, dev);
-  const Tensor token_seq = upload(s.token_seq, dev);
-  const Tensor slots = upload(slot_mapping, dev);
-  const Tensor tables = upload(s.block_tables, dev);
+  const Tensor ids = upload(s.token_ids, dev, stream_);
+  const Tensor positions = upload(s.positions, dev, stream_);
+  const Tensor token_seq = upload(s.token_seq, dev, stream_);
+  const Tensor slots = upload(slot_mapping, dev, stream_);
+  const Tensor tables = upload(s.block_tables, dev, stream_);
 
   // The residual stream is owned here: layer outputs are views of the layers' buffers.
   Tensor x = embed_->forward(ids, pw, stream_).clone(stream_);
@@ -382,7 +382,7 @@ Tensor Decoder::forward(const StepInput& s) {
   if (num_sampled == 0) return Tensor::empty({0, c.vocab_size}, dt, dev);
   Tensor rows = Tensor::empty({num_sampled, c.hidden_size}, dt, dev);
   {
-    const Tensor sample_ids = upload(s.sample_tokens, dev);
+    const Tensor sample_ids = upload(s.sample_tokens, dev, stream_);
     ops::EmbeddingArgs g;
     g.dtype = dt;
     g.num_tokens = num_sampled;
