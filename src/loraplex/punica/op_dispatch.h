@@ -15,6 +15,12 @@ Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::Lora
                             const Stream& stream);
 Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
                             const Stream& stream);
+/// The BGMV (decode gather) forms: tokens in batch order, each gathering its slot's weights
+/// through `token_lora_mapping` ([num_tokens] on the stream's device).
+Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream);
+Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream);
 /// Shrink and expand of one layer in one call: on CUDA a fused kernel keeps the rank-r
 /// intermediate on chip when the batch is small; otherwise shrink into `shrink.out`, then
 /// expand from it.

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Copies the build dependencies that the GPU machines lack (GoogleTest source, nlohmann_json,
+# Oniguruma) from this machine's Debian packages into DEST, so that the project can be
+# configured there with:
+#   cmake -S . -B build -G Ninja -DCMAKE_PREFIX_PATH=DEST -DLORAPLEX_GTEST_SOURCE_DIR=DEST/src/googletest
+# DEST must be a git-ignored folder of the repository (e.g. .device/deps) named in the device
+# tool's `carry` list.
+set -euo pipefail
+dest=${1:?usage: pack_device_deps.sh DEST}
+mkdir -p "$dest/include" "$dest/lib" "$dest/share/cmake" "$dest/src" "$dest/lib/pkgconfig"
+cp -r /usr/src/googletest "$dest/src/"
+cp -r /usr/include/nlohmann "$dest/include/"
+cp -r /usr/share/cmake/nlohmann_json "$dest/share/cmake/"
+cp /usr/include/oniguruma.h /usr/include/oniggnu.h /usr/include/onigposix.h "$dest/include/"
+cp -P /usr/lib/x86_64-linux-gnu/libonig.so* "$dest/lib/"
+# The prefix is written relative to the .pc file so the folder can move to another machine.
+sed 's|^prefix=.*|prefix=${pcfiledir}/../..|' /usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc \
+  >"$dest/lib/pkgconfig/oniguruma.pc"
+echo "packed into $dest: $(du -sh "$dest" | cut -f1)"
