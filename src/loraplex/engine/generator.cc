@@ -137,8 +137,9 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManag
     if (options.sampling.temperature == 0.0f && !logits.device().is_cpu()) {
       // Greedy on the GPU: only the chosen ids come back to the host.
       Tensor ids = Tensor::empty({logits.size(0)}, DType::kI32, logits.device());
+      const int64_t stride = logits.size(0) > 1 ? logits.stride(0) : vocab;
       model::ops::ArgmaxArgs a{logits.dtype(),    logits.size(0), vocab,
-                               logits.data_ptr(), vocab,          ids.data<int32_t>()};
+                               logits.data_ptr(), stride,         ids.data<int32_t>()};
       throw_if_error(model::ops::cuda::argmax(a, decoder.stream()));
       const Tensor host = ids.to(Device::cpu(), decoder.stream());
       std::copy_n(host.data<int32_t>(), next.size(), next.begin());
