@@ -12,6 +12,7 @@
 
 namespace loraplex::cli {
 // Each subcommand lives in its own cmd_*.cc file.
+extern const Command kGenerateCommand;
 extern const Command kSelftestCommand;
 extern const Command kBenchCommand;
 }  // namespace loraplex::cli
@@ -20,7 +21,8 @@ namespace {
 
 using loraplex::cli::Command;
 
-const Command* const kCommands[] = {&loraplex::cli::kSelftestCommand,
+const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
+                                    &loraplex::cli::kSelftestCommand,
                                     &loraplex::cli::kBenchCommand};
 
 void print_usage(std::FILE* out) {
