@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copies the build dependencies that the GPU machines lack (GoogleTest source, nlohmann_json,
-# Oniguruma) from this machine's Debian packages into DEST, so that the project can be
+# Oniguruma, ICU) from this machine's Debian packages into DEST, so that the project can be
 # configured there with:
 #   cmake -S . -B build -G Ninja -DCMAKE_PREFIX_PATH=DEST -DLORAPLEX_GTEST_SOURCE_DIR=DEST/src/googletest
 # DEST must be a git-ignored folder of the repository (e.g. .device/deps) named in the device
@@ -13,6 +13,9 @@ cp -r /usr/include/nlohmann "$dest/include/"
 cp -r /usr/share/cmake/nlohmann_json "$dest/share/cmake/"
 cp /usr/include/oniguruma.h /usr/include/oniggnu.h /usr/include/onigposix.h "$dest/include/"
 cp -P /usr/lib/x86_64-linux-gnu/libonig.so* "$dest/lib/"
+# ICU (NFC/NFKC tokenizer normalizers): headers and the two libraries the tokenizer links.
+cp -r /usr/include/unicode "$dest/include/"
+cp -P /usr/lib/x86_64-linux-gnu/libicuuc.so* /usr/lib/x86_64-linux-gnu/libicudata.so* "$dest/lib/"
 # The prefix is written relative to the .pc file so the folder can move to another machine.
 sed 's|^prefix=.*|prefix=${pcfiledir}/../..|' /usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc \
   >"$dest/lib/pkgconfig/oniguruma.pc"

@@ -4,6 +4,8 @@
 
 #include <random>
 
+#include "support/random_data.h"
+
 namespace loraplex {
 namespace {
 
@@ -86,6 +88,85 @@ TEST(BatchMeta, RejectsBadSlotsAndOversizedBatches) {
   }
   std::vector<int32_t> too_many(9, 0);
   EXPECT_THROW(meta.prepare(too_many, cpu), Error);
+}
+
+TEST(BatchMeta, EveryDistributionSizeAndSlotCount) {
+  Stream cpu;
+  std::mt19937_64 rng(11);
+  for (int max_loras : {1, 4, 32}) {
+    LoraBatchMeta meta(max_loras, 1024, Device::cpu());
+    for (test::SlotDistribution d : test::kAllDistributions) {
+      for (int n : {1, 3, 77, 199, 1024}) {
+        const std::vector<int32_t> mapping = test::make_slots(d, n, max_loras, rng, 0.2);
+        meta.prepare(mapping, cpu);
+        SCOPED_TRACE(std::string(test::distribution_name(d)) + " tokens " + std::to_string(n) +
+                     " max_loras " + std::to_string(max_loras));
+        expect_meta_matches(mapping, max_loras, meta.to_host(cpu));
+        bool none = true;
+        for (int32_t s : mapping) none = none && s == -1;
+        EXPECT_EQ(meta.no_lora(), none);
+      }
+    }
+  }
+}
+
+TEST(BatchMeta, EmptyAndBaseOnlyBatches) {
+  Stream cpu;
+  LoraBatchMeta meta(4, 16, Device::cpu());
+  meta.prepare(std::vector<int32_t>{}, cpu);
+  EXPECT_TRUE(meta.no_lora());
+  EXPECT_EQ(meta.num_tokens(), 0);
+  auto h = meta.to_host(cpu);
+  EXPECT_EQ(h.num_active_loras, 0);
+  EXPECT_EQ(h.active_lora_ids, std::vector<int32_t>(5, -1));
+  EXPECT_EQ(h.lora_token_start_loc, std::vector<int32_t>(6, 0));
+  meta.prepare(std::vector<int32_t>(9, -1), cpu);
+  EXPECT_TRUE(meta.no_lora());
+  h = meta.to_host(cpu);
+  EXPECT_EQ(h.num_active_loras, 1);
+  EXPECT_EQ(h.active_lora_ids, (std::vector<int32_t>{-1, -1, -1, -1, -1}));
+  EXPECT_EQ(h.num_tokens_per_lora, (std::vector<int32_t>{9, 0, 0, 0, 0}));
+  EXPECT_EQ(h.lora_token_start_loc, (std::vector<int32_t>{0, 9, 9, 9, 9, 9}));
+}
+
+TEST(BatchMeta, ReusedAcrossStepsOfDifferentSizes) {
+  // A smaller step after a larger one must not see the larger step's groups.
+  Stream cpu;
+  LoraBatchMeta meta(4, 64, Device::cpu());
+  std::vector<int32_t> big(64);
+  for (int i = 0; i < 64; ++i) big[static_cast<size_t>(i)] = i % 4;
+  meta.prepare(big, cpu);
+  const std::vector<int32_t> small = {2, -1, 2};
+  meta.prepare(small, cpu);
+  const auto h = meta.to_host(cpu);
+  EXPECT_EQ(h.sorted_token_indices, (std::vector<int32_t>{1, 0, 2}));
+  EXPECT_EQ(h.active_lora_ids, (std::vector<int32_t>{-1, 2, -1, -1, -1}));
+  EXPECT_EQ(h.num_tokens_per_lora, (std::vector<int32_t>{1, 2, 0, 0, 0}));
+  EXPECT_EQ(h.lora_token_start_loc, (std::vector<int32_t>{0, 1, 3, 3, 3, 3}));
+  EXPECT_EQ(h.num_active_loras, 2);
+}
+
+TEST(BatchMeta, PrepareFromBufferMatchesPrepare) {
+  Stream cpu;
+  std::mt19937_64 rng(13);
+  const std::vector<int32_t> mapping =
+      test::make_slots(test::SlotDistribution::kZipf, 77, 8, rng, 0.3);
+  LoraBatchMeta a(8, 128, Device::cpu());
+  LoraBatchMeta b(8, 128, Device::cpu());
+  a.prepare(mapping, cpu);
+  std::copy(mapping.begin(), mapping.end(), b.mapping_buffer().data<int32_t>());
+  b.prepare_from_buffer(77, false, cpu);
+  const auto ha = a.to_host(cpu);
+  const auto hb = b.to_host(cpu);
+  EXPECT_EQ(ha.sorted_token_indices, hb.sorted_token_indices);
+  EXPECT_EQ(ha.active_lora_ids, hb.active_lora_ids);
+  EXPECT_EQ(ha.num_tokens_per_lora, hb.num_tokens_per_lora);
+  EXPECT_EQ(ha.lora_token_start_loc, hb.lora_token_start_loc);
+  EXPECT_EQ(ha.num_active_loras, hb.num_active_loras);
+  // A bad slot written straight into the buffer is still rejected.
+  b.mapping_buffer().data<int32_t>()[5] = 8;
+  EXPECT_THROW(b.prepare_from_buffer(77, false, cpu), Error);
+  EXPECT_THROW(b.prepare_from_buffer(129, false, cpu), Error);
 }
 
 }  // namespace

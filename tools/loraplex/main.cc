@@ -12,14 +12,18 @@
 
 namespace loraplex::cli {
 // Each subcommand lives in its own cmd_*.cc file.
+extern const Command kGenerateCommand;
 extern const Command kSelftestCommand;
+extern const Command kBenchCommand;
 }  // namespace loraplex::cli
 
 namespace {
 
 using loraplex::cli::Command;
 
-const Command* const kCommands[] = {&loraplex::cli::kSelftestCommand};
+const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
+                                    &loraplex::cli::kSelftestCommand,
+                                    &loraplex::cli::kBenchCommand};
 
 void print_usage(std::FILE* out) {
   std::fprintf(out, "usage: loraplex <command> [options]\n\ncommands:\n");

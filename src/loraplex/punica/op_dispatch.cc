@@ -1,12 +1,19 @@
 #include "loraplex/punica/op_dispatch.h"
 
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
+
 namespace loraplex {
 namespace {
 
-// The CUDA kernels are wired in by kernels/cuda; until a kernel exists for an op the GPU
-// path reports it instead of silently running something else.
-Status no_cuda_kernel(const char* op) {
-  return unsupported(op, " has no CUDA kernel in this build");
+// Kernels launch on the calling thread's current device: make it the stream's device.
+Status select_device(const Stream& stream) {
+  try {
+    const int want = stream.device().index;
+    if (cuda_rt::current_device() != want) cuda_rt::set_device(want);
+  } catch (const Error& e) {
+    return Status(StatusCode::kCudaError, e.what());
+  }
+  return Status();
 }
 
 }  // namespace
@@ -16,19 +23,36 @@ Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
                                 const Stream& stream) {
   if (stream.device().is_cpu())
     return kernels::cpu::build_lora_meta(num_tokens, max_loras, buffers);
-  return no_cuda_kernel("build_lora_meta");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::build_lora_meta(num_tokens, max_loras, buffers, stream.handle());
 }
 
 Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::LoraMetaView& meta,
                             const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_shrink(args, meta);
-  return no_cuda_kernel("lora_shrink");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::lora_shrink(args, meta, stream.handle());
 }
 
 Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
                             const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_expand(args, meta);
-  return no_cuda_kernel("lora_expand");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::lora_expand(args, meta, stream.handle());
+}
+
+Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream) {
+  if (stream.device().is_cpu()) return kernels::cpu::bgmv_shrink(args, token_lora_mapping);
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::bgmv_shrink(args, token_lora_mapping, stream.handle());
+}
+
+Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream) {
+  if (stream.device().is_cpu()) return kernels::cpu::bgmv_expand(args, token_lora_mapping);
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::bgmv_expand(args, token_lora_mapping, stream.handle());
 }
 
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
@@ -37,34 +61,40 @@ Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::Ex
     LORAPLEX_RETURN_IF_ERROR(kernels::cpu::lora_shrink(shrink, meta));
     return kernels::cpu::lora_expand(expand, meta);
   }
-  return no_cuda_kernel("lora_linear");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::lora_linear(shrink, expand, meta, stream.handle());
 }
 
 Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
                                 const kernels::LoraMetaView& meta, const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_expand_fp8(args, meta);
-  return no_cuda_kernel("lora_expand_fp8");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::lora_expand_fp8(args, meta, stream.handle());
 }
 
 Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArgs& args,
                                           const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::quantize_intermediate_fp8(args);
-  return no_cuda_kernel("quantize_intermediate_fp8");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::quantize_intermediate_fp8(args, stream.handle());
 }
 
 Status dispatch_lora_embedding(const kernels::EmbeddingLoraArgs& args, const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_embedding(args);
-  return no_cuda_kernel("lora_embedding");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::lora_embedding(args, stream.handle());
 }
 
 Status dispatch_moe_lora_align(const kernels::MoeAlignArgs& args, const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::moe_lora_align_block_size(args);
-  return no_cuda_kernel("moe_lora_align_block_size");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::moe_lora_align_block_size(args, stream.handle());
 }
 
 Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::fused_moe_lora(args);
-  return no_cuda_kernel("fused_moe_lora");
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::fused_moe_lora(args, stream.handle());
 }
 
 }  // namespace loraplex

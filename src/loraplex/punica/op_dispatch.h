@@ -15,6 +15,12 @@ Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::Lora
                             const Stream& stream);
 Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
                             const Stream& stream);
+/// Per-token gather forms (vLLM's bgmv_shrink / bgmv_expand / bgmv_expand_slice): the same
+/// math driven by the mapping alone, for callers without batch metadata.
+Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream);
+Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
+                            const Stream& stream);
 /// Shrink and expand of one layer in one call: on CUDA a fused kernel keeps the rank-r
 /// intermediate on chip when the batch is small; otherwise shrink into `shrink.out`, then
 /// expand from it.

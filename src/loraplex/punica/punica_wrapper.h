@@ -10,10 +10,44 @@
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
+#include "loraplex/kernels/lora_ops.h"
 #include "loraplex/punica/batch_meta.h"
 #include "loraplex/punica/slot_ranks.h"
 
 namespace loraplex {
+
+/// The fp8 LoRA-B of one layer for add_expand_fp8 (dequantised value = q * scale).
+struct Fp8LoraB {
+  std::span<const Tensor> weights;  // per slice float8_e4m3/e5m2 [max_loras, n_s, max_rank]
+  // Per slice float32: [max_loras] per tensor, [max_loras, n_s] per channel, or
+  // [max_loras, ceil(n_s / group_n), ceil(max_rank / group_k)] per block.
+  std::span<const Tensor> scales;
+  kernels::Fp8ScaleKind scale_kind = kernels::Fp8ScaleKind::kPerTensor;
+  int group_n = 128;
+  int group_k = 128;
+};
+
+/// One MoE step's (token, k) pairs grouped per adapter slot by expert, from
+/// moe_lora_align_block_size. The block tensors are views into the wrapper's buffers, valid
+/// until its next moe_lora_align_block_size call. With `naive`, alignment was skipped (vLLM's
+/// naive block assignment: every pair is its own block) and the block tensors are undefined.
+struct MoeLoraAlignment {
+  Tensor topk_ids;         // int32 [num_tokens, top_k]: expert of each pair, -1 = not local
+  Tensor adapter_enabled;  // int32 [max_loras], nonzero = slot has MoE LoRA; undefined = all
+  int num_experts = 0;
+  int block_size = 0;
+  bool naive = false;
+  Tensor sorted_ids;           // int32 [max_loras, max_num_tokens_padded]: pair ids, padded
+  Tensor expert_ids;           // int32 [max_loras, max_num_m_blocks]: expert per block, -1
+  Tensor num_tokens_post_pad;  // int32 [max_loras]: padded pair count per slot
+};
+
+/// Options of add_lora_fused_moe (the w13/w2 helpers set them for their projection).
+struct FusedMoeLoraOptions {
+  bool mul_routed_weight = false;  // multiply each pair's delta by its router weight (w2)
+  int64_t offset = 0;              // first output column (fully sharded layers)
+  bool add_inputs = true;          // false: overwrite the slices' columns of LoRA pairs
+};
 
 class PunicaWrapper {
  public:
@@ -59,6 +93,57 @@ class PunicaWrapper {
                           const Tensor& lora_b, const SlotRanks& ranks, float scale,
                           const Stream& stream) const;
 
+  /// Expand with fp8 LoRA-B: y[t, off_s : off_s + n_s] (+)= x[s, t, :rank] @ deq(B_s)^T.
+  /// Weight-only: x is [num_slices, num_tokens, max_rank] float32 or y's dtype, x_scale
+  /// undefined. W8A8: x is fp8 (from quantize_intermediate_fp8) and x_scale float32
+  /// [num_slices, num_tokens] (per token) or [num_slices] (per tensor).
+  void add_expand_fp8(Tensor& y, const Tensor& x, const Fp8LoraB& lora_b, const SlotRanks& ranks,
+                      int64_t offset_start, bool add_inputs, const Stream& stream,
+                      const Tensor& x_scale = Tensor()) const;
+  /// Quantises a float32 shrink result to fp8 for W8A8 expand: scale = max |v| over a row's
+  /// first rank columns (per token) or over the slice's LoRA rows (per tensor) / fp8 max.
+  /// in: float32 [num_slices, num_tokens, max_rank]; out: fp8, same shape, out;
+  /// scale: float32 [num_slices, num_tokens] (per token) or [num_slices] (per tensor), out.
+  /// Rows of slot -1 tokens (and their per-token scales) are left as they are.
+  void quantize_intermediate_fp8(Tensor& out, Tensor& scale, const Tensor& in,
+                                 const SlotRanks& ranks, const Stream& stream) const;
+
+  /// Allocates the MoE alignment buffers once, for max_num_tokens tokens with up to
+  /// `max_top_k` experts each, `num_experts` experts and blocks of up to `max_block_size`.
+  void reserve_moe_lora(int num_experts, int max_top_k, int max_block_size);
+  /// vLLM's moe_lora_align_block_size: for each enabled slot, its (token, k) pairs grouped
+  /// by expert, each group padded to a multiple of block_size with the id num_tokens * top_k.
+  /// When allow_naive and tokens * top_k * 8 <= num_experts * max_loras, alignment is
+  /// skipped (naive blocks). topk_ids: int32 [num_tokens, top_k]; adapter_enabled: int32
+  /// [max_loras] or undefined (every slot enabled). Needs reserve_moe_lora first.
+  MoeLoraAlignment moe_lora_align_block_size(const Tensor& topk_ids, int num_experts,
+                                             int block_size, const Tensor& adapter_enabled,
+                                             const Stream& stream, bool allow_naive = true);
+  /// Fused MoE LoRA (shrink and expand per routed pair, vLLM's add_lora_fused_moe):
+  ///   y[t, k, offset + s*n + j] (+)= w * sum_r (x_row . A_s[slot, e, r]) * B_s[slot, e, j, r]
+  /// with e = topk_ids[t, k], w the router weight when mul_routed_weight (else 1), and x_row
+  /// = x[t] when x has num_tokens rows (w13) or x[t * top_k + k] when it has one row per
+  /// pair (w2). y: [num_tokens, top_k, width] contiguous, in/out; x: [num_tokens or
+  /// num_tokens * top_k, K]; lora_a per slice [max_loras, num_experts, max_rank, K];
+  /// lora_b per slice [max_loras, num_experts, n, max_rank]; topk_weights float32
+  /// [num_tokens, top_k] (may be undefined without mul_routed_weight).
+  void add_lora_fused_moe(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+                          std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                          const Tensor& topk_weights, const MoeLoraAlignment& alignment,
+                          const FusedMoeLoraOptions& options, const Stream& stream) const;
+  /// w13 (gate and up, two slices of width n side by side): x [num_tokens, hidden],
+  /// y [num_tokens, top_k, >= offset + 2n], no router weight.
+  void add_lora_moe_w13(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+                        std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                        const MoeLoraAlignment& alignment, const Stream& stream,
+                        int64_t offset = 0) const;
+  /// w2 (down): x [num_tokens * top_k, intermediate] (one row per pair), y [num_tokens,
+  /// top_k, >= offset + hidden], each pair's delta multiplied by its router weight.
+  void add_lora_moe_w2(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
+                       const SlotRanks& ranks, const Tensor& topk_weights,
+                       const MoeLoraAlignment& alignment, const Stream& stream,
+                       int64_t offset = 0) const;
+
   static int64_t workspace_elements(int num_slices, int64_t num_tokens, int max_rank) {
     return static_cast<int64_t>(num_slices) * num_tokens * max_rank;
   }
@@ -70,9 +155,17 @@ class PunicaWrapper {
                              const Stream& stream) const;
 
   int max_loras_;
+  int max_num_tokens_;
   Device device_;
   LoraBatchMeta token_meta_;
   LoraBatchMeta sampler_meta_;
+  // MoE alignment buffers, sized by reserve_moe_lora.
+  int moe_num_experts_ = 0;
+  int moe_max_top_k_ = 0;
+  int moe_max_block_size_ = 0;
+  Tensor moe_sorted_ids_;           // int32 [max_loras, padded ids of the largest call]
+  Tensor moe_expert_ids_;           // int32 [max_loras, blocks of the largest call]
+  Tensor moe_num_tokens_post_pad_;  // int32 [max_loras]
 };
 
 }  // namespace loraplex

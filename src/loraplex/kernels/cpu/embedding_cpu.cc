@@ -1,6 +1,7 @@
-#include <vector>
+// Embedding LoRA on the CPU: a one-slice expand whose intermediate is the token's row of the
+// slot's (transposed) LoRA-A table, scaled.
 
-#include "loraplex/core/parallel.h"
+#include "loraplex/kernels/cpu/cpu_common.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
 #include "loraplex/kernels/lora_ops_checks.h"
 
@@ -8,48 +9,50 @@ namespace loraplex::kernels::cpu {
 namespace {
 
 template <typename T>
-void embedding_typed(const EmbeddingLoraArgs& a) {
-  const T* table = static_cast<const T*>(a.lora_a);
-  const T* lora_b = static_cast<const T*>(a.lora_b);
-  T* y = static_cast<T*>(a.y);
-  parallel_for(0, a.num_tokens, 4, [&](int64_t lo, int64_t hi) {
-    std::vector<float> v(static_cast<size_t>(a.max_rank));
-    for (int64_t t = lo; t < hi; ++t) {
-      const int32_t slot = a.token_lora_mapping[t];
-      if (slot < 0) continue;
-      const int32_t rank = a.ranks[slot];
-      const T* row = table + (static_cast<int64_t>(slot) * a.vocab + a.token_ids[t]) * a.max_rank;
-      for (int32_t r = 0; r < rank; ++r) v[r] = a.scale * load_float(row[r]);
-      const T* b = lora_b + static_cast<int64_t>(slot) * a.hidden * a.max_rank;
-      T* y_row = y + t * a.y_row_stride;
-      for (int64_t j = 0; j < a.hidden; ++j) {
-        float acc = 0.0f;
-        for (int32_t r = 0; r < rank; ++r) acc += v[r] * load_float(b[j * a.max_rank + r]);
-        y_row[j] = store_float<T>(load_float(y_row[j]) + acc);
-      }
-    }
-  });
+void embedding_typed(const EmbeddingLoraArgs& e, const detail::LoraTokens& lt) {
+  ExpandArgs a;
+  a.dtype = e.dtype;
+  a.num_tokens = e.num_tokens;
+  a.num_slices = 1;
+  a.slice_width[0] = e.hidden;
+  a.max_loras = e.max_loras;
+  a.max_rank = e.max_rank;
+  a.ranks = e.ranks;
+  a.y = e.y;
+  a.y_row_stride = e.y_row_stride;
+  a.add_inputs = true;
+  const T* table = static_cast<const T*>(e.lora_a);
+  auto load_v = [&](int, int64_t t, int32_t rank, float* v) {
+    const int32_t slot = e.token_lora_mapping[t];
+    const T* row = table + (static_cast<int64_t>(slot) * e.vocab + e.token_ids[t]) * e.max_rank;
+    for (int32_t r = 0; r < rank; ++r) v[r] = e.scale * detail::to_float(row[r]);
+  };
+  auto load_bt = [&](int, int32_t slot, int32_t rank, float* bt) {
+    const int64_t n = e.hidden;
+    const T* b = static_cast<const T*>(e.lora_b) + static_cast<int64_t>(slot) * n * e.max_rank;
+    detail::pack_panels(
+        n, rank, bt, [&](int64_t j, int32_t r) { return detail::to_float(b[j * e.max_rank + r]); });
+  };
+  detail::expand_rows<T>(a, e.token_lora_mapping, lt.tokens, lt.count, load_v, load_bt);
 }
 
 }  // namespace
 
 Status lora_embedding(const EmbeddingLoraArgs& a) {
-  LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16,
-                  "lora_embedding: dtype ", a.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.vocab >= 1 && a.hidden >= 1 && a.max_loras >= 1 &&
-                      a.max_rank >= 1 && a.y_row_stride >= a.hidden,
-                  "lora_embedding: bad sizes (tokens ", a.num_tokens, ", vocab ", a.vocab,
-                  ", hidden ", a.hidden, ", max_loras ", a.max_loras, ", max_rank ", a.max_rank,
-                  ", row stride ", a.y_row_stride, ")");
+  LORAPLEX_RETURN_IF_ERROR(check_embedding_args(a));
   LORAPLEX_RETURN_IF_ERROR(check_ranks_host(a.ranks, 1, a.max_loras, a.max_rank));
   if (a.num_tokens == 0) return Status();
   LORAPLEX_RETURN_IF_ERROR(check_mapping_host(a.token_lora_mapping, a.num_tokens, a.max_loras));
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
+  detail::LoraTokens lt;
+  detail::tokens_from_mapping(a.token_lora_mapping, a.num_tokens, a.max_loras, lt);
+  // Only LoRA tokens index the tables; base-only tokens may carry ids past the LoRA vocab.
+  for (int64_t i = 0; i < lt.count; ++i) {
+    const int32_t t = lt.tokens[i];
     LORAPLEX_ENSURE(a.token_ids[t] >= 0 && a.token_ids[t] < a.vocab, "lora_embedding: token ", t,
                     " has id ", a.token_ids[t], ", expected 0..", a.vocab - 1);
   }
-  dispatch_activation_dtype(a.dtype,
-                            [&](auto tag) { embedding_typed<typename decltype(tag)::type>(a); });
+  dispatch_activation_dtype(
+      a.dtype, [&](auto tag) { embedding_typed<typename decltype(tag)::type>(a, lt); });
   return Status();
 }
 

@@ -1,87 +1,83 @@
 // Fused MoE LoRA on the CPU: the per-adapter expert alignment and the shrink+expand of each
-// routed (token, k) pair, visited through the aligned blocks or directly (naive blocks).
+// routed (token, k) pair. Work items are runs of pairs that share (slot, expert): the aligned
+// blocks, or, with naive blocks, the pairs grouped here. Each item converts its expert's A and
+// B to fp32 once per thread; a pair's arithmetic does not depend on the item it sits in.
 
 #include <algorithm>
 #include <vector>
 
-#include "loraplex/core/parallel.h"
+#include "loraplex/kernels/cpu/cpu_common.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
 #include "loraplex/kernels/lora_ops_checks.h"
 
 namespace loraplex::kernels::cpu {
 namespace {
 
-Status check_topk(const int32_t* topk_ids, int64_t num_pairs, int num_experts, const char* op) {
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    // -1 marks an expert that is not local (expert parallelism) and is skipped.
-    LORAPLEX_ENSURE(topk_ids[p] >= -1 && topk_ids[p] < num_experts, op, ": pair ", p,
-                    " routes to expert ", topk_ids[p], ", expected -1 or 0..", num_experts - 1);
-  }
-  return Status();
-}
-
 bool slot_enabled(const int32_t* adapter_enabled, int32_t slot) {
   return slot >= 0 && (adapter_enabled == nullptr || adapter_enabled[slot] != 0);
 }
 
-template <typename T>
-void apply_pair(const FusedMoeLoraArgs& a, int64_t pair, int32_t slot, int32_t expert, float* v) {
-  const int64_t t = pair / a.top_k;
-  const int64_t k_dim = a.hidden_in;
-  const T* x = static_cast<const T*>(a.x) + (a.x_rows_are_pairs ? pair : t) * k_dim;
-  T* out = static_cast<T*>(a.out) + pair * a.out_row_width + a.offset;
-  const float w = a.mul_routed_weight ? a.topk_weights[pair] : 1.0f;
-  const int64_t slot_expert = static_cast<int64_t>(slot) * a.num_experts + expert;
-  for (int s = 0; s < a.num_slices; ++s) {
-    const int32_t rank = a.ranks[s * a.max_loras + slot];
-    const T* lora_a = static_cast<const T*>(a.lora_a[s]) + slot_expert * a.max_rank * k_dim;
-    for (int32_t r = 0; r < rank; ++r) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < k_dim; ++i)
-        acc += load_float(x[i]) * load_float(lora_a[r * k_dim + i]);
-      v[r] = acc;
-    }
-    const T* lora_b = static_cast<const T*>(a.lora_b[s]) + slot_expert * a.n * a.max_rank;
-    T* o = out + s * a.n;
-    for (int64_t j = 0; j < a.n; ++j) {
-      float acc = 0.0f;
-      for (int32_t r = 0; r < rank; ++r) acc += v[r] * load_float(lora_b[j * a.max_rank + r]);
-      acc *= w;
-      if (a.add_inputs) acc += load_float(o[j]);
-      o[j] = store_float<T>(acc);
-    }
-  }
-}
+// Pairs ids[0, count) (entries >= num_pairs are padding) routed to `expert` under `slot`.
+struct WorkItem {
+  int32_t slot;
+  int32_t expert;
+  const int32_t* ids;
+  int64_t count;
+};
 
 template <typename T>
-void fused_moe_typed(const FusedMoeLoraArgs& a) {
+void run_items(const FusedMoeLoraArgs& a, const std::vector<WorkItem>& items) {
   const int64_t num_pairs = a.num_tokens * a.top_k;
-  if (a.naive_blocks) {
-    parallel_for(0, num_pairs, 4, [&](int64_t lo, int64_t hi) {
-      std::vector<float> v(static_cast<size_t>(a.max_rank));
-      for (int64_t p = lo; p < hi; ++p) {
-        const int32_t slot = a.token_lora_mapping[p / a.top_k];
-        const int32_t expert = a.topk_ids[p];
-        if (slot_enabled(a.adapter_enabled, slot) && expert >= 0)
-          apply_pair<T>(a, p, slot, expert, v.data());
-      }
-    });
-    return;
+  const int64_t k_dim = a.hidden_in;
+  const int64_t n = a.n;
+  std::vector<int64_t> prefix(items.size() + 1, 0);
+  for (size_t i = 0; i < items.size(); ++i) {
+    int64_t rank_sum = 0;
+    for (int s = 0; s < a.num_slices; ++s) rank_sum += a.ranks[s * a.max_loras + items[i].slot];
+    prefix[i + 1] = prefix[i] + items[i].count * (k_dim + (rank_sum + 1) * (k_dim + n));
   }
-  // Work items are (slot, block); each pair sits in exactly one block, so writes are disjoint.
-  const int64_t blocks = a.max_num_m_blocks;
-  parallel_for(0, a.max_loras * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> v(static_cast<size_t>(a.max_rank));
-    for (int64_t item = lo; item < hi; ++item) {
-      const int32_t slot = static_cast<int32_t>(item / blocks);
-      const int64_t block = item % blocks;
-      if (!slot_enabled(a.adapter_enabled, slot)) continue;
-      if (block * a.block_size >= a.num_tokens_post_pad[slot]) continue;
-      const int32_t expert = a.expert_ids[item];
-      if (expert < 0 || expert >= a.num_experts) continue;
-      const int32_t* ids = a.sorted_ids + slot * a.max_num_tokens_padded + block * a.block_size;
-      for (int i = 0; i < a.block_size; ++i) {
-        if (ids[i] < num_pairs) apply_pair<T>(a, ids[i], slot, expert, v.data());
+  detail::parallel_for_balanced(prefix, detail::kMinPartCost, [&](int64_t lo, int64_t hi) {
+    float* xs = detail::scratch(0, k_dim);
+    float* v = detail::scratch(1, a.max_rank);
+    // A as [rank, K] and B packed in panels, both fp32, keyed by slot * E + expert.
+    detail::WeightCache a_cache[kMaxSlices];
+    float* bt[kMaxSlices];
+    for (int s = 0; s < a.num_slices; ++s) {
+      a_cache[s].data = detail::scratch(2 + s, a.max_rank * k_dim);
+      bt[s] = detail::scratch(2 + kMaxSlices + s, detail::panel_floats(n, a.max_rank));
+    }
+    for (int64_t i = lo; i < hi; ++i) {
+      const WorkItem& item = items[static_cast<size_t>(i)];
+      const int64_t slot_expert = static_cast<int64_t>(item.slot) * a.num_experts + item.expert;
+      for (int s = 0; s < a.num_slices; ++s) {
+        const int32_t rank = a.ranks[s * a.max_loras + item.slot];
+        if (rank > 0 && a_cache[s].key != slot_expert) {
+          const T* lora_a = static_cast<const T*>(a.lora_a[s]) + slot_expert * a.max_rank * k_dim;
+          detail::load_row(lora_a, rank * k_dim, a_cache[s].data);
+          const T* lora_b = static_cast<const T*>(a.lora_b[s]) + slot_expert * n * a.max_rank;
+          detail::pack_panels(n, rank, bt[s], [&](int64_t j, int32_t r) {
+            return detail::to_float(lora_b[j * a.max_rank + r]);
+          });
+          a_cache[s].key = slot_expert;
+        }
+      }
+      for (int64_t p_i = 0; p_i < item.count; ++p_i) {
+        const int64_t pair = item.ids[p_i];
+        if (pair >= num_pairs) continue;  // padding
+        const int64_t x_row = a.x_rows_are_pairs ? pair : pair / a.top_k;
+        detail::load_row(static_cast<const T*>(a.x) + x_row * k_dim, k_dim, xs);
+        const float w = a.mul_routed_weight ? a.topk_weights[pair] : 1.0f;
+        T* out = static_cast<T*>(a.out) + pair * a.out_row_width + a.offset;
+        for (int s = 0; s < a.num_slices; ++s) {
+          const int32_t rank = a.ranks[s * a.max_loras + item.slot];
+          if (rank == 0 && a.add_inputs) continue;  // exactly no effect
+          // The router weight scales the rank-r intermediate: the same product as scaling
+          // the output, with r multiplies instead of n.
+          for (int32_t r = 0; r < rank; ++r) {
+            v[r] = w * detail::dot(xs, a_cache[s].data + r * k_dim, k_dim);
+          }
+          detail::expand_row(v, rank, bt[s], n, a.add_inputs, out + s * n);
+        }
       }
     }
   });
@@ -91,74 +87,98 @@ void fused_moe_typed(const FusedMoeLoraArgs& a) {
 
 Status moe_lora_align_block_size(const MoeAlignArgs& a) {
   const char* op = "moe_lora_align_block_size";
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.top_k >= 1 && a.num_experts >= 1 && a.block_size >= 1 &&
-                      a.max_loras >= 1,
-                  op, ": bad sizes (tokens ", a.num_tokens, ", top_k ", a.top_k, ", experts ",
-                  a.num_experts, ", block ", a.block_size, ", max_loras ", a.max_loras, ")");
+  LORAPLEX_RETURN_IF_ERROR(check_moe_align_args(a));
   const int64_t num_pairs = a.num_tokens * a.top_k;
-  const MoeAlignSizes need = moe_align_sizes(num_pairs, a.num_experts, a.block_size);
-  LORAPLEX_ENSURE(a.max_num_tokens_padded >= need.max_num_tokens_padded &&
-                      a.max_num_m_blocks >= need.max_num_m_blocks,
-                  op, ": buffers hold ", a.max_num_tokens_padded, " ids and ", a.max_num_m_blocks,
-                  " blocks, need ", need.max_num_tokens_padded, " and ", need.max_num_m_blocks);
   LORAPLEX_RETURN_IF_ERROR(check_mapping_host(a.token_lora_mapping, a.num_tokens, a.max_loras));
-  LORAPLEX_RETURN_IF_ERROR(check_topk(a.topk_ids, num_pairs, a.num_experts, op));
+  LORAPLEX_RETURN_IF_ERROR(check_topk_host(a.topk_ids, num_pairs, a.num_experts, op));
+  const int64_t experts = a.num_experts;
+  // Counting sort of the pairs by (slot, expert), ascending pair index within a group.
+  std::vector<int64_t> next(static_cast<size_t>(a.max_loras * experts), 0);
+  auto group_of = [&](int64_t p) -> int64_t {
+    const int32_t slot = a.token_lora_mapping[p / a.top_k];
+    if (!slot_enabled(a.adapter_enabled, slot) || a.topk_ids[p] < 0) return -1;
+    return slot * experts + a.topk_ids[p];
+  };
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const int64_t g = group_of(p);
+    if (g >= 0) ++next[static_cast<size_t>(g)];
+  }
   const int32_t pad = static_cast<int32_t>(num_pairs);
-  std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(a.num_experts));
   for (int32_t slot = 0; slot < a.max_loras; ++slot) {
     int32_t* sorted = a.sorted_ids + slot * a.max_num_tokens_padded;
-    int32_t* experts = a.expert_ids + slot * a.max_num_m_blocks;
+    int32_t* expert_ids = a.expert_ids + slot * a.max_num_m_blocks;
     std::fill(sorted, sorted + a.max_num_tokens_padded, pad);
-    std::fill(experts, experts + a.max_num_m_blocks, -1);
-    a.num_tokens_post_pad[slot] = 0;
-    if (!slot_enabled(a.adapter_enabled, slot)) continue;
-    for (auto& list : by_expert) list.clear();
-    for (int64_t p = 0; p < num_pairs; ++p) {
-      if (a.token_lora_mapping[p / a.top_k] == slot && a.topk_ids[p] >= 0) {
-        by_expert[static_cast<size_t>(a.topk_ids[p])].push_back(static_cast<int32_t>(p));
-      }
-    }
+    std::fill(expert_ids, expert_ids + a.max_num_m_blocks, -1);
     int64_t pos = 0;
-    for (int32_t e = 0; e < a.num_experts; ++e) {
-      const auto& list = by_expert[static_cast<size_t>(e)];
-      if (list.empty()) continue;
-      std::copy(list.begin(), list.end(), sorted + pos);
-      const int64_t padded =
-          (static_cast<int64_t>(list.size()) + a.block_size - 1) / a.block_size * a.block_size;
-      for (int64_t b = pos / a.block_size; b < (pos + padded) / a.block_size; ++b) experts[b] = e;
+    for (int64_t e = 0; e < experts; ++e) {
+      int64_t& group = next[static_cast<size_t>(slot * experts + e)];
+      const int64_t count = group;
+      group = slot * a.max_num_tokens_padded + pos;  // now the next write position
+      if (count == 0) continue;
+      const int64_t padded = (count + a.block_size - 1) / a.block_size * a.block_size;
+      std::fill(expert_ids + pos / a.block_size, expert_ids + (pos + padded) / a.block_size,
+                static_cast<int32_t>(e));
       pos += padded;
     }
     a.num_tokens_post_pad[slot] = static_cast<int32_t>(pos);
+  }
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const int64_t g = group_of(p);
+    if (g >= 0) a.sorted_ids[next[static_cast<size_t>(g)]++] = static_cast<int32_t>(p);
   }
   return Status();
 }
 
 Status fused_moe_lora(const FusedMoeLoraArgs& a) {
   const char* op = "fused_moe_lora";
-  LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16, op,
-                  ": dtype ", a.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.top_k >= 1 && a.num_experts >= 1 && a.hidden_in >= 1 &&
-                      a.n >= 1 && a.max_loras >= 1 && a.max_rank >= 1 && a.num_slices >= 1 &&
-                      a.num_slices <= kMaxSlices,
-                  op, ": bad sizes (tokens ", a.num_tokens, ", top_k ", a.top_k, ", experts ",
-                  a.num_experts, ", K ", a.hidden_in, ", N ", a.n, ", slices ", a.num_slices, ")");
-  LORAPLEX_ENSURE(a.offset >= 0 && a.offset + a.num_slices * a.n <= a.out_row_width, op,
-                  ": slices cover columns [", a.offset, ", ", a.offset + a.num_slices * a.n,
-                  ") of rows ", a.out_row_width, " wide");
-  LORAPLEX_ENSURE(!a.mul_routed_weight || a.topk_weights != nullptr, op,
-                  ": mul_routed_weight needs topk_weights");
+  LORAPLEX_RETURN_IF_ERROR(check_fused_moe_args(a));
   LORAPLEX_RETURN_IF_ERROR(check_ranks_host(a.ranks, a.num_slices, a.max_loras, a.max_rank));
   if (a.num_tokens == 0) return Status();
+  const int64_t num_pairs = a.num_tokens * a.top_k;
   LORAPLEX_RETURN_IF_ERROR(check_mapping_host(a.token_lora_mapping, a.num_tokens, a.max_loras));
+  LORAPLEX_RETURN_IF_ERROR(check_topk_host(a.topk_ids, num_pairs, a.num_experts, op));
+  std::vector<WorkItem> items;
+  std::vector<int32_t> pairs;
   if (a.naive_blocks) {
-    LORAPLEX_RETURN_IF_ERROR(check_topk(a.topk_ids, a.num_tokens * a.top_k, a.num_experts, op));
+    // vLLM's naive assignment: every pair is its own block, slot from its token. Grouping the
+    // pairs by (slot, expert) here only lets the items share converted weights.
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      if (slot_enabled(a.adapter_enabled, a.token_lora_mapping[p / a.top_k]) &&
+          a.topk_ids[p] >= 0) {
+        pairs.push_back(static_cast<int32_t>(p));
+      }
+    }
+    auto key = [&](int32_t p) {
+      return static_cast<int64_t>(a.token_lora_mapping[p / a.top_k]) * a.num_experts +
+             a.topk_ids[p];
+    };
+    std::stable_sort(pairs.begin(), pairs.end(),
+                     [&](int32_t x, int32_t y) { return key(x) < key(y); });
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      const int32_t p = pairs[i];
+      const int32_t slot = a.token_lora_mapping[p / a.top_k];
+      if (!items.empty() && items.back().slot == slot && items.back().expert == a.topk_ids[p]) {
+        ++items.back().count;
+      } else {
+        items.push_back({slot, a.topk_ids[p], pairs.data() + i, 1});
+      }
+    }
   } else {
-    LORAPLEX_ENSURE(
-        a.sorted_ids != nullptr && a.expert_ids != nullptr && a.num_tokens_post_pad != nullptr, op,
-        ": aligned blocks need sorted_ids, expert_ids and num_tokens_post_pad");
+    LORAPLEX_RETURN_IF_ERROR(check_moe_blocks_host(a));
+    for (int32_t slot = 0; slot < a.max_loras; ++slot) {
+      if (!slot_enabled(a.adapter_enabled, slot)) continue;
+      const int64_t blocks = (a.num_tokens_post_pad[slot] + a.block_size - 1) / a.block_size;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int32_t expert = a.expert_ids[slot * a.max_num_m_blocks + b];
+        if (expert < 0 || expert >= a.num_experts) continue;
+        items.push_back({slot, expert,
+                         a.sorted_ids + slot * a.max_num_tokens_padded + b * a.block_size,
+                         a.block_size});
+      }
+    }
   }
   dispatch_activation_dtype(a.dtype,
-                            [&](auto tag) { fused_moe_typed<typename decltype(tag)::type>(a); });
+                            [&](auto tag) { run_items<typename decltype(tag)::type>(a, items); });
   return Status();
 }
 

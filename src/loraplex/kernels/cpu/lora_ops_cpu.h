@@ -1,7 +1,20 @@
 #pragma once
-// CPU reference implementations of the ops in kernels/lora_ops.h: threaded over tokens,
-// fp32 accumulation, f32/f16/bf16 activations. They define the semantics that the CUDA
+// CPU implementations of the ops in kernels/lora_ops.h: fp32 accumulation, f32/f16/bf16
+// activations, split over the thread pool by cost. They define the semantics that the CUDA
 // kernels are tested against, and they are the backend that runs everywhere.
+//
+// Each slot's weights are converted to fp32 once per thread and reused while consecutive
+// tokens share the slot (tokens are visited grouped by slot: from the metadata for the SGMV
+// forms, by a counting sort for the BGMV forms). Every output element is computed by the same
+// fp32 operations whatever the rest of the batch is, so results are bit-identical across
+// permutations of the batch, across batch sizes, across thread counts, and between the SGMV
+// and BGMV forms.
+//
+// Conventions shared by the ops: tokens (pairs) of slot -1, or of an adapter that is not
+// enabled, are neither read nor written; a slot of rank 0 adds nothing, and without add_inputs
+// its output columns are overwritten with its zero delta; index arrays (mappings, ranks,
+// routed experts, aligned blocks) are validated before any output is written, and a bad one
+// returns an invalid-argument Status naming the value.
 
 #include <cstdint>
 
@@ -36,7 +49,11 @@ Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping);
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta);
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& args);
 Status lora_embedding(const EmbeddingLoraArgs& args);
+/// Pairs within an expert group are in ascending pair order (vLLM's CUDA kernel leaves that
+/// order free). The buffers may be larger than moe_align_sizes(); every entry is written.
 Status moe_lora_align_block_size(const MoeAlignArgs& args);
+/// The aligned blocks must match the call's mapping and routing (checked); the router weight
+/// multiplies the rank-r intermediate, which is the same product as scaling the output.
 Status fused_moe_lora(const FusedMoeLoraArgs& args);
 
 }  // namespace loraplex::kernels::cpu

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The lead's full GPU check, run on the GPU machine from the repository root: builds every
+# target (with the dependencies packed by scripts/pack_device_deps.sh into .device/deps),
+# runs the whole CTest suite, `loraplex generate` on the tiny fixture in float32 and
+# bfloat16 against PEFT's tokens, and optionally the kernel benchmark (BENCH=1).
+# Results go to $OUT (ctest.log, build.log, generate_*.jsonl, bench.json).
+set -uo pipefail
+out=${OUT:-/tmp/loraplex_out}
+mkdir -p "$out"
+deps=${LORAPLEX_DEPS:-$PWD/.device/deps}
+export LD_LIBRARY_PATH="$deps/lib:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+start=$(date +%s)
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$deps" \
+  -DLORAPLEX_GTEST_SOURCE_DIR="$deps/src/googletest" >"$out/build.log" 2>&1 &&
+  ninja -C build -j16 >>"$out/build.log" 2>&1
+status=$?
+echo "build status $status in $(( $(date +%s) - start )) s"
+if [[ $status -ne 0 ]]; then grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; fi
+
+start=$(date +%s)
+ctest --test-dir build -j8 --output-on-failure --timeout 600 ${CTEST_ARGS:-} >"$out/ctest.log" 2>&1
+echo "ctest status $? in $(( $(date +%s) - start )) s"
+grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$out/ctest.log" | head -40
+echo "skipped: $(grep -c '\*\*\*Skipped' "$out/ctest.log")"
+grep '\*\*\*Skipped' "$out/ctest.log" | sed 's/\.\.\..*//' | head -20
+
+fx=testdata/tiny-llama/adapters
+for dt in float32 bfloat16; do
+  build/tools/loraplex generate --model testdata/tiny-llama/model --lora sql=$fx/sql \
+    --lora pirate=$fx/pirate --lora rslora=$fx/rslora --lora vocab=$fx/vocab \
+    --requests testdata/tiny-llama/requests.jsonl --max-tokens 12 --ignore-eos --device cuda \
+    --dtype $dt --output "$out/generate_$dt.jsonl" >/dev/null 2>"$out/generate_$dt.err"
+  echo "generate $dt status $?"
+  python3 - "$out/generate_$dt.jsonl" testdata/tiny-llama/expected.jsonl <<'PY'
+import json, sys
+got = [json.loads(l) for l in open(sys.argv[1])]
+exp = [json.loads(l) for l in open(sys.argv[2])]
+same = sum(g["output_token_ids"] == e["output_token_ids"] for g, e in zip(got, exp))
+first = sum(g["output_token_ids"][:1] == e["output_token_ids"][:1] for g, e in zip(got, exp))
+print(f"  {len(got)} requests: all 12 tokens equal in {same}, first token equal in {first}")
+PY
+done
+
+if [[ "${BENCH:-0}" == 1 ]]; then
+  build/tools/loraplex bench kernels --json "$out/bench.json" --commit "${LORAPLEX_COMMIT:-unknown}" \
+    ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  echo "bench status $?"
+  python3 scripts/bench_table.py "$out/bench.json" | tail -60
+fi

@@ -1,0 +1,60 @@
+#pragma once
+// What `loraplex generate` does, as a library call shared by the command and its tests: load
+// the checkpoint, tokenizer and adapters, check the requests, run them as one continuously
+// batched workload and return one result per request in input order.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loraplex/core/device.h"
+#include "loraplex/core/dtype.h"
+#include "loraplex/engine/generator.h"
+#include "loraplex/engine/requests.h"
+
+namespace loraplex::engine {
+
+struct GenerateConfig {
+  std::string model_dir;
+  std::vector<std::pair<std::string, std::string>> loras;  // (name, directory), in order
+  std::string requests_path;                               // names the requests in messages
+  std::vector<RequestSpec> requests;
+  int64_t max_tokens = 16;
+  float temperature = 0.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+  Device device = Device::cpu();
+  DType dtype = DType::kF32;
+  std::optional<int> max_loras;         // default: number of adapters (at least 1)
+  std::optional<int> max_lora_rank;     // default: the largest adapter rank
+  std::optional<int64_t> max_num_seqs;  // default: all requests
+  int64_t kv_block_size = 16;
+};
+
+struct GenerateOutput {
+  std::string prompt;
+  std::optional<std::string> adapter;
+  std::vector<int32_t> prompt_token_ids;
+  std::vector<int32_t> output_token_ids;
+  std::string output_text;
+};
+
+struct GenerateReport {
+  std::vector<GenerateOutput> outputs;
+  EngineStats stats;
+  double load_seconds = 0.0;
+  double generate_seconds = 0.0;
+};
+
+/// Runs everything; throws loraplex::Error naming the file, line or adapter at fault. Adapters
+/// are all loaded and checked before any generation.
+GenerateReport run_generate(const GenerateConfig& config);
+
+/// One JSON object per line: prompt, adapter, prompt_token_ids, output_token_ids, output_text.
+std::string outputs_to_jsonl(const std::vector<GenerateOutput>& outputs);
+
+}  // namespace loraplex::engine

@@ -1,0 +1,43 @@
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "loraplex/kernels/cuda/cuda_common.cuh"
+
+namespace loraplex::kernels::cuda {
+
+int sm_count() {
+  static std::mutex mutex;
+  static std::map<int, int> counts;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = counts.find(device);
+  if (it != counts.end()) return it->second;
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n < 1) {
+    cudaGetLastError();
+    n = 1;
+  }
+  counts[device] = n;
+  return n;
+}
+
+Status allow_dynamic_smem(const void* kernel, int bytes) {
+  // Raising the limit is a function attribute, not stream work: done once (outside any
+  // capture in practice, since the first call of every op is a warm-up) and cached.
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> done;
+  int device = 0;
+  LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  std::lock_guard<std::mutex> lock(mutex);
+  int& current = done[{kernel, device}];
+  if (bytes <= current || bytes <= 48 * 1024) return Status();
+  LORAPLEX_RETURN_IF_ERROR(
+      cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                  "cudaFuncSetAttribute(max dynamic shared memory)"));
+  current = bytes;
+  return Status();
+}
+
+}  // namespace loraplex::kernels::cuda

@@ -1,0 +1,281 @@
+#pragma once
+// Helpers shared by the CUDA kernels: device element types, conversions, 16-byte async copies,
+// the bf16/f16 tensor-core MMA, warp scans, the work-tile prefix over the batch metadata and
+// error reporting through Status.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "loraplex/core/dtype.h"
+#include "loraplex/core/status.h"
+#include "loraplex/kernels/lora_ops.h"
+
+namespace loraplex::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+using f16 = __half;
+
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------
+// Host side: status, dtype dispatch, device properties.
+
+inline Status cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status();
+  return Status(StatusCode::kCudaError,
+                detail::concat(what, ": ", cudaGetErrorString(err), " (CUDA error ",
+                               static_cast<int>(err), ")"));
+}
+
+/// The status of the launch just made (clears a pending launch error).
+inline Status launch_status(const char* kernel) { return cuda_status(cudaGetLastError(), kernel); }
+
+template <typename T>
+struct DevTag {
+  using type = T;
+};
+
+/// Calls fn(DevTag<T>) with the device element type of an activation dtype.
+template <typename Fn>
+bool dispatch_device_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32:
+      fn(DevTag<float>{});
+      return true;
+    case DType::kF16:
+      fn(DevTag<f16>{});
+      return true;
+    case DType::kBF16:
+      fn(DevTag<bf16>{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+/// Multiprocessor count of the current device (cached per device).
+int sm_count();
+/// Sets the largest dynamic shared memory `kernel` may use, once per kernel and device.
+Status allow_dynamic_smem(const void* kernel, int bytes);
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------
+// Device side.
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(f16 v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(bf16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, f16>) {
+    return __float2half_rn(v);
+  } else {
+    return __float2bfloat16_rn(v);
+  }
+}
+
+/// A slot read from device memory is used only when it is a real slot.
+__device__ __forceinline__ bool valid_slot(int32_t slot, int max_loras) {
+  return slot >= 0 && slot < max_loras;
+}
+
+/// 16-byte global -> shared copy; bytes past `src_bytes` (0..16) are zero-filled, and with
+/// src_bytes 0 nothing is read.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/// cp.async.wait_group with a run-time count (0..7; larger waits for everything).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  switch (n) {
+    case 1:
+      cp_async_wait<1>();
+      break;
+    case 2:
+      cp_async_wait<2>();
+      break;
+    case 3:
+      cp_async_wait<3>();
+      break;
+    case 4:
+      cp_async_wait<4>();
+      break;
+    case 5:
+      cp_async_wait<5>();
+      break;
+    case 6:
+      cp_async_wait<6>();
+      break;
+    case 7:
+      cp_async_wait<7>();
+      break;
+    default:
+      cp_async_wait<0>();
+      break;
+  }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+__device__ __forceinline__ uint32_t lds32(const void* smem) {
+  return *static_cast<const uint32_t*>(smem);
+}
+
+/// D += A(16x16, row) * B(16x8, col) with fp32 accumulation, T = bf16 or f16.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+/// A-operand fragment of a 16x16 tile at `tile` (row-major, `pitch` elements per row).
+template <typename T>
+__device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const T* tile, int pitch, int lane) {
+  const int g = lane >> 2;
+  const int t = (lane & 3) * 2;
+  a[0] = lds32(tile + g * pitch + t);
+  a[1] = lds32(tile + (g + 8) * pitch + t);
+  a[2] = lds32(tile + g * pitch + t + 8);
+  a[3] = lds32(tile + (g + 8) * pitch + t + 8);
+}
+
+/// B-operand fragment of a 16(k)x8(n) tile stored n-major at `tile` (row n holds k values).
+template <typename T>
+__device__ __forceinline__ void load_b_frag(uint32_t (&b)[2], const T* tile, int pitch, int lane) {
+  const int g = lane >> 2;
+  const int t = (lane & 3) * 2;
+  b[0] = lds32(tile + g * pitch + t);
+  b[1] = lds32(tile + g * pitch + t + 8);
+}
+
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(kFullMask, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+/// Work tiles of `tile_rows` tokens per metadata entry (entries with slot -1, and those past
+/// the active ones, get none): prefix[e] = first tile of entry e, prefix[n] = total, over all
+/// n = max_loras + 1 entries, so no load waits for the active count. Run by the whole block
+/// (warp 0 scans, then a barrier). Returns n.
+__device__ __forceinline__ int build_tile_prefix(const LoraMetaView& meta, int tile_rows,
+                                                 int* prefix) {
+  const int n = meta.max_loras + 1;
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    int running = 0;
+    for (int base = 0; base < n; base += 32) {
+      const int e = base + lane;
+      int v = 0;
+      if (e < n && valid_slot(meta.active_lora_ids[e], meta.max_loras)) {
+        v = (meta.num_tokens_per_lora[e] + tile_rows - 1) / tile_rows;
+      }
+      v = warp_inclusive_sum(v, lane);
+      if (e < n) prefix[e + 1] = running + v;
+      running += __shfl_sync(kFullMask, v, 31);
+    }
+    if (lane == 0) prefix[0] = 0;
+  }
+  __syncthreads();
+  return n;
+}
+
+/// The entry e with prefix[e] <= tile < prefix[e + 1] (tile < prefix[n]).
+__device__ __forceinline__ int find_tile_entry(const int* prefix, int n, int tile) {
+  int lo = 0;
+  int hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+/// Eight consecutive 16-bit elements (one 16-byte access) to float.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&out)[8]) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_float(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&in)[8]) {
+  uint4 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = from_float<T>(in[i]);
+  return v;
+}
+
+/// Two consecutive 16-bit elements (one 32-bit word) to float.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  const T* e = reinterpret_cast<const T*>(&v);
+  return make_float2(to_float(e[0]), to_float(e[1]));
+}
+
+/// Two floats rounded to T (16-bit), packed low-first for one 32-bit store.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+  } else {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+  }
+}
+
+}  // namespace loraplex::kernels::cuda

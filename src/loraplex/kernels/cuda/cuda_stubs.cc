@@ -1,0 +1,71 @@
+// The CUDA entry points in a build without CUDA: every op reports that it is unsupported and
+// every measurement helper throws, so callers need no #ifs.
+
+#include "loraplex/core/error.h"
+#include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
+
+namespace loraplex::kernels::cuda {
+namespace {
+
+Status no_cuda(const char* op) { return unsupported(op, ": this build has no CUDA backend"); }
+
+[[noreturn]] void throw_no_cuda(const char* what) {
+  LORAPLEX_FAIL(what, " needs CUDA, and this build has no CUDA backend");
+}
+
+}  // namespace
+
+Status build_lora_meta(int32_t, int32_t, const cpu::LoraMetaBuffers&, StreamHandle) {
+  return no_cuda("build_lora_meta");
+}
+Status lora_shrink(const ShrinkArgs&, const LoraMetaView&, StreamHandle) {
+  return no_cuda("lora_shrink");
+}
+Status lora_expand(const ExpandArgs&, const LoraMetaView&, StreamHandle) {
+  return no_cuda("lora_expand");
+}
+Status bgmv_shrink(const ShrinkArgs&, const int32_t*, StreamHandle) {
+  return no_cuda("bgmv_shrink");
+}
+Status bgmv_expand(const ExpandArgs&, const int32_t*, StreamHandle) {
+  return no_cuda("bgmv_expand");
+}
+Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, StreamHandle) {
+  return no_cuda("lora_linear");
+}
+std::string lora_linear_path(const ShrinkArgs&, const ExpandArgs&) { return "none"; }
+void set_fused_linear_max_tokens(int) {}
+Status lora_expand_fp8(const ExpandFp8Args&, const LoraMetaView&, StreamHandle) {
+  return no_cuda("lora_expand_fp8");
+}
+Status quantize_intermediate_fp8(const QuantizeIntermediateArgs&, StreamHandle) {
+  return no_cuda("quantize_intermediate_fp8");
+}
+Status lora_embedding(const EmbeddingLoraArgs&, StreamHandle) { return no_cuda("lora_embedding"); }
+Status moe_lora_align_block_size(const MoeAlignArgs&, StreamHandle) {
+  return no_cuda("moe_lora_align_block_size");
+}
+Status fused_moe_lora(const FusedMoeLoraArgs&, StreamHandle) { return no_cuda("fused_moe_lora"); }
+
+DeviceInfo device_info(int) { throw_no_cuda("device_info"); }
+Graph::~Graph() = default;
+void Graph::begin_capture(cuda_rt::StreamHandle) { throw_no_cuda("a CUDA graph"); }
+void Graph::end_capture() { throw_no_cuda("a CUDA graph"); }
+void Graph::replay(cuda_rt::StreamHandle) const { throw_no_cuda("a CUDA graph"); }
+Timer::Timer() { throw_no_cuda("a CUDA timer"); }
+Timer::~Timer() = default;
+void Timer::start(cuda_rt::StreamHandle) { throw_no_cuda("a CUDA timer"); }
+void Timer::stop(cuda_rt::StreamHandle) { throw_no_cuda("a CUDA timer"); }
+float Timer::elapsed_ms() const { throw_no_cuda("a CUDA timer"); }
+void read_buffer(const void*, size_t, float*, cuda_rt::StreamHandle) {
+  throw_no_cuda("read_buffer");
+}
+void fill_random(void*, DType, int64_t, uint64_t, float, cuda_rt::StreamHandle) {
+  throw_no_cuda("fill_random");
+}
+double copy_bandwidth_gbs(size_t, int, cuda_rt::StreamHandle) {
+  throw_no_cuda("copy_bandwidth_gbs");
+}
+
+}  // namespace loraplex::kernels::cuda

@@ -1,0 +1,58 @@
+#pragma once
+// CUDA implementations of the ops in kernels/lora_ops.h. Same argument structs and semantics
+// as kernels/cpu/ (the tests compare the two). Every pointer in the args is device memory of
+// the current device, `stream` is a cudaStream_t. Nothing here allocates, synchronises the
+// host or reads device memory on the host, so every launcher can be captured in a CUDA graph.
+// In a build without CUDA every function returns an "unsupported" Status.
+
+#include <cstdint>
+#include <string>
+
+#include "loraplex/core/cuda_runtime.h"
+#include "loraplex/core/status.h"
+#include "loraplex/kernels/cpu/lora_ops_cpu.h"
+#include "loraplex/kernels/lora_ops.h"
+
+namespace loraplex::kernels::cuda {
+
+using StreamHandle = cuda_rt::StreamHandle;
+
+/// Builds the batch metadata from buffers.token_lora_mapping (device) in one single-block
+/// kernel: stable counting sort by slot, distinct slots, counts and start offsets. Slots
+/// outside [-1, max_loras) are treated as -1 (the host path validates before upload).
+Status build_lora_meta(int32_t num_tokens, int32_t max_loras, const cpu::LoraMetaBuffers& out,
+                       StreamHandle stream);
+
+/// SGMV shrink over the metadata. bf16/f16 with 16-byte aligned rows run on tensor cores
+/// (a persistent grid over (slot, 64-token tile, slice, 64-rank chunk) work items); anything
+/// else runs a generic kernel.
+Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+/// SGMV expand over the metadata, all slices in one launch (tensor cores when aligned).
+Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream);
+/// BGMV (decode gather) forms: tokens in batch order, each gathering its slot's weights.
+Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
+Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
+
+/// Shrink then expand of one layer. Small batches run one fused kernel (clusters of CTAs
+/// split the shrink over K, reduce it through distributed shared memory and expand from it;
+/// the rank-r intermediate never leaves the chip); larger ones run lora_shrink into
+/// shrink.out and lora_expand from it. expand.in must be shrink.out.
+Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
+                   StreamHandle stream);
+/// Which path lora_linear takes for these arguments: "fused", "split" or "generic".
+std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand);
+/// Largest batch (tokens) that lora_linear runs fused; a negative value restores the default.
+/// For benchmarks and tests that compare the two paths; not thread-safe against launches.
+void set_fused_linear_max_tokens(int max_tokens);
+
+Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta, StreamHandle stream);
+Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& args, StreamHandle stream);
+Status lora_embedding(const EmbeddingLoraArgs& args, StreamHandle stream);
+/// One block per slot: that slot's (token, k) pairs grouped by expert (stable), each expert
+/// group padded to block_size; sorted_ids/expert_ids are fully written (padding, -1).
+Status moe_lora_align_block_size(const MoeAlignArgs& args, StreamHandle stream);
+/// Fused MoE LoRA: one CTA per routed pair (naive blocks, small batches) or per
+/// (slot, aligned block) (large batches); shrink into shared memory, then expand.
+Status fused_moe_lora(const FusedMoeLoraArgs& args, StreamHandle stream);
+
+}  // namespace loraplex::kernels::cuda

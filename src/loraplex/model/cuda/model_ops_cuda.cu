@@ -1,0 +1,410 @@
+// CUDA versions of the decoder's non-LoRA ops (model_ops.h), with the CPU versions'
+// semantics: float32 arithmetic, one rounding per stored value, precise cosf/sinf/expf (no fast
+// math), ties to the lowest index in argmax. Host-side checks read sizes only (device memory is
+// never read on the host); kernels skip out-of-range ids and slots instead of reading past a
+// buffer, so bad input cannot fault.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "loraplex/model/model_ops.h"
+
+namespace loraplex::model::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Element types as stored: float, or the raw 16 bits of a half / bfloat16.
+struct F32 {
+  using Storage = float;
+  static __device__ float load(float v) { return v; }
+  static __device__ float store(float v) { return v; }
+};
+struct F16 {
+  using Storage = uint16_t;
+  static __device__ float load(uint16_t v) { return __half2float(__ushort_as_half(v)); }
+  static __device__ uint16_t store(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  static __device__ float load(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
+  static __device__ uint16_t store(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+
+// Rounds through the storage type (what storing and reloading gives).
+template <typename E>
+__device__ float round_to(float v) {
+  return E::load(E::store(v));
+}
+
+template <typename Fn>
+Status dispatch(DType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32:
+      fn(F32{});
+      break;
+    case DType::kF16:
+      fn(F16{});
+      break;
+    case DType::kBF16:
+      fn(BF16{});
+      break;
+    default:
+      return invalid_argument(op, ": dtype ", dtype, ", expected float32, float16 or bfloat16");
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return Status(StatusCode::kCudaError,
+                  detail::concat(op, ": kernel launch failed: ", cudaGetErrorString(err)));
+  }
+  return Status();
+}
+
+cudaStream_t raw(const Stream& stream) { return static_cast<cudaStream_t>(stream.handle()); }
+
+int blocks_for(int64_t n, int threads = kThreads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<int>(b < 65535 * 32 ? (b < 1 ? 1 : b) : 65535 * 32);
+}
+
+// Block-wide sum and max over kThreads threads (blockDim.x == kThreads).
+__device__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += shared[w];
+  return total;
+}
+
+__device__ float block_max(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float m = -FLT_MAX;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) m = fmaxf(m, shared[w]);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename E>
+__global__ void embedding_kernel(EmbeddingArgs a) {
+  using S = typename E::Storage;
+  const int64_t t = blockIdx.x;
+  const int32_t id = a.ids[t];
+  S* out = static_cast<S*>(a.out) + t * a.hidden;
+  const bool valid = id >= 0 && id < a.vocab;
+  const S* row = static_cast<const S*>(a.table) + (valid ? static_cast<int64_t>(id) : 0) * a.hidden;
+  for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) out[j] = valid ? row[j] : S{};
+}
+
+template <typename E>
+__global__ void rms_norm_kernel(RmsNormArgs a) {
+  using S = typename E::Storage;
+  __shared__ float shared[32];
+  const int64_t r = blockIdx.x;
+  const S* row = static_cast<const S*>(a.x) + r * a.x_row_stride;
+  const S* w = static_cast<const S*>(a.weight);
+  S* out = static_cast<S*>(a.out) + r * a.hidden;
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) {
+    const float v = E::load(row[j]);
+    sum += v * v;
+  }
+  sum = block_sum(sum, shared);
+  const float inv = 1.0f / sqrtf(sum / static_cast<float>(a.hidden) + a.eps);
+  for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) {
+    const float normed = round_to<E>(E::load(row[j]) * inv);
+    out[j] = E::store(E::load(w[j]) * normed);
+  }
+}
+
+template <typename E>
+__global__ void rope_kernel(RopeArgs a) {
+  using S = typename E::Storage;
+  const int64_t t = blockIdx.x;
+  const int64_t half = a.head_dim / 2;
+  const int64_t heads = a.num_heads + a.num_kv_heads;
+  const float pos = static_cast<float>(a.positions[t]);
+  S* base = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
+  for (int64_t item = threadIdx.x; item < heads * half; item += blockDim.x) {
+    const int64_t h = item / half;
+    const int64_t i = item % half;
+    const float angle = pos * a.inv_freq[i];
+    const float c = cosf(angle);
+    const float s = sinf(angle);
+    S* x = base + h * a.head_dim;
+    const float x0 = E::load(x[i]);
+    const float x1 = E::load(x[i + half]);
+    x[i] = E::store(x0 * c - x1 * s);
+    x[i + half] = E::store(x1 * c + x0 * s);
+  }
+}
+
+template <typename E>
+__global__ void kv_write_kernel(KvWriteArgs a) {
+  using S = typename E::Storage;
+  const int64_t t = blockIdx.x;
+  const int64_t slot = a.slot_mapping[t];
+  const KvCacheView& c = a.cache;
+  if (slot < 0 || slot >= c.num_blocks * c.block_size) return;
+  const int64_t kv = c.num_kv_heads * c.head_dim;
+  const S* row = static_cast<const S*>(a.qkv) + t * a.qkv_row_stride + a.num_heads * c.head_dim;
+  S* k = static_cast<S*>(c.k) + slot * kv;
+  S* v = static_cast<S*>(c.v) + slot * kv;
+  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) {
+    k[j] = row[j];
+    v[j] = row[kv + j];
+  }
+}
+
+// One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
+// each thread scores one key into shared memory, then threads own output dimensions and
+// accumulate p * v over the chunk. No scratch proportional to the context.
+template <typename E>
+__global__ void paged_attention_kernel(PagedAttentionArgs a) {
+  using S = typename E::Storage;
+  extern __shared__ float smem[];  // [head_dim] q, then [blockDim] p
+  __shared__ float red[32];
+  const KvCacheView& c = a.cache;
+  const int64_t d = c.head_dim;
+  float* q = smem;
+  float* p = smem + d;
+  const int64_t t = blockIdx.x;
+  const int64_t h = blockIdx.y;
+  const int64_t kvh = h / (a.num_heads / c.num_kv_heads);
+  const int64_t kv_row = c.num_kv_heads * d;
+  const int32_t seq = a.token_seq[t];
+  const int64_t ctx = static_cast<int64_t>(a.positions[t]) + 1;
+  S* out = static_cast<S*>(a.out) + t * a.num_heads * d + h * d;
+  const bool valid = seq >= 0 && seq < a.num_seqs && ctx >= 1 && ctx <= a.max_context;
+  const int32_t* table = a.block_tables + (valid ? seq : 0) * a.max_blocks_per_seq;
+  const S* qrow = static_cast<const S*>(a.qkv) + t * a.qkv_row_stride + h * d;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) q[i] = E::load(qrow[i]);
+  __syncthreads();
+  const S* kc = static_cast<const S*>(c.k);
+  const S* vc = static_cast<const S*>(c.v);
+  auto slot_of = [&](int64_t j) -> int64_t {
+    const int32_t block = table[j / c.block_size];
+    if (block < 0 || block >= c.num_blocks) return -1;
+    return static_cast<int64_t>(block) * c.block_size + j % c.block_size;
+  };
+  auto score = [&](int64_t j) -> float {
+    const int64_t slot = slot_of(j);
+    if (slot < 0) return -FLT_MAX;
+    const S* k = kc + slot * kv_row + kvh * d;
+    float dot = 0.0f;
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * E::load(k[i]);
+    return dot * a.scale;
+  };
+  float m = -FLT_MAX;
+  if (valid) {
+    for (int64_t j = threadIdx.x; j < ctx; j += blockDim.x) m = fmaxf(m, score(j));
+  }
+  m = block_max(m, red);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // dims threadIdx.x + k * blockDim.x, d <= 4 * 256
+  float denom = 0.0f;
+  const int64_t n = valid ? ctx : 0;
+  for (int64_t j0 = 0; j0 < n; j0 += blockDim.x) {
+    const int64_t j = j0 + threadIdx.x;
+    float pj = 0.0f;
+    if (j < n) {
+      const float s = score(j);
+      pj = s == -FLT_MAX ? 0.0f : expf(s - m);
+    }
+    denom += pj;
+    __syncthreads();
+    p[threadIdx.x] = pj;
+    __syncthreads();
+    const int64_t chunk = n - j0 < blockDim.x ? n - j0 : blockDim.x;
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i >= d) break;
+      float sum = acc[k];
+      for (int64_t jj = 0; jj < chunk; ++jj) {
+        const int64_t slot = slot_of(j0 + jj);
+        if (slot < 0) continue;
+        sum += p[jj] * E::load(vc[slot * kv_row + kvh * d + i]);
+      }
+      acc[k] = sum;
+    }
+  }
+  denom = block_sum(denom, red);
+  for (int k = 0; k < 4; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (i >= d) break;
+    out[i] = E::store(denom > 0.0f ? acc[k] / denom : 0.0f);
+  }
+}
+
+template <typename E>
+__global__ void silu_mul_kernel(SiluMulArgs a) {
+  using S = typename E::Storage;
+  const int64_t total = a.num_rows * a.n;
+  const S* x = static_cast<const S*>(a.x);
+  S* out = static_cast<S*>(a.out);
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / a.n;
+    const int64_t j = idx % a.n;
+    const float gv = E::load(x[r * 2 * a.n + j]);
+    const float g = round_to<E>(gv / (1.0f + expf(-gv)));
+    out[idx] = E::store(g * E::load(x[r * 2 * a.n + a.n + j]));
+  }
+}
+
+template <typename E>
+__global__ void add_kernel(AddArgs a) {
+  using S = typename E::Storage;
+  const int64_t total = a.num_rows * a.n;
+  const S* x = static_cast<const S*>(a.x);
+  S* y = static_cast<S*>(a.y);
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[idx] = E::store(E::load(y[idx]) + E::load(x[idx]));
+  }
+}
+
+template <typename E>
+__global__ void argmax_kernel(ArgmaxArgs a) {
+  using S = typename E::Storage;
+  __shared__ float best_v[kThreads];
+  __shared__ int32_t best_i[kThreads];
+  const int64_t r = blockIdx.x;
+  const S* row = static_cast<const S*>(a.logits) + r * a.row_stride;
+  float v = -INFINITY;
+  int32_t idx = -1;
+  for (int64_t j = threadIdx.x; j < a.vocab; j += blockDim.x) {
+    const float x = E::load(row[j]);
+    if (isnan(x)) continue;
+    if (idx < 0 || x > v) {  // j increases within a thread: ties keep the lower index
+      v = x;
+      idx = static_cast<int32_t>(j);
+    }
+  }
+  best_v[threadIdx.x] = v;
+  best_i[threadIdx.x] = idx;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const float ov = best_v[threadIdx.x + s];
+      const int32_t oi = best_i[threadIdx.x + s];
+      const float mv = best_v[threadIdx.x];
+      const int32_t mi = best_i[threadIdx.x];
+      const bool take = oi >= 0 && (mi < 0 || ov > mv || (ov == mv && oi < mi));
+      if (take) {
+        best_v[threadIdx.x] = ov;
+        best_i[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) a.ids[r] = best_i[0] < 0 ? 0 : best_i[0];
+}
+
+Status check_cache(const KvCacheView& c, const char* op) {
+  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
+                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
+                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
+                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
+  return Status();
+}
+
+}  // namespace
+
+Status embedding(const EmbeddingArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
+  if (a.num_tokens == 0) return Status();
+  return dispatch(a.dtype, "embedding", [&](auto e) {
+    embedding_kernel<decltype(e)>
+        <<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+Status rms_norm(const RmsNormArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.x_row_stride >= a.hidden,
+                  "rms_norm: bad sizes (rows ", a.num_rows, ", hidden ", a.hidden, ", stride ",
+                  a.x_row_stride, ")");
+  if (a.num_rows == 0) return Status();
+  return dispatch(a.dtype, "rms_norm", [&](auto e) {
+    rms_norm_kernel<decltype(e)>
+        <<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+Status rope(const RopeArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && a.num_kv_heads >= 1 && a.head_dim >= 2 &&
+                      a.head_dim % 2 == 0 &&
+                      a.qkv_row_stride >= (a.num_heads + a.num_kv_heads) * a.head_dim,
+                  "rope: bad sizes (heads ", a.num_heads, ", kv heads ", a.num_kv_heads,
+                  ", head dim ", a.head_dim, ", row stride ", a.qkv_row_stride, ")");
+  if (a.num_tokens == 0) return Status();
+  return dispatch(a.dtype, "rope", [&](auto e) {
+    rope_kernel<decltype(e)><<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+Status kv_write(const KvWriteArgs& a, const Stream& stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "kv_write"));
+  LORAPLEX_ENSURE(a.qkv_row_stride >= (a.num_heads + 2 * a.cache.num_kv_heads) * a.cache.head_dim,
+                  "kv_write: qkv row stride ", a.qkv_row_stride, " is too small");
+  if (a.num_tokens == 0) return Status();
+  return dispatch(a.dtype, "kv_write", [&](auto e) {
+    kv_write_kernel<decltype(e)>
+        <<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+Status paged_attention(const PagedAttentionArgs& a, const Stream& stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+  const KvCacheView& c = a.cache;
+  LORAPLEX_ENSURE(
+      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
+          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
+      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
+      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
+  LORAPLEX_ENSURE(c.head_dim <= 4 * kThreads, "paged_attention: head_dim ", c.head_dim, " exceeds ",
+                  4 * kThreads);
+  if (a.num_tokens == 0) return Status();
+  const dim3 grid(static_cast<unsigned>(a.num_tokens), static_cast<unsigned>(a.num_heads));
+  const size_t shared = static_cast<size_t>(c.head_dim + kThreads) * sizeof(float);
+  return dispatch(a.dtype, "paged_attention", [&](auto e) {
+    paged_attention_kernel<decltype(e)><<<grid, kThreads, shared, raw(stream)>>>(a);
+  });
+}
+
+Status silu_mul(const SiluMulArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "silu_mul: bad sizes");
+  if (a.num_rows == 0) return Status();
+  return dispatch(a.dtype, "silu_mul", [&](auto e) {
+    silu_mul_kernel<decltype(e)><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+Status add(const AddArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "add: bad sizes");
+  if (a.num_rows == 0) return Status();
+  return dispatch(a.dtype, "add", [&](auto e) {
+    add_kernel<decltype(e)><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+Status argmax(const ArgmaxArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab, "argmax: bad sizes");
+  if (a.num_rows == 0) return Status();
+  return dispatch(a.dtype, "argmax", [&](auto e) {
+    argmax_kernel<decltype(e)><<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
+}  // namespace loraplex::model::ops::cuda

@@ -1,0 +1,52 @@
+#include "loraplex/model/kv_cache.h"
+
+#include <algorithm>
+
+#include "loraplex/core/error.h"
+
+namespace loraplex::model {
+
+KvCache::KvCache(const ModelConfig& config, int64_t num_blocks, int64_t block_size, DType dtype,
+                 Device device)
+    : num_blocks_(num_blocks),
+      block_size_(block_size),
+      num_kv_heads_(config.num_kv_heads),
+      head_dim_(config.head_dim),
+      dtype_(dtype) {
+  LORAPLEX_CHECK(num_blocks >= 1 && block_size >= 1, "KV cache: ", num_blocks, " blocks of ",
+                 block_size, " tokens, expected at least one block of at least one token");
+  const Shape shape{num_blocks, block_size, num_kv_heads_, head_dim_};
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    k_.push_back(Tensor::empty(shape, dtype, device));
+    v_.push_back(Tensor::empty(shape, dtype, device));
+  }
+  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+}
+
+ops::KvCacheView KvCache::view(int64_t layer) const {
+  LORAPLEX_CHECK(layer >= 0 && layer < static_cast<int64_t>(k_.size()), "KV cache: layer ", layer,
+                 ", expected 0..", k_.size() - 1);
+  ops::KvCacheView v;
+  v.num_blocks = num_blocks_;
+  v.block_size = block_size_;
+  v.num_kv_heads = num_kv_heads_;
+  v.head_dim = head_dim_;
+  v.k = k_[static_cast<size_t>(layer)].data_ptr();
+  v.v = v_[static_cast<size_t>(layer)].data_ptr();
+  return v;
+}
+
+std::vector<int32_t> KvCache::allocate(int64_t count) {
+  LORAPLEX_CHECK(count >= 0 && count <= num_free_blocks(), "KV cache: ", count,
+                 " blocks requested, ", num_free_blocks(), " of ", num_blocks_, " free");
+  std::vector<int32_t> out(free_.end() - count, free_.end());
+  free_.resize(free_.size() - static_cast<size_t>(count));
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+void KvCache::release(const std::vector<int32_t>& blocks) {
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) free_.push_back(*it);
+}
+
+}  // namespace loraplex::model

@@ -1,0 +1,46 @@
+#pragma once
+// The paged KV cache: per layer, K and V of [num_blocks, block_size, kv_heads, head_dim], and a
+// free list of blocks. A sequence owns a block table (its blocks in position order), the layout
+// continuous batching needs: sequences grow and finish independently and blocks are reused.
+
+#include <cstdint>
+#include <vector>
+
+#include "loraplex/core/tensor.h"
+#include "loraplex/model/config.h"
+#include "loraplex/model/model_ops.h"
+
+namespace loraplex::model {
+
+class KvCache {
+ public:
+  /// Allocates num_blocks blocks of block_size tokens for every layer of `config`.
+  KvCache(const ModelConfig& config, int64_t num_blocks, int64_t block_size, DType dtype,
+          Device device);
+
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  DType dtype() const { return dtype_; }
+  /// Raw view of one layer's K and V, for the attention ops.
+  ops::KvCacheView view(int64_t layer) const;
+
+  /// Takes `count` free blocks; throws (taking none) when fewer are free.
+  std::vector<int32_t> allocate(int64_t count);
+  /// Returns blocks to the free list.
+  void release(const std::vector<int32_t>& blocks);
+  int64_t num_free_blocks() const { return static_cast<int64_t>(free_.size()); }
+  /// Blocks needed to hold `tokens` tokens.
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block_size_ - 1) / block_size_; }
+
+ private:
+  int64_t num_blocks_;
+  int64_t block_size_;
+  int64_t num_kv_heads_;
+  int64_t head_dim_;
+  DType dtype_;
+  std::vector<Tensor> k_;  // per layer [num_blocks, block_size, kv_heads, head_dim]
+  std::vector<Tensor> v_;
+  std::vector<int32_t> free_;  // a stack: the lowest block ids are handed out first
+};
+
+}  // namespace loraplex::model

@@ -1,0 +1,263 @@
+// CPU reference of the decoder's non-LoRA ops: threaded over rows, float32 arithmetic, one
+// rounding per stored value.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "loraplex/core/parallel.h"
+#include "loraplex/model/model_ops.h"
+
+namespace loraplex::model::ops::cpu {
+namespace {
+
+bool is_activation(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
+
+template <typename Fn>
+Status dispatch(DType dtype, const char* op, Fn&& fn) {
+  LORAPLEX_ENSURE(is_activation(dtype), op, ": dtype ", dtype,
+                  ", expected float32, float16 or bfloat16");
+  dispatch_activation_dtype(dtype, fn);
+  return Status();
+}
+
+Status check_cache(const KvCacheView& c, const char* op) {
+  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
+                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
+                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
+                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
+  return Status();
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+Status embedding(const EmbeddingArgs& a) {
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    LORAPLEX_ENSURE(a.ids[t] >= 0 && a.ids[t] < a.vocab, "embedding: token ", t, " has id ",
+                    a.ids[t], ", expected 0..", a.vocab - 1);
+  }
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
+  const auto* table = static_cast<const unsigned char*>(a.table);
+  auto* out = static_cast<unsigned char*>(a.out);
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    std::copy_n(table + static_cast<size_t>(a.ids[t]) * row_bytes, row_bytes,
+                out + static_cast<size_t>(t) * row_bytes);
+  }
+  return Status();
+}
+
+Status rms_norm(const RmsNormArgs& a) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.x_row_stride >= a.hidden,
+                  "rms_norm: bad sizes (rows ", a.num_rows, ", hidden ", a.hidden, ", stride ",
+                  a.x_row_stride, ")");
+  return dispatch(a.dtype, "rms_norm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.x);
+    const T* w = static_cast<const T*>(a.weight);
+    T* out = static_cast<T*>(a.out);
+    parallel_for(0, a.num_rows, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const T* row = x + r * a.x_row_stride;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < a.hidden; ++j) {
+          const float v = load_float(row[j]);
+          sum += v * v;
+        }
+        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(a.hidden) + a.eps);
+        T* o = out + r * a.hidden;
+        for (int64_t j = 0; j < a.hidden; ++j) {
+          const float normed = load_float(store_float<T>(load_float(row[j]) * inv));
+          o[j] = store_float<T>(load_float(w[j]) * normed);
+        }
+      }
+    });
+  });
+}
+
+Status rope(const RopeArgs& a) {
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && a.num_kv_heads >= 1 && a.head_dim >= 2 &&
+                      a.head_dim % 2 == 0 &&
+                      a.qkv_row_stride >= (a.num_heads + a.num_kv_heads) * a.head_dim,
+                  "rope: bad sizes (heads ", a.num_heads, ", kv heads ", a.num_kv_heads,
+                  ", head dim ", a.head_dim, ", row stride ", a.qkv_row_stride, ")");
+  return dispatch(a.dtype, "rope", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* qkv = static_cast<T*>(a.qkv);
+    const int64_t half = a.head_dim / 2;
+    const int64_t heads = a.num_heads + a.num_kv_heads;
+    parallel_for(0, a.num_tokens, 4, [&](int64_t lo, int64_t hi) {
+      std::vector<float> cos_v(static_cast<size_t>(half)), sin_v(static_cast<size_t>(half));
+      for (int64_t t = lo; t < hi; ++t) {
+        const float pos = static_cast<float>(a.positions[t]);
+        for (int64_t i = 0; i < half; ++i) {
+          const float angle = pos * a.inv_freq[i];
+          cos_v[i] = std::cos(angle);
+          sin_v[i] = std::sin(angle);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x = qkv + t * a.qkv_row_stride + h * a.head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x0 = load_float(x[i]);
+            const float x1 = load_float(x[i + half]);
+            x[i] = store_float<T>(x0 * cos_v[i] - x1 * sin_v[i]);
+            x[i + half] = store_float<T>(x1 * cos_v[i] + x0 * sin_v[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+Status kv_write(const KvWriteArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "kv_write"));
+  const KvCacheView& c = a.cache;
+  const int64_t kv = c.num_kv_heads * c.head_dim;
+  LORAPLEX_ENSURE(a.qkv_row_stride >= a.num_heads * c.head_dim + 2 * kv,
+                  "kv_write: qkv row stride ", a.qkv_row_stride, " is too small");
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    LORAPLEX_ENSURE(a.slot_mapping[t] >= -1 && a.slot_mapping[t] < num_slots, "kv_write: token ", t,
+                    " maps to cache slot ", a.slot_mapping[t], ", expected -1..", num_slots - 1);
+  }
+  const size_t es = dtype_size(a.dtype);
+  const auto* qkv = static_cast<const unsigned char*>(a.qkv);
+  auto* k = static_cast<unsigned char*>(c.k);
+  auto* v = static_cast<unsigned char*>(c.v);
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    const int64_t slot = a.slot_mapping[t];
+    if (slot < 0) continue;
+    const unsigned char* row = qkv + static_cast<size_t>(t * a.qkv_row_stride) * es;
+    const size_t k_off = static_cast<size_t>(a.num_heads * c.head_dim) * es;
+    std::copy_n(row + k_off, kv * es, k + static_cast<size_t>(slot * kv) * es);
+    std::copy_n(row + k_off + kv * es, kv * es, v + static_cast<size_t>(slot * kv) * es);
+  }
+  return Status();
+}
+
+Status paged_attention(const PagedAttentionArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+  const KvCacheView& c = a.cache;
+  LORAPLEX_ENSURE(
+      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
+          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
+      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
+      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    LORAPLEX_ENSURE(a.token_seq[t] >= 0 && a.token_seq[t] < a.num_seqs && a.positions[t] >= 0 &&
+                        a.positions[t] < a.max_context,
+                    "paged_attention: token ", t, " has sequence ", a.token_seq[t],
+                    " and position ", a.positions[t], ", expected < ", a.num_seqs, " and < ",
+                    a.max_context);
+    const int32_t* table = a.block_tables + a.token_seq[t] * a.max_blocks_per_seq;
+    for (int64_t b = 0; b <= a.positions[t] / c.block_size; ++b) {
+      LORAPLEX_ENSURE(table[b] >= 0 && table[b] < c.num_blocks, "paged_attention: sequence ",
+                      a.token_seq[t], " block ", b, " is ", table[b], ", expected 0..",
+                      c.num_blocks - 1);
+    }
+  }
+  return dispatch(a.dtype, "paged_attention", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* qkv = static_cast<const T*>(a.qkv);
+    const T* kc = static_cast<const T*>(c.k);
+    const T* vc = static_cast<const T*>(c.v);
+    T* out = static_cast<T*>(a.out);
+    const int64_t d = c.head_dim;
+    const int64_t group = a.num_heads / c.num_kv_heads;
+    const int64_t kv_row = c.num_kv_heads * d;
+    parallel_for(0, a.num_tokens * a.num_heads, 4, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scores(static_cast<size_t>(a.max_context));
+      std::vector<float> q(static_cast<size_t>(d)), acc(static_cast<size_t>(d));
+      for (int64_t item = lo; item < hi; ++item) {
+        const int64_t t = item / a.num_heads;
+        const int64_t h = item % a.num_heads;
+        const int64_t kvh = h / group;
+        const int32_t* table = a.block_tables + a.token_seq[t] * a.max_blocks_per_seq;
+        const int64_t ctx = a.positions[t] + 1;
+        for (int64_t i = 0; i < d; ++i) q[i] = load_float(qkv[t * a.qkv_row_stride + h * d + i]);
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < ctx; ++j) {
+          const int64_t slot = table[j / c.block_size] * c.block_size + j % c.block_size;
+          const T* k = kc + slot * kv_row + kvh * d;
+          float dot = 0.0f;
+          for (int64_t i = 0; i < d; ++i) dot += q[i] * load_float(k[i]);
+          scores[j] = dot * a.scale;
+          max_score = std::max(max_score, scores[j]);
+        }
+        float denom = 0.0f;
+        for (int64_t j = 0; j < ctx; ++j) {
+          scores[j] = std::exp(scores[j] - max_score);
+          denom += scores[j];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < ctx; ++j) {
+          const int64_t slot = table[j / c.block_size] * c.block_size + j % c.block_size;
+          const T* v = vc + slot * kv_row + kvh * d;
+          const float p = scores[j] / denom;
+          for (int64_t i = 0; i < d; ++i) acc[i] += p * load_float(v[i]);
+        }
+        T* o = out + t * a.num_heads * d + h * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = store_float<T>(acc[i]);
+      }
+    });
+  });
+}
+
+Status silu_mul(const SiluMulArgs& a) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "silu_mul: bad sizes");
+  return dispatch(a.dtype, "silu_mul", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.x);
+    T* out = static_cast<T*>(a.out);
+    parallel_for(0, a.num_rows, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const T* row = x + r * 2 * a.n;
+        for (int64_t j = 0; j < a.n; ++j) {
+          // transformers rounds silu(gate) to the activation dtype before the multiply.
+          const float g = load_float(store_float<T>(silu(load_float(row[j]))));
+          out[r * a.n + j] = store_float<T>(g * load_float(row[a.n + j]));
+        }
+      }
+    });
+  });
+}
+
+Status add(const AddArgs& a) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "add: bad sizes");
+  return dispatch(a.dtype, "add", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.x);
+    T* y = static_cast<T*>(a.y);
+    const int64_t total = a.num_rows * a.n;
+    for (int64_t i = 0; i < total; ++i) y[i] = store_float<T>(load_float(y[i]) + load_float(x[i]));
+  });
+}
+
+Status argmax(const ArgmaxArgs& a) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab, "argmax: bad sizes");
+  return dispatch(a.dtype, "argmax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* logits = static_cast<const T*>(a.logits);
+    for (int64_t r = 0; r < a.num_rows; ++r) {
+      const T* row = logits + r * a.row_stride;
+      int32_t best = 0;
+      float best_v = -std::numeric_limits<float>::infinity();
+      bool found = false;
+      for (int64_t j = 0; j < a.vocab; ++j) {
+        const float v = load_float(row[j]);
+        if (std::isnan(v)) continue;
+        if (!found || v > best_v) {
+          best = static_cast<int32_t>(j);
+          best_v = v;
+          found = true;
+        }
+      }
+      a.ids[r] = best;
+    }
+  });
+}
+
+}  // namespace loraplex::model::ops::cpu

@@ -1,0 +1,397 @@
+// Shrink, expand, BGMV, the fused and split LoRA layer, logits LoRA and CUDA-graph replay:
+// each runs through the same entry points on the GPU and on the CPU reference, on the same
+// random inputs, and the results are compared.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/punica_wrapper.h"
+
+namespace loraplex {
+namespace {
+
+struct LayerCase {
+  DType dtype;
+  int tokens;
+  int max_loras;
+  int max_rank;
+  int64_t hidden;
+  std::vector<int64_t> widths;
+  test::SlotDistribution dist;
+  double none_fraction;
+  bool random_ranks;  // per (slice, slot) in [0, max_rank], else max_rank everywhere
+};
+
+std::string case_name(const LayerCase& c) {
+  std::string out(dtype_name(c.dtype));
+  out.append(" T").append(std::to_string(c.tokens));
+  out.append(" L").append(std::to_string(c.max_loras));
+  out.append(" R").append(std::to_string(c.max_rank));
+  out.append(" K").append(std::to_string(c.hidden));
+  out.append(" N");
+  for (size_t i = 0; i < c.widths.size(); ++i) {
+    if (i > 0) out.append("/");
+    out.append(std::to_string(c.widths[i]));
+  }
+  out.append(" ").append(test::distribution_name(c.dist));
+  if (c.random_ranks) out.append(" ranks~");
+  return out;
+}
+
+struct LayerData {
+  std::vector<int32_t> slots;
+  std::vector<int32_t> ranks;  // [slices, max_loras]
+  Tensor x;
+  std::vector<Tensor> a;
+  std::vector<Tensor> b;
+  Tensor y0;
+  int64_t width = 0;
+};
+
+LayerData make_layer(const LayerCase& c, std::mt19937_64& rng) {
+  LayerData d;
+  const int slices = static_cast<int>(c.widths.size());
+  d.slots = test::make_slots(c.dist, c.tokens, c.max_loras, rng, c.none_fraction);
+  std::uniform_int_distribution<int32_t> any_rank(1, c.max_rank);
+  std::bernoulli_distribution zero(0.1);
+  for (int s = 0; s < slices; ++s) {
+    for (int k = 0; k < c.max_loras; ++k) {
+      d.ranks.push_back(!c.random_ranks ? c.max_rank : (zero(rng) ? 0 : any_rank(rng)));
+    }
+  }
+  const float a_scale = 1.0f / std::sqrt(static_cast<float>(c.hidden));
+  const float b_scale = 1.0f / std::sqrt(static_cast<float>(c.max_rank));
+  for (int64_t n : c.widths) {
+    d.a.push_back(test::random_tensor({c.max_loras, c.max_rank, c.hidden}, c.dtype, rng, a_scale));
+    d.b.push_back(test::random_tensor({c.max_loras, n, c.max_rank}, c.dtype, rng, b_scale));
+    d.width += n;
+  }
+  d.x = test::random_tensor({c.tokens, c.hidden}, c.dtype, rng);
+  d.y0 = test::random_tensor({c.tokens, d.width}, c.dtype, rng);
+  return d;
+}
+
+SlotRanks make_ranks(const LayerCase& c, const LayerData& d, Device device, const Stream& stream) {
+  const int slices = static_cast<int>(c.widths.size());
+  SlotRanks ranks(slices, c.max_loras, c.max_rank, device);
+  for (int s = 0; s < slices; ++s) {
+    for (int k = 0; k < c.max_loras; ++k) ranks.set(s, k, d.ranks[s * c.max_loras + k], stream);
+  }
+  return ranks;
+}
+
+std::vector<Tensor> to_device(const std::vector<Tensor>& ts, Device device, const Stream& stream) {
+  std::vector<Tensor> out;
+  for (const Tensor& t : ts) out.push_back(t.to(device, stream));
+  return out;
+}
+
+// y0 + LoRA(x) for the whole layer through PunicaWrapper::add_lora_linear on `device`.
+Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const Stream& stream,
+                  float scale = 0.5f) {
+  const int slices = static_cast<int>(c.widths.size());
+  PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
+  wrapper.update_metadata(d.slots, {}, stream);
+  const SlotRanks ranks = make_ranks(c, d, device, stream);
+  const auto a = to_device(d.a, device, stream);
+  const auto b = to_device(d.b, device, stream);
+  const Tensor x = d.x.to(device, stream);
+  Tensor y = d.y0.clone().to(device, stream);
+  Tensor ws =
+      Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32, device);
+  wrapper.add_lora_linear(y, x, a, b, ranks, scale, ws, stream);
+  return device.is_cpu() ? y : test::on_cpu(y, stream);
+}
+
+const std::vector<LayerCase>& linear_cases() {
+  using D = test::SlotDistribution;
+  static const std::vector<LayerCase> cases = {
+      // Tensor-core eligible (bf16/f16, multiples of 8): fused up to 128 tokens, split above.
+      {DType::kBF16, 1, 1, 16, 4096, {4096}, D::kOneAdapter, 0.0, false},
+      {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}, D::kUniform, 0.2, false},
+      {DType::kBF16, 64, 32, 64, 1024, {512, 128, 128}, D::kZipf, 0.1, true},
+      {DType::kF16, 77, 4, 32, 512, {256, 64}, D::kSkewed, 0.0, true},
+      {DType::kBF16, 5, 4, 128, 256, {264}, D::kAllDistinct, 0.0, true},
+      {DType::kBF16, 128, 3, 8, 64, {24, 8, 16, 40}, D::kUniform, 0.3, true},
+      {DType::kBF16, 300, 8, 64, 2048, {1024, 256, 256}, D::kUniform, 0.1, false},
+      {DType::kF16, 1100, 32, 16, 1024, {1024}, D::kZipf, 0.05, true},
+      {DType::kBF16, 200, 2, 128, 512, {384}, D::kSkewed, 0.0, true},
+      // Generic kernels: float32, or sizes that are not multiples of 8.
+      {DType::kF32, 33, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},
+      {DType::kBF16, 17, 3, 12, 100, {36, 20}, D::kAllDistinct, 0.0, true},
+      {DType::kF16, 199, 5, 16, 77, {33}, D::kZipf, 0.1, false},
+  };
+  return cases;
+}
+
+TEST(CudaLoraLinear, DefaultPathMatchesCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(101);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  kernels::cuda::set_fused_linear_max_tokens(-1);
+  for (const LayerCase& c : linear_cases()) {
+    const LayerData d = make_layer(c, rng);
+    const Tensor got = run_linear(c, d, test::gpu(), stream);
+    const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
+    const double rtol = test::default_rtol(c.dtype);
+    test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c));
+  }
+}
+
+TEST(CudaLoraLinear, FusedAndSplitPathsBothMatchCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(202);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  for (int limit : {0, 1 << 20}) {
+    // 0: never fused (shrink + expand kernels); 1 << 20: fused at every size, several token
+    // tiles per slot.
+    kernels::cuda::set_fused_linear_max_tokens(limit);
+    for (const LayerCase& c : linear_cases()) {
+      if (c.dtype == DType::kF32) continue;
+      const LayerData d = make_layer(c, rng);
+      const Tensor got = run_linear(c, d, test::gpu(), stream);
+      const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
+      const double rtol = test::default_rtol(c.dtype);
+      test::expect_matches(got, ref, stream, rtol, rtol * 2,
+                           case_name(c) + (limit == 0 ? " split" : " fused"));
+    }
+  }
+  kernels::cuda::set_fused_linear_max_tokens(-1);
+}
+
+// The shrink output through PunicaWrapper::add_shrink; entries past each slot's rank and rows
+// of base-only tokens must keep their sentinel.
+Tensor run_shrink(const LayerCase& c, const LayerData& d, DType out_dtype, Device device,
+                  const Stream& stream) {
+  const int slices = static_cast<int>(c.widths.size());
+  PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
+  wrapper.update_metadata(d.slots, {}, stream);
+  const SlotRanks ranks = make_ranks(c, d, device, stream);
+  const auto a = to_device(d.a, device, stream);
+  const Tensor x = d.x.to(device, stream);
+  Tensor sentinel = Tensor::empty({slices, c.tokens, c.max_rank}, DType::kF32);
+  sentinel.fill_(7.0);
+  Tensor out = sentinel.to(out_dtype).to(device, stream);
+  wrapper.add_shrink(out, x, a, ranks, 0.75f, stream);
+  return device.is_cpu() ? out : test::on_cpu(out, stream);
+}
+
+TEST(CudaLoraShrink, MatchesCpuWithFloatAndNativeOutputs) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(303);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  for (const LayerCase& c : linear_cases()) {
+    for (bool f32_out : {true, false}) {
+      const DType out_dtype = f32_out ? DType::kF32 : c.dtype;
+      const LayerData d = make_layer(c, rng);
+      const Tensor got = run_shrink(c, d, out_dtype, test::gpu(), stream);
+      const Tensor ref = run_shrink(c, d, out_dtype, Device::cpu(), cpu);
+      const double rtol = test::default_rtol(c.dtype);
+      test::expect_matches(got, ref, stream, rtol, rtol,
+                           case_name(c) + " out " + std::string(dtype_name(out_dtype)));
+    }
+  }
+}
+
+// Expand through PunicaWrapper::add_expand into a wider y at an offset.
+Tensor run_expand(const LayerCase& c, const LayerData& d, const Tensor& in, int64_t offset,
+                  bool add_inputs, Device device, const Stream& stream) {
+  PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
+  wrapper.update_metadata(d.slots, {}, stream);
+  const SlotRanks ranks = make_ranks(c, d, device, stream);
+  const auto b = to_device(d.b, device, stream);
+  const Tensor in_dev = in.to(device, stream);
+  Tensor y = d.y0.clone().to(device, stream);
+  wrapper.add_expand(y, in_dev, b, ranks, offset, add_inputs, stream);
+  return device.is_cpu() ? y : test::on_cpu(y, stream);
+}
+
+TEST(CudaLoraExpand, MatchesCpuWithOffsetsAndOverwrite) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(404);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  for (LayerCase c : linear_cases()) {
+    // Leave room in y for an offset: y0 is as wide as the slices plus the largest offset.
+    for (int64_t offset : {int64_t{0}, int64_t{8}, int64_t{3}}) {
+      for (bool add_inputs : {true, false}) {
+        for (bool f32_in : {true, false}) {
+          LayerData d = make_layer(c, rng);
+          d.y0 = test::random_tensor({c.tokens, d.width + 8}, c.dtype, rng);
+          const int slices = static_cast<int>(c.widths.size());
+          const Tensor in = test::random_tensor({slices, c.tokens, c.max_rank},
+                                                f32_in ? DType::kF32 : c.dtype, rng, 0.5f);
+          const Tensor got = run_expand(c, d, in, offset, add_inputs, test::gpu(), stream);
+          const Tensor ref = run_expand(c, d, in, offset, add_inputs, Device::cpu(), cpu);
+          const double rtol = test::default_rtol(c.dtype);
+          test::expect_matches(got, ref, stream, rtol, rtol * 2,
+                               case_name(c) + " offset " + std::to_string(offset) +
+                                   (add_inputs ? " add" : " overwrite") +
+                                   (f32_in ? " f32-in" : " native-in"));
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaBgmv, ShrinkAndExpandMatchCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(505);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  for (const LayerCase& c : linear_cases()) {
+    const LayerData d = make_layer(c, rng);
+    const int slices = static_cast<int>(c.widths.size());
+    Tensor results[2][2];  // [device][shrink, expand]
+    for (int dev = 0; dev < 2; ++dev) {
+      const Device device = dev == 0 ? test::gpu() : Device::cpu();
+      const Stream& s = dev == 0 ? stream : cpu;
+      const SlotRanks ranks = make_ranks(c, d, device, s);
+      const Tensor mapping = test::int_tensor(d.slots).to(device, s);
+      const auto a = to_device(d.a, device, s);
+      const auto b = to_device(d.b, device, s);
+      const Tensor x = d.x.to(device, s);
+      Tensor mid = Tensor::zeros({slices, c.tokens, c.max_rank}, DType::kF32).to(device, s);
+      Tensor y = d.y0.clone().to(device, s);
+      kernels::ShrinkArgs sa;
+      sa.dtype = c.dtype;
+      sa.num_tokens = c.tokens;
+      sa.hidden = c.hidden;
+      sa.x = x.data_ptr();
+      sa.x_row_stride = c.hidden;
+      sa.num_slices = slices;
+      for (int i = 0; i < slices; ++i) sa.lora_a[i] = a[i].data_ptr();
+      sa.max_loras = c.max_loras;
+      sa.max_rank = c.max_rank;
+      sa.ranks = ranks.device().data<int32_t>();
+      sa.scale = 1.0f;
+      sa.out_dtype = DType::kF32;
+      sa.out = mid.data_ptr();
+      throw_if_error(dispatch_bgmv_shrink(sa, mapping.data<int32_t>(), s));
+      kernels::ExpandArgs ea;
+      ea.dtype = c.dtype;
+      ea.num_tokens = c.tokens;
+      ea.in_dtype = DType::kF32;
+      ea.in = mid.data_ptr();
+      ea.num_slices = slices;
+      for (int i = 0; i < slices; ++i) {
+        ea.lora_b[i] = b[i].data_ptr();
+        ea.slice_width[i] = c.widths[static_cast<size_t>(i)];
+      }
+      ea.max_loras = c.max_loras;
+      ea.max_rank = c.max_rank;
+      ea.ranks = ranks.device().data<int32_t>();
+      ea.y = y.data_ptr();
+      ea.y_row_stride = d.width;
+      throw_if_error(dispatch_bgmv_expand(ea, mapping.data<int32_t>(), s));
+      results[dev][0] = dev == 0 ? test::on_cpu(mid, s) : mid;
+      results[dev][1] = dev == 0 ? test::on_cpu(y, s) : y;
+    }
+    const double rtol = test::default_rtol(c.dtype);
+    test::expect_matches(results[0][0], results[1][0], stream, rtol, rtol,
+                         case_name(c) + " bgmv shrink");
+    test::expect_matches(results[0][1], results[1][1], stream, rtol, rtol * 2,
+                         case_name(c) + " bgmv expand");
+  }
+}
+
+TEST(CudaLoraLogits, SampledRowsMatchCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(606);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  const int seqs = 9;
+  const int max_loras = 4;
+  const int rank = 16;
+  const int64_t hidden = 1024;
+  const int64_t vocab = 32000;
+  const auto sampler =
+      test::make_slots(test::SlotDistribution::kUniform, seqs, max_loras, rng, 0.2);
+  const auto tokens = test::make_slots(test::SlotDistribution::kUniform, 20, max_loras, rng, 0.2);
+  const Tensor a = test::random_tensor({max_loras, rank, hidden}, DType::kBF16, rng, 0.03f);
+  const Tensor b = test::random_tensor({max_loras, vocab, rank}, DType::kBF16, rng, 0.25f);
+  const Tensor x = test::random_tensor({seqs, hidden}, DType::kBF16, rng);
+  const Tensor y0 = test::random_tensor({seqs, vocab}, DType::kBF16, rng);
+  Tensor out[2];
+  for (int dev = 0; dev < 2; ++dev) {
+    const Device device = dev == 0 ? test::gpu() : Device::cpu();
+    const Stream& s = dev == 0 ? stream : cpu;
+    PunicaWrapper wrapper(max_loras, 64, seqs, device);
+    wrapper.update_metadata(tokens, sampler, s);
+    SlotRanks ranks(1, max_loras, rank, device);
+    for (int k = 0; k < max_loras; ++k) ranks.set(0, k, k == 2 ? 5 : rank, s);
+    Tensor y = y0.clone().to(device, s);
+    Tensor ws = Tensor::empty({seqs * rank}, DType::kF32, device);
+    wrapper.add_lora_logits(y, x.to(device, s), a.to(device, s), b.to(device, s), ranks, 1.0f, ws,
+                            s);
+    out[dev] = dev == 0 ? test::on_cpu(y, s) : y;
+  }
+  test::expect_matches(out[0], out[1], stream, 1.6e-2, 3.2e-2, "logits");
+}
+
+// Capture the metadata build and one layer in a CUDA graph, write a new mapping into the
+// metadata's device buffer, replay, and compare with the CPU result for the new mapping.
+TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(707);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  using D = test::SlotDistribution;
+  const std::vector<LayerCase> cases = {
+      {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}, D::kUniform, 0.2, true},  // fused
+      {DType::kBF16, 300, 8, 32, 1024, {1024}, D::kZipf, 0.1, true},                // split
+      {DType::kF32, 40, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},                // generic
+  };
+  for (const LayerCase& c : cases) {
+    const LayerData d = make_layer(c, rng);
+    const int slices = static_cast<int>(c.widths.size());
+    PunicaWrapper wrapper(c.max_loras, c.tokens, 1, test::gpu());
+    const SlotRanks ranks = make_ranks(c, d, test::gpu(), stream);
+    const auto a = to_device(d.a, test::gpu(), stream);
+    const auto b = to_device(d.b, test::gpu(), stream);
+    const Tensor x = d.x.to(test::gpu(), stream);
+    const Tensor y0 = d.y0.to(test::gpu(), stream);
+    Tensor y = y0.clone(stream);
+    Tensor ws = Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32,
+                              test::gpu());
+    LoraBatchMeta& meta = wrapper.token_meta();
+    Tensor mapping_view = meta.mapping_buffer().narrow(0, 0, c.tokens);
+    auto step = [&]() {
+      meta.prepare_from_buffer(c.tokens, false, stream);
+      wrapper.add_lora_linear(y, x, a, b, ranks, 1.0f, ws, stream);
+    };
+    // Warm-up outside the capture (first launches set kernel attributes).
+    mapping_view.copy_from(test::int_tensor(d.slots), stream);
+    step();
+    kernels::cuda::Graph graph;
+    graph.begin_capture(stream.handle());
+    step();
+    graph.end_capture();
+    // A different mapping, written on the device; y reset to y0; one replay.
+    LayerData d2 = d;
+    d2.slots = test::make_slots(D::kSkewed, c.tokens, c.max_loras, rng, 0.25);
+    d2.slots[0] = 0;  // at least one LoRA token: the captured step assumed so
+    mapping_view.copy_from(test::int_tensor(d2.slots), stream);
+    y.copy_from(y0, stream);
+    graph.replay(stream.handle());
+    const Tensor got = test::on_cpu(y, stream);
+    const Tensor ref = run_linear(c, d2, Device::cpu(), cpu, 1.0f);
+    const double rtol = test::default_rtol(c.dtype);
+    test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " graph replay");
+  }
+}
+
+}  // namespace
+}  // namespace loraplex

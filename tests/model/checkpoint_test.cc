@@ -1,0 +1,184 @@
+// Checkpoint layouts that must give exactly the fixture's tokens: sharded weights with an
+// index, float32 instead of bfloat16 storage (the same values), the Mistral architecture name for
+// Llama math, Mixtral with transformers-5 fused expert names; and errors that name the file and
+// the tensor.
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "fixture_support.h"
+#include "loraplex/adapters/safetensors.h"
+#include "loraplex/core/error.h"
+#include "loraplex/model/checkpoint.h"
+
+namespace loraplex::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CheckpointVariants : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tmp_ = fs::temp_directory_path() /
+           ("loraplex_ckpt_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+            "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(tmp_);
+    fs::create_directories(tmp_);
+  }
+  void TearDown() override { fs::remove_all(tmp_); }
+
+  // A writable copy of <fixture>/model.
+  std::string copy_model(const std::string& fixture) {
+    const fs::path dst = tmp_ / fixture;
+    fs::copy(fixture_dir(fixture) + "/model", dst, fs::copy_options::recursive);
+    for (const auto& e : fs::directory_iterator(dst)) {
+      fs::permissions(e.path(), fs::perms::owner_read | fs::perms::owner_write);
+    }
+    return dst.string();
+  }
+
+  static std::vector<std::pair<std::string, Tensor>> read_all(const std::string& path) {
+    const SafetensorsFile f = SafetensorsFile::open(path);
+    std::vector<std::pair<std::string, Tensor>> out;
+    for (const std::string& n : f.names()) out.emplace_back(n, f.tensor(n).clone());
+    return out;
+  }
+
+  static void edit_config(const std::string& dir,
+                          const std::function<void(nlohmann::json&)>& edit) {
+    const std::string path = dir + "/config.json";
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(path));
+    edit(j);
+    std::ofstream(path) << j.dump(2);
+  }
+
+  // Runs the fixture's requests (a subset, to keep it quick) against `model_dir`.
+  void expect_fixture_tokens(const std::string& fixture, const std::string& model_dir,
+                             size_t stride = 1) {
+    const auto expected = read_expected(fixture);
+    std::vector<size_t> order;
+    for (size_t i = 0; i < expected.size(); i += stride) order.push_back(i);
+    engine::GenerateConfig cfg = fixture_config(fixture, expected, order);
+    cfg.model_dir = model_dir;
+    const engine::GenerateReport report = engine::run_generate(cfg);
+    for (size_t i = 0; i < order.size(); ++i) {
+      EXPECT_EQ(report.outputs[i].output_token_ids, expected[order[i]].output_token_ids)
+          << "request " << order[i];
+    }
+  }
+
+  fs::path tmp_;
+};
+
+TEST_F(CheckpointVariants, ShardedWithIndexGivesTheSameTokens) {
+  const std::string dir = copy_model("tiny-llama");
+  auto tensors = read_all(dir + "/model.safetensors");
+  fs::remove(dir + "/model.safetensors");
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}},
+                          {"weight_map", nlohmann::json::object()}};
+  std::vector<std::pair<std::string, Tensor>> shard[3];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    shard[i % 3].push_back(tensors[i]);
+    index["weight_map"][tensors[i].first] =
+        "model-0000" + std::to_string(i % 3 + 1) + "-of-00003.safetensors";
+  }
+  for (int s = 0; s < 3; ++s) {
+    write_safetensors(dir + "/model-0000" + std::to_string(s + 1) + "-of-00003.safetensors",
+                      shard[s], {{"format", "pt"}});
+  }
+  std::ofstream(dir + "/model.safetensors.index.json") << index.dump(2);
+  expect_fixture_tokens("tiny-llama", dir, 3);
+
+  // A shard the index names but the directory lacks is reported by name.
+  fs::remove(dir + "/model-00002-of-00003.safetensors");
+  try {
+    model::Checkpoint::open(dir);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model-00002-of-00003.safetensors"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(CheckpointVariants, Float32StorageOfTheSameValues) {
+  const std::string dir = copy_model("tiny-llama");
+  auto tensors = read_all(dir + "/model.safetensors");
+  for (auto& [name, t] : tensors) t = t.to(DType::kF32);
+  write_safetensors(dir + "/model.safetensors", tensors);
+  edit_config(dir, [](nlohmann::json& j) { j["dtype"] = "float32"; });
+  expect_fixture_tokens("tiny-llama", dir, 4);
+}
+
+TEST_F(CheckpointVariants, MistralArchitectureRunsLlamaMath) {
+  const std::string dir = copy_model("tiny-llama");
+  edit_config(dir, [](nlohmann::json& j) {
+    j["architectures"] = {"MistralForCausalLM"};
+    j["model_type"] = "mistral";
+    j["sliding_window"] = nullptr;
+    j.erase("attention_bias");
+    j.erase("mlp_bias");
+  });
+  expect_fixture_tokens("tiny-llama", dir, 3);
+  edit_config(dir, [](nlohmann::json& j) { j["sliding_window"] = 4096; });
+  try {
+    expect_fixture_tokens("tiny-llama", dir, 30);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sliding_window"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(CheckpointVariants, MixtralWithTransformers5FusedExpertNames) {
+  const std::string dir = copy_model("tiny-mixtral");
+  const auto tensors = read_all(dir + "/model.safetensors");
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  std::vector<std::pair<std::string, Tensor>> out;
+  const int64_t experts = 4, inter = 96, hidden = 64;
+  for (int l = 0; l < 2; ++l) {
+    const std::string old_p = "model.layers." + std::to_string(l) + ".block_sparse_moe.";
+    const std::string new_p = "model.layers." + std::to_string(l) + ".mlp.";
+    Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
+    Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string ep = old_p + "experts." + std::to_string(e) + ".";
+      gate_up.select(0, e).narrow(0, 0, inter).copy_from(by_name.at(ep + "w1.weight"));
+      gate_up.select(0, e).narrow(0, inter, inter).copy_from(by_name.at(ep + "w3.weight"));
+      down.select(0, e).copy_from(by_name.at(ep + "w2.weight"));
+    }
+    out.emplace_back(new_p + "experts.gate_up_proj", gate_up);
+    out.emplace_back(new_p + "experts.down_proj", down);
+    out.emplace_back(new_p + "gate.weight", by_name.at(old_p + "gate.weight"));
+  }
+  for (const auto& [name, t] : tensors) {
+    if (name.find("block_sparse_moe") == std::string::npos) out.emplace_back(name, t);
+  }
+  write_safetensors(dir + "/model.safetensors", out);
+  expect_fixture_tokens("tiny-mixtral", dir, 2);
+}
+
+TEST_F(CheckpointVariants, MissingTensorIsNamed) {
+  const std::string dir = copy_model("tiny-qwen2");
+  auto tensors = read_all(dir + "/model.safetensors");
+  std::erase_if(tensors,
+                [](const auto& p) { return p.first == "model.layers.1.self_attn.k_proj.bias"; });
+  write_safetensors(dir + "/model.safetensors", tensors);
+  try {
+    expect_fixture_tokens("tiny-qwen2", dir, 30);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'model.layers.1.self_attn.k_proj.bias'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace loraplex::test

@@ -1,0 +1,357 @@
+// The decoder's non-LoRA ops against direct double-precision formulas: paged attention over
+// scattered blocks equals contiguous causal attention, RoPE, RMSNorm, SiLU-mul, argmax ties,
+// the sampler and the KV-cache block pool. The same cases run on CUDA against the CPU (skipped
+// without a GPU).
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "loraplex/core/device.h"
+#include "loraplex/core/error.h"
+#include "loraplex/model/kv_cache.h"
+#include "loraplex/model/model_ops.h"
+#include "loraplex/model/sampler.h"
+#include "support/random_data.h"
+
+namespace loraplex::model {
+namespace {
+
+using test::random_tensor;
+
+// A mixed step over a paged cache: sequences with different context lengths, some tokens
+// prefilling, some decoding, blocks scattered over the pool.
+struct AttentionCase {
+  int64_t heads = 6, kv_heads = 2, head_dim = 20, block_size = 4, num_blocks = 40;
+  std::vector<int32_t> positions, token_seq, block_tables, slots;
+  int64_t num_seqs = 0, max_blocks = 0, max_context = 0;
+  Tensor qkv;     // [T, (heads + 2 kv) * d]
+  Tensor k_full;  // [seqs, max_context, kv, d] for the reference, filled by the test
+  std::vector<std::vector<int32_t>> seq_tokens;  // token indices of each sequence
+};
+
+AttentionCase make_case(DType dtype, std::mt19937_64& rng) {
+  AttentionCase c;
+  // Sequence lengths before this step and tokens of this step (prefill = many).
+  const std::vector<std::pair<int, int>> seqs = {{0, 9}, {11, 1}, {3, 1}, {0, 1}, {5, 6}};
+  c.num_seqs = static_cast<int64_t>(seqs.size());
+  std::vector<int32_t> pool(static_cast<size_t>(c.num_blocks));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  for (const auto& [past, now] : seqs) {
+    c.max_blocks = std::max<int64_t>(c.max_blocks, (past + now + c.block_size - 1) / c.block_size);
+    c.max_context = std::max<int64_t>(c.max_context, past + now);
+  }
+  c.block_tables.assign(static_cast<size_t>(c.num_seqs * c.max_blocks), -1);
+  size_t next = 0;
+  for (int64_t s = 0; s < c.num_seqs; ++s) {
+    const int64_t need = (seqs[s].first + seqs[s].second + c.block_size - 1) / c.block_size;
+    for (int64_t b = 0; b < need; ++b) c.block_tables[s * c.max_blocks + b] = pool[next++];
+  }
+  c.seq_tokens.resize(seqs.size());
+  // Tokens of the step are interleaved across sequences in a fixed shuffled order.
+  std::vector<std::pair<int32_t, int32_t>> tokens;  // (seq, position)
+  for (int64_t s = 0; s < c.num_seqs; ++s) {
+    for (int p = 0; p < seqs[s].first + seqs[s].second; ++p) {
+      tokens.push_back({static_cast<int32_t>(s), p});
+    }
+  }
+  for (const auto& [s, p] : tokens) {
+    c.seq_tokens[s].push_back(static_cast<int32_t>(c.positions.size()));
+    c.positions.push_back(p);
+    c.token_seq.push_back(s);
+    const int32_t block = c.block_tables[s * c.max_blocks + p / c.block_size];
+    c.slots.push_back(static_cast<int32_t>(block * c.block_size + p % c.block_size));
+  }
+  const int64_t t = static_cast<int64_t>(c.positions.size());
+  c.qkv = random_tensor({t, (c.heads + 2 * c.kv_heads) * c.head_dim}, dtype, rng);
+  return c;
+}
+
+// Writes every token's k/v (all positions, so past tokens too) and runs attention for all.
+Tensor run_attention(const AttentionCase& c, DType dtype, Device device) {
+  const Stream stream = device.is_cpu() ? Stream() : Stream::create(device);
+  const int64_t t = static_cast<int64_t>(c.positions.size());
+  Tensor k = Tensor::zeros({c.num_blocks, c.block_size, c.kv_heads, c.head_dim}, dtype, device);
+  Tensor v = Tensor::zeros({c.num_blocks, c.block_size, c.kv_heads, c.head_dim}, dtype, device);
+  const Tensor qkv = c.qkv.to(device, stream);
+  auto up = [&](const std::vector<int32_t>& x) {
+    return Tensor::from_vector(x, {static_cast<int64_t>(x.size())}).to(device, stream);
+  };
+  const Tensor slots = up(c.slots), pos = up(c.positions), seq = up(c.token_seq),
+               tables = up(c.block_tables);
+  ops::KvCacheView view{c.num_blocks, c.block_size, c.kv_heads,
+                        c.head_dim,   k.data_ptr(), v.data_ptr()};
+  ops::KvWriteArgs w;
+  w.dtype = dtype;
+  w.num_tokens = t;
+  w.num_heads = c.heads;
+  w.qkv = qkv.data_ptr();
+  w.qkv_row_stride = qkv.size(1);
+  w.slot_mapping = slots.data<int32_t>();
+  w.cache = view;
+  throw_if_error(ops::run(&ops::cpu::kv_write, &ops::cuda::kv_write, w, stream));
+  Tensor out = Tensor::empty({t, c.heads * c.head_dim}, dtype, device);
+  ops::PagedAttentionArgs a;
+  a.dtype = dtype;
+  a.num_tokens = t;
+  a.num_heads = c.heads;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  a.qkv = qkv.data_ptr();
+  a.qkv_row_stride = qkv.size(1);
+  a.positions = pos.data<int32_t>();
+  a.token_seq = seq.data<int32_t>();
+  a.block_tables = tables.data<int32_t>();
+  a.num_seqs = c.num_seqs;
+  a.max_blocks_per_seq = c.max_blocks;
+  a.max_context = c.max_context;
+  a.cache = view;
+  a.out = out.data_ptr();
+  throw_if_error(ops::run(&ops::cpu::paged_attention, &ops::cuda::paged_attention, a, stream));
+  return out.to(Device::cpu(), stream);
+}
+
+// Causal GQA attention over each sequence's own tokens, in double.
+std::vector<double> reference_attention(const AttentionCase& c) {
+  const std::vector<double> qkv = c.qkv.to_double_vector();
+  const int64_t row = c.qkv.size(1);
+  const int64_t d = c.head_dim;
+  const int64_t t = static_cast<int64_t>(c.positions.size());
+  std::vector<double> out(static_cast<size_t>(t * c.heads * d), 0.0);
+  for (int64_t i = 0; i < t; ++i) {
+    const auto& mine = c.seq_tokens[c.token_seq[i]];
+    for (int64_t h = 0; h < c.heads; ++h) {
+      const int64_t kvh = h / (c.heads / c.kv_heads);
+      std::vector<double> s;
+      std::vector<int32_t> keys;
+      for (int32_t j : mine) {
+        if (c.positions[j] > c.positions[i]) continue;
+        double dot = 0.0;
+        for (int64_t x = 0; x < d; ++x) {
+          dot += qkv[i * row + h * d + x] * qkv[j * row + (c.heads + kvh) * d + x];
+        }
+        s.push_back(dot / std::sqrt(static_cast<double>(d)));
+        keys.push_back(j);
+      }
+      const double m = *std::max_element(s.begin(), s.end());
+      double z = 0.0;
+      for (double& e : s) z += (e = std::exp(e - m));
+      for (size_t k = 0; k < keys.size(); ++k) {
+        for (int64_t x = 0; x < d; ++x) {
+          out[(i * c.heads + h) * d + x] +=
+              s[k] / z * qkv[keys[k] * row + (c.heads + c.kv_heads + kvh) * d + x];
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(PagedAttention, ScatteredBlocksEqualContiguousCausalAttention) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    std::mt19937_64 rng(11);
+    const AttentionCase c = make_case(dtype, rng);
+    test::expect_close(run_attention(c, dtype, Device::cpu()), reference_attention(c),
+                       dtype == DType::kF32 ? 1e-5 : 2e-2, dtype == DType::kF32 ? 1e-6 : 1e-2,
+                       "paged attention");
+  }
+}
+
+TEST(ModelOps, RopeRotatesQAndKHeadsOnly) {
+  std::mt19937_64 rng(3);
+  const int64_t t = 5, heads = 3, kv = 1, d = 8, stride = (heads + 2 * kv) * d + 3;
+  Tensor qkv = random_tensor({t, stride}, DType::kF32, rng);
+  const std::vector<double> before = qkv.to_double_vector();
+  const std::vector<int32_t> pos = {0, 7, 3, 100, 1};
+  const std::vector<float> inv = {1.0f, 0.3f, 0.05f, 0.001f};
+  ops::RopeArgs a{DType::kF32, t, heads, kv, d, pos.data(), inv.data(), qkv.data_ptr(), stride};
+  throw_if_error(ops::cpu::rope(a));
+  std::vector<double> want = before;
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t h = 0; h < heads + kv; ++h) {
+      for (int64_t j = 0; j < d / 2; ++j) {
+        const double ang = static_cast<double>(pos[i]) * inv[j];
+        const double x0 = before[i * stride + h * d + j];
+        const double x1 = before[i * stride + h * d + j + d / 2];
+        want[i * stride + h * d + j] = x0 * std::cos(ang) - x1 * std::sin(ang);
+        want[i * stride + h * d + j + d / 2] = x1 * std::cos(ang) + x0 * std::sin(ang);
+      }
+    }
+  }
+  test::expect_close(qkv, want, 1e-5, 1e-5, "rope");
+}
+
+TEST(ModelOps, RmsNormAndSiluMul) {
+  std::mt19937_64 rng(4);
+  const int64_t rows = 7, n = 33;
+  const Tensor x = random_tensor({rows, n}, DType::kF32, rng);
+  const Tensor w = random_tensor({n}, DType::kF32, rng);
+  Tensor out = Tensor::empty({rows, n}, DType::kF32);
+  throw_if_error(ops::cpu::rms_norm(
+      {DType::kF32, rows, n, 1e-5f, x.data_ptr(), n, w.data_ptr(), out.data_ptr()}));
+  const std::vector<double> xv = x.to_double_vector(), wv = w.to_double_vector();
+  std::vector<double> want(xv.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0.0;
+    for (int64_t j = 0; j < n; ++j) ss += xv[r * n + j] * xv[r * n + j];
+    const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int64_t j = 0; j < n; ++j) want[r * n + j] = xv[r * n + j] * inv * wv[j];
+  }
+  test::expect_close(out, want, 1e-5, 1e-6, "rms_norm");
+
+  const Tensor gu = random_tensor({rows, 2 * n}, DType::kF32, rng);
+  Tensor act = Tensor::empty({rows, n}, DType::kF32);
+  throw_if_error(ops::cpu::silu_mul({DType::kF32, rows, n, gu.data_ptr(), act.data_ptr()}));
+  const std::vector<double> g = gu.to_double_vector();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double a = g[r * 2 * n + j];
+      want[r * n + j] = a / (1.0 + std::exp(-a)) * g[r * 2 * n + n + j];
+    }
+  }
+  test::expect_close(act, want, 1e-5, 1e-6, "silu_mul");
+}
+
+TEST(ModelOps, ArgmaxTiesGoToTheLowestIdAndNanNeverWins) {
+  const std::vector<float> logits = {1.0f, 3.0f, NAN, 3.0f, -2.0f,  // row 0: tie 1 / 3
+                                     NAN,  NAN,  NAN, NAN,  0.5f};  // row 1: only id 4
+  std::vector<int32_t> ids(2, -1);
+  throw_if_error(ops::cpu::argmax({DType::kF32, 2, 5, logits.data(), 5, ids.data()}));
+  EXPECT_EQ(ids, (std::vector<int32_t>{1, 4}));
+  EXPECT_EQ(argmax_lowest(std::span<const float>(logits.data(), 5)), 1);
+}
+
+TEST(Sampler, GreedyTopKOneAndTinyTopPAgree) {
+  std::mt19937_64 rng(1);
+  std::vector<float> logits(50);
+  for (float& v : logits) v = std::uniform_real_distribution<float>(-3, 3)(rng);
+  const int32_t best = argmax_lowest(logits);
+  EXPECT_EQ(sample_token(logits, {0.0f, 0, 1.0f}, rng), best);
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(sample_token(logits, {1.5f, 1, 1.0f}, rng), best);
+    EXPECT_EQ(sample_token(logits, {1.5f, 0, 1e-6f}, rng), best);
+  }
+  EXPECT_THROW(sample_token(logits, {-1.0f, 0, 1.0f}, rng), Error);
+  EXPECT_THROW(sample_token(logits, {1.0f, 0, 0.0f}, rng), Error);
+}
+
+TEST(Sampler, FrequenciesFollowTheSoftmax) {
+  const std::vector<float> logits = {0.0f, std::log(2.0f), std::log(7.0f), -30.0f};
+  std::mt19937_64 rng = make_sequence_rng(9, 0);
+  std::vector<int> counts(4, 0);
+  const int n = 20000;
+  for (int i = 0; i < n; ++i) ++counts[sample_token(logits, {1.0f, 0, 1.0f}, rng)];
+  EXPECT_NEAR(counts[0] / double(n), 0.1, 0.015);
+  EXPECT_NEAR(counts[1] / double(n), 0.2, 0.015);
+  EXPECT_NEAR(counts[2] / double(n), 0.7, 0.015);
+  // top_k 2 removes token 0; among tokens 2 and 1 (7/9, 2/9) top_p 0.8 keeps both.
+  std::fill(counts.begin(), counts.end(), 0);
+  for (int i = 0; i < n; ++i) ++counts[sample_token(logits, {1.0f, 2, 0.8f}, rng)];
+  EXPECT_EQ(counts[0], 0);
+  EXPECT_EQ(counts[3], 0);
+  EXPECT_NEAR(counts[2] / double(n), 7.0 / 9.0, 0.015);
+}
+
+TEST(KvCache, AllocatesAndReusesBlocks) {
+  ModelConfig c;
+  c.num_layers = 2;
+  c.num_kv_heads = 2;
+  c.head_dim = 4;
+  KvCache cache(c, 5, 16, DType::kF32, Device::cpu());
+  EXPECT_EQ(cache.blocks_for(1), 1);
+  EXPECT_EQ(cache.blocks_for(16), 1);
+  EXPECT_EQ(cache.blocks_for(17), 2);
+  const auto a = cache.allocate(3);
+  EXPECT_EQ(a, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_THROW(cache.allocate(3), Error);
+  EXPECT_EQ(cache.num_free_blocks(), 2);
+  cache.release(a);
+  EXPECT_EQ(cache.num_free_blocks(), 5);
+  EXPECT_NE(cache.view(1).k, cache.view(0).k);
+  EXPECT_THROW(cache.view(2), Error);
+}
+
+// CUDA kernels against the CPU versions (skipped without a GPU).
+TEST(ModelOpsCuda, PagedAttentionMatchesCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    std::mt19937_64 rng(12);
+    const AttentionCase c = make_case(dtype, rng);
+    const Tensor cpu = run_attention(c, dtype, Device::cpu());
+    const Tensor gpu = run_attention(c, dtype, Device::cuda(0));
+    test::expect_close(gpu, cpu.to_double_vector(), dtype == DType::kF32 ? 1e-5 : 2e-2,
+                       dtype == DType::kF32 ? 1e-6 : 1e-2, "cuda paged attention");
+  }
+}
+
+TEST(ModelOpsCuda, ElementwiseOpsMatchCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const Device dev = Device::cuda(0);
+  const Stream stream = Stream::create(dev);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    std::mt19937_64 rng(21);
+    const int64_t rows = 9, n = 77, heads = 3, kvh = 1, d = 12, stride = (heads + 2 * kvh) * d;
+    const double tol = dt == DType::kF32 ? 1e-5 : 2e-2;
+    // rms_norm
+    const Tensor x = random_tensor({rows, n}, dt, rng);
+    const Tensor w = random_tensor({n}, dt, rng);
+    Tensor cpu_out = Tensor::empty({rows, n}, dt);
+    throw_if_error(ops::cpu::rms_norm(
+        {dt, rows, n, 1e-6f, x.data_ptr(), n, w.data_ptr(), cpu_out.data_ptr()}));
+    const Tensor xg = x.to(dev, stream), wg = w.to(dev, stream);
+    Tensor gpu_out = Tensor::empty({rows, n}, dt, dev);
+    throw_if_error(ops::cuda::rms_norm(
+        {dt, rows, n, 1e-6f, xg.data_ptr(), n, wg.data_ptr(), gpu_out.data_ptr()}, stream));
+    test::expect_close(gpu_out.to(Device::cpu(), stream), cpu_out.to_double_vector(), tol, tol,
+                       "rms_norm");
+    // silu_mul and add
+    const Tensor gu = random_tensor({rows, 2 * n}, dt, rng);
+    Tensor act = Tensor::empty({rows, n}, dt);
+    throw_if_error(ops::cpu::silu_mul({dt, rows, n, gu.data_ptr(), act.data_ptr()}));
+    const Tensor gug = gu.to(dev, stream);
+    Tensor actg = Tensor::empty({rows, n}, dt, dev);
+    throw_if_error(ops::cuda::silu_mul({dt, rows, n, gug.data_ptr(), actg.data_ptr()}, stream));
+    test::expect_close(actg.to(Device::cpu(), stream), act.to_double_vector(), tol, tol,
+                       "silu_mul");
+    throw_if_error(ops::cpu::add({dt, rows, n, x.data_ptr(), act.data_ptr()}));
+    throw_if_error(ops::cuda::add({dt, rows, n, xg.data_ptr(), actg.data_ptr()}, stream));
+    test::expect_close(actg.to(Device::cpu(), stream), act.to_double_vector(), tol, tol, "add");
+    // rope
+    Tensor qkv = random_tensor({rows, stride}, dt, rng);
+    Tensor qkvg = qkv.clone().to(dev, stream);
+    std::vector<int32_t> pos(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) pos[i] = static_cast<int32_t>(i * 37 % 500);
+    const std::vector<float> inv = {1.0f, 0.2f, 0.03f, 0.004f, 5e-4f, 6e-5f};
+    const Tensor posg = Tensor::from_vector(pos, {rows}).to(dev, stream);
+    const Tensor invg = Tensor::from_vector(inv, {6}).to(dev, stream);
+    throw_if_error(
+        ops::cpu::rope({dt, rows, heads, kvh, d, pos.data(), inv.data(), qkv.data_ptr(), stride}));
+    throw_if_error(ops::cuda::rope({dt, rows, heads, kvh, d, posg.data<int32_t>(),
+                                    invg.data<float>(), qkvg.data_ptr(), stride},
+                                   stream));
+    test::expect_close(qkvg.to(Device::cpu(), stream), qkv.to_double_vector(), tol, 1e-5, "rope");
+    // embedding gather and argmax
+    const std::vector<int32_t> ids = {3, 0, 8, 8, 1};
+    const Tensor idg = Tensor::from_vector(ids, {5}).to(dev, stream);
+    Tensor rows_cpu = Tensor::empty({5, n}, dt), rows_gpu = Tensor::empty({5, n}, dt, dev);
+    throw_if_error(
+        ops::cpu::embedding({dt, 5, n, rows, ids.data(), x.data_ptr(), rows_cpu.data_ptr()}));
+    throw_if_error(ops::cuda::embedding(
+        {dt, 5, n, rows, idg.data<int32_t>(), xg.data_ptr(), rows_gpu.data_ptr()}, stream));
+    test::expect_close(rows_gpu.to(Device::cpu(), stream), rows_cpu.to_double_vector(), 0, 0,
+                       "embedding");
+    std::vector<int32_t> am_cpu(static_cast<size_t>(rows));
+    throw_if_error(ops::cpu::argmax({dt, rows, n, x.data_ptr(), n, am_cpu.data()}));
+    Tensor am_gpu = Tensor::empty({rows}, DType::kI32, dev);
+    throw_if_error(
+        ops::cuda::argmax({dt, rows, n, xg.data_ptr(), n, am_gpu.data<int32_t>()}, stream));
+    const Tensor am_host = am_gpu.to(Device::cpu(), stream);
+    for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(am_host.data<int32_t>()[r], am_cpu[r]) << r;
+  }
+}
+
+}  // namespace
+}  // namespace loraplex::model
