@@ -10,21 +10,18 @@
 // fp32 (the intermediate rounded to the weight dtype first, as vLLM does), and y is read,
 // added and written with 16-byte accesses through shared memory.
 //
-// The tensor-core shrink is the cluster split-K kernel of cluster_lora.cu. Generic kernels
-// (any dtype, any strides) handle everything else and the BGMV forms.
+// lora_shrink runs the decode kernel (decode_lora.cu) for small batches and the tensor-core
+// prefill shrink (prefill_shrink.cu) for larger ones. Generic kernels (any dtype, any
+// strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/cuda/lora_paths.h"
 #include "loraplex/kernels/lora_ops_checks.h"
 
 namespace loraplex::kernels::cuda {
-
-// The tensor-core shrink lives with the fused layer kernel (cluster_lora.cu).
-bool cluster_shrink_supported(const ShrinkArgs& args);
-Status cluster_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
-
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -284,6 +281,26 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
                    ok ? yg + tok[row] * p.y_stride + ycol + ch * 8 : yg, ok ? 16 : 0);
       }
     }
+    if (p.add_inputs && item + 1 < last) {
+      // Warm the L2 with the next item's y tile (one 128-byte line per thread) while this
+      // item's loads are in flight: the next item then waits for L2, not for HBM.
+      const int ntile = static_cast<int>((item + 1) / total_nt);
+      const int nu = static_cast<int>((item + 1) % total_nt);
+      int ns = 0;
+      while (nu >= p.ntile_begin[ns + 1]) ++ns;
+      const int ne = find_tile_entry(prefix, n_entries, ntile);
+      const int nm0 = (ntile - prefix[ne]) * kTcBM;
+      const int nrows = min(kTcBM, p.meta.num_tokens_per_lora[ne] - nm0);
+      const int64_t nn0 = static_cast<int64_t>(nu - p.ntile_begin[ns]) * kExpandBN;
+      const int64_t nbytes = min(static_cast<int64_t>(kExpandBN), p.width[ns] - nn0) * 2;
+      const int row = tid >> 1;
+      const int64_t off = (tid & 1) * 128;
+      if (row < nrows && off < nbytes) {
+        const int at = p.meta.lora_token_start_loc[ne] + nm0 + row;
+        const int t = p.cache_sorted ? sorted_cache[at] : p.meta.sorted_token_indices[at];
+        prefetch_l2(reinterpret_cast<const char*>(yg + t * p.y_stride + p.y_col[ns] + nn0) + off);
+      }
+    }
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -464,7 +481,8 @@ Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandl
   LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_shrink"));
   if (args.num_tokens == 0) return Status();
-  if (cluster_shrink_supported(args)) return cluster_shrink(args, meta, stream);
+  if (decode_shrink_applies(args, meta)) return decode_shrink(args, meta, stream);
+  if (prefill_shrink_applies(args)) return prefill_shrink(args, meta, stream);
   return launch_shrink_generic(args, meta.token_lora_mapping, stream);
 }
 
