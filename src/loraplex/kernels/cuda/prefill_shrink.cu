@@ -126,16 +126,26 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const int64_t k_hi = min(K, k_lo + p.k_chunk);
   const int nk = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, kBK)) : 0;
 
+  // This thread's copies, the same in every stage: 16-byte column ch of rows tid / 8 + 32 i.
+  // Their sources are looked up once, so a stage costs a few instructions per copy.
+  constexpr int kSlots = (kM + 16 * kTilesPerWarp) * 8 / kThreads;
+  const int ch = tid & 7;
+  const T* src[kSlots];
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    const int row = (tid >> 3) + i * (kThreads / 8);
+    src[i] = row < rows ? row_src[row] : nullptr;
+  }
   auto load_stage = [&](int kt) {
-    T* dst = stage_base + (kt % p.stages) * p.stage_elems;
-    const int64_t k0 = k_lo + static_cast<int64_t>(kt) * kBK;
-    for (int i = tid; i < rows * 8; i += kThreads) {
-      const int row = i >> 3;
-      const int ch = i & 7;
-      const T* src = row_src[row];
-      const int64_t k = k0 + ch * 8;
-      const bool ok = src != nullptr && k < k_hi;
-      cp_async16(dst + row * kPitch + ch * 8, ok ? src + k : xg, ok ? 16 : 0);
+    T* dst = stage_base + (kt % p.stages) * p.stage_elems + (tid >> 3) * kPitch + ch * 8;
+    const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
+    const bool k_ok = k < k_hi;
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if ((tid >> 3) + i * (kThreads / 8) < rows) {
+        const bool ok = k_ok && src[i] != nullptr;
+        cp_async16(dst + i * (kThreads / 8) * kPitch, ok ? src[i] + k : xg, ok ? 16 : 0);
+      }
     }
   };
 

@@ -179,6 +179,7 @@ constexpr int kTcPitch = kTcBK + 8;  // padded rows: fragment loads are bank-con
 constexpr int kExpandBN = 128;       // output columns per expand item
 constexpr int kYPitch = kExpandBN + 8;
 constexpr int kTcBlocksPerSm = 4;
+static_assert(kTcThreads == kExpandBN, "expand stages one B row per thread");
 
 struct TcExpandParams {
   const void* in;
@@ -281,26 +282,6 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
                    ok ? yg + tok[row] * p.y_stride + ycol + ch * 8 : yg, ok ? 16 : 0);
       }
     }
-    if (p.add_inputs && item + 1 < last) {
-      // Warm the L2 with the next item's y tile (one 128-byte line per thread) while this
-      // item's loads are in flight: the next item then waits for L2, not for HBM.
-      const int ntile = static_cast<int>((item + 1) / total_nt);
-      const int nu = static_cast<int>((item + 1) % total_nt);
-      int ns = 0;
-      while (nu >= p.ntile_begin[ns + 1]) ++ns;
-      const int ne = find_tile_entry(prefix, n_entries, ntile);
-      const int nm0 = (ntile - prefix[ne]) * kTcBM;
-      const int nrows = min(kTcBM, p.meta.num_tokens_per_lora[ne] - nm0);
-      const int64_t nn0 = static_cast<int64_t>(nu - p.ntile_begin[ns]) * kExpandBN;
-      const int64_t nbytes = min(static_cast<int64_t>(kExpandBN), p.width[ns] - nn0) * 2;
-      const int row = tid >> 1;
-      const int64_t off = (tid & 1) * 128;
-      if (row < nrows && off < nbytes) {
-        const int at = p.meta.lora_token_start_loc[ne] + nm0 + row;
-        const int t = p.cache_sorted ? sorted_cache[at] : p.meta.sorted_token_indices[at];
-        prefetch_l2(reinterpret_cast<const char*>(yg + t * p.y_stride + p.y_col[ns] + nn0) + off);
-      }
-    }
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -308,9 +289,11 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     const bool warp_has_rows = warp * 16 < mrows;
     for (int kb = 0; kb < rank; kb += kTcBK) {
       if (kb > 0) __syncthreads();  // the previous rank chunk's fragments are consumed
-      for (int i = tid; i < kExpandBN * 8; i += kTcThreads) {
-        const int n = i >> 3;
-        const int ch = i & 7;
+      // Only the 16-byte chunks the MMA steps below read (whole steps of 16 ranks); past the
+      // rank they are zero-filled (B and the intermediate may hold anything there).
+      const int nch = min(8, (rank - kb + 15) / 16 * 2);
+      for (int ch = 0; ch < nch; ++ch) {
+        const int n = tid;  // one B row (output column) per thread
         const int kvalid = rank - kb - ch * 8;
         const int bytes = (n < ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
         cp_async16(bs + n * kTcPitch + ch * 8, bytes ? bg + n * p.max_rank + kb + ch * 8 : bg,
@@ -320,9 +303,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         // The intermediate of these rows and this slice is still staged.
       } else if (!p.in_f32) {
         const T* ing = static_cast<const T*>(p.in);
-        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
-          const int row = i >> 3;
-          const int ch = i & 7;
+        for (int i = tid; i < kTcBM * nch; i += kTcThreads) {
+          const int row = i % kTcBM;
+          const int ch = i / kTcBM;
           const int kvalid = rank - kb - ch * 8;
           const int bytes = (row < mrows && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
           const T* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
@@ -330,9 +313,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         }
       } else {
         const float* ing = static_cast<const float*>(p.in);
-        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
-          const int row = i >> 3;
-          const int ch = i & 7;
+        for (int i = tid; i < kTcBM * nch; i += kTcThreads) {
+          const int row = i % kTcBM;
+          const int ch = i / kTcBM;
           const int kvalid = row < mrows ? rank - kb - ch * 8 : 0;
           float v[8];
           const float* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
