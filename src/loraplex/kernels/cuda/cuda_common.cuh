@@ -149,6 +149,23 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
+/// ldmatrix_x4 with a shared-memory address (bytes) computed by the caller.
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2_at(uint32_t (&r)[2], uint32_t a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(a));
+}
+/// cp_async16 with a shared-memory address (bytes) computed by the caller.
+__device__ __forceinline__ void cp_async16_at(uint32_t smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
 /// Two 8x8 matrices (row addresses from lanes 0..15).
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));

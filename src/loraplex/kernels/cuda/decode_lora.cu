@@ -52,7 +52,8 @@ constexpr int kRankGroup = 16;   // A rows per producer item
 constexpr int kWindow = 32;      // K per pair of producer MMAs: 4 lanes x 8
 constexpr int kWindows = 8;      // windows per batch of loads (issued before the first MMA)
 constexpr int kMaxKChunks = 16;  // producer items along K at most
-constexpr int kStageB = 2048;    // B elements (columns x max_rank) a consumer stages
+constexpr int kStageB = 4096;    // B elements (columns x max_rank) a consumer stages at most
+constexpr int kMaxCols = 128;    // output columns per consumer item at most
 constexpr int kMaxEntries = 64;  // metadata entries (max_loras + 1): two per lane
 constexpr int kDefaultMaxTokens = 64;
 constexpr int kMaxTokens = 2048;     // the sorted token indices are cached in shared memory
@@ -83,7 +84,7 @@ struct DecodeParams {
   int64_t width[kMaxSlices];
   int64_t y_col[kMaxSlices];   // first y column of each slice
   int col_chunks[kMaxSlices];  // consumer column chunks of each slice
-  int cols;                    // columns per consumer item: kStageB / max_rank (a power of two)
+  int cols;                    // columns per consumer item (a power of two)
   int cols_shift;              // log2(cols / 8)
   int off_y;                   // bytes from a warp's area: staged y rows [kTokens][cols + 8]
   int off_frag;                // bytes from a warp's area: intermediate fragments
@@ -492,6 +493,7 @@ int k_chunks_for(int64_t hidden) {
 
 bool shrink_ok(const ShrinkArgs& s, const LoraMetaView& meta) {
   if (!half_dtype(s.dtype) || !is_pow2(s.max_rank) || s.max_rank < 8) return false;
+  if (s.max_rank > kStageB / 16) return false;  // a consumer stages at least 16 columns
   if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
   if (s.num_tokens > kMaxTokens || s.num_tokens > g_max_tokens.load()) return false;
   if (s.max_loras + 1 > kMaxEntries) return false;
@@ -556,7 +558,9 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
   p.expand = e != nullptr;
   int col_chunks = 0;
   if (e != nullptr) {
-    p.cols = kStageB / s.max_rank;
+    // Few columns per item keep a consumer's instruction path short; at higher ranks the
+    // staged B bounds them.
+    p.cols = std::min(kMaxCols, kStageB / s.max_rank);
     p.cols_shift = log2_int(p.cols / 8);
     int64_t col = e->offset_start;
     for (int i = 0; i < e->num_slices; ++i) {
@@ -570,7 +574,7 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
     p.y = e->y;
     p.y_stride = e->y_row_stride;
     p.add_inputs = e->add_inputs;
-    p.off_y = kStageB * 2;
+    p.off_y = p.cols * s.max_rank * 2;
     p.off_frag = p.off_y + kTokens * (p.cols + 8) * 2;
     p.warp_bytes = p.off_frag + static_cast<int>(ceil_div(s.max_rank, 16)) * 32 * 8;
   } else {

@@ -51,8 +51,7 @@ struct PrefillParams {
   void* out;
   bool out_f32;
   int64_t num_tokens;
-  int k_chunk;  // K per CTA of a cluster, a multiple of kBK
-  int stages;
+  int k_chunk;      // K per CTA of a cluster, a multiple of kBK
   int stage_elems;  // (kM + a_rows) * kPitch
   int red_pitch;    // floats per row of the partial tile
   int region;       // bytes of the stages (later the partial tile); the tables follow
@@ -136,56 +135,73 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     const int row = (tid >> 3) + i * (kThreads / 8);
     src[i] = row < rows ? row_src[row] : nullptr;
   }
-  auto load_stage = [&](int kt) {
-    T* dst = stage_base + (kt % p.stages) * p.stage_elems + (tid >> 3) * kPitch + ch * 8;
+  // Shared-memory addresses in bytes, computed once: a stage costs a few instructions per
+  // copy and per fragment.
+  constexpr int kStages = kTilesPerWarp <= kSmallRows / 16 ? 4 : 3;
+  const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stage_base));
+  const uint32_t stage_bytes = static_cast<uint32_t>(p.stage_elems) * 2;
+  const uint32_t copy_off = static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
+  constexpr uint32_t kSlotBytes = (kThreads / 8) * kPitch * 2;
+  auto load_stage = [&](int kt, uint32_t stage) {
     const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
     const bool k_ok = k < k_hi;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       if ((tid >> 3) + i * (kThreads / 8) < rows) {
         const bool ok = k_ok && src[i] != nullptr;
-        cp_async16(dst + i * (kThreads / 8) * kPitch, ok ? src[i] + k : xg, ok ? 16 : 0);
+        cp_async16_at(stage + copy_off + i * kSlotBytes, ok ? src[i] + k : xg, ok ? 16 : 0);
       }
     }
   };
 
   const int mg = warp & 3;     // rows mg * 16 .. + 16 of the tile
   const int cset = warp >> 2;  // column tiles cset, cset + 2, ...
+  const uint32_t a_off =
+      static_cast<uint32_t>(((mg * 16 + (lane & 15)) * kPitch + (lane >> 4) * 8) * 2);
+  // Column tiles j0 = cset + 2i (lanes 0-15) and j0 + 2 (lanes 16-31) for ldmatrix_x4; the
+  // x2 form reads only the lanes 0-15 addresses.
+  const uint32_t b_off =
+      static_cast<uint32_t>(((kM + cset * 8 + (lane & 7)) * kPitch + ((lane >> 3) & 1) * 8) * 2 +
+                            (lane < 16 ? 0 : 16 * kPitch * 2));
+  constexpr uint32_t kPairBytes = 16 * kPitch * 2;  // two column tiles further on
   float acc[kTilesPerWarp][4];
 #pragma unroll
   for (int i = 0; i < kTilesPerWarp; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-  for (int st = 0; st < p.stages - 1; ++st) {
-    if (st < nk) load_stage(st);
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < nk) load_stage(st, stage0 + st * stage_bytes);
     cp_async_commit();
   }
+  int rd = 0;            // stage read in this iteration
+  int wr = kStages - 1;  // stage written in this iteration
   for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait_dyn(p.stages - 2);  // stage kt has landed (this thread's copies)
-    __syncthreads();                  // ... every thread's; stage kt - 1 is consumed
-    if (kt + p.stages - 1 < nk) load_stage(kt + p.stages - 1);
+    cp_async_wait<kStages - 2>();  // stage kt has landed (this thread's copies)
+    __syncthreads();               // ... every thread's; the stage written below is consumed
+    if (kt + kStages - 1 < nk) load_stage(kt + kStages - 1, stage0 + wr * stage_bytes);
     cp_async_commit();
-    const T* buf = stage_base + (kt % p.stages) * p.stage_elems;
+    const uint32_t buf = stage0 + rd * stage_bytes;
+    rd = rd + 1 == kStages ? 0 : rd + 1;
+    wr = wr + 1 == kStages ? 0 : wr + 1;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t af[4];
-      ldmatrix_x4(af, buf + (mg * 16 + (lane & 15)) * kPitch + kk + (lane >> 4) * 8);
+      ldmatrix_x4_at(af, buf + a_off + kk * 2);
 #pragma unroll
       for (int i = 0; i < kTilesPerWarp; i += 2) {
         const int j0 = cset + 2 * i;
-        const int j1 = j0 + 2;
         if (j0 >= ntiles) break;
-        if (i + 1 < kTilesPerWarp && j1 < ntiles) {
-          // Lanes 0-15 address tile j0 (k 0-7, 8-15), lanes 16-31 tile j1.
-          const int jt = lane < 16 ? j0 : j1;
+        const uint32_t b_at = buf + b_off + (i / 2) * 2 * kPairBytes + kk * 2;
+        if (j0 + 2 < ntiles) {
           uint32_t bf[4];
-          ldmatrix_x4(bf, buf + (kM + jt * 8 + (lane & 7)) * kPitch + kk + ((lane >> 3) & 1) * 8);
+          ldmatrix_x4_at(bf, b_at);
           const uint32_t b0[2] = {bf[0], bf[1]};
           const uint32_t b1[2] = {bf[2], bf[3]};
           mma_16816<T>(acc[i], af, b0);
           mma_16816<T>(acc[i + 1], af, b1);
         } else {
           uint32_t b0[2];
-          ldmatrix_x2(b0, buf + (kM + j0 * 8 + (lane & 7)) * kPitch + kk + ((lane >> 3) & 1) * 8);
+          ldmatrix_x2_at(b0, b_at);
           mma_16816<T>(acc[i], af, b0);
         }
       }
@@ -246,15 +262,13 @@ Plan make_plan(const ShrinkArgs& s) {
   const int stage_elems = (kM + plan.a_rows) * kPitch;
   const int red_bytes = kM * (plan.a_rows + 4) * 4;
   const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1;
-  // Four stages while two CTAs still fit on an SM, else three.
-  for (int stages : {4, 3}) {
-    plan.stages = stages;
-    plan.region =
-        static_cast<int>(ceil_div(std::max(stages * stage_elems * 2, red_bytes), 16) * 16);
-    plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
-    plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
-    if (plan.smem * 2 <= kSmemPerSm) break;
-  }
+  // The small-register variant keeps four stages in flight, the large one three (its stages
+  // are up to four times larger); as the kernel's kStages.
+  plan.stages = plan.a_rows <= kSmallRows ? 4 : 3;
+  plan.region =
+      static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
+  plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
+  plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
   return plan;
 }
 
@@ -310,7 +324,6 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.out = s.out;
   p.out_f32 = s.out_dtype == DType::kF32;
   p.num_tokens = s.num_tokens;
-  p.stages = plan.stages;
   p.stage_elems = (kM + plan.a_rows) * kPitch;
   p.red_pitch = plan.a_rows + 4;
   p.region = plan.region;

@@ -179,7 +179,6 @@ constexpr int kTcPitch = kTcBK + 8;  // padded rows: fragment loads are bank-con
 constexpr int kExpandBN = 128;       // output columns per expand item
 constexpr int kYPitch = kExpandBN + 8;
 constexpr int kTcBlocksPerSm = 4;
-static_assert(kTcThreads == kExpandBN, "expand stages one B row per thread");
 
 struct TcExpandParams {
   const void* in;
@@ -289,11 +288,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     const bool warp_has_rows = warp * 16 < mrows;
     for (int kb = 0; kb < rank; kb += kTcBK) {
       if (kb > 0) __syncthreads();  // the previous rank chunk's fragments are consumed
-      // Only the 16-byte chunks the MMA steps below read (whole steps of 16 ranks); past the
-      // rank they are zero-filled (B and the intermediate may hold anything there).
-      const int nch = min(8, (rank - kb + 15) / 16 * 2);
-      for (int ch = 0; ch < nch; ++ch) {
-        const int n = tid;  // one B row (output column) per thread
+      for (int i = tid; i < kExpandBN * 8; i += kTcThreads) {
+        const int n = i >> 3;
+        const int ch = i & 7;
         const int kvalid = rank - kb - ch * 8;
         const int bytes = (n < ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
         cp_async16(bs + n * kTcPitch + ch * 8, bytes ? bg + n * p.max_rank + kb + ch * 8 : bg,
@@ -303,9 +300,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         // The intermediate of these rows and this slice is still staged.
       } else if (!p.in_f32) {
         const T* ing = static_cast<const T*>(p.in);
-        for (int i = tid; i < kTcBM * nch; i += kTcThreads) {
-          const int row = i % kTcBM;
-          const int ch = i / kTcBM;
+        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
+          const int row = i >> 3;
+          const int ch = i & 7;
           const int kvalid = rank - kb - ch * 8;
           const int bytes = (row < mrows && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
           const T* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
@@ -313,9 +310,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         }
       } else {
         const float* ing = static_cast<const float*>(p.in);
-        for (int i = tid; i < kTcBM * nch; i += kTcThreads) {
-          const int row = i % kTcBM;
-          const int ch = i / kTcBM;
+        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
+          const int row = i >> 3;
+          const int ch = i & 7;
           const int kvalid = row < mrows ? rank - kb - ch * 8 : 0;
           float v[8];
           const float* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
