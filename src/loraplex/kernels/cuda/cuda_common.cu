@@ -1,6 +1,5 @@
 #include <map>
 #include <mutex>
-#include <tuple>
 #include <utility>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
@@ -21,25 +20,6 @@ int sm_count() {
     n = 1;
   }
   counts[device] = n;
-  return n;
-}
-
-int blocks_per_sm(const void* kernel, int threads, int smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, int>, int> cache;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(kernel, threads, smem, device);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
-      n < 1) {
-    cudaGetLastError();
-    n = 1;
-  }
-  cache[key] = n;
   return n;
 }
 

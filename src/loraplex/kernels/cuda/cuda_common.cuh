@@ -59,9 +59,6 @@ bool dispatch_device_dtype(DType dtype, Fn&& fn) {
 
 /// Multiprocessor count of the current device (cached per device).
 int sm_count();
-/// Blocks of `kernel` (`threads` each, `smem` dynamic bytes) resident per SM at once (at
-/// least 1), cached per (kernel, threads, smem, device).
-int blocks_per_sm(const void* kernel, int threads, int smem);
 /// Sets the largest dynamic shared memory `kernel` may use, once per kernel and device.
 Status allow_dynamic_smem(const void* kernel, int bytes);
 

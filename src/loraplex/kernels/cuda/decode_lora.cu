@@ -33,6 +33,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -185,9 +188,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Shared& sh,
   const int64_t k_lo = static_cast<int64_t>(kc) * p.k_chunk;
   const int64_t k_hi = min(K, k_lo + p.k_chunk);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  // Two accumulators: the MMAs of a window's two halves do not wait for each other.
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int64_t kb = k_lo; kb < k_hi; kb += kWindow * kWindows) {
     uint4 al[kWindows];
     uint4 ah[kWindows];
@@ -207,11 +208,9 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Shared& sh,
       mma_16816<T>(acc, f0, b0);
       const uint32_t f1[4] = {al[i].z, ah[i].z, al[i].w, ah[i].w};
       const uint32_t b1[2] = {xv[i].z, xv[i].w};
-      mma_16816<T>(acc2, f1, b1);
+      mma_16816<T>(acc, f1, b1);
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
   // acc: (row r_lo | r_hi) x (tokens 2t, 2t + 1 of the group), held by lanes g = 2t, 2t + 1.
   const int tok0 = __shfl_sync(kFullMask, tok, (2 * t) << 2);
   const int tok1 = __shfl_sync(kFullMask, tok, (2 * t + 1) << 2);
@@ -519,6 +518,26 @@ bool expand_ok(const ShrinkArgs& s, const ExpandArgs& e) {
   return true;
 }
 
+// Blocks of `kernel` that fit on one SM with `smem` bytes, cached per (kernel, smem, device).
+int blocks_per_sm(const void* kernel, int smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, smem, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem) != cudaSuccess ||
+      n < 1) {
+    cudaGetLastError();
+    n = 1;
+  }
+  cache[key] = n;
+  return n;
+}
+
 Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta,
               StreamHandle stream) {
   DecodeParams p{};
@@ -578,7 +597,7 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
     // One wave at most: every consumer's wait relies on its producers being resident.
     const int64_t fit =
-        int64_t{blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem)} * sm_count();
+        int64_t{blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)} * sm_count();
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min(fit, producers + consumers)));
     kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
     return launch_status("decode_lora_kernel");

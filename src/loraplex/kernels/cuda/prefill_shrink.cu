@@ -34,7 +34,7 @@ constexpr int kPitch = kBK + 8;  // padded rows: ldmatrix rows hit distinct bank
 constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
 constexpr int kMaxTiles = kMaxRows / 8;
 constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
-constexpr int kMaxKSplit = 8;   // the portable cluster size limit
+constexpr int kMaxKSplit = 4;
 constexpr int kSmemPerSm = 227 * 1024;
 
 struct PrefillParams {
@@ -273,24 +273,10 @@ Plan make_plan(const ShrinkArgs& s) {
 }
 
 template <typename T, int kTilesPerWarp>
-Status launch(PrefillParams p, const Plan& plan, const ShrinkArgs& s, StreamHandle stream) {
+Status launch(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
+              StreamHandle stream) {
   auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp>;
   LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
-  // Tiles at most: one per 64 tokens plus each active slot's last partial tile. K is split
-  // while the batch's full tiles times the split still fit the CTAs resident at once (the
-  // more CTAs stream x, the more bytes are in flight), keeping 256 K or more per CTA.
-  const int64_t tiles = ceil_div(s.num_tokens, kM) + std::min<int64_t>(s.num_tokens, s.max_loras);
-  const int64_t full_tiles = std::max<int64_t>(1, s.num_tokens / kM);
-  const int64_t slots =
-      int64_t{blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, plan.smem)} *
-      sm_count();
-  int k_split = 1;
-  while (k_split < kMaxKSplit && full_tiles * k_split * 2 <= slots &&
-         s.hidden >= int64_t{k_split} * 2 * 256) {
-    k_split *= 2;
-  }
-  p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
-  const int clusters = static_cast<int>(tiles);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * k_split));
   cfg.blockDim = dim3(kThreads);
@@ -342,13 +328,23 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.red_pitch = plan.a_rows + 4;
   p.region = plan.region;
   p.off_rows = plan.off_rows;
+  // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
+  // until the grid has about two CTAs per SM, keeping at least 512 K elements per CTA.
+  const int64_t tiles = ceil_div(s.num_tokens, kM) + std::min<int64_t>(s.num_tokens, s.max_loras);
+  int k_split = 1;
+  while (k_split < kMaxKSplit && tiles * k_split < 2 * sm_count() &&
+         s.hidden >= int64_t{k_split} * 2 * 512) {
+    k_split *= 2;
+  }
+  p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
+  const int clusters = static_cast<int>(tiles);
   const bool small = plan.a_rows <= kSmallRows;
   if (s.dtype == DType::kBF16) {
-    return small ? launch<bf16, kSmallRows / 16>(p, plan, s, stream)
-                 : launch<bf16, kMaxRows / 16>(p, plan, s, stream);
+    return small ? launch<bf16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
+                 : launch<bf16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
   }
-  return small ? launch<f16, kSmallRows / 16>(p, plan, s, stream)
-               : launch<f16, kMaxRows / 16>(p, plan, s, stream);
+  return small ? launch<f16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
+               : launch<f16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
 }
 
 }  // namespace loraplex::kernels::cuda
