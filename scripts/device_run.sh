@@ -13,6 +13,8 @@
 #   LORAPLEX_COMMIT  recorded in the benchmark JSON.
 #   BENCH_ARGS     extra arguments of `loraplex bench kernels` (e.g. --quick).
 #   SKIP_TESTS=1 / SKIP_BENCH=1  leave a part out.
+#   TEST_TIMEOUT / BENCH_TIMEOUT  seconds per test / for the benchmark (default 120 / 420), so
+#                  that a hanging kernel cannot eat the whole lease.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/loraplex_out}}
 mkdir -p "$out"
@@ -26,7 +28,7 @@ if [[ -n "$bin" && -x "$bin/loraplex" && -x "$bin/loraplex_cuda_kernel_tests" ]]
   bin=$(cd "$bin" && pwd)
   export LD_LIBRARY_PATH="$bin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   echo "== using prebuilt binaries in $bin"
-  tests_cmd=("$bin/loraplex_cuda_kernel_tests" --gtest_brief=1)
+  tests_cmd=(timeout "$((${TEST_TIMEOUT:-120} * 4))" "$bin/loraplex_cuda_kernel_tests" --gtest_brief=1)
   cli="$bin/loraplex"
 else
   deps=${LORAPLEX_DEPS:-$root/../deps}
@@ -41,7 +43,7 @@ else
     echo "build failed (see build.log)"
     exit 1
   fi
-  tests_cmd=(ctest --test-dir build -R '^Cuda' --output-on-failure)
+  tests_cmd=(ctest --test-dir build -R '^Cuda' --output-on-failure --timeout "${TEST_TIMEOUT:-120}")
   cli="$root/build/tools/loraplex"
 fi
 
@@ -56,8 +58,8 @@ fi
 if [[ "${SKIP_BENCH:-0}" != 1 ]]; then
   echo "== loraplex bench kernels"
   # shellcheck disable=SC2086
-  "$cli" bench kernels --json "$out/bench.json" --commit "${LORAPLEX_COMMIT:-unknown}" \
-    ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-420}" "$cli" bench kernels --json "$out/bench.json" \
+    --commit "${LORAPLEX_COMMIT:-unknown}" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   echo "bench exit status: $?"
   tail -3 "$out/bench.log"
   python3 "$root/scripts/bench_table.py" "$out/bench.json" || true

@@ -114,7 +114,7 @@ Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const S
 const std::vector<LayerCase>& linear_cases() {
   using D = test::SlotDistribution;
   static const std::vector<LayerCase> cases = {
-      // Tensor-core eligible (bf16/f16, multiples of 8): fused up to 128 tokens, split above.
+      // Tensor-core eligible (bf16/f16, multiples of 8): fused up to 64 tokens, split above.
       {DType::kBF16, 1, 1, 16, 4096, {4096}, D::kOneAdapter, 0.0, false},
       {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}, D::kUniform, 0.2, false},
       {DType::kBF16, 64, 32, 64, 1024, {512, 128, 128}, D::kZipf, 0.1, true},
@@ -153,8 +153,9 @@ TEST(CudaLoraLinear, FusedAndSplitPathsBothMatchCpu) {
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
   for (int limit : {0, 1 << 20}) {
-    // 0: never fused (shrink + expand kernels); 1 << 20: fused at every size, several token
-    // tiles per slot.
+    // 0: never fused (shrink + expand kernels, and no decode-kernel shrink); 1 << 20: the
+    // decode kernel wherever the metadata's scratch holds its partial sums, several token
+    // groups per slot.
     kernels::cuda::set_fused_linear_max_tokens(limit);
     for (const LayerCase& c : linear_cases()) {
       if (c.dtype == DType::kF32) continue;

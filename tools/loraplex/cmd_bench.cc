@@ -319,7 +319,7 @@ std::string path_of(CaseData& d, const Case& c) {
     e.lora_b[i] = d.b[0][static_cast<size_t>(i)].data_ptr();
     e.slice_width[i] = d.widths[static_cast<size_t>(i)];
   }
-  return kc::lora_linear_path(s, e);
+  return kc::lora_linear_path(s, e, d.wrapper.token_meta().view());
 }
 
 int run_kernels(const Options& o) {

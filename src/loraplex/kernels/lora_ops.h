@@ -33,6 +33,14 @@ struct LoraMetaView {
   const int32_t* num_tokens_per_lora = nullptr;   // [max_loras + 1] tokens of each active entry
   const int32_t* lora_token_start_loc = nullptr;  // [max_loras + 2] exclusive prefix sum
   const int32_t* num_active_loras = nullptr;      // [1] valid entries of active_lora_ids
+  // Device scratch that a GPU op may use for its partial sums (the decode kernels' split-K
+  // shrink), with arrival counters that are zero between ops: each op that uses them resets
+  // them before it ends. One op at a time per metadata (ops of a step run on one stream).
+  // Null / 0 on the CPU; an op that finds too little scratch takes a path without it.
+  float* scratch = nullptr;  // [scratch_floats] in/out
+  int64_t scratch_floats = 0;
+  int32_t* counters = nullptr;  // [num_counters] in/out, zero between ops
+  int64_t num_counters = 0;
 };
 
 /// Shrink: out[s, t, :rank] = scale * x[t, :] @ A_s[slot(t)][:rank, :]^T.

@@ -23,6 +23,12 @@ LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device)
   num_active_ = Tensor::empty({1}, DType::kI32, device);
   if (device.is_cuda()) {
     host_staging_ = Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
+    scratch_ = Tensor::empty({std::min<int64_t>(n, kScratchTokens) * kScratchFloatsPerToken},
+                             DType::kF32, device);
+    // Zeroed once here; every op that counts on them leaves them at zero again.
+    const Stream setup = Stream::default_for(device);
+    counters_ = Tensor::zeros({(l + 1) * kernels::kMaxSlices}, DType::kI32, device, setup);
+    setup.synchronize();
   }
 }
 
@@ -77,6 +83,12 @@ kernels::LoraMetaView LoraBatchMeta::view() const {
   v.num_tokens_per_lora = counts_.data<int32_t>();
   v.lora_token_start_loc = start_loc_.data<int32_t>();
   v.num_active_loras = num_active_.data<int32_t>();
+  if (scratch_.defined()) {
+    v.scratch = scratch_.data<float>();
+    v.scratch_floats = scratch_.numel();
+    v.counters = counters_.data<int32_t>();
+    v.num_counters = counters_.numel();
+  }
   return v;
 }
 

@@ -16,6 +16,11 @@ namespace loraplex {
 
 class LoraBatchMeta {
  public:
+  /// Scratch the GPU ops of a step may use for partial sums (LoraMetaView::scratch): this
+  /// many floats per token, for up to kScratchTokens tokens (4 MB at most).
+  static constexpr int64_t kScratchFloatsPerToken = 16 * 1024;
+  static constexpr int64_t kScratchTokens = 64;
+
   LoraBatchMeta(int max_loras, int max_num_tokens, Device device);
 
   /// Builds the metadata from a host mapping (one slot per token, -1 = no LoRA). Throws when
@@ -58,6 +63,8 @@ class LoraBatchMeta {
   Tensor counts_;        // [max_loras + 1]
   Tensor start_loc_;     // [max_loras + 2]
   Tensor num_active_;    // [1]
+  Tensor scratch_;       // float32 [min(max_num_tokens, kScratchTokens) * per token], CUDA only
+  Tensor counters_;      // int32 [(max_loras + 1) * kMaxSlices], zero between ops, CUDA only
   Tensor host_staging_;  // [max_num_tokens] pinned host memory for the mapping upload
 };
 

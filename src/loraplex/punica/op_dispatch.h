@@ -21,9 +21,9 @@ Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* toke
                             const Stream& stream);
 Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
                             const Stream& stream);
-/// Shrink and expand of one layer in one call: on CUDA a fused kernel keeps the rank-r
-/// intermediate on chip when the batch is small; otherwise shrink into `shrink.out`, then
-/// expand from it.
+/// Shrink and expand of one layer in one call: on CUDA small batches run one persistent
+/// kernel (split-K shrink partial sums in the metadata's scratch, expand in the same launch);
+/// otherwise shrink into `shrink.out`, then expand from it.
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
                             const kernels::LoraMetaView& meta, const Stream& stream);
 Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,

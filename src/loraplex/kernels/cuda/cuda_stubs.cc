@@ -34,7 +34,9 @@ Status bgmv_expand(const ExpandArgs&, const int32_t*, StreamHandle) {
 Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, StreamHandle) {
   return no_cuda("lora_linear");
 }
-std::string lora_linear_path(const ShrinkArgs&, const ExpandArgs&) { return "none"; }
+std::string lora_linear_path(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&) {
+  return "none";
+}
 void set_fused_linear_max_tokens(int) {}
 Status lora_expand_fp8(const ExpandFp8Args&, const LoraMetaView&, StreamHandle) {
   return no_cuda("lora_expand_fp8");

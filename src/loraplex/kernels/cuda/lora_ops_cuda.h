@@ -23,9 +23,10 @@ using StreamHandle = cuda_rt::StreamHandle;
 Status build_lora_meta(int32_t num_tokens, int32_t max_loras, const cpu::LoraMetaBuffers& out,
                        StreamHandle stream);
 
-/// SGMV shrink over the metadata. bf16/f16 with 16-byte aligned rows run on tensor cores
-/// (a persistent grid over (slot, 64-token tile, slice, 64-rank chunk) work items); anything
-/// else runs a generic kernel.
+/// SGMV shrink over the metadata. bf16/f16 with 16-byte aligned rows: small batches run the
+/// decode kernel (split-K partial sums in the metadata's scratch), larger ones a tensor-core
+/// kernel over (slot, 64-token tile) items against every slice's A rows at once (x read
+/// once), K split over a cluster. Anything else runs a generic kernel.
 Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
 /// SGMV expand over the metadata, all slices in one launch (tensor cores when aligned).
 Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream);
@@ -33,16 +34,19 @@ Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandl
 Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 
-/// Shrink then expand of one layer. Small batches run one fused kernel (clusters of CTAs
-/// split the shrink over K, reduce it through distributed shared memory and expand from it;
-/// the rank-r intermediate never leaves the chip); larger ones run lora_shrink into
-/// shrink.out and lora_expand from it. expand.in must be shrink.out.
+/// Shrink then expand of one layer. Small batches (up to 64 tokens by default) run ONE
+/// persistent kernel: split-K shrink partial sums to the metadata's scratch, per-(slot, slice)
+/// arrival counters, expand with the sums reduced on the fly (shrink.out is not written);
+/// larger ones run lora_shrink into shrink.out and lora_expand from it. expand.in must be
+/// shrink.out.
 Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
                    StreamHandle stream);
 /// Which path lora_linear takes for these arguments: "fused", "split" or "generic".
-std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand);
-/// Largest batch (tokens) that lora_linear runs fused; a negative value restores the default.
-/// For benchmarks and tests that compare the two paths; not thread-safe against launches.
+std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
+                             const LoraMetaView& meta);
+/// Largest batch (tokens) that runs the decode kernel (lora_linear fused, and lora_shrink); a
+/// negative value restores the default. For benchmarks and tests that compare the paths; not
+/// thread-safe against launches.
 void set_fused_linear_max_tokens(int max_tokens);
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta, StreamHandle stream);

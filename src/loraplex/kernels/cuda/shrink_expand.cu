@@ -10,21 +10,18 @@
 // fp32 (the intermediate rounded to the weight dtype first, as vLLM does), and y is read,
 // added and written with 16-byte accesses through shared memory.
 //
-// The tensor-core shrink is the cluster split-K kernel of cluster_lora.cu. Generic kernels
-// (any dtype, any strides) handle everything else and the BGMV forms.
+// lora_shrink runs the decode kernel (decode_lora.cu) for small batches and the tensor-core
+// prefill shrink (prefill_shrink.cu) for larger ones. Generic kernels (any dtype, any
+// strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/cuda/lora_paths.h"
 #include "loraplex/kernels/lora_ops_checks.h"
 
 namespace loraplex::kernels::cuda {
-
-// The tensor-core shrink lives with the fused layer kernel (cluster_lora.cu).
-bool cluster_shrink_supported(const ShrinkArgs& args);
-Status cluster_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
-
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -464,7 +461,8 @@ Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandl
   LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_shrink"));
   if (args.num_tokens == 0) return Status();
-  if (cluster_shrink_supported(args)) return cluster_shrink(args, meta, stream);
+  if (decode_shrink_applies(args, meta)) return decode_shrink(args, meta, stream);
+  if (prefill_shrink_applies(args)) return prefill_shrink(args, meta, stream);
   return launch_shrink_generic(args, meta.token_lora_mapping, stream);
 }
 

@@ -1,0 +1,19 @@
+#pragma once
+// The tensor-core and decode shrink paths, shared between the .cu files of kernels/cuda/
+// (lora_shrink in shrink_expand.cu picks one). Internal to the CUDA backend.
+
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
+
+namespace loraplex::kernels::cuda {
+
+/// The decode kernel (decode_lora.cu) runs this shrink: small batch, bf16/f16, aligned rows
+/// and enough metadata scratch for its split-K partial sums.
+bool decode_shrink_applies(const ShrinkArgs& args, const LoraMetaView& meta);
+Status decode_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+
+/// The tensor-core prefill shrink (prefill_shrink.cu) runs this shrink: bf16/f16, aligned
+/// rows, num_slices * max_rank <= 256.
+bool prefill_shrink_applies(const ShrinkArgs& args);
+Status prefill_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+
+}  // namespace loraplex::kernels::cuda

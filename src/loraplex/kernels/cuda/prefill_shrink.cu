@@ -1,0 +1,350 @@
+// Shrink on tensor cores for batches larger than the decode kernel's (prefill).
+//
+// A work item is one tile of up to 64 tokens of one active slot (rows gathered through the
+// sorted token indices) against the A rows of EVERY slice of that slot at once (slices
+// concatenated, each cut at its own rank rounded up to 8), so x is read once per layer, not
+// once per slice. A cluster of k_split CTAs takes one item; each CTA streams its share of K
+// through a cp.async pipeline of 3-4 stages (the next stages' loads are in flight while the
+// tensor cores work on the current one), multiplies with mma.sync m16n8k16 (fragments through
+// ldmatrix) and leaves its fp32 partial tile in shared memory; after a cluster barrier each
+// CTA adds a share of the tile over the cluster's CTAs (distributed shared memory, fixed order:
+// deterministic) and writes the intermediate. The split over K gives the grid enough CTAs
+// when a batch has few tiles, without a second pass or atomics.
+//
+// The grid is the host's upper bound of tiles times k_split; clusters whose tile does not
+// exist in this batch (counted on the device from the metadata) return at once, so the launch
+// configuration depends only on host-known sizes and the launch is capturable.
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/lora_paths.h"
+
+namespace cg = cooperative_groups;
+
+namespace loraplex::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kM = 64;           // tokens per tile: 4 MMA row groups
+constexpr int kBK = 64;          // K elements per stage
+constexpr int kPitch = kBK + 8;  // padded rows: ldmatrix rows hit distinct banks
+constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
+constexpr int kMaxTiles = kMaxRows / 8;
+constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
+constexpr int kMaxKSplit = 4;
+constexpr int kSmemPerSm = 227 * 1024;
+
+struct PrefillParams {
+  const void* x;
+  int64_t x_stride;
+  int64_t hidden;
+  int num_slices;
+  const void* a[kMaxSlices];
+  int max_loras;
+  int max_rank;
+  const int32_t* ranks;
+  float scale;
+  LoraMetaView meta;
+  void* out;
+  bool out_f32;
+  int64_t num_tokens;
+  int k_chunk;      // K per CTA of a cluster, a multiple of kBK
+  int stage_elems;  // (kM + a_rows) * kPitch
+  int red_pitch;    // floats per row of the partial tile
+  int region;       // bytes of the stages (later the partial tile); the tables follow
+  int off_rows;     // bytes: the staged rows' source pointers
+};
+
+// kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
+// x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles.
+template <typename T, int kTilesPerWarp>
+__global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ks = static_cast<int>(cluster.num_blocks());
+  const int crank = static_cast<int>(cluster.block_rank());
+  const int item = static_cast<int>(blockIdx.x) / ks;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int S = p.num_slices;
+
+  T* stage_base = reinterpret_cast<T*>(smem_raw);
+  int* prefix = reinterpret_cast<int*>(smem_raw + p.region);               // [max_loras + 2]
+  int* tok = prefix + p.max_loras + 2;                                     // [kM]
+  int* srank = tok + kM;                                                   // [kMaxSlices]
+  int* tile_slice = srank + kMaxSlices;                                    // [kMaxTiles]
+  int* tile_r0 = tile_slice + kMaxTiles;                                   // [kMaxTiles]
+  int* ntiles_s = tile_r0 + kMaxTiles;                                     // [1]
+  const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
+
+  const int ne = build_tile_prefix(p.meta, kM, prefix);
+  if (item >= prefix[ne]) return;  // the same in every CTA of the cluster: no barrier waits
+  const int e = find_tile_entry(prefix, ne, item);
+  const int slot = p.meta.active_lora_ids[e];
+  const int m0 = (item - prefix[e]) * kM;
+  const int mrows = min(kM, p.meta.num_tokens_per_lora[e] - m0);
+  const int start = p.meta.lora_token_start_loc[e] + m0;
+  if (tid < kM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : -1;
+  if (tid < S) srank[tid] = p.ranks[tid * p.max_loras + slot];
+  __syncthreads();
+  if (tid == 0) {
+    // Column tiles: 8 A rows of one slice each, up to that slice's rank rounded up to 8.
+    int n = 0;
+    for (int s = 0; s < S; ++s) {
+      for (int r = 0; r < srank[s]; r += 8) {
+        tile_slice[n] = s;
+        tile_r0[n] = r;
+        ++n;
+      }
+    }
+    *ntiles_s = n;
+  }
+  __syncthreads();
+  const int ntiles = *ntiles_s;
+  if (ntiles == 0) return;  // every slice of this slot has rank 0 (same in the whole cluster)
+  const T* xg = static_cast<const T*>(p.x);
+  const int64_t K = p.hidden;
+  // Rows staged per stage: the tile's x rows (rows past the batch zero-filled), then the A
+  // rows of the column tiles (rows past a slice's rank zero-filled, never read).
+  if (tid < kM)
+    row_src[tid] = tok[tid] >= 0 ? xg + static_cast<int64_t>(tok[tid]) * p.x_stride : nullptr;
+  if (tid < ntiles * 8) {
+    const int s = tile_slice[tid >> 3];
+    const int r = tile_r0[tid >> 3] + (tid & 7);
+    row_src[kM + tid] = r < srank[s] ? static_cast<const T*>(p.a[s]) +
+                                           (static_cast<int64_t>(slot) * p.max_rank + r) * K
+                                     : nullptr;
+  }
+  __syncthreads();
+  const int rows = kM + ntiles * 8;
+  const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
+  const int64_t k_hi = min(K, k_lo + p.k_chunk);
+  const int nk = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, kBK)) : 0;
+
+  // This thread's copies, the same in every stage: 16-byte column ch of rows tid / 8 + 32 i.
+  // Their sources are looked up once, so a stage costs a few instructions per copy.
+  constexpr int kSlots = (kM + 16 * kTilesPerWarp) * 8 / kThreads;
+  const int ch = tid & 7;
+  const T* src[kSlots];
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    const int row = (tid >> 3) + i * (kThreads / 8);
+    src[i] = row < rows ? row_src[row] : nullptr;
+  }
+  // Shared-memory addresses in bytes, computed once: a stage costs a few instructions per
+  // copy and per fragment.
+  constexpr int kStages = kTilesPerWarp <= kSmallRows / 16 ? 4 : 3;
+  const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stage_base));
+  const uint32_t stage_bytes = static_cast<uint32_t>(p.stage_elems) * 2;
+  const uint32_t copy_off = static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
+  constexpr uint32_t kSlotBytes = (kThreads / 8) * kPitch * 2;
+  auto load_stage = [&](int kt, uint32_t stage) {
+    const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
+    const bool k_ok = k < k_hi;
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if ((tid >> 3) + i * (kThreads / 8) < rows) {
+        const bool ok = k_ok && src[i] != nullptr;
+        cp_async16_at(stage + copy_off + i * kSlotBytes, ok ? src[i] + k : xg, ok ? 16 : 0);
+      }
+    }
+  };
+
+  const int mg = warp & 3;     // rows mg * 16 .. + 16 of the tile
+  const int cset = warp >> 2;  // column tiles cset, cset + 2, ...
+  const uint32_t a_off =
+      static_cast<uint32_t>(((mg * 16 + (lane & 15)) * kPitch + (lane >> 4) * 8) * 2);
+  // Column tiles j0 = cset + 2i (lanes 0-15) and j0 + 2 (lanes 16-31) for ldmatrix_x4; the
+  // x2 form reads only the lanes 0-15 addresses.
+  const uint32_t b_off =
+      static_cast<uint32_t>(((kM + cset * 8 + (lane & 7)) * kPitch + ((lane >> 3) & 1) * 8) * 2 +
+                            (lane < 16 ? 0 : 16 * kPitch * 2));
+  constexpr uint32_t kPairBytes = 16 * kPitch * 2;  // two column tiles further on
+  float acc[kTilesPerWarp][4];
+#pragma unroll
+  for (int i = 0; i < kTilesPerWarp; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < nk) load_stage(st, stage0 + st * stage_bytes);
+    cp_async_commit();
+  }
+  int rd = 0;            // stage read in this iteration
+  int wr = kStages - 1;  // stage written in this iteration
+  for (int kt = 0; kt < nk; ++kt) {
+    cp_async_wait<kStages - 2>();  // stage kt has landed (this thread's copies)
+    __syncthreads();               // ... every thread's; the stage written below is consumed
+    if (kt + kStages - 1 < nk) load_stage(kt + kStages - 1, stage0 + wr * stage_bytes);
+    cp_async_commit();
+    const uint32_t buf = stage0 + rd * stage_bytes;
+    rd = rd + 1 == kStages ? 0 : rd + 1;
+    wr = wr + 1 == kStages ? 0 : wr + 1;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t af[4];
+      ldmatrix_x4_at(af, buf + a_off + kk * 2);
+#pragma unroll
+      for (int i = 0; i < kTilesPerWarp; i += 2) {
+        const int j0 = cset + 2 * i;
+        if (j0 >= ntiles) break;
+        const uint32_t b_at = buf + b_off + (i / 2) * 2 * kPairBytes + kk * 2;
+        if (j0 + 2 < ntiles) {
+          uint32_t bf[4];
+          ldmatrix_x4_at(bf, b_at);
+          const uint32_t b0[2] = {bf[0], bf[1]};
+          const uint32_t b1[2] = {bf[2], bf[3]};
+          mma_16816<T>(acc[i], af, b0);
+          mma_16816<T>(acc[i + 1], af, b1);
+        } else {
+          uint32_t b0[2];
+          ldmatrix_x2_at(b0, b_at);
+          mma_16816<T>(acc[i], af, b0);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: the region holds the partial tile
+
+  float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
+  {
+    const int g = lane >> 2;
+    const int tq = (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < kTilesPerWarp; ++i) {
+      const int j = cset + 2 * i;
+      if (j < ntiles) {
+        float* d = red + (mg * 16 + g) * p.red_pitch + j * 8 + tq;
+        d[0] = acc[i][0];
+        d[1] = acc[i][1];
+        d[8 * p.red_pitch] = acc[i][2];
+        d[8 * p.red_pitch + 1] = acc[i][3];
+      }
+    }
+  }
+  cluster.sync();  // every CTA's partial tile is complete
+  const int cols = ntiles * 8;
+  for (int i = crank * kThreads + tid; i < mrows * cols; i += ks * kThreads) {
+    const int m = i / cols;
+    const int c = i - m * cols;
+    const int s = tile_slice[c >> 3];
+    const int r = tile_r0[c >> 3] + (c & 7);
+    if (r >= srank[s]) continue;
+    float v = 0.0f;
+    for (int q = 0; q < ks; ++q) v += cluster.map_shared_rank(red, q)[m * p.red_pitch + c];
+    const int64_t o = (static_cast<int64_t>(s) * p.num_tokens + tok[m]) * p.max_rank + r;
+    if (p.out_f32) {
+      static_cast<float*>(p.out)[o] = p.scale * v;
+    } else {
+      static_cast<T*>(p.out)[o] = from_float<T>(p.scale * v);
+    }
+  }
+  cluster.sync();  // no CTA reads another's partial tile any more
+}
+
+bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+struct Plan {
+  int stages = 0;
+  int smem = 0;
+  int a_rows = 0;
+  int region = 0;
+  int off_rows = 0;
+};
+
+Plan make_plan(const ShrinkArgs& s) {
+  Plan plan;
+  plan.a_rows = s.num_slices * s.max_rank;
+  const int stage_elems = (kM + plan.a_rows) * kPitch;
+  const int red_bytes = kM * (plan.a_rows + 4) * 4;
+  const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1;
+  // The small-register variant keeps four stages in flight, the large one three (its stages
+  // are up to four times larger); as the kernel's kStages.
+  plan.stages = plan.a_rows <= kSmallRows ? 4 : 3;
+  plan.region =
+      static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
+  plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
+  plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
+  return plan;
+}
+
+template <typename T, int kTilesPerWarp>
+Status launch(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
+              StreamHandle stream) {
+  auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp>;
+  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * k_split));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(k_split);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  LORAPLEX_RETURN_IF_ERROR(
+      cuda_status(cudaLaunchKernelEx(&cfg, kernel, p), "prefill_shrink_kernel launch"));
+  return launch_status("prefill_shrink_kernel");
+}
+
+}  // namespace
+
+bool prefill_shrink_applies(const ShrinkArgs& s) {
+  if (!half_dtype(s.dtype) || s.max_rank % 8 != 0 || s.num_slices * s.max_rank > kMaxRows) {
+    return false;
+  }
+  if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
+  for (int i = 0; i < s.num_slices; ++i) {
+    if (!aligned16(s.lora_a[i])) return false;
+  }
+  return make_plan(s).smem <= kSmemPerSm;
+}
+
+Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandle stream) {
+  LORAPLEX_ENSURE(prefill_shrink_applies(s), "prefill_shrink: arguments not supported");
+  const Plan plan = make_plan(s);
+  PrefillParams p{};
+  p.x = s.x;
+  p.x_stride = s.x_row_stride;
+  p.hidden = s.hidden;
+  p.num_slices = s.num_slices;
+  for (int i = 0; i < s.num_slices; ++i) p.a[i] = s.lora_a[i];
+  p.max_loras = s.max_loras;
+  p.max_rank = s.max_rank;
+  p.ranks = s.ranks;
+  p.scale = s.scale;
+  p.meta = meta;
+  p.out = s.out;
+  p.out_f32 = s.out_dtype == DType::kF32;
+  p.num_tokens = s.num_tokens;
+  p.stage_elems = (kM + plan.a_rows) * kPitch;
+  p.red_pitch = plan.a_rows + 4;
+  p.region = plan.region;
+  p.off_rows = plan.off_rows;
+  // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
+  // until the grid has about two CTAs per SM, keeping at least 512 K elements per CTA.
+  const int64_t tiles = ceil_div(s.num_tokens, kM) + std::min<int64_t>(s.num_tokens, s.max_loras);
+  int k_split = 1;
+  while (k_split < kMaxKSplit && tiles * k_split < 2 * sm_count() &&
+         s.hidden >= int64_t{k_split} * 2 * 512) {
+    k_split *= 2;
+  }
+  p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
+  const int clusters = static_cast<int>(tiles);
+  const bool small = plan.a_rows <= kSmallRows;
+  if (s.dtype == DType::kBF16) {
+    return small ? launch<bf16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
+                 : launch<bf16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
+  }
+  return small ? launch<f16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
+               : launch<f16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
+}
+
+}  // namespace loraplex::kernels::cuda
