@@ -269,7 +269,9 @@ TEST(LoraLinearStreamUpload, RejectedAdapterLeavesSlotUnchanged) {
 
 // --------------------------------------------------------------- embedding and logits
 
-constexpr int64_t kVocab = 37;  // odd: the last vocab shard at tp 2 is padded
+// Odd on the CPU (the last vocab shard at tp 2 is padded); 16-byte rows in bf16 on a GPU.
+constexpr int64_t kVocab = 37;
+constexpr int64_t kGpuVocab = 40;
 constexpr int64_t kHidden = 24;
 
 std::vector<Install> one_slice_sequence(int64_t a_cols, int64_t b_rows, DType dt,
@@ -284,21 +286,22 @@ std::vector<Install> one_slice_sequence(int64_t a_cols, int64_t b_rows, DType dt
 }
 
 void check_embedding(Backend backend, int tp, bool fully_sharded, DType dt) {
+  const int64_t vocab = backend == Backend::kCpu ? kVocab : kGpuVocab;
   std::string why;
   if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
   std::mt19937_64 rng(21 + tp);
-  const Tensor table = test::random_tensor({kVocab, kHidden}, dt, rng);
-  const std::vector<Install> seq = one_slice_sequence(kVocab, kHidden, dt, rng);
+  const Tensor table = test::random_tensor({vocab, kHidden}, dt, rng);
+  const std::vector<Install> seq = one_slice_sequence(vocab, kHidden, dt, rng);
   std::vector<int32_t> ids(kTokens);
-  for (auto& id : ids) id = static_cast<int32_t>(rng() % kVocab);
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
   const std::vector<int32_t> slots = test::mixed_slots(kTokens, kMaxLoras, rng);
   test::run_ranks(backend, tp, [&](int rank, Communicator* comm) {
     const Target target(test::backend_device(backend, rank));
     const LoraConfig cfg{kMaxLoras, kMaxRank, dt, fully_sharded};
     PunicaWrapper punica(kMaxLoras, kTokens, 1, target.device);
     punica.update_metadata(slots, {}, target.compute);
-    VocabEmbeddingWithLora sync_layer(kVocab, kHidden, dt, cfg, comm, target.device, kTokens);
-    VocabEmbeddingWithLora stream_layer(kVocab, kHidden, dt, cfg, comm, target.device, kTokens);
+    VocabEmbeddingWithLora sync_layer(vocab, kHidden, dt, cfg, comm, target.device, kTokens);
+    VocabEmbeddingWithLora stream_layer(vocab, kHidden, dt, cfg, comm, target.device, kTokens);
     sync_layer.load_base(table);
     stream_layer.load_base(table);
     install_both<VocabEmbeddingWithLora, std::vector<LoraSliceWeights>>(
@@ -322,12 +325,13 @@ void check_embedding(Backend backend, int tp, bool fully_sharded, DType dt) {
 }
 
 void check_logits(Backend backend, int tp, bool fully_sharded, DType dt) {
+  const int64_t vocab = backend == Backend::kCpu ? kVocab : kGpuVocab;
   std::string why;
   if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
   constexpr int kSeqs = 9;
   std::mt19937_64 rng(31 + tp);
-  const Tensor head = test::random_tensor({kVocab, kHidden}, dt, rng);
-  const std::vector<Install> seq = one_slice_sequence(kHidden, kVocab, dt, rng);
+  const Tensor head = test::random_tensor({vocab, kHidden}, dt, rng);
+  const std::vector<Install> seq = one_slice_sequence(kHidden, vocab, dt, rng);
   const Tensor h = test::random_tensor({kSeqs, kHidden}, dt, rng);
   const std::vector<int32_t> seq_slots = test::mixed_slots(kSeqs, kMaxLoras, rng);
   test::run_ranks(backend, tp, [&](int rank, Communicator* comm) {
@@ -335,8 +339,8 @@ void check_logits(Backend backend, int tp, bool fully_sharded, DType dt) {
     const LoraConfig cfg{kMaxLoras, kMaxRank, dt, fully_sharded};
     PunicaWrapper punica(kMaxLoras, kSeqs, kSeqs, target.device);
     punica.update_metadata(seq_slots, seq_slots, target.compute);
-    LogitsProcessorWithLora sync_layer(kHidden, kVocab, dt, cfg, comm, target.device, kSeqs);
-    LogitsProcessorWithLora stream_layer(kHidden, kVocab, dt, cfg, comm, target.device, kSeqs);
+    LogitsProcessorWithLora sync_layer(kHidden, vocab, dt, cfg, comm, target.device, kSeqs);
+    LogitsProcessorWithLora stream_layer(kHidden, vocab, dt, cfg, comm, target.device, kSeqs);
     sync_layer.load_base(head);
     stream_layer.load_base(head);
     install_both<LogitsProcessorWithLora, std::vector<LoraSliceWeights>>(
