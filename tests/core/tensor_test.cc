@@ -119,6 +119,41 @@ TEST(Tensor, CudaCachingAllocatorReusesBlocks) {
   EXPECT_EQ(cuda_allocator_stats(0).driver_allocations, before);
 }
 
+TEST(Tensor, CopyFromAsyncWithinTheCpuCopiesAtOnce) {
+  const Tensor src = iota_tensor({3, 5}).narrow(1, 1, 3);
+  Tensor dst = Tensor::zeros({3, 3}, DType::kBF16);
+  dst.copy_from_async(src, Stream());
+  for (int64_t i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(dst.item({i, j}), src.item({i, j}));
+  EXPECT_FALSE(src.is_pinned());
+  EXPECT_FALSE(Tensor().is_pinned());
+}
+
+TEST(Tensor, PinnedViewsUploadWithoutWaiting) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  Tensor pinned = Tensor::empty_with({4, 6}, DType::kF32, Device::cpu(), pinned_host_allocator());
+  pinned.copy_from(iota_tensor({4, 6}));
+  const Tensor block = pinned.narrow(0, 1, 2).narrow(1, 2, 3);
+  EXPECT_TRUE(pinned.is_pinned());
+  EXPECT_TRUE(block.is_pinned());
+  const Stream stream = Stream::create(Device::cuda(0));
+  Tensor dev = Tensor::zeros({4, 8}, DType::kF32, Device::cuda(0));
+  Tensor dst = dev.narrow(0, 2, 2).narrow(1, 1, 3);  // pitched rows on the device
+  dst.copy_from_async(block, stream);
+  Tensor back = Tensor::empty_with({4, 8}, DType::kF32, Device::cpu(), pinned_host_allocator());
+  back.copy_from_async(dev, stream);
+  stream.synchronize();
+  for (int64_t i = 0; i < 4; ++i) {
+    for (int64_t j = 0; j < 8; ++j) {
+      const bool inside = i >= 2 && j >= 1 && j < 4;
+      EXPECT_EQ(back.item({i, j}), inside ? block.item({i - 2, j - 1}) : 0.0) << i << "," << j;
+    }
+  }
+  // Pageable host memory or a dtype change needs copy_from.
+  EXPECT_THROW(dst.copy_from_async(iota_tensor({2, 3}), stream), Error);
+  EXPECT_THROW(dst.copy_from_async(block.to(DType::kBF16), stream), Error);
+}
+
 TEST(Device, ParseAndPrint) {
   EXPECT_EQ(Device::parse("cuda:3"), Device::cuda(3));
   EXPECT_EQ(Device::parse("cpu").str(), "cpu");

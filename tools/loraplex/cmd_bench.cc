@@ -467,7 +467,8 @@ int run(const std::vector<std::string>& args) {
     return args.empty() ? 2 : 0;
   }
   LORAPLEX_CHECK(args[0] == "kernels", "unknown benchmark '", args[0],
-                 "'; available: kernels (see `loraplex bench --help`)");
+                 "'; available: kernels, adapter-load (see `loraplex bench kernels --help`, "
+                 "`loraplex bench adapter-load --help`)");
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   for (const std::string& a : rest) {
     if (a == "--help" || a == "-h") {

@@ -137,7 +137,9 @@ AdapterInfo AdapterManager::info_locked(const Entry& entry) const {
   return info;
 }
 
-void AdapterManager::cache_insert_locked(const std::shared_ptr<Entry>& entry) {
+void AdapterManager::cache_insert_locked(
+    const std::shared_ptr<Entry>& entry,
+    std::vector<std::shared_ptr<const PackedAdapter>>& dropped) {
   entry->cpu_tick = ++state_->tick;
   for (;;) {
     int cached = 0;
@@ -149,11 +151,12 @@ void AdapterManager::cache_insert_locked(const std::shared_ptr<Entry>& entry) {
     }
     if (cached <= config_.max_cpu_loras || oldest == nullptr) return;
     // A slot keeps its own reference while it may still be uploading.
-    oldest->packed.reset();
+    dropped.push_back(std::move(oldest->packed));
   }
 }
 
-void AdapterManager::ensure_packed(Lock& lock, const std::shared_ptr<Entry>& entry) {
+void AdapterManager::ensure_packed(Lock& lock, const std::shared_ptr<Entry>& entry,
+                                   std::vector<std::shared_ptr<const PackedAdapter>>& dropped) {
   while (entry->packed == nullptr) {
     if (entry->retired)
       throw AdapterNotLoadedError(
@@ -178,7 +181,7 @@ void AdapterManager::ensure_packed(Lock& lock, const std::shared_ptr<Entry>& ent
     if (error) std::rethrow_exception(error);
     if (entry->retired) continue;  // reported at the top of the loop
     entry->packed = std::move(packed);
-    cache_insert_locked(entry);
+    cache_insert_locked(entry, dropped);
   }
   entry->cpu_tick = ++state_->tick;
 }
@@ -197,6 +200,7 @@ AdapterInfo AdapterManager::load(const std::string& name, const std::string& dir
   auto packed = std::make_shared<const PackedAdapter>(
       load_peft_adapter(name, dir, registry_, load_options()));
 
+  std::vector<std::shared_ptr<const PackedAdapter>> dropped;  // released after the lock
   Lock lock(state_->mutex);
   auto it = adapters_.find(name);
   if (it != adapters_.end()) throw Error(already(*it->second));
@@ -209,7 +213,7 @@ AdapterInfo AdapterManager::load(const std::string& name, const std::string& dir
   entry->bytes = packed->bytes;
   entry->packed = std::move(packed);
   adapters_.emplace(name, entry);
-  cache_insert_locked(entry);
+  cache_insert_locked(entry, dropped);
   return info_locked(*entry);
 }
 
@@ -224,11 +228,12 @@ std::future<AdapterInfo> AdapterManager::load_async(const std::string& name,
 
 std::future<void> AdapterManager::prefetch(const std::string& name) {
   auto task = std::make_shared<std::packaged_task<void()>>([this, name] {
+    std::vector<std::shared_ptr<const PackedAdapter>> dropped;  // released after the lock
     Lock lock(state_->mutex);
     auto it = adapters_.find(name);
     if (it == adapters_.end())
       throw AdapterNotLoadedError(detail::concat("adapter '", name, "' is not loaded"));
-    ensure_packed(lock, it->second);
+    ensure_packed(lock, it->second, dropped);
   });
   std::future<void> result = task->get_future();
   submit([task] { (*task)(); });
@@ -236,13 +241,14 @@ std::future<void> AdapterManager::prefetch(const std::string& name) {
 }
 
 bool AdapterManager::unload(const std::string& name) {
+  std::shared_ptr<const PackedAdapter> dropped;  // released after the lock
   Lock lock(state_->mutex);
   auto it = adapters_.find(name);
   if (it == adapters_.end()) return false;
   std::shared_ptr<Entry> entry = it->second;
   adapters_.erase(it);
   entry->retired = true;
-  entry->packed.reset();
+  dropped = std::move(entry->packed);
   if (entry->slot >= 0) {
     Lease::State::Slot& s = state_->slots[static_cast<size_t>(entry->slot)];
     if (s.pins == 0) {
@@ -257,6 +263,9 @@ bool AdapterManager::unload(const std::string& name) {
 
 AdapterManager::Lease AdapterManager::acquire(const std::string& name) {
   auto& slots = state_->slots;
+  // Packed adapters whose last reference goes here are released after the lock.
+  std::vector<std::shared_ptr<const PackedAdapter>> dropped;
+  std::shared_ptr<const PackedAdapter> previous_upload;
   Lock lock(state_->mutex);
   for (;;) {
     auto it = adapters_.find(name);
@@ -275,7 +284,7 @@ AdapterManager::Lease AdapterManager::acquire(const std::string& name) {
       return Lease(state_, entry->slot, name);
     }
 
-    ensure_packed(lock, entry);
+    ensure_packed(lock, entry, dropped);
     // The lock was released while reloading: start over if anything moved.
     it = adapters_.find(name);
     if (it == adapters_.end() || it->second != entry || entry->slot >= 0) continue;
@@ -316,7 +325,7 @@ AdapterManager::Lease AdapterManager::acquire(const std::string& name) {
     }
     lock.lock();
     s.ready = true;
-    s.uploaded_from = packed;
+    previous_upload = std::exchange(s.uploaded_from, packed);
     state_->cv.notify_all();
     return Lease(state_, chosen, name);
   }

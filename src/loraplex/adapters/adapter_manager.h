@@ -10,9 +10,14 @@
 // load_async, prefetch), so requests for adapters already in slots never wait for disk.
 // Writing a slot calls the layers' set_lora under the layer lock; whoever runs the layers'
 // forward holds the same lock (lock_layers()), since a layer may not be written while it
-// computes. On CUDA the packed weights live in page-locked memory, the layers' uploads go to
-// the manager's copy stream when the layers take a stream, and Lease::wait_ready makes the
-// compute stream wait for the slot's upload.
+// computes (or enqueues). On CUDA the packed weights live in page-locked memory and the layers
+// take the manager's copy stream (set_lora(slot, slices, stream)): each layer enqueues the
+// slot's weight copies and then its ranks on that stream without waiting, the manager records
+// the slot's event after the last layer, and Lease::wait_ready makes the compute stream wait
+// for that event, so no forward sees the new ranks before the weights. acquire() therefore
+// returns as soon as the upload is enqueued. A slot may be rewritten as soon as its last lease
+// ends: end leases only after the device work that reads the slot has finished (the engine
+// synchronises every step).
 //
 // Every method is thread-safe.
 
@@ -94,7 +99,8 @@ class AdapterManager {
     /// The slot the adapter occupies: the value for the token -> slot mapping.
     int slot() const { return slot_; }
     const std::string& name() const { return name_; }
-    /// CUDA: makes `compute` wait until the slot's upload has finished. No-op on the CPU.
+    /// CUDA: makes `compute` wait until the slot's upload has finished (without blocking the
+    /// host); call it before enqueuing a forward that uses the slot. No-op on the CPU.
     void wait_ready(const Stream& compute) const;
     /// Unpins now (as the destructor does).
     void release();
@@ -160,8 +166,12 @@ class AdapterManager {
   AdapterInfo info_locked(const Entry& entry) const;
   // Makes entry->packed available, reloading from disk outside the lock; `lock` is held on
   // entry and exit.
-  void ensure_packed(Lock& lock, const std::shared_ptr<Entry>& entry);
-  void cache_insert_locked(const std::shared_ptr<Entry>& entry);
+  void ensure_packed(Lock& lock, const std::shared_ptr<Entry>& entry,
+                     std::vector<std::shared_ptr<const PackedAdapter>>& dropped);
+  // Evicts beyond max_cpu_loras; the evicted packed adapters go to `dropped`, for the caller
+  // to release after unlocking (freeing page-locked memory may wait for the device).
+  void cache_insert_locked(const std::shared_ptr<Entry>& entry,
+                           std::vector<std::shared_ptr<const PackedAdapter>>& dropped);
   void write_slot(int slot, const PackedAdapter& packed);
   void submit(std::function<void()> task);
   void worker_loop();

@@ -47,7 +47,7 @@ LoraLayerHandle LoraLayerHandle::of_moe(FusedMoeWithLora& layer, std::string nam
   const int64_t intermediate = layer.spec().intermediate;
   FusedMoeWithLora* l = &layer;
   SetFn set = [l, experts, intermediate, layout](
-                  int slot, const std::vector<LoraSliceWeights>& slices, const Stream&) {
+                  int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream) {
     MoeLoraWeights w;
     auto per_expert = [&](int first, std::vector<LoraSliceWeights>& out) {
       for (int e = 0; e < experts; ++e) {
@@ -78,9 +78,9 @@ LoraLayerHandle LoraLayerHandle::of_moe(FusedMoeWithLora& layer, std::string nam
                      "weights");
       w.w2 = unstack(down);
     }
-    l->set_lora(slot, w);
+    l->set_lora(slot, w, stream);
   };
-  ResetFn reset = [l](int slot, const Stream&) { l->reset_lora(slot); };
+  ResetFn reset = [l](int slot, const Stream& stream) { l->reset_lora(slot, stream); };
   return LoraLayerHandle(std::move(name), MoeSlices::count(experts), std::move(set),
                          std::move(reset));
 }

@@ -28,6 +28,7 @@ class PinnedHostAllocator final : public Allocator {
  public:
   void* allocate(size_t bytes) override { return cuda_rt::pinned_host_malloc(bytes); }
   void deallocate(void* ptr, size_t) override { cuda_rt::pinned_host_free(ptr); }
+  bool page_locked() const override { return true; }
 };
 
 // Best-fit reuse of freed blocks, rounded to 512 bytes (small) or 2 MiB (large) so that

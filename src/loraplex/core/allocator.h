@@ -14,6 +14,8 @@ class Allocator {
   virtual ~Allocator() = default;
   virtual void* allocate(size_t bytes) = 0;
   virtual void deallocate(void* ptr, size_t bytes) = 0;
+  /// True for page-locked host memory, which a GPU can copy from without the host waiting.
+  virtual bool page_locked() const { return false; }
 };
 
 /// 64-byte aligned host memory.

@@ -194,8 +194,9 @@ Tensor Tensor::empty_with(const Shape& shape, DType dtype, Device device, Alloca
   void* data = allocator.allocate(bytes);
   Allocator* alloc = &allocator;
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(data, bytes, device,
-                                         [alloc, bytes](void* p) { alloc->deallocate(p, bytes); });
+  t.storage_ = std::make_shared<Storage>(
+      data, bytes, device, [alloc, bytes](void* p) { alloc->deallocate(p, bytes); },
+      allocator.page_locked());
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
   t.dtype_ = dtype;
@@ -384,10 +385,36 @@ void Tensor::copy_from(const Tensor& src, const Stream& stream) {
   if (numel() == 0) return;
   Tensor source = src;
   if (!row_layout(source).ok && source.device_.is_cpu()) source = source.contiguous();
+  copy_rows_between_devices(source, stream);
+  // A host destination must be readable when copy_from returns; a pageable host source
+  // must stay valid until the copy has consumed it.
+  if (device_.is_cpu() || source.device_.is_cpu()) stream.synchronize();
+}
+
+void Tensor::copy_from_async(const Tensor& src, const Stream& stream) {
+  LORAPLEX_CHECK(defined() && src.defined(), "copy_from_async with an undefined tensor");
+  LORAPLEX_CHECK(shape_ == src.shape_, "copy_from_async: destination shape ", shape_str(shape_),
+                 " differs from source shape ", shape_str(src.shape_));
+  if (device_.is_cpu() && src.device_.is_cpu()) {
+    copy_cpu_strided(*this, src);
+    return;
+  }
+  LORAPLEX_CHECK(dtype_ == src.dtype_, "copy_from_async between devices needs equal dtypes, got ",
+                 src.dtype_, " -> ", dtype_);
+  for (const Tensor* t : {static_cast<const Tensor*>(this), &src}) {
+    LORAPLEX_CHECK(t->device_.is_cuda() || t->is_pinned(),
+                   "copy_from_async needs pinned host memory on the host side, got pageable ",
+                   t->describe());
+  }
+  if (numel() == 0) return;
+  copy_rows_between_devices(src, stream);
+}
+
+void Tensor::copy_rows_between_devices(const Tensor& source, const Stream& stream) {
   const RowLayout s = row_layout(source);
   const RowLayout d = row_layout(*this);
-  LORAPLEX_CHECK(s.ok && d.ok, "copy_from between devices needs contiguous rows, got ",
-                 src.describe(), " -> ", describe());
+  LORAPLEX_CHECK(s.ok && d.ok, "copy between devices needs contiguous rows, got ",
+                 source.describe(), " -> ", describe());
   const cuda_rt::CopyKind kind = copy_kind(device_, source.device_);
   if (s.rows == 1 && d.rows == 1) {
     cuda_rt::memcpy_async(data_ptr(), source.data_ptr(), nbytes(), kind, stream.handle());
@@ -399,9 +426,6 @@ void Tensor::copy_from(const Tensor& src, const Stream& stream) {
     cuda_rt::memcpy_2d_async(data_ptr(), dp, source.data_ptr(), sp, row_bytes, rows, kind,
                              stream.handle());
   }
-  // A host destination must be readable when copy_from returns; a pageable host source
-  // must stay valid until the copy has consumed it.
-  if (device_.is_cpu() || source.device_.is_cpu()) stream.synchronize();
 }
 
 void Tensor::zero_(const Stream& stream) {

@@ -26,8 +26,14 @@ Shape contiguous_strides(const Shape& shape);
 /// Owns (or borrows) one block of memory on one device.
 class Storage {
  public:
-  Storage(void* data, size_t bytes, Device device, std::function<void(void*)> release)
-      : data_(data), bytes_(bytes), device_(device), release_(std::move(release)) {}
+  /// `page_locked`: host memory a GPU can copy from asynchronously (pinned_host_allocator()).
+  Storage(void* data, size_t bytes, Device device, std::function<void(void*)> release,
+          bool page_locked = false)
+      : data_(data),
+        bytes_(bytes),
+        device_(device),
+        release_(std::move(release)),
+        page_locked_(page_locked) {}
   ~Storage() {
     if (release_) release_(data_);
   }
@@ -37,12 +43,14 @@ class Storage {
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
+  bool page_locked() const { return page_locked_; }
 
  private:
   void* data_;
   size_t bytes_;
   Device device_;
   std::function<void(void*)> release_;
+  bool page_locked_;
 };
 
 class Tensor {
@@ -88,6 +96,9 @@ class Tensor {
   }
 
   bool is_contiguous() const;
+  /// True when the memory is page-locked host memory (Tensor::empty_with with
+  /// pinned_host_allocator(), and views of it): copy_from_async can upload it without waiting.
+  bool is_pinned() const { return storage_ != nullptr && storage_->page_locked(); }
 
   Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
   Tensor select(int64_t dim, int64_t index) const;
@@ -110,6 +121,11 @@ class Tensor {
   /// both sides must have the same dtype, and each side must be contiguous or a 2-D set of
   /// contiguous rows.
   void copy_from(const Tensor& src, const Stream& stream = Stream());
+  /// copy_from without waiting for `stream`: the host side of a copy between devices must be
+  /// pinned (is_pinned()) and laid out as contiguous rows, dtypes must be equal, and the caller
+  /// keeps both sides alive and the source unchanged until `stream` has passed the copy (an
+  /// Event). Copies within the CPU run at once, as copy_from.
+  void copy_from_async(const Tensor& src, const Stream& stream);
   /// Sets every element to zero.
   void zero_(const Stream& stream = Stream());
   /// Sets every element of a CPU tensor to `value` (rounded to the dtype).
@@ -128,6 +144,9 @@ class Tensor {
 
  private:
   int64_t normalize_dim(int64_t d) const;
+  // The copy of copy_from / copy_from_async between devices (or host and device), enqueued
+  // on `stream`; `source` has contiguous rows.
+  void copy_rows_between_devices(const Tensor& source, const Stream& stream);
 
   std::shared_ptr<Storage> storage_;
   int64_t offset_ = 0;

@@ -280,6 +280,18 @@ void FusedMoeWithLora::load_experts(const Tensor& router, const std::vector<Tens
 }
 
 void FusedMoeWithLora::set_lora(int slot, const MoeLoraWeights& weights) {
+  const Stream stream = Stream::default_for(device_);
+  write_lora(slot, weights, stream);
+  stream.synchronize();
+}
+
+void FusedMoeWithLora::set_lora(int slot, const MoeLoraWeights& weights,
+                                const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, kName);
+  write_lora(slot, weights, copy_stream);
+}
+
+void FusedMoeWithLora::write_lora(int slot, const MoeLoraWeights& weights, const Stream& stream) {
   const std::string where = std::string(kName) + " set_lora slot " + std::to_string(slot);
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, where, ": slot outside [0, max_loras ",
                  config_.max_loras, ")");
@@ -307,87 +319,117 @@ void FusedMoeWithLora::set_lora(int slot, const MoeLoraWeights& weights) {
       max_rank[p] = std::max(max_rank[p], r);
     }
   }
-  // Stage the slot's full stacks on the host (zero-padded per expert).
   const int64_t off = rank_ * inter_local_;
-  std::vector<layers_detail::PendingWrite> writes;
-  int shrink13[2] = {0, 0};
-  int expand13[2] = {0, 0};
-  for (int s = 0; s < 2; ++s) {
-    if (max_rank[s] == 0) continue;
-    const auto& list = *lists[s];
-    Tensor a_host = Tensor::zeros(w13_a_[s].select(0, slot).shape(), dt);
-    Tensor b_host = Tensor::zeros(w13_b_[s].select(0, slot).shape(), dt);
-    const int c = static_cast<int>(ceil_div(max_rank[s], tp_));
+  const int64_t b2_rows = w2_b_.size(2);
+  const int64_t b2_start = fs ? rank_ * b2_rows : 0;
+  // This rank's part of expert e's A and B of projection p, as views of the full weights.
+  auto expert_a = [&](int p, int e) {
+    const Tensor& a = (*lists[p])[static_cast<size_t>(e)].a;
+    return p < 2 ? a : a.narrow(1, off, inter_local_);
+  };
+  auto expert_b = [&](int p, int e) {
+    const Tensor& b = (*lists[p])[static_cast<size_t>(e)].b;
+    return p < 2 ? b.narrow(0, off, inter_local_) : b.narrow(0, b2_start, b2_rows);
+  };
+  // A projection is copied expert by expert straight from its sources when they can all be
+  // uploaded as they are (fully sharded w13 re-orders A by rank: always staged).
+  auto direct = [&](int p) {
+    if (fs && p < 2) return false;
     for (int e = 0; e < E; ++e) {
-      const int r = ranks[s][static_cast<size_t>(e)];
+      if (ranks[p][static_cast<size_t>(e)] == 0) continue;
+      if (!layers_detail::uploadable(expert_a(p, e), dt) ||
+          !layers_detail::uploadable(expert_b(p, e), dt))
+        return false;
+    }
+    return true;
+  };
+  Tensor a_stacks[3] = {w13_a_[0], w13_a_[1], w2_a_};
+  Tensor b_stacks[3] = {w13_b_[0], w13_b_[1], w2_b_};
+  std::vector<layers_detail::PendingWrite> writes;
+  int shrink[3] = {0, 0, max_rank[2]};
+  int expand13[2] = {0, 0};
+  for (int p = 0; p < 3; ++p) {
+    if (max_rank[p] == 0) continue;
+    const Tensor a_slot = a_stacks[p].select(0, slot);
+    const Tensor b_slot = b_stacks[p].select(0, slot);
+    const int c = static_cast<int>(ceil_div(max_rank[p], tp_));
+    if (p < 2) {
+      shrink[p] = fs ? c : max_rank[p];
+      expand13[p] = c * tp_;
+    }
+    if (direct(p)) {
+      // Experts below the slot's rank read zeros past their own rank.
+      writes.push_back({a_slot, Tensor()});
+      writes.push_back({b_slot, Tensor()});
+      for (int e = 0; e < E; ++e) {
+        const int r = ranks[p][static_cast<size_t>(e)];
+        if (r == 0) continue;
+        writes.push_back({a_slot.select(0, e).narrow(0, 0, r), expert_a(p, e)});
+        writes.push_back({b_slot.select(0, e).narrow(1, 0, r), expert_b(p, e)});
+      }
+      continue;
+    }
+    // Stage the slot's full stacks on the host (zero-padded per expert).
+    Tensor a_host = Tensor::zeros(a_slot.shape(), dt);
+    Tensor b_host = Tensor::zeros(b_slot.shape(), dt);
+    for (int e = 0; e < E; ++e) {
+      const int r = ranks[p][static_cast<size_t>(e)];
       if (r == 0) continue;
-      const LoraSliceWeights& w = list[static_cast<size_t>(e)];
-      if (fs) {
+      if (fs && p < 2) {
+        const Tensor& a = (*lists[p])[static_cast<size_t>(e)].a;
         for (int j = 0; j < c; ++j) {
           const int k = j * tp_ + rank_;
           if (k >= r) continue;
           Tensor dst = a_host.select(0, e).select(0, j);
-          dst.copy_from(w.a.select(0, k));
+          dst.copy_from(a.select(0, k));
         }
       } else {
         Tensor dst = a_host.select(0, e).narrow(0, 0, r);
-        dst.copy_from(w.a);
+        dst.copy_from(expert_a(p, e));
       }
       Tensor bdst = b_host.select(0, e).narrow(1, 0, r);
-      bdst.copy_from(w.b.narrow(0, off, inter_local_));
+      bdst.copy_from(expert_b(p, e));
     }
-    writes.push_back({w13_a_[s].select(0, slot), a_host});
-    writes.push_back({w13_b_[s].select(0, slot), b_host});
-    shrink13[s] = fs ? c : max_rank[s];
-    expand13[s] = c * tp_;
+    writes.push_back({a_slot, a_host});
+    writes.push_back({b_slot, b_host});
   }
-  if (max_rank[2] > 0) {
-    Tensor a_host = Tensor::zeros(w2_a_.select(0, slot).shape(), dt);
-    Tensor b_host = Tensor::zeros(w2_b_.select(0, slot).shape(), dt);
-    const int64_t b_rows = w2_b_.size(2);
-    const int64_t b_start = fs ? rank_ * b_rows : 0;
-    for (int e = 0; e < E; ++e) {
-      const int r = ranks[2][static_cast<size_t>(e)];
-      if (r == 0) continue;
-      const LoraSliceWeights& w = weights.w2[static_cast<size_t>(e)];
-      Tensor adst = a_host.select(0, e).narrow(0, 0, r);
-      adst.copy_from(w.a.narrow(1, off, inter_local_));
-      Tensor bdst = b_host.select(0, e).narrow(1, 0, r);
-      bdst.copy_from(w.b.narrow(0, b_start, b_rows));
-    }
-    writes.push_back({w2_a_.select(0, slot), a_host});
-    writes.push_back({w2_b_.select(0, slot), b_host});
-  }
-  const Stream stream = Stream::default_for(device_);
-  reset_lora(slot);
+  clear_lora(slot, stream);
   layers_detail::apply_writes(writes, stream);
   for (int s = 0; s < 2; ++s) {
-    ranks13_.set(s, slot, shrink13[s], stream);
+    ranks13_.set(s, slot, shrink[s], stream);
     if (fs) ranks13_expand_.set(s, slot, expand13[s], stream);
   }
-  ranks2_.set(0, slot, max_rank[2], stream);
+  ranks2_.set(0, slot, shrink[2], stream);
   for (int p = 0; p < 3; ++p) {
     host_ranks_[static_cast<size_t>(p * config_.max_loras + slot)] = max_rank[p];
   }
   const bool enabled = max_rank[0] + max_rank[1] + max_rank[2] > 0;
   Tensor flag = adapter_enabled_.narrow(0, slot, 1);
-  flag.copy_from(Tensor::from_vector<int32_t>({enabled ? 1 : 0}, {1}), stream);
-  stream.synchronize();
+  layers_detail::write_int32(flag, enabled ? 1 : 0, stream);
 }
 
 void FusedMoeWithLora::reset_lora(int slot) {
+  const Stream stream = Stream::default_for(device_);
+  clear_lora(slot, stream);
+  stream.synchronize();
+}
+
+void FusedMoeWithLora::reset_lora(int slot, const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, kName);
+  clear_lora(slot, copy_stream);
+}
+
+void FusedMoeWithLora::clear_lora(int slot, const Stream& stream) {
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, kName, ": reset_lora slot ", slot,
                  " outside [0, max_loras ", config_.max_loras, ")");
-  const Stream stream = Stream::default_for(device_);
   Tensor flag = adapter_enabled_.narrow(0, slot, 1);
-  flag.copy_from(Tensor::from_vector<int32_t>({0}, {1}), stream);
+  layers_detail::write_int32(flag, 0, stream);
   for (int s = 0; s < 2; ++s) {
     ranks13_.set(s, slot, 0, stream);
     if (config_.fully_sharded) ranks13_expand_.set(s, slot, 0, stream);
   }
   ranks2_.set(0, slot, 0, stream);
   for (int p = 0; p < 3; ++p) host_ranks_[static_cast<size_t>(p * config_.max_loras + slot)] = 0;
-  stream.synchronize();
 }
 
 Tensor FusedMoeWithLora::forward(const Tensor& x, const PunicaWrapper& punica,

@@ -98,7 +98,14 @@ class FusedMoeWithLora {
 
   /// Throws loraplex::Error (slot unchanged) on a wrong shape, list length or rank.
   void set_lora(int slot, const MoeLoraWeights& weights);
+  /// The same, in `copy_stream` order (see LoraLinear::set_lora with a stream): a projection
+  /// whose experts are all pinned and in lora_dtype is uploaded without waiting (the slot's
+  /// stacks are zeroed on the device, then each expert copied); others (and fully sharded
+  /// layers) are staged on the host and waited for.
+  void set_lora(int slot, const MoeLoraWeights& weights, const Stream& copy_stream);
   void reset_lora(int slot);
+  /// The same, in `copy_stream` order, without waiting.
+  void reset_lora(int slot, const Stream& copy_stream);
 
   /// x: [num_tokens, hidden] in, contiguous. Returns a view of the layer's output buffer
   /// [num_tokens, hidden] (allocated by the first call), valid until the next forward. Every
@@ -113,6 +120,8 @@ class FusedMoeWithLora {
 
  private:
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
+  void write_lora(int slot, const MoeLoraWeights& weights, const Stream& stream);
+  void clear_lora(int slot, const Stream& stream);
   void load_experts(const Tensor& router, const std::vector<Tensor>& gate,
                     const std::vector<Tensor>& up, const std::vector<Tensor>& down);
   void route_on_host(int64_t tokens, const Stream& stream);

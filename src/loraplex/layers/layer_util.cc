@@ -1,6 +1,7 @@
 #include "loraplex/layers/layer_util.h"
 
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/cuda/table_write.h"
 
 namespace loraplex {
 
@@ -73,11 +74,48 @@ Tensor host_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t n
   return out;
 }
 
+bool uploadable(const Tensor& t, DType dtype) {
+  if (!t.is_pinned() || t.dtype() != dtype || t.dim() != 2) return false;
+  return t.is_contiguous() || (t.stride(1) == 1 && t.stride(0) >= t.size(1));
+}
+
+Tensor source_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc, DType dtype) {
+  const Tensor view = t.narrow(0, r0, nr).narrow(1, c0, nc);
+  return uploadable(view, dtype) ? view : host_block(t, r0, nr, c0, nc, dtype);
+}
+
 void apply_writes(const std::vector<PendingWrite>& writes, const Stream& stream) {
   for (const PendingWrite& w : writes) {
     Tensor dst = w.dst;
-    dst.copy_from(w.src, stream);
+    if (!w.src.defined()) {
+      dst.zero_(stream);
+    } else if (w.src.is_pinned()) {
+      dst.copy_from_async(w.src, stream);
+    } else {
+      dst.copy_from(w.src, stream);
+    }
   }
+}
+
+void write_int32(Tensor& t, int32_t value, const Stream& stream) {
+  LORAPLEX_CHECK(t.defined() && t.dtype() == DType::kI32 && t.numel() == 1,
+                 "write_int32 needs an int32 [1] view, got ",
+                 t.defined() ? t.describe() : "undefined");
+  if (t.device().is_cpu()) {
+    t.data<int32_t>()[0] = value;
+    return;
+  }
+  const int device = t.device().index;
+  if (cuda_rt::current_device() != device) cuda_rt::set_device(device);
+  kernels::cuda::ColumnValues v;
+  v.count = 1;
+  v.values[0] = value;
+  throw_if_error(kernels::cuda::write_column(t.data<int32_t>(), 1, 0, 0, v, stream.handle()));
+}
+
+void check_copy_stream(const Stream& stream, Device device, const std::string& layer) {
+  LORAPLEX_CHECK(stream.device() == device, layer, ": copy stream is on ", stream.device(),
+                 ", the layer is on ", device);
 }
 
 Tensor workspace_view(const Tensor& flat, const Shape& shape) {

@@ -38,14 +38,30 @@ int check_lora_pair(const LoraSliceWeights& w, int64_t in, int64_t out, int max_
 /// Rows [r0, r0 + nr) and columns [c0, c0 + nc) of a 2-D CPU tensor as a new contiguous CPU
 /// tensor in `dtype`.
 Tensor host_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc, DType dtype);
+/// True when a GPU can upload the CPU tensor `t` as it is, without waiting or staging: pinned,
+/// already in `dtype`, 2-D with contiguous rows.
+bool uploadable(const Tensor& t, DType dtype);
+/// The same block as a view of `t` itself when uploadable, else host_block's copy.
+Tensor source_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc, DType dtype);
 
 /// A device write prepared by set_lora before anything is modified: dst (a view of a layer
-/// stack) <- src (a contiguous CPU tensor of the same shape and dtype).
+/// stack) <- src (a CPU tensor of the same shape and dtype with contiguous rows), or dst <- 0
+/// when src is undefined.
 struct PendingWrite {
   Tensor dst;
   Tensor src;
 };
+/// Enqueues the writes on `stream` in order. Pinned sources are copied without waiting (the
+/// caller keeps them alive until `stream` has passed the copies); a pageable source makes the
+/// host wait for its copy (Tensor::copy_from).
 void apply_writes(const std::vector<PendingWrite>& writes, const Stream& stream);
+
+/// t[0] = value for an int32 [1] view of a layer table, in `stream` order without a host wait
+/// (see SlotRanks).
+void write_int32(Tensor& t, int32_t value, const Stream& stream);
+
+/// Throws unless `stream` can carry uploads to a layer on `device` (`layer` names it).
+void check_copy_stream(const Stream& stream, Device device, const std::string& layer);
 
 /// The first `numel` elements of a flat workspace, viewed as `shape`.
 Tensor workspace_view(const Tensor& flat, const Shape& shape);

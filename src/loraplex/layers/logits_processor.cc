@@ -8,7 +8,7 @@
 
 namespace loraplex {
 
-using layers_detail::host_block;
+using layers_detail::source_block;
 
 LogitsProcessorWithLora::LogitsProcessorWithLora(int64_t hidden, int64_t vocab, DType dtype,
                                                  const LoraConfig& config, Communicator* comm,
@@ -98,6 +98,19 @@ void LogitsProcessorWithLora::load_base(const Tensor& lm_head, const Tensor& bia
 }
 
 void LogitsProcessorWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {
+  const Stream stream = Stream::default_for(device_);
+  write_lora(slot, slices, stream);
+  stream.synchronize();
+}
+
+void LogitsProcessorWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices,
+                                       const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, "LogitsProcessorWithLora");
+  write_lora(slot, slices, copy_stream);
+}
+
+void LogitsProcessorWithLora::write_lora(int slot, const std::vector<LoraSliceWeights>& slices,
+                                         const Stream& stream) {
   const std::string where = "LogitsProcessorWithLora set_lora slot " + std::to_string(slot);
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, where, ": slot outside [0, max_loras ",
                  config_.max_loras, ")");
@@ -106,39 +119,45 @@ void LogitsProcessorWithLora::set_lora(int slot, const std::vector<LoraSliceWeig
   const int r =
       layers_detail::check_lora_pair(slices[0], hidden_, vocab_, config_.max_lora_rank, where);
   if (r == 0) {
-    reset_lora(slot);
+    clear_lora(slot, stream);
     return;
   }
-  Tensor a_host = host_block(slices[0].a, 0, r, 0, hidden_, dtype_);
-  Tensor b_host;
+  std::vector<layers_detail::PendingWrite> writes;
+  writes.push_back({lora_a_.select(0, slot).narrow(0, 0, r),
+                    source_block(slices[0].a, 0, r, 0, hidden_, dtype_)});
+  Tensor b_slot = lora_b_.select(0, slot).narrow(1, 0, r);
   if (config_.fully_sharded) {
-    b_host = Tensor::zeros({shard_, r}, dtype_);
+    // Rows past the vocabulary (padding of the last shard) are never written: they stay zero.
     const int64_t rows = std::max<int64_t>(0, std::min(shard_, vocab_ - vocab_start_));
     if (rows > 0) {
-      Tensor dst = b_host.narrow(0, 0, rows);
-      dst.copy_from(slices[0].b.narrow(0, vocab_start_, rows));
+      writes.push_back(
+          {b_slot.narrow(0, 0, rows), source_block(slices[0].b, vocab_start_, rows, 0, r, dtype_)});
     }
   } else {
-    b_host = host_block(slices[0].b, 0, vocab_, 0, r, dtype_);
+    writes.push_back({b_slot, source_block(slices[0].b, 0, vocab_, 0, r, dtype_)});
   }
-  const Stream stream = Stream::default_for(device_);
-  ranks_.set(0, slot, 0, stream);
-  Tensor a_dst = lora_a_.select(0, slot).narrow(0, 0, r);
-  a_dst.copy_from(a_host, stream);
-  Tensor b_dst = lora_b_.select(0, slot).narrow(1, 0, r);
-  b_dst.copy_from(b_host, stream);
+  clear_lora(slot, stream);
+  layers_detail::apply_writes(writes, stream);
   ranks_.set(0, slot, r, stream);
   host_ranks_[static_cast<size_t>(slot)] = r;
-  stream.synchronize();
 }
 
 void LogitsProcessorWithLora::reset_lora(int slot) {
+  const Stream stream = Stream::default_for(device_);
+  clear_lora(slot, stream);
+  stream.synchronize();
+}
+
+void LogitsProcessorWithLora::reset_lora(int slot, const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, "LogitsProcessorWithLora");
+  clear_lora(slot, copy_stream);
+}
+
+void LogitsProcessorWithLora::clear_lora(int slot, const Stream& stream) {
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, "LogitsProcessorWithLora: reset_lora slot ",
                  slot, " outside [0, ", config_.max_loras, ")");
-  const Stream stream = Stream::default_for(device_);
   ranks_.set(0, slot, 0, stream);
   host_ranks_[static_cast<size_t>(slot)] = 0;
-  stream.synchronize();
 }
 
 Tensor LogitsProcessorWithLora::forward(const Tensor& hidden_states, const PunicaWrapper& punica,

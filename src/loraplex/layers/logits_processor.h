@@ -36,7 +36,12 @@ class LogitsProcessorWithLora {
   /// slices: exactly one {a [rank, hidden], b [vocab, rank]} (lm_head's lora_A / lora_B with
   /// the scale folded in), CPU, any float dtype; undefined = no lm_head LoRA.
   void set_lora(int slot, const std::vector<LoraSliceWeights>& slices);
+  /// The same, in `copy_stream` order without waiting when the sources are pinned and in
+  /// lora_dtype (see LoraLinear::set_lora with a stream).
+  void set_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& copy_stream);
   void reset_lora(int slot);
+  /// The same, in `copy_stream` order, without waiting.
+  void reset_lora(int slot, const Stream& copy_stream);
 
   /// hidden_states: [num_seqs, hidden] in (the rows to sample, one per sequence, matching the
   /// wrapper's sampler mapping). Returns a view of the layer's buffer [num_seqs, vocab], valid
@@ -52,6 +57,8 @@ class LogitsProcessorWithLora {
 
  private:
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
+  void write_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream);
+  void clear_lora(int slot, const Stream& stream);
   struct Scratch {
     Tensor local;    // tp > 1: [seqs, shard]
     Tensor staging;  // tp > 1: [tp * seqs, shard]

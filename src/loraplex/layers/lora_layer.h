@@ -7,6 +7,10 @@
 // into B. The layer validates everything first (so a failed set_lora leaves the slot as it
 // was), slices A and B for its tensor-parallel rank, converts to lora_dtype and writes its
 // device stacks. A rank-r adapter runs at rank r (SlotRanks), never at max_lora_rank.
+// set_lora(slot, slices, copy_stream) and reset_lora(slot, copy_stream) do the same in
+// copy_stream order: sources already pinned, in lora_dtype and with contiguous rows are copied
+// without a host wait (the slot's ranks follow its weights on that stream); the caller keeps
+// them alive and makes the compute stream wait for copy_stream before using the slot.
 //
 // Thread safety: set_lora / reset_lora must not run concurrently with forward (or with each
 // other) on the same layer; the adapter manager serialises them. forward itself is not

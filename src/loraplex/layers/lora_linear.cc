@@ -11,6 +11,7 @@ namespace loraplex {
 using layers_detail::ceil_div;
 using layers_detail::host_block;
 using layers_detail::PendingWrite;
+using layers_detail::source_block;
 using layers_detail::workspace_view;
 
 namespace {
@@ -257,6 +258,19 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
 }
 
 void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {
+  const Stream stream = Stream::default_for(device_);
+  write_lora(slot, slices, stream);
+  stream.synchronize();
+}
+
+void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices,
+                          const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, spec_.kind);
+  write_lora(slot, slices, copy_stream);
+}
+
+void LoraLinear::write_lora(int slot, const std::vector<LoraSliceWeights>& slices,
+                            const Stream& stream) {
   const std::string& k = spec_.kind;
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, k, ": set_lora slot ", slot,
                  " outside [0, max_loras ", config_.max_loras, ")");
@@ -275,7 +289,8 @@ void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices)
         k + " set_lora slot " + std::to_string(slot) + " slice " + std::to_string(s));
   }
   std::vector<PendingWrite> writes;
-  std::vector<std::pair<int, int>> shrink_expand(static_cast<size_t>(num_lora));
+  std::vector<int32_t> shrink(static_cast<size_t>(num_lora), 0);
+  std::vector<int32_t> expand(static_cast<size_t>(num_lora), 0);
   for (int s = 0; s < num_lora; ++s) {
     const int r = ranks[static_cast<size_t>(s)];
     if (r == 0) continue;
@@ -284,17 +299,30 @@ void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices)
     Tensor a_slot = lora_a_[static_cast<size_t>(s)].select(0, slot);
     Tensor b_slot = lora_b_[static_cast<size_t>(s)].select(0, slot);
     const int64_t width = lora_width_[static_cast<size_t>(s)];
+    shrink[static_cast<size_t>(s)] = r;
+    expand[static_cast<size_t>(s)] = r;
     if (row) {
-      writes.push_back({a_slot.narrow(0, 0, r), host_block(a, 0, r, in_offset_, in_local_, dt)});
+      writes.push_back({a_slot.narrow(0, 0, r), source_block(a, 0, r, in_offset_, in_local_, dt)});
       const int64_t b_start = fully_sharded_row() ? rank_ * width : 0;
-      writes.push_back({b_slot.narrow(1, 0, r), host_block(b, b_start, width, 0, r, dt)});
-      shrink_expand[static_cast<size_t>(s)] = {r, r};
+      writes.push_back({b_slot.narrow(1, 0, r), source_block(b, b_start, width, 0, r, dt)});
       continue;
     }
     // Column and replicated: B keeps this rank's output rows of every output slice it spans.
-    Tensor b_local = Tensor::empty({width, r}, dt);
     const size_t first = spec_.fused_lora ? 0 : static_cast<size_t>(s);
     const size_t last = spec_.fused_lora ? slices_.size() : first + 1;
+    if (!fully_sharded_column()) {
+      writes.push_back({a_slot.narrow(0, 0, r), source_block(a, 0, r, 0, spec_.in_features, dt)});
+      int64_t row_out = 0;
+      for (size_t o = first; o < last; ++o) {
+        const LocalSlice& ls = slices_[o];
+        const int64_t b_row = (spec_.fused_lora ? ls.full_offset : 0) + ls.shard_start;
+        writes.push_back({b_slot.narrow(1, 0, r).narrow(0, row_out, ls.local_size),
+                          source_block(b, b_row, ls.local_size, 0, r, dt)});
+        row_out += ls.local_size;
+      }
+      continue;
+    }
+    Tensor b_local = Tensor::empty({width, r}, dt);
     int64_t row_out = 0;
     for (size_t o = first; o < last; ++o) {
       const LocalSlice& ls = slices_[o];
@@ -303,49 +331,46 @@ void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices)
       dst.copy_from(b.narrow(0, b_row, ls.local_size));
       row_out += ls.local_size;
     }
-    Tensor a_full = host_block(a, 0, r, 0, spec_.in_features, dt);
-    if (!fully_sharded_column()) {
-      writes.push_back({a_slot.narrow(0, 0, r), a_full});
-      writes.push_back({b_slot.narrow(1, 0, r), b_local});
-      shrink_expand[static_cast<size_t>(s)] = {r, r};
-      continue;
-    }
-    Tensor a_cyclic = layers_detail::cyclic_rank_rows(a_full, tp_, rank_);
+    Tensor a_cyclic =
+        layers_detail::cyclic_rank_rows(host_block(a, 0, r, 0, spec_.in_features, dt), tp_, rank_);
     const int c = static_cast<int>(a_cyclic.size(0));
     Tensor b_padded = Tensor::zeros({width, static_cast<int64_t>(c) * tp_}, dt);
     Tensor b_head = b_padded.narrow(1, 0, r);
     b_head.copy_from(b_local);
     writes.push_back({a_slot.narrow(0, 0, c), a_cyclic});
     writes.push_back({b_slot.narrow(1, 0, c * tp_), b_padded});
-    shrink_expand[static_cast<size_t>(s)] = {c, c * tp_};
+    shrink[static_cast<size_t>(s)] = c;
+    expand[static_cast<size_t>(s)] = c * tp_;
   }
-  const Stream stream = Stream::default_for(device_);
   // Rank 0 first: while the weights are being replaced the slot has no effect at all.
-  for (int s = 0; s < num_lora; ++s) {
-    ranks_.set(s, slot, 0, stream);
-    if (fully_sharded_column()) expand_ranks_.set(s, slot, 0, stream);
-  }
+  clear_lora(slot, stream);
   layers_detail::apply_writes(writes, stream);
+  ranks_.set_slot(slot, shrink, stream);
+  if (fully_sharded_column()) expand_ranks_.set_slot(slot, expand, stream);
   for (int s = 0; s < num_lora; ++s) {
-    ranks_.set(s, slot, shrink_expand[static_cast<size_t>(s)].first, stream);
-    if (fully_sharded_column()) {
-      expand_ranks_.set(s, slot, shrink_expand[static_cast<size_t>(s)].second, stream);
-    }
     host_ranks_[static_cast<size_t>(s * config_.max_loras + slot)] = ranks[static_cast<size_t>(s)];
   }
-  stream.synchronize();
 }
 
 void LoraLinear::reset_lora(int slot) {
+  const Stream stream = Stream::default_for(device_);
+  clear_lora(slot, stream);
+  stream.synchronize();
+}
+
+void LoraLinear::reset_lora(int slot, const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, spec_.kind);
+  clear_lora(slot, copy_stream);
+}
+
+void LoraLinear::clear_lora(int slot, const Stream& stream) {
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, spec_.kind, ": reset_lora slot ", slot,
                  " outside [0, max_loras ", config_.max_loras, ")");
-  const Stream stream = Stream::default_for(device_);
+  ranks_.set_slot(slot, 0, stream);
+  if (fully_sharded_column()) expand_ranks_.set_slot(slot, 0, stream);
   for (int s = 0; s < num_lora_slices(); ++s) {
-    ranks_.set(s, slot, 0, stream);
-    if (fully_sharded_column()) expand_ranks_.set(s, slot, 0, stream);
     host_ranks_[static_cast<size_t>(s * config_.max_loras + slot)] = 0;
   }
-  stream.synchronize();
 }
 
 Tensor LoraLinear::forward(const Tensor& x, const PunicaWrapper& punica, const Stream& stream) {

@@ -100,8 +100,17 @@ class LoraLinear {
   /// lora_layer.h). Throws loraplex::Error and leaves the slot unchanged on a wrong shape, a
   /// rank above max_lora_rank, or a slot outside [0, max_loras).
   void set_lora(int slot, const std::vector<LoraSliceWeights>& slices);
+  /// The same, enqueued on `copy_stream` (on the layer's device) without waiting for it when
+  /// the sources are pinned and already in lora_dtype with contiguous rows (the adapter
+  /// manager's packed adapters): the slot's weights and then its ranks are written in stream
+  /// order. The caller keeps the sources alive and unchanged, and makes the compute stream
+  /// wait for `copy_stream` (an Event) before a forward uses the slot. Other sources (and
+  /// fully sharded column layers, whose A is re-ordered) are staged on the host and waited for.
+  void set_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& copy_stream);
   /// The slot has exactly no effect afterwards (every slice at rank 0).
   void reset_lora(int slot);
+  /// The same, in `copy_stream` order, without waiting.
+  void reset_lora(int slot, const Stream& copy_stream);
 
   /// y = base(x) + LoRA(x) for the tokens of `punica`'s current step.
   /// x: [num_tokens, input_width()] in (rows contiguous); row layers with
@@ -144,6 +153,9 @@ class LoraLinear {
     int groups = 1;           // distinct shards (fewer than tp when KV heads are replicated)
   };
 
+  // set_lora's work, enqueued on `stream`; waits only for pageable sources.
+  void write_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream);
+  void clear_lora(int slot, const Stream& stream);
   bool fully_sharded_column() const;
   bool fully_sharded_row() const;
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }

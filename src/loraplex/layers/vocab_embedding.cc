@@ -61,6 +61,19 @@ void VocabEmbeddingWithLora::load_base(const Tensor& weight) {
 }
 
 void VocabEmbeddingWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {
+  const Stream stream = Stream::default_for(device_);
+  write_lora(slot, slices, stream);
+  stream.synchronize();
+}
+
+void VocabEmbeddingWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices,
+                                      const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, "VocabEmbeddingWithLora");
+  write_lora(slot, slices, copy_stream);
+}
+
+void VocabEmbeddingWithLora::write_lora(int slot, const std::vector<LoraSliceWeights>& slices,
+                                        const Stream& stream) {
   const std::string where = "VocabEmbeddingWithLora set_lora slot " + std::to_string(slot);
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, where, ": slot outside [0, max_loras ",
                  config_.max_loras, ")");
@@ -68,34 +81,41 @@ void VocabEmbeddingWithLora::set_lora(int slot, const std::vector<LoraSliceWeigh
                  " slices, expected one {lora_embedding_A, lora_embedding_B}");
   const int r =
       layers_detail::check_lora_pair(slices[0], vocab_, hidden_, config_.max_lora_rank, where);
-  const Stream stream = Stream::default_for(device_);
   if (r == 0) {
-    reset_lora(slot);
+    clear_lora(slot, stream);
     return;
   }
   // PEFT's A is [rank, vocab]; the table holds its transpose, rows = token ids.
   const Tensor a_t = slices[0].a.transpose(0, 1);
   const int64_t first = config_.fully_sharded ? vocab_start_ : 0;
   const int64_t rows = config_.fully_sharded ? local_rows_ : vocab_;
-  Tensor a_host = host_block(a_t, first, rows, 0, r, dtype_);
-  Tensor b_host = host_block(slices[0].b, 0, hidden_, 0, r, dtype_);
-  ranks_.set(0, slot, 0, stream);
-  Tensor a_dst = lora_a_.select(0, slot).narrow(0, 0, rows).narrow(1, 0, r);
-  a_dst.copy_from(a_host, stream);
-  Tensor b_dst = lora_b_.select(0, slot).narrow(1, 0, r);
-  b_dst.copy_from(b_host, stream);
+  const std::vector<layers_detail::PendingWrite> writes = {
+      {lora_a_.select(0, slot).narrow(0, 0, rows).narrow(1, 0, r),
+       host_block(a_t, first, rows, 0, r, dtype_)},
+      {lora_b_.select(0, slot).narrow(1, 0, r),
+       layers_detail::source_block(slices[0].b, 0, hidden_, 0, r, dtype_)}};
+  clear_lora(slot, stream);
+  layers_detail::apply_writes(writes, stream);
   ranks_.set(0, slot, r, stream);
   host_ranks_[static_cast<size_t>(slot)] = r;
-  stream.synchronize();
 }
 
 void VocabEmbeddingWithLora::reset_lora(int slot) {
+  const Stream stream = Stream::default_for(device_);
+  clear_lora(slot, stream);
+  stream.synchronize();
+}
+
+void VocabEmbeddingWithLora::reset_lora(int slot, const Stream& copy_stream) {
+  layers_detail::check_copy_stream(copy_stream, device_, "VocabEmbeddingWithLora");
+  clear_lora(slot, copy_stream);
+}
+
+void VocabEmbeddingWithLora::clear_lora(int slot, const Stream& stream) {
   LORAPLEX_CHECK(slot >= 0 && slot < config_.max_loras, "VocabEmbeddingWithLora: reset_lora slot ",
                  slot, " outside [0, ", config_.max_loras, ")");
-  const Stream stream = Stream::default_for(device_);
   ranks_.set(0, slot, 0, stream);
   host_ranks_[static_cast<size_t>(slot)] = 0;
-  stream.synchronize();
 }
 
 Tensor VocabEmbeddingWithLora::forward(const Tensor& token_ids, const PunicaWrapper& punica,

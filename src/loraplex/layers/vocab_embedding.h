@@ -36,7 +36,13 @@ class VocabEmbeddingWithLora {
   /// [hidden, rank] (scale folded in), CPU, any float dtype; undefined = no embedding LoRA.
   /// Throws (slot unchanged) on a wrong shape or rank > max_lora_rank.
   void set_lora(int slot, const std::vector<LoraSliceWeights>& slices);
+  /// The same, in `copy_stream` order (see LoraLinear::set_lora with a stream): B is uploaded
+  /// without waiting when pinned and in lora_dtype; A is transposed on the host, so its upload
+  /// is waited for.
+  void set_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& copy_stream);
   void reset_lora(int slot);
+  /// The same, in `copy_stream` order, without waiting.
+  void reset_lora(int slot, const Stream& copy_stream);
 
   /// token_ids: int32 [num_tokens] on the layer's device, each in [0, vocab). Returns a view
   /// of the layer's output buffer [num_tokens, hidden] (allocated by the first call), valid
@@ -55,6 +61,8 @@ class VocabEmbeddingWithLora {
 
  private:
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
+  void write_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream);
+  void clear_lora(int slot, const Stream& stream);
 
   int64_t vocab_;
   int64_t hidden_;

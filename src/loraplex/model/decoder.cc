@@ -54,7 +54,7 @@ LoraLayerHandle moe_handle(FusedMoeWithLora& moe, const std::string& name) {
   const int64_t inter = moe.spec().intermediate;
   FusedMoeWithLora* layer = &moe;
   auto set = [layer, e_count, inter, name](int slot, const std::vector<LoraSlice>& slices,
-                                           const Stream&) {
+                                           const Stream& stream) {
     MoeLoraWeights w;
     const bool has_3d_up = slices[0].a.defined();
     const bool has_3d_down = slices[1].a.defined();
@@ -87,9 +87,9 @@ LoraLayerHandle moe_handle(FusedMoeWithLora& moe, const std::string& name) {
         lists[k]->push_back({sl.a, sl.b});
       }
     }
-    layer->set_lora(slot, w);
+    layer->set_lora(slot, w, stream);
   };
-  auto reset = [layer](int slot, const Stream&) { layer->reset_lora(slot); };
+  auto reset = [layer](int slot, const Stream& stream) { layer->reset_lora(slot, stream); };
   return LoraLayerHandle(name, 2 + 3 * e_count, set, reset);
 }
 

@@ -1,6 +1,9 @@
 #include "loraplex/punica/slot_ranks.h"
 
+#include <algorithm>
+
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/cuda/table_write.h"
 
 namespace loraplex {
 
@@ -20,26 +23,49 @@ int32_t SlotRanks::get(int slice, int slot) const {
   return host_.data<int32_t>()[slice * max_loras_ + slot];
 }
 
-void SlotRanks::set(int slice, int slot, int32_t rank, const Stream& stream) {
-  get(slice, slot);  // validates the indices
+void SlotRanks::check_rank(int slot, int32_t rank) const {
   LORAPLEX_CHECK(rank >= 0 && rank <= max_rank_, "LoRA rank ", rank, " for slot ", slot,
                  " is outside [0, max_lora_rank ", max_rank_, "]");
+}
+
+void SlotRanks::set(int slice, int slot, int32_t rank, const Stream& stream) {
+  get(slice, slot);  // validates the indices
+  check_rank(slot, rank);
   host_.data<int32_t>()[slice * max_loras_ + slot] = rank;
-  upload(stream);
+  upload(slice, 1, slot, stream);
 }
 
 void SlotRanks::set_slot(int slot, int32_t rank, const Stream& stream) {
-  LORAPLEX_CHECK(rank >= 0 && rank <= max_rank_, "LoRA rank ", rank, " for slot ", slot,
-                 " is outside [0, max_lora_rank ", max_rank_, "]");
-  for (int s = 0; s < num_slices_; ++s) {
-    get(s, slot);
-    host_.data<int32_t>()[s * max_loras_ + slot] = rank;
-  }
-  upload(stream);
+  get(0, slot);
+  check_rank(slot, rank);
+  for (int s = 0; s < num_slices_; ++s) host_.data<int32_t>()[s * max_loras_ + slot] = rank;
+  upload(0, num_slices_, slot, stream);
 }
 
-void SlotRanks::upload(const Stream& stream) {
-  if (device_.device().is_cuda()) device_.copy_from(host_, stream);
+void SlotRanks::set_slot(int slot, std::span<const int32_t> ranks, const Stream& stream) {
+  get(0, slot);
+  LORAPLEX_CHECK(static_cast<int>(ranks.size()) == num_slices_, "SlotRanks: ", ranks.size(),
+                 " ranks for slot ", slot, ", expected one per slice (", num_slices_, ")");
+  for (int32_t r : ranks) check_rank(slot, r);
+  for (int s = 0; s < num_slices_; ++s) {
+    host_.data<int32_t>()[s * max_loras_ + slot] = ranks[static_cast<size_t>(s)];
+  }
+  upload(0, num_slices_, slot, stream);
+}
+
+void SlotRanks::upload(int first_slice, int count, int slot, const Stream& stream) {
+  if (!device_.device().is_cuda()) return;  // the CPU table is the host table
+  // The kernel launches on the calling thread's current device: make it the table's.
+  const int device = device_.device().index;
+  if (cuda_rt::current_device() != device) cuda_rt::set_device(device);
+  const int32_t* host = host_.data<int32_t>();
+  for (int s0 = first_slice; s0 < first_slice + count; s0 += kernels::cuda::kMaxColumnValues) {
+    kernels::cuda::ColumnValues v;
+    v.count = std::min(kernels::cuda::kMaxColumnValues, first_slice + count - s0);
+    for (int i = 0; i < v.count; ++i) v.values[i] = host[(s0 + i) * max_loras_ + slot];
+    throw_if_error(kernels::cuda::write_column(device_.data<int32_t>(), max_loras_, s0, slot, v,
+                                               stream.handle()));
+  }
 }
 
 }  // namespace loraplex

@@ -4,6 +4,7 @@
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/cuda/table_write.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -49,6 +50,9 @@ Status moe_lora_align_block_size(const MoeAlignArgs&, StreamHandle) {
   return no_cuda("moe_lora_align_block_size");
 }
 Status fused_moe_lora(const FusedMoeLoraArgs&, StreamHandle) { return no_cuda("fused_moe_lora"); }
+Status write_column(int32_t*, int64_t, int64_t, int64_t, const ColumnValues&, StreamHandle) {
+  return no_cuda("write_column");
+}
 
 DeviceInfo device_info(int) { throw_no_cuda("device_info"); }
 Graph::~Graph() = default;
