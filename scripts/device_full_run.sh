@@ -2,7 +2,8 @@
 # The lead's full GPU check, run on the GPU machine from the repository root: builds every
 # target (with the dependencies packed by scripts/pack_device_deps.sh into .device/deps),
 # runs the whole CTest suite, `loraplex generate` on the tiny fixture in float32 and
-# bfloat16 against PEFT's tokens, and optionally the kernel benchmark (BENCH=1).
+# bfloat16 against PEFT's tokens, and optionally the kernel benchmark (BENCH=1) and the
+# load-while-serving benchmark (ADAPTER_BENCH=1).
 # Results go to $OUT (ctest.log, build.log, generate_*.jsonl, bench.json).
 set -uo pipefail
 out=${OUT:-/tmp/loraplex_out}
@@ -43,8 +44,16 @@ print(f"  {len(got)} requests: all 12 tokens equal in {same}, first token equal 
 PY
 done
 
+if [[ "${ADAPTER_BENCH:-0}" == 1 ]]; then
+  for mode in async sync; do
+    timeout 300 build/tools/loraplex bench adapter-load --upload $mode \
+      --json "$out/adapter_load_$mode.json" --commit "${LORAPLEX_COMMIT:-unknown}" 2>&1 | tail -12
+    echo "bench adapter-load ($mode) status $?"
+  done
+fi
+
 if [[ "${BENCH:-0}" == 1 ]]; then
-  build/tools/loraplex bench kernels --json "$out/bench.json" --commit "${LORAPLEX_COMMIT:-unknown}" \
+  timeout 420 build/tools/loraplex bench kernels --json "$out/bench.json" --commit "${LORAPLEX_COMMIT:-unknown}" \
     ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   echo "bench status $?"
   python3 scripts/bench_table.py "$out/bench.json" | tail -60
