@@ -160,7 +160,8 @@ struct MoeAlignSizes {
   int64_t max_num_tokens_padded = 0;
   int64_t max_num_m_blocks = 0;
 };
-/// Buffer sizes for moe_lora_align_block_size, as vLLM sizes them.
+/// Buffer sizes for moe_lora_align_block_size: vLLM's worst case (every expert group padded),
+/// rounded up to whole blocks.
 MoeAlignSizes moe_align_sizes(int64_t num_pairs, int num_experts, int block_size);
 /// True when vLLM would skip alignment: num_tokens * top_k * 8 <= num_experts * max_loras.
 bool moe_use_naive_blocks(int64_t num_tokens, int top_k, int num_experts, int max_loras);
