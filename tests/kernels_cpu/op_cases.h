@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,8 @@ struct LinearCase {
 
 /// Readable and unique: "bf16_t77_l4_r16of32_h61_w40x9_zipf_none20".
 std::string case_name(const LinearCase& c);
+/// GoogleTest prints test parameters with PrintTo: the case name instead of raw bytes.
+inline void PrintTo(const LinearCase& c, std::ostream* os) { *os << case_name(c); }
 /// The shrink/expand case table: every dtype x rank x slice count pair at least once (ranks
 /// 1, 8, 16, 64, 128 and mixed), tokens 1, 3, 77, 199, 1024, max_loras 1, 4, 32, every slot
 /// distribution, small odd hidden sizes and one 4096, base-only tokens mixed in.
@@ -148,6 +151,8 @@ struct EmbeddingCase {
   double none_fraction;
 };
 std::string case_name(const EmbeddingCase& c);
+/// GoogleTest prints test parameters with PrintTo: the case name instead of raw bytes.
+inline void PrintTo(const EmbeddingCase& c, std::ostream* os) { *os << case_name(c); }
 const std::vector<EmbeddingCase>& embedding_cases();
 
 struct EmbeddingProblem {
@@ -189,6 +194,8 @@ struct Fp8Case {
   bool add_inputs;
 };
 std::string case_name(const Fp8Case& c);
+/// GoogleTest prints test parameters with PrintTo: the case name instead of raw bytes.
+inline void PrintTo(const Fp8Case& c, std::ostream* os) { *os << case_name(c); }
 const std::vector<Fp8Case>& fp8_cases();
 
 struct Fp8Problem {
@@ -247,6 +254,8 @@ struct MoeCase {
   double none_fraction;
 };
 std::string case_name(const MoeCase& c);
+/// GoogleTest prints test parameters with PrintTo: the case name instead of raw bytes.
+inline void PrintTo(const MoeCase& c, std::ostream* os) { *os << case_name(c); }
 const std::vector<MoeCase>& moe_cases();
 
 struct MoeProblem {
