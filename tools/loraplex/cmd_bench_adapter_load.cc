@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli_args.h"
 #include "command.h"
 #include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/adapters/safetensors.h"
@@ -90,19 +91,6 @@ struct Options {
 };
 
 constexpr int kServed = 4;  // adapters leased in both phases
-
-int64_t parse_int(const std::string& flag, const std::string& value, int64_t lo) {
-  size_t used = 0;
-  long long v = 0;
-  try {
-    v = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LORAPLEX_CHECK(used == value.size() && v >= lo, flag, " expects an integer >= ", lo, ", got '",
-                 value, "'");
-  return v;
-}
 
 Options parse(const std::vector<std::string>& args) {
   Options o;

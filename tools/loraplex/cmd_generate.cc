@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_args.h"
 #include "command.h"
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
@@ -44,32 +45,6 @@ const char* kHelp =
     "  --max-lora-rank R      largest adapter rank (default: the largest among the adapters)\n"
     "  --max-num-seqs N       sequences in one batch (default: all requests)\n"
     "  --stats                print load/generation times and batch sizes to standard error\n";
-
-int64_t parse_int(const std::string& flag, const std::string& value, int64_t lo) {
-  size_t used = 0;
-  long long v = 0;
-  try {
-    v = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LORAPLEX_CHECK(used == value.size() && !value.empty() && v >= lo, flag,
-                 " expects an integer >= ", lo, ", got '", value, "'");
-  return v;
-}
-
-float parse_float(const std::string& flag, const std::string& value) {
-  size_t used = 0;
-  float v = 0.0f;
-  try {
-    v = std::stof(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LORAPLEX_CHECK(used == value.size() && !value.empty(), flag, " expects a number, got '", value,
-                 "'");
-  return v;
-}
 
 int run(const std::vector<std::string>& args) {
   engine::GenerateConfig cfg;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_args.h"
 #include "command.h"
 #include "loraplex/core/error.h"
 #include "loraplex/punica/punica_wrapper.h"
@@ -31,19 +32,6 @@ const char* kHelp =
     "                         [--tokens N] [--loras N] [--rank R] [--hidden H] [--seed S]\n"
     "Runs a q/k/v LoRA layer with mixed adapters on random data and compares it with a\n"
     "double-precision reference. Exit status 0 when every output is within tolerance.\n";
-
-int parse_int(const std::string& flag, const std::string& value, int lo) {
-  size_t used = 0;
-  int v = 0;
-  try {
-    v = std::stoi(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LORAPLEX_CHECK(used == value.size() && v >= lo, flag, " expects an integer >= ", lo, ", got '",
-                 value, "'");
-  return v;
-}
 
 Options parse(const std::vector<std::string>& args) {
   Options o;
