@@ -11,6 +11,7 @@
 
 #include "cuda_test_util.h"
 #include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/punica/op_dispatch.h"
 #include "loraplex/punica/punica_wrapper.h"
@@ -168,6 +169,37 @@ TEST(CudaLoraLinear, FusedAndSplitPathsBothMatchCpu) {
     }
   }
   kernels::cuda::set_fused_linear_max_tokens(-1);
+}
+
+// Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
+// few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8.
+TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(303);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+  const std::vector<kernels::cuda::KernelTuning> shapes = {
+      {1, 256, 1, 1}, {4, 64, 8, 8}, {8, 8, 2, 4}};
+  for (const kernels::cuda::KernelTuning& t : shapes) {
+    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
+    for (int limit : {0, 1 << 20}) {
+      kernels::cuda::set_fused_linear_max_tokens(limit);
+      for (const LayerCase& c : linear_cases()) {
+        if (c.dtype == DType::kF32) continue;
+        const LayerData d = make_layer(c, rng);
+        const Tensor got = run_linear(c, d, test::gpu(), stream);
+        const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
+        const double rtol = test::default_rtol(c.dtype);
+        test::expect_matches(got, ref, stream, rtol, rtol * 2,
+                             case_name(c) + " k_chunks " + std::to_string(t.decode_k_chunks) +
+                                 " cols " + std::to_string(t.decode_cols) + " k_split " +
+                                 std::to_string(t.prefill_k_split));
+      }
+    }
+  }
+  kernels::cuda::set_fused_linear_max_tokens(-1);
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // The shrink output through PunicaWrapper::add_shrink; entries past each slot's rank and rows

@@ -25,6 +25,7 @@
 #include "command.h"
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/punica/punica_wrapper.h"
 
@@ -37,7 +38,7 @@ using nlohmann::json;
 const char* kHelp =
     "usage: loraplex bench kernels [--json FILE] [--iters N] [--quick] [--device cuda:N]\n"
     "                              [--commit HASH] [--no-path-comparison] [--no-metadata]\n"
-    "                              [--only OP:RANK:ADAPTERS:TOKENS:SLICES]\n"
+    "                              [--only OP:RANK:ADAPTERS:TOKENS:SLICES] [--tune K=V,...]\n"
     "Times the LoRA ops (add_lora_linear, add_shrink, add_expand and the metadata build) on\n"
     "the grid hidden 4096 x rank {16, 64} x adapters {1, 8, 32} x tokens {1, 16, 64, 256,\n"
     "1024, 4096} x slices {1: 4096, 3: 4096/1024/1024}, bf16, tokens spread round-robin\n"
@@ -47,7 +48,9 @@ const char* kHelp =
     "Reports microseconds, GB/s and percent of the device-to-device copy bandwidth measured\n"
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
-    "OP linear, shrink or expand), e.g. for a profiler. Needs a CUDA device; --help does not.\n";
+    "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
+    "sweep (decode_k_chunks, decode_cols, prefill_k_split, prefill_ctas_per_sm; the rest keep\n"
+    "their defaults). Needs a CUDA device; --help does not.\n";
 
 struct Options {
   std::string json_path;
@@ -58,6 +61,7 @@ struct Options {
   std::vector<std::string> only;  // op, rank, adapters, tokens, slices; "*" matches anything
   Device device = Device::cuda(0);
   std::string commit;
+  kc::KernelTuning tuning;
 };
 
 Options parse(const std::vector<std::string>& args) {
@@ -99,6 +103,8 @@ Options parse(const std::vector<std::string>& args) {
       LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
     } else if (flag == "--commit") {
       o.commit = value();
+    } else if (flag == "--tune") {
+      throw_if_error(kc::parse_kernel_tuning(value(), o.tuning));
     } else {
       LORAPLEX_FAIL("unknown option '", flag, "' (see `loraplex bench kernels --help`)");
     }
@@ -326,11 +332,15 @@ int run_kernels(const Options& o) {
   LORAPLEX_CHECK(cuda_device_count() > o.device.index, "bench kernels needs a CUDA device (",
                  o.device, "); this machine has ", cuda_device_count());
   cuda_rt::set_device(o.device.index);
+  throw_if_error(kc::set_kernel_tuning(o.tuning));
   const Stream stream = Stream::create(o.device);
   const kc::DeviceInfo info = kc::device_info(o.device.index);
   const double copy_gbs = kc::copy_bandwidth_gbs(size_t{1} << 30, 10, stream.handle());
-  std::printf("device %s, %d SMs, L2 %.0f MB; copy bandwidth %.0f GB/s (read + write)\n",
-              info.name.c_str(), info.sm_count, info.l2_bytes / 1e6, copy_gbs);
+  const double clock_start = kc::measured_sm_clock_mhz(stream.handle());
+  std::printf(
+      "device %s, %d SMs, L2 %.0f MB; copy bandwidth %.0f GB/s (read + write); SM clock %.0f "
+      "MHz\n",
+      info.name.c_str(), info.sm_count, info.l2_bytes / 1e6, copy_gbs, clock_start);
   Bench bench(o, stream);
   json results = json::array();
 
@@ -444,6 +454,12 @@ int run_kernels(const Options& o) {
     doc["commit"] = o.commit;
     doc["date"] = iso_date();
     doc["copy_bandwidth_gbs"] = copy_gbs;
+    doc["sm_clock_mhz_start"] = clock_start;
+    doc["sm_clock_mhz_end"] = kc::measured_sm_clock_mhz(stream.handle());
+    doc["tuning"] = {{"decode_k_chunks", o.tuning.decode_k_chunks},
+                     {"decode_cols", o.tuning.decode_cols},
+                     {"prefill_k_split", o.tuning.prefill_k_split},
+                     {"prefill_ctas_per_sm", o.tuning.prefill_ctas_per_sm}};
     doc["dtype"] = "bfloat16";
     doc["method"] = {
         {"cold", "512 MB read before each call, CUDA events, median of " + std::to_string(o.iters)},

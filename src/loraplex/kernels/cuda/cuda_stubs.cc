@@ -73,5 +73,6 @@ void fill_random(void*, DType, int64_t, uint64_t, float, cuda_rt::StreamHandle) 
 double copy_bandwidth_gbs(size_t, int, cuda_rt::StreamHandle) {
   throw_no_cuda("copy_bandwidth_gbs");
 }
+double measured_sm_clock_mhz(cuda_rt::StreamHandle) { throw_no_cuda("measured_sm_clock_mhz"); }
 
 }  // namespace loraplex::kernels::cuda

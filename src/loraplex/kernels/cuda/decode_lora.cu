@@ -38,6 +38,7 @@
 #include <tuple>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
 #include "loraplex/kernels/lora_ops_checks.h"
@@ -53,7 +54,7 @@ constexpr int kWindow = 32;      // K per pair of producer MMAs: 4 lanes x 8
 constexpr int kWindows = 8;      // windows per batch of loads (issued before the first MMA)
 constexpr int kMaxKChunks = 16;  // producer items along K at most
 constexpr int kStageB = 4096;    // B elements (columns x max_rank) a consumer stages at most
-constexpr int kMaxCols = 128;    // output columns per consumer item at most
+constexpr int kMaxCols = 256;    // output columns per consumer item at most
 constexpr int kMaxEntries = 64;  // metadata entries (max_loras + 1): two per lane
 constexpr int kDefaultMaxTokens = 64;
 constexpr int kMaxTokens = 2048;     // the sorted token indices are cached in shared memory
@@ -482,12 +483,14 @@ int log2_int(int v) {
   return n;
 }
 
-// Producer items along K: a power of two (a shift on the device), at most kMaxKChunks, with
-// at least one batch of kWindows windows per chunk where K allows.
+// Producer items along K: a power of two (a shift on the device), at most kMaxKChunks (and the
+// tuning's decode_k_chunks), with at least one batch of kWindows windows per chunk where K
+// allows.
 int k_chunks_for(int64_t hidden) {
   const int64_t windows = ceil_div(hidden, kWindow);
+  const int max_chunks = std::min(kMaxKChunks, kernel_tuning().decode_k_chunks);
   int kc = 1;
-  while (kc * 2 <= kMaxKChunks && int64_t{kc} * 2 * kWindows <= windows) kc *= 2;
+  while (kc * 2 <= max_chunks && int64_t{kc} * 2 * kWindows <= windows) kc *= 2;
   return kc;
 }
 
@@ -560,7 +563,7 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
   if (e != nullptr) {
     // Few columns per item keep a consumer's instruction path short; at higher ranks the
     // staged B bounds them.
-    p.cols = std::min(kMaxCols, kStageB / s.max_rank);
+    p.cols = std::min({kMaxCols, kernel_tuning().decode_cols, kStageB / s.max_rank});
     p.cols_shift = log2_int(p.cols / 8);
     int64_t col = e->offset_start;
     for (int i = 0; i < e->num_slices; ++i) {

@@ -168,4 +168,33 @@ double copy_bandwidth_gbs(size_t bytes, int iters, cuda_rt::StreamHandle stream)
   return 2.0 * static_cast<double>(bytes) / median_s / 1e9;
 }
 
+// One thread spins for `cycles` SM clock cycles; timed with events it gives the SM clock the
+// GPU runs at right now (it is not locked: idle GPUs clock down, so benchmarks report it).
+__global__ void spin_cycles_kernel(long long cycles, long long* sink) {
+  const long long start = clock64();
+  long long now = start;
+  while (now - start < cycles) now = clock64();
+  if (now == 0) *sink = now;  // never true; keeps the loop
+}
+
+double measured_sm_clock_mhz(cuda_rt::StreamHandle stream) {
+  constexpr long long kCycles = 20'000'000;  // about 10 ms at 2 GHz
+  long long* sink = nullptr;
+  check(cudaMalloc(&sink, sizeof(long long)), "cudaMalloc (clock probe)");
+  std::vector<float> ms;
+  {
+    Timer timer;
+    for (int i = 0; i < 3; ++i) {
+      timer.start(stream);
+      spin_cycles_kernel<<<1, 1, 0, as_stream(stream)>>>(kCycles, sink);
+      timer.stop(stream);
+      ms.push_back(timer.elapsed_ms());
+    }
+  }
+  cudaFree(sink);
+  check(cudaGetLastError(), "spin_cycles_kernel");
+  std::sort(ms.begin(), ms.end());
+  return static_cast<double>(kCycles) / (ms[1] * 1e-3) / 1e6;
+}
+
 }  // namespace loraplex::kernels::cuda

@@ -68,5 +68,7 @@ void fill_random(void* data, DType dtype, int64_t count, uint64_t seed, float sc
 /// Device-to-device copy bandwidth in GB/s (bytes read + bytes written over the median time
 /// of `iters` copies of `bytes`).
 double copy_bandwidth_gbs(size_t bytes, int iters, cuda_rt::StreamHandle stream);
+/// The SM clock (MHz) during a ~10 ms single-thread spin of known cycles, timed with events.
+double measured_sm_clock_mhz(cuda_rt::StreamHandle stream);
 
 }  // namespace loraplex::kernels::cuda

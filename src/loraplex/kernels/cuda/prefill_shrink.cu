@@ -20,6 +20,7 @@
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
 
 namespace cg = cooperative_groups;
@@ -34,7 +35,6 @@ constexpr int kPitch = kBK + 8;  // padded rows: ldmatrix rows hit distinct bank
 constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
 constexpr int kMaxTiles = kMaxRows / 8;
 constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
-constexpr int kMaxKSplit = 4;
 constexpr int kSmemPerSm = 227 * 1024;
 
 struct PrefillParams {
@@ -329,10 +329,13 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
-  // until the grid has about two CTAs per SM, keeping at least 512 K elements per CTA.
+  // until the grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least
+  // 512 K elements per CTA.
+  const KernelTuning tuning = kernel_tuning();
   const int64_t tiles = ceil_div(s.num_tokens, kM) + std::min<int64_t>(s.num_tokens, s.max_loras);
   int k_split = 1;
-  while (k_split < kMaxKSplit && tiles * k_split < 2 * sm_count() &&
+  while (k_split < tuning.prefill_k_split &&
+         tiles * k_split < tuning.prefill_ctas_per_sm * sm_count() &&
          s.hidden >= int64_t{k_split} * 2 * 512) {
     k_split *= 2;
   }

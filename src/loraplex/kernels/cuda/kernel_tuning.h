@@ -1,0 +1,31 @@
+#pragma once
+// Launch-shape knobs of the decode and prefill-shrink kernels. The defaults are the shapes
+// measured best on an H200 (BENCHMARKS.md); `loraplex bench kernels --tune` sweeps them.
+// Plain C++ (no CUDA headers): it is compiled in every build, the CUDA launchers read it.
+
+#include <string>
+
+#include "loraplex/core/status.h"
+
+namespace loraplex::kernels::cuda {
+
+struct KernelTuning {
+  /// Decode kernel: producer items along K per A row group, at most (a power of two, 1..16).
+  int decode_k_chunks = 16;
+  /// Decode kernel: output columns per consumer item, at most (a power of two, 8..256).
+  int decode_cols = 128;
+  /// Prefill shrink: CTAs of a cluster that split K, at most (1, 2, 4 or 8).
+  int prefill_k_split = 4;
+  /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
+  int prefill_ctas_per_sm = 2;
+};
+
+/// The knobs in force.
+KernelTuning kernel_tuning();
+/// Replaces the knobs after checking each against its range (an error names the field and the
+/// value). Not thread-safe against launches: for benchmarks and tests, between steps.
+Status set_kernel_tuning(const KernelTuning& tuning);
+/// Parses "key=value,key=value" over the field names above, starting from the defaults.
+Status parse_kernel_tuning(const std::string& text, KernelTuning& out);
+
+}  // namespace loraplex::kernels::cuda

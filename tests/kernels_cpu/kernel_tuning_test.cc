@@ -1,0 +1,70 @@
+// The kernel tuning knobs (kernels/cuda/kernel_tuning.h) are plain C++: their parsing and
+// range checks run in every build.
+
+#include "loraplex/kernels/cuda/kernel_tuning.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace loraplex {
+namespace {
+
+using kernels::cuda::KernelTuning;
+
+TEST(KernelTuning, ParsesEveryKeyOverTheDefaults) {
+  KernelTuning t;
+  ASSERT_TRUE(
+      kernels::cuda::parse_kernel_tuning("decode_k_chunks=4,prefill_ctas_per_sm=3", t).ok());
+  EXPECT_EQ(t.decode_k_chunks, 4);
+  EXPECT_EQ(t.decode_cols, KernelTuning{}.decode_cols);
+  EXPECT_EQ(t.prefill_k_split, KernelTuning{}.prefill_k_split);
+  EXPECT_EQ(t.prefill_ctas_per_sm, 3);
+  ASSERT_TRUE(kernels::cuda::parse_kernel_tuning("decode_cols=256,prefill_k_split=8", t).ok());
+  EXPECT_EQ(t.decode_k_chunks, KernelTuning{}.decode_k_chunks);
+  EXPECT_EQ(t.decode_cols, 256);
+  EXPECT_EQ(t.prefill_k_split, 8);
+}
+
+TEST(KernelTuning, RejectsMalformedTextNamingIt) {
+  KernelTuning t;
+  const Status unknown = kernels::cuda::parse_kernel_tuning("decode_rows=4", t);
+  EXPECT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.message().find("decode_rows"), std::string::npos) << unknown.message();
+  const Status not_int = kernels::cuda::parse_kernel_tuning("decode_cols=12x", t);
+  EXPECT_FALSE(not_int.ok());
+  EXPECT_NE(not_int.message().find("'12x'"), std::string::npos) << not_int.message();
+  const Status no_eq = kernels::cuda::parse_kernel_tuning("decode_cols", t);
+  EXPECT_FALSE(no_eq.ok());
+  EXPECT_NE(no_eq.message().find("key=value"), std::string::npos) << no_eq.message();
+}
+
+TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
+  const KernelTuning before = kernels::cuda::kernel_tuning();
+  struct Bad {
+    KernelTuning t;
+    const char* field;
+  };
+  const Bad bad[] = {
+      {{3, 128, 4, 2}, "decode_k_chunks = 3"},    {{32, 128, 4, 2}, "decode_k_chunks = 32"},
+      {{16, 4, 4, 2}, "decode_cols = 4"},         {{16, 512, 4, 2}, "decode_cols = 512"},
+      {{16, 128, 16, 2}, "prefill_k_split = 16"}, {{16, 128, 4, 0}, "prefill_ctas_per_sm = 0"},
+  };
+  for (const Bad& b : bad) {
+    const Status s = kernels::cuda::set_kernel_tuning(b.t);
+    EXPECT_FALSE(s.ok()) << b.field;
+    EXPECT_NE(s.message().find(b.field), std::string::npos) << s.message();
+    const KernelTuning now = kernels::cuda::kernel_tuning();
+    EXPECT_EQ(now.decode_k_chunks, before.decode_k_chunks);
+    EXPECT_EQ(now.decode_cols, before.decode_cols);
+    EXPECT_EQ(now.prefill_k_split, before.prefill_k_split);
+    EXPECT_EQ(now.prefill_ctas_per_sm, before.prefill_ctas_per_sm);
+  }
+  const KernelTuning good{8, 64, 2, 3};
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(good).ok());
+  EXPECT_EQ(kernels::cuda::kernel_tuning().decode_cols, 64);
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(before).ok());
+}
+
+}  // namespace
+}  // namespace loraplex
