@@ -4,8 +4,11 @@
 # `loraplex bench kernels --tune ...` for each decode and prefill setting below, one JSON per
 # setting in $OUT (sweep_<name>.json), and a summary table (scripts/sweep_table.py).
 set -uo pipefail
-out=${OUT:-/tmp/loraplex_out}
-mkdir -p "$out"
+# Work in a scratch folder; $OUT receives the archive, the table and the test log only (the
+# device tool returns a few files).
+final=${OUT:-/tmp/loraplex_out}
+out=$(mktemp -d)
+mkdir -p "$final"
 deps=${LORAPLEX_DEPS:-$PWD/.device/deps}
 export LD_LIBRARY_PATH="$deps/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
@@ -15,7 +18,7 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$de
   ninja -C build -j16 >>"$out/build.log" 2>&1
 status=$?
 echo "build status $status in $(( $(date +%s) - start )) s"
-if [[ $status -ne 0 ]]; then grep -E "error|FAILED" "$out/build.log" | head -30; exit 1; fi
+if [[ $status -ne 0 ]]; then grep -E "error|FAILED" "$out/build.log" | head -30; cp "$out/build.log" "$final/"; exit 1; fi
 
 if [[ "${TESTS:-1}" == 1 ]]; then
   start=$(date +%s)
@@ -32,11 +35,24 @@ bench() {  # name, --only filter, --tune spec
     >"$out/sweep_$1.log" 2>&1
   echo "sweep $1 ($2, $3): status $?"
 }
-for spec in ${DECODE_SPECS:-decode_k_chunks=16 decode_k_chunks=8 decode_k_chunks=4 decode_cols=256 decode_k_chunks=8,decode_cols=256 decode_k_chunks=4,decode_cols=256}; do
-  for tok in 16 64; do bench "decode_${tok}_${spec//[=,]/_}" "linear:16:*:$tok:*" "$spec"; done
+# SWEEPS: entries ONLY@TUNE separated by spaces (default: the decode and prefill sets below).
+default_sweeps=""
+for spec in decode_k_chunks=16 decode_k_chunks=8 decode_k_chunks=4 decode_cols=256 \
+  decode_k_chunks=8,decode_cols=256 decode_k_chunks=4,decode_cols=256; do
+  for tok in 16 64; do default_sweeps+=" linear:16:*:$tok:*@$spec"; done
 done
-for spec in ${PREFILL_SPECS:-prefill_k_split=4 prefill_ctas_per_sm=4 prefill_k_split=8,prefill_ctas_per_sm=4 prefill_k_split=2 prefill_k_split=1}; do
-  bench "prefill_${spec//[=,]/_}" "shrink:*:*:4096:*" "$spec"
+for spec in prefill_k_split=4 prefill_ctas_per_sm=4 prefill_k_split=8,prefill_ctas_per_sm=4 \
+  prefill_k_split=2 prefill_k_split=1; do
+  default_sweeps+=" shrink:*:*:4096:*@$spec"
 done
-bench "prefill_expand" "expand:*:*:4096:*" "prefill_k_split=4"
-python3 scripts/sweep_table.py "$out"/sweep_*.json
+default_sweeps+=" expand:*:*:4096:*@prefill_k_split=4"
+for entry in ${SWEEPS:-$default_sweeps}; do
+  only=${entry%@*}
+  spec=${entry#*@}
+  name=$(echo "${only}_$spec" | tr ':*=,' '_x__')
+  bench "$name" "$only" "$spec"
+done
+python3 scripts/sweep_table.py "$out"/sweep_*.json >"$out/sweep_table.txt"
+cat "$out/sweep_table.txt"
+tar -C "$out" -czf "$final/sweep_all.tgz" . && echo "archived"
+cp "$out/sweep_table.txt" "$out/ctest.log" "$final/" 2>/dev/null || true

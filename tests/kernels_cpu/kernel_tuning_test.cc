@@ -20,7 +20,11 @@ TEST(KernelTuning, ParsesEveryKeyOverTheDefaults) {
   EXPECT_EQ(t.decode_cols, KernelTuning{}.decode_cols);
   EXPECT_EQ(t.prefill_k_split, KernelTuning{}.prefill_k_split);
   EXPECT_EQ(t.prefill_ctas_per_sm, 3);
-  ASSERT_TRUE(kernels::cuda::parse_kernel_tuning("decode_cols=256,prefill_k_split=8", t).ok());
+  ASSERT_TRUE(kernels::cuda::parse_kernel_tuning(
+                  "decode_cols=256,prefill_k_split=8,expand_ctas_per_sm=2,decode_ctas_per_sm=1", t)
+                  .ok());
+  EXPECT_EQ(t.expand_ctas_per_sm, 2);
+  EXPECT_EQ(t.decode_ctas_per_sm, 1);
   EXPECT_EQ(t.decode_k_chunks, KernelTuning{}.decode_k_chunks);
   EXPECT_EQ(t.decode_cols, 256);
   EXPECT_EQ(t.prefill_k_split, 8);
@@ -46,9 +50,14 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
     const char* field;
   };
   const Bad bad[] = {
-      {{3, 128, 4, 2}, "decode_k_chunks = 3"},    {{32, 128, 4, 2}, "decode_k_chunks = 32"},
-      {{16, 4, 4, 2}, "decode_cols = 4"},         {{16, 512, 4, 2}, "decode_cols = 512"},
-      {{16, 128, 16, 2}, "prefill_k_split = 16"}, {{16, 128, 4, 0}, "prefill_ctas_per_sm = 0"},
+      {{3, 128, 4, 2}, "decode_k_chunks = 3"},
+      {{32, 128, 4, 2}, "decode_k_chunks = 32"},
+      {{16, 4, 4, 2}, "decode_cols = 4"},
+      {{16, 512, 4, 2}, "decode_cols = 512"},
+      {{16, 128, 16, 2}, "prefill_k_split = 16"},
+      {{16, 128, 4, 0}, "prefill_ctas_per_sm = 0"},
+      {{16, 128, 4, 2, 0}, "expand_ctas_per_sm = 0"},
+      {{16, 128, 4, 2, 4, 5}, "decode_ctas_per_sm = 5"},
   };
   for (const Bad& b : bad) {
     const Status s = kernels::cuda::set_kernel_tuning(b.t);
@@ -59,6 +68,8 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
     EXPECT_EQ(now.decode_cols, before.decode_cols);
     EXPECT_EQ(now.prefill_k_split, before.prefill_k_split);
     EXPECT_EQ(now.prefill_ctas_per_sm, before.prefill_ctas_per_sm);
+    EXPECT_EQ(now.expand_ctas_per_sm, before.expand_ctas_per_sm);
+    EXPECT_EQ(now.decode_ctas_per_sm, before.decode_ctas_per_sm);
   }
   const KernelTuning good{8, 64, 2, 3};
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(good).ok());

@@ -180,7 +180,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   Stream cpu;
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
   const std::vector<kernels::cuda::KernelTuning> shapes = {
-      {1, 256, 1, 1}, {4, 64, 8, 8}, {8, 8, 2, 4}};
+      {1, 256, 1, 1, 1, 1}, {4, 64, 8, 8, 16, 2}, {8, 8, 2, 4, 2, 0}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {

@@ -49,8 +49,9 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (decode_k_chunks, decode_cols, prefill_k_split, prefill_ctas_per_sm; the rest keep\n"
-    "their defaults). Needs a CUDA device; --help does not.\n";
+    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, prefill_k_split,\n"
+    "prefill_ctas_per_sm, expand_ctas_per_sm; the rest keep their defaults). Needs a CUDA\n"
+    "device; --help does not.\n";
 
 struct Options {
   std::string json_path;
@@ -459,7 +460,9 @@ int run_kernels(const Options& o) {
     doc["tuning"] = {{"decode_k_chunks", o.tuning.decode_k_chunks},
                      {"decode_cols", o.tuning.decode_cols},
                      {"prefill_k_split", o.tuning.prefill_k_split},
-                     {"prefill_ctas_per_sm", o.tuning.prefill_ctas_per_sm}};
+                     {"prefill_ctas_per_sm", o.tuning.prefill_ctas_per_sm},
+                     {"expand_ctas_per_sm", o.tuning.expand_ctas_per_sm},
+                     {"decode_ctas_per_sm", o.tuning.decode_ctas_per_sm}};
     doc["dtype"] = "bfloat16";
     doc["method"] = {
         {"cold", "512 MB read before each call, CUDA events, median of " + std::to_string(o.iters)},

@@ -599,8 +599,10 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
   auto run = [&](auto kernel) -> Status {
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
     // One wave at most: every consumer's wait relies on its producers being resident.
-    const int64_t fit =
-        int64_t{blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)} * sm_count();
+    int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), smem);
+    const int cap = kernel_tuning().decode_ctas_per_sm;
+    if (cap > 0) per_sm = std::min(per_sm, cap);
+    const int64_t fit = int64_t{per_sm} * sm_count();
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min(fit, producers + consumers)));
     kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
     return launch_status("decode_lora_kernel");

@@ -27,6 +27,8 @@ Status set_kernel_tuning(const KernelTuning& t) {
   LORAPLEX_RETURN_IF_ERROR(check_field("decode_cols", t.decode_cols, 8, 256, true));
   LORAPLEX_RETURN_IF_ERROR(check_field("prefill_k_split", t.prefill_k_split, 1, 8, true));
   LORAPLEX_RETURN_IF_ERROR(check_field("prefill_ctas_per_sm", t.prefill_ctas_per_sm, 1, 8, false));
+  LORAPLEX_RETURN_IF_ERROR(check_field("expand_ctas_per_sm", t.expand_ctas_per_sm, 1, 16, false));
+  LORAPLEX_RETURN_IF_ERROR(check_field("decode_ctas_per_sm", t.decode_ctas_per_sm, 0, 4, false));
   g_tuning = t;
   return Status();
 }
@@ -58,6 +60,10 @@ Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
       out.prefill_k_split = v;
     } else if (key == "prefill_ctas_per_sm") {
       out.prefill_ctas_per_sm = v;
+    } else if (key == "expand_ctas_per_sm") {
+      out.expand_ctas_per_sm = v;
+    } else if (key == "decode_ctas_per_sm") {
+      out.decode_ctas_per_sm = v;
     } else {
       return invalid_argument("kernel tuning: unknown key '", key,
                               "', expected decode_k_chunks, decode_cols, prefill_k_split or "

@@ -18,6 +18,11 @@ struct KernelTuning {
   int prefill_k_split = 4;
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
+  /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
+  /// contiguous run of work items.
+  int expand_ctas_per_sm = 4;
+  /// Decode kernel: CTAs per SM at most (1..4); 0: every CTA that fits (one wave).
+  int decode_ctas_per_sm = 0;
 };
 
 /// The knobs in force.

@@ -1,5 +1,5 @@
 #pragma once
-// The tensor-core and decode paths, shared between the .cu files of kernels/cuda/
+// The tensor-core and decode shrink paths, shared between the .cu files of kernels/cuda/
 // (lora_shrink in shrink_expand.cu picks one). Internal to the CUDA backend.
 
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -15,10 +15,5 @@ Status decode_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHan
 /// rows, num_slices * max_rank <= 256.
 bool prefill_shrink_applies(const ShrinkArgs& args);
 Status prefill_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
-
-/// The tensor-core expand (expand_tc.cu) runs this expand: bf16/f16, max_rank a multiple of 8,
-/// 16-byte aligned rows, columns and slice widths.
-bool tc_expand_applies(const ExpandArgs& args);
-Status tc_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream);
 
 }  // namespace loraplex::kernels::cuda

@@ -1,13 +1,23 @@
-// Shrink and expand on CUDA: the entry points and the generic kernels.
+// Shrink and expand on CUDA.
+//
+// Expand on tensor cores (bf16/f16, 16-byte aligned rows): a persistent grid over work items
+// of one active slot, one 64-token tile of that slot's tokens (rows gathered through the
+// sorted token indices) and one 128-column tile of one slice, all slices in one launch.
+// Items are counted on the device from the metadata, so absent slots cost nothing and the
+// launch configuration depends only on host-known sizes. Each slot costs its own rank: B
+// columns and MMA steps past a slot's rank are never loaded or computed. Operands are staged
+// with cp.async (zero-filled past the valid bytes), multiplied with mma.sync m16n8k16 into
+// fp32 (the intermediate rounded to the weight dtype first, as vLLM does), and y is read,
+// added and written with 16-byte accesses through shared memory.
 //
 // lora_shrink runs the decode kernel (decode_lora.cu) for small batches and the tensor-core
-// prefill shrink (prefill_shrink.cu) for larger ones; lora_expand runs the pipelined
-// tensor-core expand (expand_tc.cu) when rows are aligned. Generic kernels (any dtype, any
+// prefill shrink (prefill_shrink.cu) for larger ones. Generic kernels (any dtype, any
 // strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
 #include "loraplex/kernels/lora_ops_checks.h"
@@ -160,6 +170,280 @@ Status launch_expand_generic(const ExpandArgs& a, const int32_t* mapping, Stream
   return launch_status("expand_generic_kernel");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernels.
+
+constexpr int kTcThreads = 128;      // 4 warps, 16 token rows each
+constexpr int kTcBM = 64;            // tokens per tile
+constexpr int kTcBK = 64;            // K elements per stage
+constexpr int kTcPitch = kTcBK + 8;  // padded rows: fragment loads are bank-conflict free
+constexpr int kExpandBN = 128;       // output columns per expand item
+constexpr int kYPitch = kExpandBN + 8;
+
+struct TcExpandParams {
+  const void* in;
+  bool in_f32;
+  int num_slices;
+  const void* b[kMaxSlices];
+  int64_t width[kMaxSlices];
+  int64_t y_col[kMaxSlices];        // first y column of each slice
+  int ntile_begin[kMaxSlices + 1];  // prefix of 128-column tiles per slice
+  int max_loras;
+  int max_rank;
+  const int32_t* ranks;
+  void* y;
+  int64_t y_stride;
+  bool add_inputs;
+  int64_t num_tokens;
+  LoraMetaView meta;
+  bool cache_ranks;
+  bool cache_sorted;
+};
+
+constexpr int kCacheRanks = 4096;
+constexpr int kCacheSorted = 2048;
+
+constexpr int kExpandSmemBytes =
+    (kTcBM * kYPitch + kTcBM * kTcPitch + kExpandBN * kTcPitch) * 2 + kTcBM * 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* ys = reinterpret_cast<T*>(smem_raw);
+  T* ins = ys + kTcBM * kYPitch;
+  T* bs = ins + kTcBM * kTcPitch;
+  int* tok = reinterpret_cast<int*>(bs + kExpandBN * kTcPitch);
+  int* prefix = tok + kTcBM;
+  int* rank_cache = prefix + p.max_loras + 2;  // when cache_ranks
+  int* sorted_cache = rank_cache + (p.cache_ranks ? p.num_slices * p.max_loras : 0);
+  // The layer's ranks and (small batches) the sorted token indices come with the metadata
+  // in the first round trip, so a work item needs no other load before its data.
+  if (p.cache_ranks) {
+    for (int i = static_cast<int>(threadIdx.x); i < p.num_slices * p.max_loras; i += kTcThreads) {
+      rank_cache[i] = p.ranks[i];
+    }
+  }
+  if (p.cache_sorted) {
+    for (int i = static_cast<int>(threadIdx.x); i < p.num_tokens; i += kTcThreads) {
+      sorted_cache[i] = p.meta.sorted_token_indices[i];
+    }
+  }
+  const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix);
+  const int total_nt = p.ntile_begin[p.num_slices];
+  const int64_t items = static_cast<int64_t>(prefix[n_entries]) * total_nt;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  T* yg = static_cast<T*>(p.y);
+
+  // Each CTA takes a contiguous run of items: consecutive column tiles of one token tile
+  // reuse the gathered token rows and, within a slice, the staged intermediate.
+  const int64_t per_cta = ceil_div(items, static_cast<int64_t>(gridDim.x));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * per_cta;
+  const int64_t last = min(items, first + per_cta);
+  int prev_tile = -1;
+  int prev_s = -1;
+  for (int64_t item = first; item < last; ++item) {
+    const int tile = static_cast<int>(item / total_nt);
+    const int u = static_cast<int>(item % total_nt);
+    int s = 0;
+    while (u >= p.ntile_begin[s + 1]) ++s;
+    const int e = find_tile_entry(prefix, n_entries, tile);
+    const int slot = p.meta.active_lora_ids[e];
+    const int rank =
+        p.cache_ranks ? rank_cache[s * p.max_loras + slot] : p.ranks[s * p.max_loras + slot];
+    if (rank == 0 && p.add_inputs) continue;
+    const int64_t n0 = static_cast<int64_t>(u - p.ntile_begin[s]) * kExpandBN;
+    const int ncols = static_cast<int>(min(static_cast<int64_t>(kExpandBN), p.width[s] - n0));
+    const int m0 = (tile - prefix[e]) * kTcBM;
+    const int mrows = min(kTcBM, p.meta.num_tokens_per_lora[e] - m0);
+    const int start = p.meta.lora_token_start_loc[e] + m0;
+    const bool same_rows = tile == prev_tile;
+    const bool same_in = same_rows && s == prev_s && rank <= kTcBK;
+    prev_tile = tile;
+    prev_s = s;
+    __syncthreads();  // the previous item is done with the tiles
+    if (!same_rows) {
+      if (tid < kTcBM) {
+        tok[tid] = tid >= mrows     ? 0
+                   : p.cache_sorted ? sorted_cache[start + tid]
+                                    : p.meta.sorted_token_indices[start + tid];
+      }
+      __syncthreads();
+    }
+    const int64_t ycol = p.y_col[s] + n0;
+    if (p.add_inputs) {
+      for (int i = tid; i < kTcBM * (kExpandBN / 8); i += kTcThreads) {
+        const int row = i / (kExpandBN / 8);
+        const int ch = i % (kExpandBN / 8);
+        const bool ok = row < mrows && ch * 8 < ncols;
+        cp_async16(ys + row * kYPitch + ch * 8,
+                   ok ? yg + tok[row] * p.y_stride + ycol + ch * 8 : yg, ok ? 16 : 0);
+      }
+    }
+    float acc[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    const T* bg = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + n0) * p.max_rank;
+    const bool warp_has_rows = warp * 16 < mrows;
+    for (int kb = 0; kb < rank; kb += kTcBK) {
+      if (kb > 0) __syncthreads();  // the previous rank chunk's fragments are consumed
+      for (int i = tid; i < kExpandBN * 8; i += kTcThreads) {
+        const int n = i >> 3;
+        const int ch = i & 7;
+        const int kvalid = rank - kb - ch * 8;
+        const int bytes = (n < ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
+        cp_async16(bs + n * kTcPitch + ch * 8, bytes ? bg + n * p.max_rank + kb + ch * 8 : bg,
+                   bytes);
+      }
+      if (same_in) {
+        // The intermediate of these rows and this slice is still staged.
+      } else if (!p.in_f32) {
+        const T* ing = static_cast<const T*>(p.in);
+        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
+          const int row = i >> 3;
+          const int ch = i & 7;
+          const int kvalid = rank - kb - ch * 8;
+          const int bytes = (row < mrows && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
+          const T* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
+          cp_async16(ins + row * kTcPitch + ch * 8, bytes ? src : ing, bytes);
+        }
+      } else {
+        const float* ing = static_cast<const float*>(p.in);
+        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
+          const int row = i >> 3;
+          const int ch = i & 7;
+          const int kvalid = row < mrows ? rank - kb - ch * 8 : 0;
+          float v[8];
+          const float* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
+          if (kvalid >= 8) {
+            const float4 lo = *reinterpret_cast<const float4*>(src);
+            const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+            v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w;
+            v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+          } else {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) v[q] = q < kvalid ? src[q] : 0.0f;
+          }
+          *reinterpret_cast<uint4*>(ins + row * kTcPitch + ch * 8) = pack8<T>(v);
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      if (warp_has_rows) {
+#pragma unroll
+        for (int kk = 0; kk < kTcBK; kk += 16) {
+          if (kb + kk >= rank) break;
+          uint32_t af[4];
+          load_a_frag(af, ins + warp * 16 * kTcPitch + kk, kTcPitch, lane);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            if (j * 8 < ncols) {
+              uint32_t bfr[2];
+              load_b_frag(bfr, bs + j * 8 * kTcPitch + kk, kTcPitch, lane);
+              mma_16816<T>(acc[j], af, bfr);
+            }
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the y tile has landed for every thread
+    if (warp_has_rows) {
+      const int g = lane >> 2;
+      const int tq = (lane & 3) * 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t* cell =
+              reinterpret_cast<uint32_t*>(ys + (warp * 16 + g + h * 8) * kYPitch + j * 8 + tq);
+          float v0 = acc[j][h * 2];
+          float v1 = acc[j][h * 2 + 1];
+          if (p.add_inputs) {
+            const float2 old = unpack2<T>(*cell);
+            v0 += old.x;
+            v1 += old.y;
+          }
+          *cell = pack2<T>(v0, v1);
+        }
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < kTcBM * (kExpandBN / 8); i += kTcThreads) {
+      const int row = i / (kExpandBN / 8);
+      const int ch = i % (kExpandBN / 8);
+      if (row < mrows && ch * 8 < ncols) {
+        *reinterpret_cast<uint4*>(yg + tok[row] * p.y_stride + ycol + ch * 8) =
+            *reinterpret_cast<const uint4*>(ys + row * kYPitch + ch * 8);
+      }
+    }
+  }
+}
+
+bool is_half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+bool tc_expand_ok(const ExpandArgs& a) {
+  if (!is_half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.y_row_stride % 8 != 0 ||
+      a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
+    return false;
+  for (int s = 0; s < a.num_slices; ++s) {
+    if (a.slice_width[s] % 8 != 0 || !aligned16(a.lora_b[s])) return false;
+  }
+  return true;
+}
+
+// Work tiles can exceed ceil(T / 64) by one per active slot (each slot's last partial tile).
+int64_t tile_upper_bound(int64_t num_tokens, int max_loras, int tile_rows) {
+  return ceil_div(num_tokens, tile_rows) + std::min<int64_t>(num_tokens, max_loras);
+}
+
+Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
+  TcExpandParams p{};
+  p.in = a.in;
+  p.in_f32 = a.in_dtype == DType::kF32;
+  p.num_slices = a.num_slices;
+  int64_t col = a.offset_start;
+  p.ntile_begin[0] = 0;
+  for (int s = 0; s < a.num_slices; ++s) {
+    p.b[s] = a.lora_b[s];
+    p.width[s] = a.slice_width[s];
+    p.y_col[s] = col;
+    col += a.slice_width[s];
+    p.ntile_begin[s + 1] =
+        p.ntile_begin[s] + static_cast<int>(ceil_div(a.slice_width[s], kExpandBN));
+  }
+  p.max_loras = a.max_loras;
+  p.max_rank = a.max_rank;
+  p.ranks = a.ranks;
+  p.y = a.y;
+  p.y_stride = a.y_row_stride;
+  p.add_inputs = a.add_inputs;
+  p.num_tokens = a.num_tokens;
+  p.meta = meta;
+  p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
+  p.cache_sorted = a.num_tokens <= kCacheSorted;
+  const int smem = kExpandSmemBytes + (a.max_loras + 2) * 4 +
+                   (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
+                   (p.cache_sorted ? static_cast<int>(a.num_tokens) * 4 : 0);
+  const int64_t items =
+      tile_upper_bound(a.num_tokens, a.max_loras, kTcBM) * p.ntile_begin[a.num_slices];
+  const int grid = static_cast<int>(
+      std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (a.dtype == DType::kBF16) {
+    LORAPLEX_RETURN_IF_ERROR(
+        allow_dynamic_smem(reinterpret_cast<const void*>(&expand_tc_kernel<bf16>), smem));
+    expand_tc_kernel<bf16><<<grid, kTcThreads, smem, s>>>(p);
+  } else {
+    LORAPLEX_RETURN_IF_ERROR(
+        allow_dynamic_smem(reinterpret_cast<const void*>(&expand_tc_kernel<f16>), smem));
+    expand_tc_kernel<f16><<<grid, kTcThreads, smem, s>>>(p);
+  }
+  return launch_status("expand_tc_kernel");
+}
+
 Status check_meta(const LoraMetaView& meta, int64_t num_tokens, int max_loras, const char* op) {
   LORAPLEX_ENSURE(meta.num_tokens == num_tokens, op, ": metadata built for ", meta.num_tokens,
                   " tokens, the call has ", num_tokens);
@@ -187,7 +471,7 @@ Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandl
   LORAPLEX_RETURN_IF_ERROR(check_expand_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_expand"));
   if (args.num_tokens == 0) return Status();
-  if (tc_expand_applies(args)) return tc_expand(args, meta, stream);
+  if (tc_expand_ok(args)) return launch_expand_tc(args, meta, stream);
   return launch_expand_generic(args, meta.token_lora_mapping, stream);
 }
 
