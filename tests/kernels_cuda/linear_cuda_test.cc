@@ -97,7 +97,7 @@ std::vector<Tensor> to_device(const std::vector<Tensor>& ts, Device device, cons
 
 // y0 + LoRA(x) for the whole layer through PunicaWrapper::add_lora_linear on `device`.
 Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const Stream& stream,
-                  float scale = 0.5f) {
+                  std::string* path = nullptr, float scale = 0.5f) {
   const int slices = static_cast<int>(c.widths.size());
   PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
   wrapper.update_metadata(d.slots, {}, stream);
@@ -108,6 +108,33 @@ Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const S
   Tensor y = d.y0.clone().to(device, stream);
   Tensor ws =
       Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32, device);
+  if (path != nullptr) {
+    // The arguments add_lora_linear builds, for the path query only.
+    kernels::ShrinkArgs sa;
+    sa.dtype = c.dtype;
+    sa.num_tokens = c.tokens;
+    sa.hidden = c.hidden;
+    sa.x = x.data_ptr();
+    sa.x_row_stride = c.hidden;
+    sa.num_slices = slices;
+    sa.max_loras = c.max_loras;
+    sa.max_rank = c.max_rank;
+    kernels::ExpandArgs ea;
+    ea.dtype = c.dtype;
+    ea.num_tokens = c.tokens;
+    ea.num_slices = slices;
+    ea.max_loras = c.max_loras;
+    ea.max_rank = c.max_rank;
+    ea.y = y.data_ptr();
+    ea.y_row_stride = d.width;
+    ea.in = ws.data_ptr();
+    for (int i = 0; i < slices; ++i) {
+      sa.lora_a[i] = a[static_cast<size_t>(i)].data_ptr();
+      ea.lora_b[i] = b[static_cast<size_t>(i)].data_ptr();
+      ea.slice_width[i] = c.widths[static_cast<size_t>(i)];
+    }
+    *path = kernels::cuda::lora_linear_path(sa, ea, wrapper.token_meta().view());
+  }
   wrapper.add_lora_linear(y, x, a, b, ranks, scale, ws, stream);
   return device.is_cpu() ? y : test::on_cpu(y, stream);
 }
@@ -148,27 +175,42 @@ TEST(CudaLoraLinear, DefaultPathMatchesCpu) {
   }
 }
 
-TEST(CudaLoraLinear, FusedAndSplitPathsBothMatchCpu) {
+TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(202);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  for (int limit : {0, 1 << 20}) {
-    // 0: never fused (shrink + expand kernels, and no decode-kernel shrink); 1 << 20: the
-    // decode kernel wherever the metadata's scratch holds its partial sums, several token
-    // groups per slot.
-    kernels::cuda::set_fused_linear_max_tokens(limit);
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+  // limit 0: never fused (shrink + expand kernels, and no decode-kernel shrink); 1 << 20: the
+  // decode-sized paths wherever the metadata's scratch holds their partial sums, with the
+  // persistent kernel (persistent 1) or the per-token PDL pair (persistent 0).
+  struct Config {
+    int limit;
+    int persistent;
+    const char* name;
+  };
+  const Config configs[] = {{0, 0, "split"}, {1 << 20, 1, "fused"}, {1 << 20, 0, "gather"}};
+  for (const Config& cfg : configs) {
+    kernels::cuda::set_fused_linear_max_tokens(cfg.limit);
+    kernels::cuda::KernelTuning tuning = defaults;
+    tuning.decode_persistent = cfg.persistent;
+    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
+    int ran = 0;
     for (const LayerCase& c : linear_cases()) {
       if (c.dtype == DType::kF32) continue;
       const LayerData d = make_layer(c, rng);
-      const Tensor got = run_linear(c, d, test::gpu(), stream);
+      std::string path;
+      const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
+      ran += path == cfg.name ? 1 : 0;
       const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
       const double rtol = test::default_rtol(c.dtype);
-      test::expect_matches(got, ref, stream, rtol, rtol * 2,
-                           case_name(c) + (limit == 0 ? " split" : " fused"));
+      test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " " + cfg.name);
     }
+    // The configuration reached its path for most cases (the rest fall back).
+    EXPECT_GE(ran, 5) << cfg.name;
   }
   kernels::cuda::set_fused_linear_max_tokens(-1);
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
@@ -383,47 +425,58 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
   Stream cpu;
   using D = test::SlotDistribution;
   const std::vector<LayerCase> cases = {
-      {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}, D::kUniform, 0.2, true},  // fused
+      {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}, D::kUniform, 0.2, true},  // decode
       {DType::kBF16, 300, 8, 32, 1024, {1024}, D::kZipf, 0.1, true},                // split
       {DType::kF32, 40, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},                // generic
   };
-  for (const LayerCase& c : cases) {
-    const LayerData d = make_layer(c, rng);
-    const int slices = static_cast<int>(c.widths.size());
-    PunicaWrapper wrapper(c.max_loras, c.tokens, 1, test::gpu());
-    const SlotRanks ranks = make_ranks(c, d, test::gpu(), stream);
-    const auto a = to_device(d.a, test::gpu(), stream);
-    const auto b = to_device(d.b, test::gpu(), stream);
-    const Tensor x = d.x.to(test::gpu(), stream);
-    const Tensor y0 = d.y0.to(test::gpu(), stream);
-    Tensor y = y0.clone(stream);
-    Tensor ws = Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32,
-                              test::gpu());
-    LoraBatchMeta& meta = wrapper.token_meta();
-    Tensor mapping_view = meta.mapping_buffer().narrow(0, 0, c.tokens);
-    auto step = [&]() {
-      meta.prepare_from_buffer(c.tokens, false, stream);
-      wrapper.add_lora_linear(y, x, a, b, ranks, 1.0f, ws, stream);
-    };
-    // Warm-up outside the capture (first launches set kernel attributes).
-    mapping_view.copy_from(test::int_tensor(d.slots), stream);
-    step();
-    kernels::cuda::Graph graph;
-    graph.begin_capture(stream.handle());
-    step();
-    graph.end_capture();
-    // A different mapping, written on the device; y reset to y0; one replay.
-    LayerData d2 = d;
-    d2.slots = test::make_slots(D::kSkewed, c.tokens, c.max_loras, rng, 0.25);
-    d2.slots[0] = 0;  // at least one LoRA token: the captured step assumed so
-    mapping_view.copy_from(test::int_tensor(d2.slots), stream);
-    y.copy_from(y0, stream);
-    graph.replay(stream.handle());
-    const Tensor got = test::on_cpu(y, stream);
-    const Tensor ref = run_linear(c, d2, Device::cpu(), cpu, 1.0f);
-    const double rtol = test::default_rtol(c.dtype);
-    test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " graph replay");
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+  // The decode-sized case runs the per-token PDL pair (persistent 0) and the persistent kernel
+  // with its arrival counters (persistent 1): both must replay correctly.
+  for (int persistent : {0, 1}) {
+    kernels::cuda::KernelTuning tuning = defaults;
+    tuning.decode_persistent = persistent;
+    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
+    for (const LayerCase& c : cases) {
+      const LayerData d = make_layer(c, rng);
+      const int slices = static_cast<int>(c.widths.size());
+      PunicaWrapper wrapper(c.max_loras, c.tokens, 1, test::gpu());
+      const SlotRanks ranks = make_ranks(c, d, test::gpu(), stream);
+      const auto a = to_device(d.a, test::gpu(), stream);
+      const auto b = to_device(d.b, test::gpu(), stream);
+      const Tensor x = d.x.to(test::gpu(), stream);
+      const Tensor y0 = d.y0.to(test::gpu(), stream);
+      Tensor y = y0.clone(stream);
+      Tensor ws = Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32,
+                                test::gpu());
+      LoraBatchMeta& meta = wrapper.token_meta();
+      Tensor mapping_view = meta.mapping_buffer().narrow(0, 0, c.tokens);
+      auto step = [&]() {
+        meta.prepare_from_buffer(c.tokens, false, stream);
+        wrapper.add_lora_linear(y, x, a, b, ranks, 1.0f, ws, stream);
+      };
+      // Warm-up outside the capture (first launches set kernel attributes).
+      mapping_view.copy_from(test::int_tensor(d.slots), stream);
+      step();
+      kernels::cuda::Graph graph;
+      graph.begin_capture(stream.handle());
+      step();
+      graph.end_capture();
+      // A different mapping, written on the device; y reset to y0; one replay.
+      LayerData d2 = d;
+      d2.slots = test::make_slots(D::kSkewed, c.tokens, c.max_loras, rng, 0.25);
+      d2.slots[0] = 0;  // at least one LoRA token: the captured step assumed so
+      mapping_view.copy_from(test::int_tensor(d2.slots), stream);
+      y.copy_from(y0, stream);
+      graph.replay(stream.handle());
+      const Tensor got = test::on_cpu(y, stream);
+      const Tensor ref = run_linear(c, d2, Device::cpu(), cpu, nullptr, 1.0f);
+      const double rtol = test::default_rtol(c.dtype);
+      test::expect_matches(
+          got, ref, stream, rtol, rtol * 2,
+          case_name(c) + " graph replay, persistent " + std::to_string(persistent));
+    }
   }
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "command.h"
@@ -49,7 +50,7 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, prefill_k_split,\n"
+    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent, prefill_k_split,\n"
     "prefill_ctas_per_sm, expand_ctas_per_sm; the rest keep their defaults). Needs a CUDA\n"
     "device; --help does not.\n";
 
@@ -374,7 +375,8 @@ int run_kernels(const Options& o) {
       double bytes;
       std::function<void(int)> fn;
     };
-    const double linear_bytes = by.x + by.a + by.b + by.y + (path == "fused" ? 0.0 : 2 * by.mid);
+    const double linear_bytes =
+        by.x + by.a + by.b + by.y + (path == "fused" || path == "gather" ? 0.0 : 2 * by.mid);
     std::vector<Op> ops = {
         {"linear", linear_bytes,
          [&](int s) {
@@ -412,8 +414,13 @@ int run_kernels(const Options& o) {
       row["adapters"] = c.adapters;
       row["tokens"] = c.tokens;
       row["slices"] = c.slices;
-      for (int limit : {0, 1 << 20}) {
+      // split (shrink + expand kernels), the persistent decode kernel, the per-token pair.
+      const std::pair<int, int> configs[] = {{0, 0}, {1 << 20, 1}, {1 << 20, 0}};
+      for (const auto& [limit, persistent] : configs) {
         kc::set_fused_linear_max_tokens(limit);
+        kc::KernelTuning tuning = o.tuning;
+        tuning.decode_persistent = persistent;
+        throw_if_error(kc::set_kernel_tuning(tuning));
         const std::string path = path_of(d, c);
         const Timings t = bench.time(
             [&](int s) {
@@ -424,6 +431,7 @@ int run_kernels(const Options& o) {
         row[path + "_graph_rotating_us"] = t.rotating_us;
       }
       kc::set_fused_linear_max_tokens(-1);
+      throw_if_error(kc::set_kernel_tuning(o.tuning));
       row["roofline_us"] = (by.x + by.a + by.b + by.y) / (copy_gbs * 1e9) * 1e6;
       comparison.push_back(row);
     }
@@ -462,7 +470,8 @@ int run_kernels(const Options& o) {
                      {"prefill_k_split", o.tuning.prefill_k_split},
                      {"prefill_ctas_per_sm", o.tuning.prefill_ctas_per_sm},
                      {"expand_ctas_per_sm", o.tuning.expand_ctas_per_sm},
-                     {"decode_ctas_per_sm", o.tuning.decode_ctas_per_sm}};
+                     {"decode_ctas_per_sm", o.tuning.decode_ctas_per_sm},
+                     {"decode_persistent", o.tuning.decode_persistent}};
     doc["dtype"] = "bfloat16";
     doc["method"] = {
         {"cold", "512 MB read before each call, CUDA events, median of " + std::to_string(o.iters)},

@@ -611,6 +611,12 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
   return run(&decode_lora_kernel<f16>);
 }
 
+// Decode-sized layers take the per-token kernel pair (gather_lora.cu) unless the tuning asks
+// for the persistent kernel.
+bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
+  return kernel_tuning().decode_persistent == 0 && gather_linear_applies(shrink, expand, meta);
+}
+
 }  // namespace
 
 bool decode_shrink_applies(const ShrinkArgs& args, const LoraMetaView& meta) {
@@ -629,7 +635,7 @@ void set_fused_linear_max_tokens(int max_tokens) {
 std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
                              const LoraMetaView& meta) {
   if (shrink.num_tokens > 0 && shrink_ok(shrink, meta) && expand_ok(shrink, expand)) {
-    return "fused";
+    return use_gather(shrink, expand, meta) ? "gather" : "fused";
   }
   return half_dtype(shrink.dtype) ? "split" : "generic";
 }
@@ -644,6 +650,7 @@ Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const Lor
       check_meta_view(meta, shrink.num_tokens, shrink.max_loras, "lora_linear"));
   if (shrink.num_tokens == 0) return Status();
   if (shrink_ok(shrink, meta) && expand_ok(shrink, expand)) {
+    if (use_gather(shrink, expand, meta)) return gather_linear(shrink, expand, meta, stream);
     return launch(shrink, &expand, meta, stream);
   }
   LORAPLEX_RETURN_IF_ERROR(lora_shrink(shrink, meta, stream));

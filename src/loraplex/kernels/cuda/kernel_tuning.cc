@@ -29,6 +29,7 @@ Status set_kernel_tuning(const KernelTuning& t) {
   LORAPLEX_RETURN_IF_ERROR(check_field("prefill_ctas_per_sm", t.prefill_ctas_per_sm, 1, 8, false));
   LORAPLEX_RETURN_IF_ERROR(check_field("expand_ctas_per_sm", t.expand_ctas_per_sm, 1, 16, false));
   LORAPLEX_RETURN_IF_ERROR(check_field("decode_ctas_per_sm", t.decode_ctas_per_sm, 0, 4, false));
+  LORAPLEX_RETURN_IF_ERROR(check_field("decode_persistent", t.decode_persistent, 0, 1, false));
   g_tuning = t;
   return Status();
 }
@@ -64,6 +65,8 @@ Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
       out.expand_ctas_per_sm = v;
     } else if (key == "decode_ctas_per_sm") {
       out.decode_ctas_per_sm = v;
+    } else if (key == "decode_persistent") {
+      out.decode_persistent = v;
     } else {
       return invalid_argument("kernel tuning: unknown key '", key,
                               "', expected decode_k_chunks, decode_cols, prefill_k_split or "

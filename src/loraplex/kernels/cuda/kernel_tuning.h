@@ -23,6 +23,9 @@ struct KernelTuning {
   int expand_ctas_per_sm = 4;
   /// Decode kernel: CTAs per SM at most (1..4); 0: every CTA that fits (one wave).
   int decode_ctas_per_sm = 0;
+  /// Decode-sized layers: 0 runs the per-token kernel pair chained with PDL where it applies,
+  /// 1 always the persistent decode kernel.
+  int decode_persistent = 0;
 };
 
 /// The knobs in force.

@@ -1,5 +1,5 @@
 #pragma once
-// The tensor-core and decode shrink paths, shared between the .cu files of kernels/cuda/
+// The tensor-core, decode and gather paths, shared between the .cu files of kernels/cuda/
 // (lora_shrink in shrink_expand.cu picks one). Internal to the CUDA backend.
 
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -15,5 +15,12 @@ Status decode_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHan
 /// rows, num_slices * max_rank <= 256.
 bool prefill_shrink_applies(const ShrinkArgs& args);
 Status prefill_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+
+/// The per-token layer pair (gather_lora.cu) runs this layer: bf16/f16, add_inputs, max_rank a
+/// multiple of 8 up to 256, aligned rows, slice widths multiples of 4, enough scratch.
+bool gather_linear_applies(const ShrinkArgs& shrink, const ExpandArgs& expand,
+                           const LoraMetaView& meta);
+Status gather_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
+                     StreamHandle stream);
 
 }  // namespace loraplex::kernels::cuda

@@ -1,0 +1,316 @@
+// One LoRA layer for decode-sized batches as TWO short per-token kernels chained with
+// programmatic dependent launch (PDL): the BGMV form, by token slot, with no batch metadata.
+//
+// Why: at decode sizes a layer moves a few MB, which takes about a microsecond at copy
+// bandwidth, and what costs the time is the chain of dependent steps each warp walks through
+// (bench/NOTES.md: ~300 cycles per dependent memory access, ~17 cycles between two
+// instructions of one warp when they depend on each other). So both kernels here keep that
+// chain as short as it can be: a CTA reads its token's slot, the slot's rank, and then issues
+// every load of its weights at once; no sorting, no work lists, no barriers across CTAs.
+//
+//   gather_shrink: CTA (token, slice x 16-row rank group, 1024-wide K chunk). 128 threads each
+//     load 8 consecutive K of x and of the group's A rows (16-byte loads), FMA in fp32, then
+//     a butterfly reduction leaves lane l of every warp with row l / 2; the four warps are
+//     summed through shared memory and the K-chunk partial sums go to the metadata's scratch
+//     [k_chunk][slice][token][rank].
+//   gather_expand: CTA (token, 512 columns of one slice), launched with PDL so that it starts
+//     while the shrink runs: its slot, rank, y values and the first 16 ranks of its B columns
+//     are loaded BEFORE griddepcontrol.wait; after it, the partial sums are added (fixed
+//     order), scaled and rounded to the weight dtype (as the other paths and vLLM do), and
+//     each thread adds the dot products of its 4 columns to y.
+// A token with slot -1, and a slice whose rank is 0 for the token's slot, leave y untouched.
+// Ranks past a slot's rank are never loaded or are masked (their values may be anything).
+
+#include <algorithm>
+
+#include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/lora_paths.h"
+
+namespace loraplex::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowGroup = 16;          // A rows per shrink CTA
+constexpr int kKChunk = kThreads * 8;  // K per shrink CTA: 8 per thread
+constexpr int kColsPerThread = 4;      // expand: y columns per thread
+constexpr int kColsPerCta = kThreads * kColsPerThread;
+constexpr int kPreRanks = 16;  // expand: B ranks loaded before the wait
+constexpr int kMaxRank = 256;  // expand: the intermediate row in shared memory
+
+struct GatherParams {
+  const int32_t* mapping;
+  const int32_t* ranks;  // [num_slices, max_loras]
+  int max_loras;
+  int max_rank;
+  int num_slices;
+  int num_tokens;
+  int k_chunks;
+  float* partial;  // [k_chunks][num_slices][num_tokens][max_rank]
+  float scale;
+  // shrink
+  const void* x;
+  int64_t x_stride;
+  int64_t hidden;
+  const void* a[kMaxSlices];
+  // expand
+  const void* b[kMaxSlices];
+  int64_t width[kMaxSlices];
+  int64_t y_col[kMaxSlices];
+  int chunk_begin[kMaxSlices + 1];  // prefix of 512-column chunks per slice
+  void* y;
+  int64_t y_stride;
+};
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4& a, const float (&x)[8]) {
+  float av[8];
+  unpack8<T>(a, av);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s = fmaf(av[i], x[i], s);
+  return s;
+}
+
+// One butterfly step over 2 * W values: lanes with lane bit BIT set keep the upper W (adding
+// the partner's upper W), the others the lower W.
+template <int W, int BIT>
+__device__ __forceinline__ void butterfly_step(float (&v)[16], int lane) {
+  const bool upper = (lane & BIT) != 0;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float send = upper ? v[j] : v[j + W];
+    const float keep = upper ? v[j + W] : v[j];
+    v[j] = keep + __shfl_xor_sync(kFullMask, send, BIT);
+  }
+}
+
+/// Butterfly over 16 values: afterwards every lane holds the warp sum of value lane / 2
+/// (16 shuffles instead of 16 full warp reductions).
+__device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
+  butterfly_step<8, 16>(v, lane);
+  butterfly_step<4, 8>(v, lane);
+  butterfly_step<2, 4>(v, lane);
+  butterfly_step<1, 2>(v, lane);
+  return v[0] + __shfl_xor_sync(kFullMask, v[0], 1);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
+  // The expand may start now: everything it reads before its wait is ready.
+  pdl_launch_dependents();
+  const int t = static_cast<int>(blockIdx.x);
+  const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
+  const int s = static_cast<int>(blockIdx.y) / groups;
+  const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
+  const int kc = static_cast<int>(blockIdx.z);
+  const int slot = p.mapping[t];
+  if (!valid_slot(slot, p.max_loras)) return;
+  const int rank = p.ranks[s * p.max_loras + slot];
+  if (r0 >= rank) return;
+  const int rows = min(kRowGroup, rank - r0);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
+  float acc[kRowGroup];
+#pragma unroll
+  for (int i = 0; i < kRowGroup; ++i) acc[i] = 0.0f;
+  if (k < p.hidden) {
+    const T* arow =
+        static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
+    uint4 av[kRowGroup];
+#pragma unroll
+    for (int i = 0; i < kRowGroup; ++i) {
+      av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
+    }
+    const uint4 xv = ldg16(static_cast<const T*>(p.x) + t * p.x_stride + k);
+    float xf[8];
+    unpack8<T>(xv, xf);
+#pragma unroll
+    for (int i = 0; i < kRowGroup; ++i) acc[i] = dot8<T>(av[i], xf);
+  }
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const float sum = transpose_reduce16(acc, lane);
+  __shared__ float red[kWarps][kRowGroup];
+  if ((lane & 1) == 0) red[warp][lane >> 1] = sum;
+  __syncthreads();
+  if (tid < rows) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += red[w][tid];
+    p.partial[((static_cast<int64_t>(kc) * p.num_slices + s) * p.num_tokens + t) * p.max_rank + r0 +
+              tid] = v;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
+  __shared__ float inter[kMaxRank];
+  const int t = static_cast<int>(blockIdx.x);
+  const int u = static_cast<int>(blockIdx.y);
+  const int slot = p.mapping[t];
+  if (!valid_slot(slot, p.max_loras)) return;
+  int s = 0;
+  while (u >= p.chunk_begin[s + 1]) ++s;
+  const int rank = p.ranks[s * p.max_loras + slot];
+  if (rank == 0) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t c = static_cast<int64_t>(u - p.chunk_begin[s]) * kColsPerCta + tid * kColsPerThread;
+  const bool active = c < p.width[s];  // widths are multiples of kColsPerThread
+  T* yp = static_cast<T*>(p.y) + t * p.y_stride + p.y_col[s] + c;
+  const T* bp = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + c) * p.max_rank;
+  // Loads that do not depend on the shrink: y and the first ranks of the 4 B columns.
+  uint2 yv = make_uint2(0, 0);
+  uint4 bv[kColsPerThread][kPreRanks / 8];
+  const int pre = min(rank, kPreRanks);
+  if (active) {
+    yv = *reinterpret_cast<const uint2*>(yp);
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) {
+#pragma unroll
+      for (int q = 0; q < kPreRanks / 8; ++q) {
+        bv[j][q] = q * 8 < pre ? ldg16(bp + j * p.max_rank + q * 8) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+  pdl_wait();  // the shrink grid has finished and its partial sums are visible
+  const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
+  const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
+  for (int r = tid; r < rank; r += kThreads) {
+    float v = 0.0f;
+    for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
+    inter[r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths round it
+  }
+  __syncthreads();
+  if (!active) return;
+  float acc[kColsPerThread] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Ranks 0..15 from the registers loaded before the wait; ranks past the slot's rank are
+  // masked (the B values there may be anything, NaN included).
+#pragma unroll
+  for (int q = 0; q < kPreRanks / 8; ++q) {
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) {
+      float bf[8];
+      unpack8<T>(bv[j][q], bf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = q * 8 + i;
+        if (r < pre) acc[j] = fmaf(inter[r], bf[i], acc[j]);
+      }
+    }
+  }
+  // Higher ranks (rank > 16), 8 at a time for all four columns.
+  for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
+    uint4 hv[kColsPerThread];
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) hv[j] = ldg16(bp + j * p.max_rank + r0);
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) {
+      float bf[8];
+      unpack8<T>(hv[j], bf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (r0 + i < rank) acc[j] = fmaf(inter[r0 + i], bf[i], acc[j]);
+      }
+    }
+  }
+  const float2 y01 = unpack2<T>(yv.x);
+  const float2 y23 = unpack2<T>(yv.y);
+  *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[0], y01.y + acc[1]),
+                                             pack2<T>(y23.x + acc[2], y23.y + acc[3]));
+}
+
+bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
+
+}  // namespace
+
+bool gather_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta) {
+  if (!half_dtype(s.dtype) || e.dtype != s.dtype || !e.add_inputs) return false;
+  if (e.num_slices != s.num_slices || e.max_rank != s.max_rank || e.max_loras != s.max_loras ||
+      e.num_tokens != s.num_tokens)
+    return false;
+  if (s.max_rank % 8 != 0 || s.max_rank > kMaxRank) return false;
+  if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
+  if (e.y_row_stride % kColsPerThread != 0 || e.offset_start % kColsPerThread != 0 ||
+      (reinterpret_cast<uintptr_t>(e.y) & 7u) != 0)
+    return false;
+  for (int i = 0; i < s.num_slices; ++i) {
+    if (!aligned16(s.lora_a[i]) || !aligned16(e.lora_b[i])) return false;
+    if (e.slice_width[i] % kColsPerThread != 0) return false;
+  }
+  if (meta.token_lora_mapping == nullptr || meta.scratch == nullptr) return false;
+  if (s.num_tokens > 65535) return false;  // grid.x limit is larger; grid.y/z are not
+  return k_chunks_of(s.hidden) * s.num_slices * s.num_tokens * s.max_rank <= meta.scratch_floats;
+}
+
+Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta,
+                     StreamHandle stream) {
+  LORAPLEX_ENSURE(gather_linear_applies(s, e, meta), "gather_linear: arguments not supported");
+  GatherParams p{};
+  p.mapping = meta.token_lora_mapping;
+  p.ranks = s.ranks;
+  p.max_loras = s.max_loras;
+  p.max_rank = s.max_rank;
+  p.num_slices = s.num_slices;
+  p.num_tokens = static_cast<int>(s.num_tokens);
+  p.k_chunks = static_cast<int>(k_chunks_of(s.hidden));
+  p.partial = meta.scratch;
+  p.scale = s.scale;
+  p.x = s.x;
+  p.x_stride = s.x_row_stride;
+  p.hidden = s.hidden;
+  int64_t col = e.offset_start;
+  p.chunk_begin[0] = 0;
+  for (int i = 0; i < s.num_slices; ++i) {
+    p.a[i] = s.lora_a[i];
+    p.b[i] = e.lora_b[i];
+    p.width[i] = e.slice_width[i];
+    p.y_col[i] = col;
+    col += e.slice_width[i];
+    p.chunk_begin[i + 1] =
+        p.chunk_begin[i] + static_cast<int>(ceil_div(e.slice_width[i], kColsPerCta));
+  }
+  p.y = e.y;
+  p.y_stride = e.y_row_stride;
+  const int groups = static_cast<int>(ceil_div(s.max_rank, kRowGroup));
+  auto cs = static_cast<cudaStream_t>(stream);
+  const dim3 shrink_grid(static_cast<unsigned>(s.num_tokens),
+                         static_cast<unsigned>(s.num_slices * groups),
+                         static_cast<unsigned>(p.k_chunks));
+  // The expand: PDL lets it start while the shrink runs (it waits in-kernel for the sums).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim =
+      dim3(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>(p.chunk_begin[s.num_slices]));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = cs;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (s.dtype == DType::kBF16) {
+    gather_shrink_kernel<bf16><<<shrink_grid, kThreads, 0, cs>>>(p);
+    LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
+    LORAPLEX_RETURN_IF_ERROR(
+        cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<bf16>, p), "gather_expand"));
+  } else {
+    gather_shrink_kernel<f16><<<shrink_grid, kThreads, 0, cs>>>(p);
+    LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
+    LORAPLEX_RETURN_IF_ERROR(
+        cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<f16>, p), "gather_expand"));
+  }
+  return launch_status("gather_expand_kernel");
+}
+
+}  // namespace loraplex::kernels::cuda
