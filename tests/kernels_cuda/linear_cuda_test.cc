@@ -194,6 +194,7 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
     kernels::cuda::set_fused_linear_max_tokens(cfg.limit);
     kernels::cuda::KernelTuning tuning = defaults;
     tuning.decode_persistent = cfg.persistent;
+    tuning.gather_max_token_ranks = 1 << 30;  // the pair on every case it supports
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
     int ran = 0;
     for (const LayerCase& c : linear_cases()) {
@@ -222,7 +223,9 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   Stream cpu;
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
   const std::vector<kernels::cuda::KernelTuning> shapes = {
-      {1, 256, 1, 1, 1, 1}, {4, 64, 8, 8, 16, 2}, {8, 8, 2, 4, 2, 0}};
+      {1, 256, 1, 1, 1, 1, 0, 64, 256, 1 << 30},
+      {4, 64, 8, 8, 16, 2, 0, 256, 64, 1 << 30},
+      {8, 8, 2, 4, 2, 0, 1, 128, 128, 2048}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {

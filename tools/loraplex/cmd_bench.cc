@@ -50,7 +50,8 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent, prefill_k_split,\n"
+    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent,\n"
+    "gather_shrink_threads, gather_expand_threads, gather_max_token_ranks, prefill_k_split,\n"
     "prefill_ctas_per_sm, expand_ctas_per_sm; the rest keep their defaults). Needs a CUDA\n"
     "device; --help does not.\n";
 
@@ -420,6 +421,7 @@ int run_kernels(const Options& o) {
         kc::set_fused_linear_max_tokens(limit);
         kc::KernelTuning tuning = o.tuning;
         tuning.decode_persistent = persistent;
+        tuning.gather_max_token_ranks = 1 << 30;  // the comparison runs each path as far as it goes
         throw_if_error(kc::set_kernel_tuning(tuning));
         const std::string path = path_of(d, c);
         const Timings t = bench.time(
@@ -471,7 +473,10 @@ int run_kernels(const Options& o) {
                      {"prefill_ctas_per_sm", o.tuning.prefill_ctas_per_sm},
                      {"expand_ctas_per_sm", o.tuning.expand_ctas_per_sm},
                      {"decode_ctas_per_sm", o.tuning.decode_ctas_per_sm},
-                     {"decode_persistent", o.tuning.decode_persistent}};
+                     {"decode_persistent", o.tuning.decode_persistent},
+                     {"gather_shrink_threads", o.tuning.gather_shrink_threads},
+                     {"gather_expand_threads", o.tuning.gather_expand_threads},
+                     {"gather_max_token_ranks", o.tuning.gather_max_token_ranks}};
     doc["dtype"] = "bfloat16";
     doc["method"] = {
         {"cold", "512 MB read before each call, CUDA events, median of " + std::to_string(o.iters)},

@@ -612,9 +612,12 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
 }
 
 // Decode-sized layers take the per-token kernel pair (gather_lora.cu) unless the tuning asks
-// for the persistent kernel.
+// for the persistent kernel, or the batch is large for its rank (gather_max_token_ranks).
 bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
-  return kernel_tuning().decode_persistent == 0 && gather_linear_applies(shrink, expand, meta);
+  const KernelTuning tuning = kernel_tuning();
+  return tuning.decode_persistent == 0 &&
+         shrink.num_tokens * shrink.max_rank <= tuning.gather_max_token_ranks &&
+         gather_linear_applies(shrink, expand, meta);
 }
 
 }  // namespace

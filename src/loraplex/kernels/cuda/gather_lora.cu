@@ -24,19 +24,16 @@
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kRowGroup = 16;          // A rows per shrink CTA
-constexpr int kKChunk = kThreads * 8;  // K per shrink CTA: 8 per thread
-constexpr int kColsPerThread = 4;      // expand: y columns per thread
-constexpr int kColsPerCta = kThreads * kColsPerThread;
-constexpr int kPreRanks = 16;  // expand: B ranks loaded before the wait
-constexpr int kMaxRank = 256;  // expand: the intermediate row in shared memory
+constexpr int kRowGroup = 16;      // A rows per shrink CTA
+constexpr int kColsPerThread = 4;  // expand: y columns per thread
+constexpr int kPreRanks = 16;      // expand: B ranks loaded before the wait
+constexpr int kMaxRank = 256;      // expand: the intermediate row in shared memory
 
 struct GatherParams {
   const int32_t* mapping;
@@ -104,8 +101,11 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
   return v[0] + __shfl_xor_sync(kFullMask, v[0], 1);
 }
 
-template <typename T>
+// kThreads: 64, 128 or 256 (the tuning's gather_shrink_threads); K per CTA is 8 per thread.
+template <typename T, int kThreads>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kKChunk = kThreads * 8;
   // The expand may start now: everything it reads before its wait is ready.
   pdl_launch_dependents();
   const int t = static_cast<int>(blockIdx.x);
@@ -152,8 +152,10 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
   }
 }
 
-template <typename T>
+// kThreads: 64, 128 or 256 (the tuning's gather_expand_threads); 4 columns per thread.
+template <typename T, int kThreads>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
+  constexpr int kColsPerCta = kThreads * kColsPerThread;
   __shared__ float inter[kMaxRank];
   const int t = static_cast<int>(blockIdx.x);
   const int u = static_cast<int>(blockIdx.y);
@@ -231,7 +233,38 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
 
 bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
-int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
+int64_t k_chunks_of(int64_t hidden) {
+  return ceil_div(hidden, int64_t{kernel_tuning().gather_shrink_threads} * 8);
+}
+
+template <typename T, int kShrink, int kExpand>
+Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg) {
+  gather_shrink_kernel<T, kShrink><<<shrink_grid, kShrink, 0, cfg.stream>>>(p);
+  LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
+  cfg.blockDim = dim3(kExpand);
+  LORAPLEX_RETURN_IF_ERROR(
+      cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T, kExpand>, p), "gather_expand"));
+  return launch_status("gather_expand_kernel");
+}
+
+template <typename T, int kShrink>
+Status launch_expand_threads(const GatherParams& p, dim3 shrink_grid, const cudaLaunchConfig_t& cfg,
+                             int expand_threads) {
+  if (expand_threads == 64) return launch_pair<T, kShrink, 64>(p, shrink_grid, cfg);
+  if (expand_threads == 256) return launch_pair<T, kShrink, 256>(p, shrink_grid, cfg);
+  return launch_pair<T, kShrink, 128>(p, shrink_grid, cfg);
+}
+
+template <typename T>
+Status launch_threads(const GatherParams& p, dim3 shrink_grid, const cudaLaunchConfig_t& cfg,
+                      int shrink_threads, int expand_threads) {
+  if (shrink_threads == 64)
+    return launch_expand_threads<T, 64>(p, shrink_grid, cfg, expand_threads);
+  if (shrink_threads == 256) {
+    return launch_expand_threads<T, 256>(p, shrink_grid, cfg, expand_threads);
+  }
+  return launch_expand_threads<T, 128>(p, shrink_grid, cfg, expand_threads);
+}
 
 }  // namespace
 
@@ -270,6 +303,8 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   p.x = s.x;
   p.x_stride = s.x_row_stride;
   p.hidden = s.hidden;
+  const KernelTuning tuning = kernel_tuning();
+  const int64_t cols_per_cta = int64_t{tuning.gather_expand_threads} * kColsPerThread;
   int64_t col = e.offset_start;
   p.chunk_begin[0] = 0;
   for (int i = 0; i < s.num_slices; ++i) {
@@ -279,12 +314,11 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
     p.y_col[i] = col;
     col += e.slice_width[i];
     p.chunk_begin[i + 1] =
-        p.chunk_begin[i] + static_cast<int>(ceil_div(e.slice_width[i], kColsPerCta));
+        p.chunk_begin[i] + static_cast<int>(ceil_div(e.slice_width[i], cols_per_cta));
   }
   p.y = e.y;
   p.y_stride = e.y_row_stride;
   const int groups = static_cast<int>(ceil_div(s.max_rank, kRowGroup));
-  auto cs = static_cast<cudaStream_t>(stream);
   const dim3 shrink_grid(static_cast<unsigned>(s.num_tokens),
                          static_cast<unsigned>(s.num_slices * groups),
                          static_cast<unsigned>(p.k_chunks));
@@ -292,25 +326,18 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim =
       dim3(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>(p.chunk_begin[s.num_slices]));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = cs;
+  cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (s.dtype == DType::kBF16) {
-    gather_shrink_kernel<bf16><<<shrink_grid, kThreads, 0, cs>>>(p);
-    LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
-    LORAPLEX_RETURN_IF_ERROR(
-        cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<bf16>, p), "gather_expand"));
-  } else {
-    gather_shrink_kernel<f16><<<shrink_grid, kThreads, 0, cs>>>(p);
-    LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
-    LORAPLEX_RETURN_IF_ERROR(
-        cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<f16>, p), "gather_expand"));
+    return launch_threads<bf16>(p, shrink_grid, cfg, tuning.gather_shrink_threads,
+                                tuning.gather_expand_threads);
   }
-  return launch_status("gather_expand_kernel");
+  return launch_threads<f16>(p, shrink_grid, cfg, tuning.gather_shrink_threads,
+                             tuning.gather_expand_threads);
 }
 
 }  // namespace loraplex::kernels::cuda

@@ -26,6 +26,14 @@ struct KernelTuning {
   /// Decode-sized layers: 0 runs the per-token kernel pair chained with PDL where it applies,
   /// 1 always the persistent decode kernel.
   int decode_persistent = 0;
+  /// Per-token pair: threads of a shrink CTA (64, 128 or 256; K per CTA is 8 per thread).
+  int gather_shrink_threads = 128;
+  /// Per-token pair: threads of an expand CTA (64, 128 or 256; 4 columns per thread).
+  int gather_expand_threads = 128;
+  /// Per-token pair: used while tokens x max_rank is at most this (1..2^30). The pair reads
+  /// each token's A rows once per token (no grouping by slot); on the H200 it measured slower
+  /// than the persistent kernel at rank 64 x 64 tokens (4096) and faster below.
+  int gather_max_token_ranks = 2048;
 };
 
 /// The knobs in force.
