@@ -4,10 +4,14 @@
 # runs the whole CTest suite, `loraplex generate` on the tiny fixture in float32 and
 # bfloat16 against PEFT's tokens, and optionally the kernel benchmark (BENCH=1) and the
 # load-while-serving benchmark (ADAPTER_BENCH=1).
-# Results go to $OUT (ctest.log, build.log, generate_*.jsonl, bench.json).
+# Results go to a scratch folder, archived at the end into $OUT/full_run.tgz (ctest.log,
+# build.log, generate_*.jsonl, bench.json, ...); ctest.log and bench.json are also copied to
+# $OUT (the device tool returns a few files).
 set -uo pipefail
-out=${OUT:-/tmp/loraplex_out}
-mkdir -p "$out"
+final=${OUT:-/tmp/loraplex_out}
+out=$(mktemp -d)
+mkdir -p "$final"
+trap 'tar -C "$out" -czf "$final/full_run.tgz" . && cp "$out"/ctest.log "$out"/bench.json "$final/" 2>/dev/null; true' EXIT
 deps=${LORAPLEX_DEPS:-$PWD/.device/deps}
 export LD_LIBRARY_PATH="$deps/lib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0

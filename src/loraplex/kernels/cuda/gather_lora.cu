@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
   for (int r = tid; r < rank; r += kThreads) {
     float v = 0.0f;
+#pragma unroll 4
     for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
     inter[r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths round it
   }
