@@ -45,22 +45,30 @@ TEST(KernelTuning, RejectsMalformedTextNamingIt) {
 
 TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
   const KernelTuning before = kernels::cuda::kernel_tuning();
+  // Each case changes one field of the defaults to a value out of its range.
   struct Bad {
-    KernelTuning t;
+    void (*set)(KernelTuning&);
     const char* field;
   };
   const Bad bad[] = {
-      {{3, 128, 4, 2}, "decode_k_chunks = 3"},
-      {{32, 128, 4, 2}, "decode_k_chunks = 32"},
-      {{16, 4, 4, 2}, "decode_cols = 4"},
-      {{16, 512, 4, 2}, "decode_cols = 512"},
-      {{16, 128, 16, 2}, "prefill_k_split = 16"},
-      {{16, 128, 4, 0}, "prefill_ctas_per_sm = 0"},
-      {{16, 128, 4, 2, 0}, "expand_ctas_per_sm = 0"},
-      {{16, 128, 4, 2, 4, 5}, "decode_ctas_per_sm = 5"},
+      {[](KernelTuning& t) { t.decode_k_chunks = 3; }, "decode_k_chunks = 3"},
+      {[](KernelTuning& t) { t.decode_k_chunks = 32; }, "decode_k_chunks = 32"},
+      {[](KernelTuning& t) { t.decode_cols = 4; }, "decode_cols = 4"},
+      {[](KernelTuning& t) { t.decode_cols = 512; }, "decode_cols = 512"},
+      {[](KernelTuning& t) { t.prefill_k_split = 16; }, "prefill_k_split = 16"},
+      {[](KernelTuning& t) { t.prefill_ctas_per_sm = 0; }, "prefill_ctas_per_sm = 0"},
+      {[](KernelTuning& t) { t.expand_ctas_per_sm = 0; }, "expand_ctas_per_sm = 0"},
+      {[](KernelTuning& t) { t.decode_ctas_per_sm = 5; }, "decode_ctas_per_sm = 5"},
+      {[](KernelTuning& t) { t.decode_persistent = 2; }, "decode_persistent = 2"},
+      {[](KernelTuning& t) { t.gather_shrink_threads = 96; }, "gather_shrink_threads = 96"},
+      {[](KernelTuning& t) { t.gather_group = 3; }, "gather_group = 3"},
+      {[](KernelTuning& t) { t.gather_expand_threads = 512; }, "gather_expand_threads = 512"},
+      {[](KernelTuning& t) { t.gather_max_token_ranks = 0; }, "gather_max_token_ranks = 0"},
   };
   for (const Bad& b : bad) {
-    const Status s = kernels::cuda::set_kernel_tuning(b.t);
+    KernelTuning t;
+    b.set(t);
+    const Status s = kernels::cuda::set_kernel_tuning(t);
     EXPECT_FALSE(s.ok()) << b.field;
     EXPECT_NE(s.message().find(b.field), std::string::npos) << s.message();
     const KernelTuning now = kernels::cuda::kernel_tuning();
@@ -71,7 +79,7 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
     EXPECT_EQ(now.expand_ctas_per_sm, before.expand_ctas_per_sm);
     EXPECT_EQ(now.decode_ctas_per_sm, before.decode_ctas_per_sm);
   }
-  const KernelTuning good{8, 64, 2, 3};
+  const KernelTuning good{.decode_k_chunks = 8, .decode_cols = 64, .prefill_k_split = 2};
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(good).ok());
   EXPECT_EQ(kernels::cuda::kernel_tuning().decode_cols, 64);
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(before).ok());

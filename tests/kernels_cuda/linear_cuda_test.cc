@@ -222,10 +222,35 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  const std::vector<kernels::cuda::KernelTuning> shapes = {
-      {1, 256, 1, 1, 1, 1, 0, 64, 256, 1 << 30},
-      {4, 64, 8, 8, 16, 2, 0, 256, 64, 1 << 30},
-      {8, 8, 2, 4, 2, 0, 1, 128, 128, 2048}};
+  const std::vector<kernels::cuda::KernelTuning> shapes = {{.decode_k_chunks = 1,
+                                                            .decode_cols = 256,
+                                                            .prefill_k_split = 1,
+                                                            .prefill_ctas_per_sm = 1,
+                                                            .expand_ctas_per_sm = 1,
+                                                            .decode_ctas_per_sm = 1,
+                                                            .decode_persistent = 0,
+                                                            .gather_shrink_threads = 64,
+                                                            .gather_group = 1,
+                                                            .gather_expand_threads = 256,
+                                                            .gather_max_token_ranks = 1 << 30},
+                                                           {.decode_k_chunks = 4,
+                                                            .decode_cols = 64,
+                                                            .prefill_k_split = 8,
+                                                            .prefill_ctas_per_sm = 8,
+                                                            .expand_ctas_per_sm = 16,
+                                                            .decode_ctas_per_sm = 2,
+                                                            .decode_persistent = 0,
+                                                            .gather_shrink_threads = 256,
+                                                            .gather_group = 4,
+                                                            .gather_expand_threads = 64,
+                                                            .gather_max_token_ranks = 1 << 30},
+                                                           {.decode_k_chunks = 8,
+                                                            .decode_cols = 8,
+                                                            .prefill_k_split = 2,
+                                                            .prefill_ctas_per_sm = 4,
+                                                            .expand_ctas_per_sm = 2,
+                                                            .decode_ctas_per_sm = 0,
+                                                            .decode_persistent = 1}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {
@@ -239,7 +264,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
         test::expect_matches(got, ref, stream, rtol, rtol * 2,
                              case_name(c) + " k_chunks " + std::to_string(t.decode_k_chunks) +
                                  " cols " + std::to_string(t.decode_cols) + " k_split " +
-                                 std::to_string(t.prefill_k_split));
+                                 std::to_string(t.prefill_k_split) + " group " +
+                                 std::to_string(t.gather_group));
       }
     }
   }

@@ -37,7 +37,8 @@ constexpr int kMaxRank = 256;      // expand: the intermediate row in shared mem
 
 struct GatherParams {
   const int32_t* mapping;
-  const int32_t* ranks;  // [num_slices, max_loras]
+  const int32_t* sorted;  // tokens stably sorted by slot (the batch metadata's)
+  const int32_t* ranks;   // [num_slices, max_loras]
   int max_loras;
   int max_rank;
   int num_slices;
@@ -102,53 +103,96 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
 }
 
 // kThreads: 64, 128 or 256 (the tuning's gather_shrink_threads); K per CTA is 8 per thread.
-template <typename T, int kThreads>
+// kGroup: consecutive tokens of the sorted order per CTA (1: token blockIdx.x itself, no
+// sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
+// shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
+// L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
+template <typename T, int kThreads, int kGroup>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kKChunk = kThreads * 8;
   // The expand may start now: everything it reads before its wait is ready.
   pdl_launch_dependents();
-  const int t = static_cast<int>(blockIdx.x);
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
   const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
   const int kc = static_cast<int>(blockIdx.z);
-  const int slot = p.mapping[t];
-  if (!valid_slot(slot, p.max_loras)) return;
-  const int rank = p.ranks[s * p.max_loras + slot];
-  if (r0 >= rank) return;
-  const int rows = min(kRowGroup, rank - r0);
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
-  float acc[kRowGroup];
+  const int first = static_cast<int>(blockIdx.x) * kGroup;
+  int tok[kGroup];
+  int slot_of[kGroup];
 #pragma unroll
-  for (int i = 0; i < kRowGroup; ++i) acc[i] = 0.0f;
-  if (k < p.hidden) {
-    const T* arow =
-        static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
-    uint4 av[kRowGroup];
-#pragma unroll
-    for (int i = 0; i < kRowGroup; ++i) {
-      av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
-    }
-    const uint4 xv = ldg16(static_cast<const T*>(p.x) + t * p.x_stride + k);
-    float xf[8];
-    unpack8<T>(xv, xf);
-#pragma unroll
-    for (int i = 0; i < kRowGroup; ++i) acc[i] = dot8<T>(av[i], xf);
+  for (int j = 0; j < kGroup; ++j) {
+    const int pos = first + j;
+    tok[j] = pos >= p.num_tokens ? -1 : kGroup == 1 ? pos : p.sorted[pos];
   }
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) {
+    const int slot = tok[j] >= 0 ? p.mapping[tok[j]] : -1;
+    slot_of[j] = valid_slot(slot, p.max_loras) ? slot : -1;
+  }
+  const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const float sum = transpose_reduce16(acc, lane);
-  __shared__ float red[kWarps][kRowGroup];
-  if ((lane & 1) == 0) red[warp][lane >> 1] = sum;
-  __syncthreads();
-  if (tid < rows) {
-    float v = 0.0f;
+  const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
+  __shared__ float red[kWarps][kGroup][kRowGroup];
+  unsigned done = 0;  // tokens of the group already processed (the same in every thread)
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += red[w][tid];
-    p.partial[((static_cast<int64_t>(kc) * p.num_slices + s) * p.num_tokens + t) * p.max_rank + r0 +
-              tid] = v;
+  for (int j0 = 0; j0 < kGroup; ++j0) {
+    const int slot = slot_of[j0];
+    if (slot < 0 || ((done >> j0) & 1u) != 0) continue;
+    unsigned mine = 0;  // the group's tokens of this slot
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) mine |= slot_of[j] == slot ? 1u << j : 0u;
+    done |= mine;
+    const int rank = p.ranks[s * p.max_loras + slot];
+    if (r0 >= rank) continue;
+    const int rows = min(kRowGroup, rank - r0);
+    float acc[kGroup][kRowGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+      for (int i = 0; i < kRowGroup; ++i) acc[j][i] = 0.0f;
+    }
+    if (k < p.hidden) {
+      const T* arow =
+          static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
+      uint4 av[kRowGroup];
+#pragma unroll
+      for (int i = 0; i < kRowGroup; ++i) {
+        av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        if ((mine >> j) & 1u) {
+          const uint4 xv = ldg16(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k);
+          float xf[8];
+          unpack8<T>(xv, xf);
+#pragma unroll
+          for (int i = 0; i < kRowGroup; ++i) acc[j][i] = dot8<T>(av[i], xf);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      if ((mine >> j) & 1u) {  // the same in every thread: the shuffles stay converged
+        const float sum = transpose_reduce16(acc[j], lane);
+        if ((lane & 1) == 0) red[warp][j][lane >> 1] = sum;
+      }
+    }
+    __syncthreads();
+    if (tid < kGroup * kRowGroup) {
+      const int j = tid / kRowGroup;
+      const int r = tid % kRowGroup;
+      if (((mine >> j) & 1u) != 0 && r < rows) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += red[w][j][r];
+        p.partial[((static_cast<int64_t>(kc) * p.num_slices + s) * p.num_tokens + tok[j]) *
+                      p.max_rank +
+                  r0 + r] = v;
+      }
+    }
+    __syncthreads();  // `red` is free for the next slot of the group
   }
 }
 
@@ -238,9 +282,10 @@ int64_t k_chunks_of(int64_t hidden) {
   return ceil_div(hidden, int64_t{kernel_tuning().gather_shrink_threads} * 8);
 }
 
-template <typename T, int kShrink, int kExpand>
+template <typename T, int kShrink, int kGroup, int kExpand>
 Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg) {
-  gather_shrink_kernel<T, kShrink><<<shrink_grid, kShrink, 0, cfg.stream>>>(p);
+  shrink_grid.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
+  gather_shrink_kernel<T, kShrink, kGroup><<<shrink_grid, kShrink, 0, cfg.stream>>>(p);
   LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
   cfg.blockDim = dim3(kExpand);
   LORAPLEX_RETURN_IF_ERROR(
@@ -248,23 +293,30 @@ Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t c
   return launch_status("gather_expand_kernel");
 }
 
+// The tuning's thread counts and group size pick one of the instantiations (each a power of
+// two; anything else falls to the default 128 / 2 / 128).
+template <typename T, int kShrink, int kGroup>
+Status launch_expand_threads(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
+                             const KernelTuning& t) {
+  if (t.gather_expand_threads == 64) return launch_pair<T, kShrink, kGroup, 64>(p, grid, cfg);
+  if (t.gather_expand_threads == 256) return launch_pair<T, kShrink, kGroup, 256>(p, grid, cfg);
+  return launch_pair<T, kShrink, kGroup, 128>(p, grid, cfg);
+}
+
 template <typename T, int kShrink>
-Status launch_expand_threads(const GatherParams& p, dim3 shrink_grid, const cudaLaunchConfig_t& cfg,
-                             int expand_threads) {
-  if (expand_threads == 64) return launch_pair<T, kShrink, 64>(p, shrink_grid, cfg);
-  if (expand_threads == 256) return launch_pair<T, kShrink, 256>(p, shrink_grid, cfg);
-  return launch_pair<T, kShrink, 128>(p, shrink_grid, cfg);
+Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
+                    const KernelTuning& t) {
+  if (t.gather_group == 1) return launch_expand_threads<T, kShrink, 1>(p, grid, cfg, t);
+  if (t.gather_group == 4) return launch_expand_threads<T, kShrink, 4>(p, grid, cfg, t);
+  return launch_expand_threads<T, kShrink, 2>(p, grid, cfg, t);
 }
 
 template <typename T>
-Status launch_threads(const GatherParams& p, dim3 shrink_grid, const cudaLaunchConfig_t& cfg,
-                      int shrink_threads, int expand_threads) {
-  if (shrink_threads == 64)
-    return launch_expand_threads<T, 64>(p, shrink_grid, cfg, expand_threads);
-  if (shrink_threads == 256) {
-    return launch_expand_threads<T, 256>(p, shrink_grid, cfg, expand_threads);
-  }
-  return launch_expand_threads<T, 128>(p, shrink_grid, cfg, expand_threads);
+Status launch_threads(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
+                      const KernelTuning& t) {
+  if (t.gather_shrink_threads == 64) return launch_group<T, 64>(p, grid, cfg, t);
+  if (t.gather_shrink_threads == 256) return launch_group<T, 256>(p, grid, cfg, t);
+  return launch_group<T, 128>(p, grid, cfg, t);
 }
 
 }  // namespace
@@ -283,7 +335,9 @@ bool gather_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraM
     if (!aligned16(s.lora_a[i]) || !aligned16(e.lora_b[i])) return false;
     if (e.slice_width[i] % kColsPerThread != 0) return false;
   }
-  if (meta.token_lora_mapping == nullptr || meta.scratch == nullptr) return false;
+  if (meta.token_lora_mapping == nullptr || meta.sorted_token_indices == nullptr ||
+      meta.scratch == nullptr)
+    return false;
   if (s.num_tokens > 65535) return false;  // grid.x limit is larger; grid.y/z are not
   return k_chunks_of(s.hidden) * s.num_slices * s.num_tokens * s.max_rank <= meta.scratch_floats;
 }
@@ -293,6 +347,7 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   LORAPLEX_ENSURE(gather_linear_applies(s, e, meta), "gather_linear: arguments not supported");
   GatherParams p{};
   p.mapping = meta.token_lora_mapping;
+  p.sorted = meta.sorted_token_indices;
   p.ranks = s.ranks;
   p.max_loras = s.max_loras;
   p.max_rank = s.max_rank;
@@ -333,12 +388,8 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (s.dtype == DType::kBF16) {
-    return launch_threads<bf16>(p, shrink_grid, cfg, tuning.gather_shrink_threads,
-                                tuning.gather_expand_threads);
-  }
-  return launch_threads<f16>(p, shrink_grid, cfg, tuning.gather_shrink_threads,
-                             tuning.gather_expand_threads);
+  if (s.dtype == DType::kBF16) return launch_threads<bf16>(p, shrink_grid, cfg, tuning);
+  return launch_threads<f16>(p, shrink_grid, cfg, tuning);
 }
 
 }  // namespace loraplex::kernels::cuda

@@ -34,6 +34,7 @@ Status set_kernel_tuning(const KernelTuning& t) {
       check_field("gather_shrink_threads", t.gather_shrink_threads, 64, 256, true));
   LORAPLEX_RETURN_IF_ERROR(
       check_field("gather_expand_threads", t.gather_expand_threads, 64, 256, true));
+  LORAPLEX_RETURN_IF_ERROR(check_field("gather_group", t.gather_group, 1, 4, true));
   LORAPLEX_RETURN_IF_ERROR(
       check_field("gather_max_token_ranks", t.gather_max_token_ranks, 1, 1 << 30, false));
   g_tuning = t;
@@ -77,6 +78,8 @@ Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
       out.gather_shrink_threads = v;
     } else if (key == "gather_expand_threads") {
       out.gather_expand_threads = v;
+    } else if (key == "gather_group") {
+      out.gather_group = v;
     } else if (key == "gather_max_token_ranks") {
       out.gather_max_token_ranks = v;
     } else {
