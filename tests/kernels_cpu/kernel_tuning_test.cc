@@ -60,9 +60,7 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.expand_ctas_per_sm = 0; }, "expand_ctas_per_sm = 0"},
       {[](KernelTuning& t) { t.decode_ctas_per_sm = 5; }, "decode_ctas_per_sm = 5"},
       {[](KernelTuning& t) { t.decode_persistent = 2; }, "decode_persistent = 2"},
-      {[](KernelTuning& t) { t.gather_shrink_threads = 96; }, "gather_shrink_threads = 96"},
       {[](KernelTuning& t) { t.gather_group = 3; }, "gather_group = 3"},
-      {[](KernelTuning& t) { t.gather_expand_threads = 512; }, "gather_expand_threads = 512"},
       {[](KernelTuning& t) { t.gather_max_token_ranks = 0; }, "gather_max_token_ranks = 0"},
   };
   for (const Bad& b : bad) {

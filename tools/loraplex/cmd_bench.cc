@@ -50,10 +50,9 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent,\n"
-    "gather_shrink_threads, gather_group, gather_expand_threads, gather_max_token_ranks,\n"
-    "prefill_k_split, prefill_ctas_per_sm, expand_ctas_per_sm; the rest keep their defaults).\n"
-    "Needs a CUDA device; --help does not.\n";
+    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent, gather_group,\n"
+    "gather_max_token_ranks, prefill_k_split, prefill_ctas_per_sm, expand_ctas_per_sm; the\n"
+    "rest keep their defaults). Needs a CUDA device; --help does not.\n";
 
 struct Options {
   std::string json_path;
@@ -474,9 +473,7 @@ int run_kernels(const Options& o) {
                      {"expand_ctas_per_sm", o.tuning.expand_ctas_per_sm},
                      {"decode_ctas_per_sm", o.tuning.decode_ctas_per_sm},
                      {"decode_persistent", o.tuning.decode_persistent},
-                     {"gather_shrink_threads", o.tuning.gather_shrink_threads},
                      {"gather_group", o.tuning.gather_group},
-                     {"gather_expand_threads", o.tuning.gather_expand_threads},
                      {"gather_max_token_ranks", o.tuning.gather_max_token_ranks}};
     doc["dtype"] = "bfloat16";
     doc["method"] = {

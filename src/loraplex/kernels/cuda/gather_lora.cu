@@ -30,10 +30,13 @@
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kRowGroup = 16;      // A rows per shrink CTA
-constexpr int kColsPerThread = 4;  // expand: y columns per thread
-constexpr int kPreRanks = 16;      // expand: B ranks loaded before the wait
-constexpr int kMaxRank = 256;      // expand: the intermediate row in shared memory
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKChunk = kThreads * 8;  // K per shrink CTA: 8 per thread
+constexpr int kRowGroup = 16;          // A rows per shrink CTA
+constexpr int kColsPerThread = 4;      // expand: y columns per thread
+constexpr int kPreRanks = 16;          // expand: B ranks loaded before the wait
+constexpr int kMaxRank = 256;          // expand: the intermediate row in shared memory
 
 struct GatherParams {
   const int32_t* mapping;
@@ -102,15 +105,12 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
   return v[0] + __shfl_xor_sync(kFullMask, v[0], 1);
 }
 
-// kThreads: 64, 128 or 256 (the tuning's gather_shrink_threads); K per CTA is 8 per thread.
 // kGroup: consecutive tokens of the sorted order per CTA (1: token blockIdx.x itself, no
 // sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
 // shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
-template <typename T, int kThreads, int kGroup>
+template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
-  constexpr int kWarps = kThreads / 32;
-  constexpr int kKChunk = kThreads * 8;
   // The expand may start now: everything it reads before its wait is ready.
   pdl_launch_dependents();
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
@@ -196,127 +196,166 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
   }
 }
 
-// kThreads: 64, 128 or 256 (the tuning's gather_expand_threads); 4 columns per thread.
-template <typename T, int kThreads>
+// kGroup as in the shrink: consecutive tokens of the sorted order per CTA; tokens of one slot
+// share the B columns the CTA loads. Each thread owns 4 columns of 512 per CTA.
+template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
   constexpr int kColsPerCta = kThreads * kColsPerThread;
-  __shared__ float inter[kMaxRank];
-  const int t = static_cast<int>(blockIdx.x);
+  __shared__ float inter[kGroup][kMaxRank];
   const int u = static_cast<int>(blockIdx.y);
-  const int slot = p.mapping[t];
-  if (!valid_slot(slot, p.max_loras)) return;
+  const int first = static_cast<int>(blockIdx.x) * kGroup;
+  int tok[kGroup];
+  int slot_of[kGroup];
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) {
+    const int pos = first + j;
+    tok[j] = pos >= p.num_tokens ? -1 : kGroup == 1 ? pos : p.sorted[pos];
+  }
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) {
+    const int slot = tok[j] >= 0 ? p.mapping[tok[j]] : -1;
+    slot_of[j] = valid_slot(slot, p.max_loras) ? slot : -1;
+  }
   int s = 0;
   while (u >= p.chunk_begin[s + 1]) ++s;
-  const int rank = p.ranks[s * p.max_loras + slot];
-  if (rank == 0) return;
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t c = static_cast<int64_t>(u - p.chunk_begin[s]) * kColsPerCta + tid * kColsPerThread;
   const bool active = c < p.width[s];  // widths are multiples of kColsPerThread
-  T* yp = static_cast<T*>(p.y) + t * p.y_stride + p.y_col[s] + c;
-  const T* bp = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + c) * p.max_rank;
-  // Loads that do not depend on the shrink: y and the first ranks of the 4 B columns.
-  uint2 yv = make_uint2(0, 0);
-  uint4 bv[kColsPerThread][kPreRanks / 8];
-  const int pre = min(rank, kPreRanks);
-  if (active) {
-    yv = *reinterpret_cast<const uint2*>(yp);
-#pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-#pragma unroll
-      for (int q = 0; q < kPreRanks / 8; ++q) {
-        bv[j][q] = q * 8 < pre ? ldg16(bp + j * p.max_rank + q * 8) : make_uint4(0, 0, 0, 0);
-      }
-    }
-  }
-  pdl_wait();  // the shrink grid has finished and its partial sums are visible
   const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
-  const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
-  for (int r = tid; r < rank; r += kThreads) {
-    float v = 0.0f;
+  unsigned done = 0;  // tokens of the group already processed (the same in every thread)
+#pragma unroll
+  for (int j0 = 0; j0 < kGroup; ++j0) {
+    const int slot = slot_of[j0];
+    if (slot < 0 || ((done >> j0) & 1u) != 0) continue;
+    unsigned mine = 0;  // the group's tokens of this slot
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) mine |= slot_of[j] == slot ? 1u << j : 0u;
+    done |= mine;
+    const int rank = p.ranks[s * p.max_loras + slot];
+    if (rank == 0) continue;
+    const T* bp = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + c) * p.max_rank;
+    // Loads that do not depend on the shrink: y of the tokens and the first ranks of the 4 B
+    // columns.
+    uint2 yv[kGroup];
+    uint4 bv[kColsPerThread][kPreRanks / 8];
+    const int pre = min(rank, kPreRanks);
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        yv[j] = ((mine >> j) & 1u) != 0
+                    ? *reinterpret_cast<const uint2*>(static_cast<const T*>(p.y) +
+                                                      tok[j] * p.y_stride + p.y_col[s] + c)
+                    : make_uint2(0, 0);
+      }
+#pragma unroll
+      for (int q = 0; q < kColsPerThread; ++q) {
+#pragma unroll
+        for (int h = 0; h < kPreRanks / 8; ++h) {
+          bv[q][h] = h * 8 < pre ? ldg16(bp + q * p.max_rank + h * 8) : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    pdl_wait();  // the shrink grid has finished and its partial sums are visible (idempotent)
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      if (((mine >> j) & 1u) == 0) continue;
+      const float* part =
+          p.partial + (static_cast<int64_t>(s) * p.num_tokens + tok[j]) * p.max_rank;
+      for (int r = tid; r < rank; r += kThreads) {
+        float v = 0.0f;
 #pragma unroll 4
-    for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
-    inter[r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths round it
-  }
-  __syncthreads();
-  if (!active) return;
-  float acc[kColsPerThread] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // Ranks 0..15 from the registers loaded before the wait; ranks past the slot's rank are
-  // masked (the B values there may be anything, NaN included).
-#pragma unroll
-  for (int q = 0; q < kPreRanks / 8; ++q) {
-#pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      float bf[8];
-      unpack8<T>(bv[j][q], bf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = q * 8 + i;
-        if (r < pre) acc[j] = fmaf(inter[r], bf[i], acc[j]);
+        for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
+        inter[j][r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths do
       }
     }
-  }
-  // Higher ranks (rank > 16), 8 at a time for all four columns.
-  for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
-    uint4 hv[kColsPerThread];
+    __syncthreads();
+    if (active) {
+      float acc[kGroup][kColsPerThread];
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) hv[j] = ldg16(bp + j * p.max_rank + r0);
+      for (int j = 0; j < kGroup; ++j) {
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      float bf[8];
-      unpack8<T>(hv[j], bf);
+        for (int q = 0; q < kColsPerThread; ++q) acc[j][q] = 0.0f;
+      }
+      // Ranks 0..15 from the registers loaded before the wait; ranks past the slot's rank are
+      // masked (the B values there may be anything, NaN included).
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (r0 + i < rank) acc[j] = fmaf(inter[r0 + i], bf[i], acc[j]);
+      for (int h = 0; h < kPreRanks / 8; ++h) {
+#pragma unroll
+        for (int q = 0; q < kColsPerThread; ++q) {
+          float bf[8];
+          unpack8<T>(bv[q][h], bf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int r = h * 8 + i;
+            if (r < pre) {
+#pragma unroll
+              for (int j = 0; j < kGroup; ++j) acc[j][q] = fmaf(inter[j][r], bf[i], acc[j][q]);
+            }
+          }
+        }
+      }
+      // Higher ranks (rank > 16), 8 at a time for all four columns.
+      for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
+        uint4 hv[kColsPerThread];
+#pragma unroll
+        for (int q = 0; q < kColsPerThread; ++q) hv[q] = ldg16(bp + q * p.max_rank + r0);
+#pragma unroll
+        for (int q = 0; q < kColsPerThread; ++q) {
+          float bf[8];
+          unpack8<T>(hv[q], bf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if (r0 + i < rank) {
+#pragma unroll
+              for (int j = 0; j < kGroup; ++j) {
+                acc[j][q] = fmaf(inter[j][r0 + i], bf[i], acc[j][q]);
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        if (((mine >> j) & 1u) == 0) continue;
+        T* yp = static_cast<T*>(p.y) + tok[j] * p.y_stride + p.y_col[s] + c;
+        const float2 y01 = unpack2<T>(yv[j].x);
+        const float2 y23 = unpack2<T>(yv[j].y);
+        *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[j][0], y01.y + acc[j][1]),
+                                                   pack2<T>(y23.x + acc[j][2], y23.y + acc[j][3]));
       }
     }
+    __syncthreads();  // `inter` is free for the next slot of the group
   }
-  const float2 y01 = unpack2<T>(yv.x);
-  const float2 y23 = unpack2<T>(yv.y);
-  *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[0], y01.y + acc[1]),
-                                             pack2<T>(y23.x + acc[2], y23.y + acc[3]));
 }
 
 bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
-int64_t k_chunks_of(int64_t hidden) {
-  return ceil_div(hidden, int64_t{kernel_tuning().gather_shrink_threads} * 8);
+int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
+
+// Tokens per CTA: the tuning's gather_group, or (0) 2 up to rank 16 and 1 above (measured on
+// the H200: pairs halve the A and B traffic at rank 16; at rank 64 the larger per-CTA work
+// measured slower).
+int group_for(const KernelTuning& t, int max_rank) {
+  if (t.gather_group > 0) return t.gather_group;
+  return max_rank <= 16 ? 2 : 1;
 }
 
-template <typename T, int kShrink, int kGroup, int kExpand>
+template <typename T, int kGroup>
 Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg) {
   shrink_grid.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
-  gather_shrink_kernel<T, kShrink, kGroup><<<shrink_grid, kShrink, 0, cfg.stream>>>(p);
+  gather_shrink_kernel<T, kGroup><<<shrink_grid, kThreads, 0, cfg.stream>>>(p);
   LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
-  cfg.blockDim = dim3(kExpand);
+  cfg.gridDim.x = shrink_grid.x;
   LORAPLEX_RETURN_IF_ERROR(
-      cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T, kExpand>, p), "gather_expand"));
+      cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T, kGroup>, p), "gather_expand"));
   return launch_status("gather_expand_kernel");
 }
 
-// The tuning's thread counts and group size pick one of the instantiations (each a power of
-// two; anything else falls to the default 128 / 2 / 128).
-template <typename T, int kShrink, int kGroup>
-Status launch_expand_threads(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                             const KernelTuning& t) {
-  if (t.gather_expand_threads == 64) return launch_pair<T, kShrink, kGroup, 64>(p, grid, cfg);
-  if (t.gather_expand_threads == 256) return launch_pair<T, kShrink, kGroup, 256>(p, grid, cfg);
-  return launch_pair<T, kShrink, kGroup, 128>(p, grid, cfg);
-}
-
-template <typename T, int kShrink>
-Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                    const KernelTuning& t) {
-  if (t.gather_group == 1) return launch_expand_threads<T, kShrink, 1>(p, grid, cfg, t);
-  if (t.gather_group == 4) return launch_expand_threads<T, kShrink, 4>(p, grid, cfg, t);
-  return launch_expand_threads<T, kShrink, 2>(p, grid, cfg, t);
-}
-
 template <typename T>
-Status launch_threads(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                      const KernelTuning& t) {
-  if (t.gather_shrink_threads == 64) return launch_group<T, 64>(p, grid, cfg, t);
-  if (t.gather_shrink_threads == 256) return launch_group<T, 256>(p, grid, cfg, t);
-  return launch_group<T, 128>(p, grid, cfg, t);
+Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group) {
+  if (group == 1) return launch_pair<T, 1>(p, grid, cfg);
+  if (group == 4) return launch_pair<T, 4>(p, grid, cfg);
+  return launch_pair<T, 2>(p, grid, cfg);
 }
 
 }  // namespace
@@ -360,7 +399,7 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   p.x_stride = s.x_row_stride;
   p.hidden = s.hidden;
   const KernelTuning tuning = kernel_tuning();
-  const int64_t cols_per_cta = int64_t{tuning.gather_expand_threads} * kColsPerThread;
+  const int64_t cols_per_cta = int64_t{kThreads} * kColsPerThread;
   int64_t col = e.offset_start;
   p.chunk_begin[0] = 0;
   for (int i = 0; i < s.num_slices; ++i) {
@@ -382,14 +421,16 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim =
       dim3(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>(p.chunk_begin[s.num_slices]));
+  cfg.blockDim = dim3(kThreads);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (s.dtype == DType::kBF16) return launch_threads<bf16>(p, shrink_grid, cfg, tuning);
-  return launch_threads<f16>(p, shrink_grid, cfg, tuning);
+  const int group = group_for(tuning, s.max_rank);
+  if (s.dtype == DType::kBF16) return launch_group<bf16>(p, shrink_grid, cfg, group);
+  return launch_group<f16>(p, shrink_grid, cfg, group);
 }
 
 }  // namespace loraplex::kernels::cuda

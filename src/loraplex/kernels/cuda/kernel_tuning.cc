@@ -30,11 +30,9 @@ Status set_kernel_tuning(const KernelTuning& t) {
   LORAPLEX_RETURN_IF_ERROR(check_field("expand_ctas_per_sm", t.expand_ctas_per_sm, 1, 16, false));
   LORAPLEX_RETURN_IF_ERROR(check_field("decode_ctas_per_sm", t.decode_ctas_per_sm, 0, 4, false));
   LORAPLEX_RETURN_IF_ERROR(check_field("decode_persistent", t.decode_persistent, 0, 1, false));
-  LORAPLEX_RETURN_IF_ERROR(
-      check_field("gather_shrink_threads", t.gather_shrink_threads, 64, 256, true));
-  LORAPLEX_RETURN_IF_ERROR(
-      check_field("gather_expand_threads", t.gather_expand_threads, 64, 256, true));
-  LORAPLEX_RETURN_IF_ERROR(check_field("gather_group", t.gather_group, 1, 4, true));
+  if (t.gather_group != 0) {
+    LORAPLEX_RETURN_IF_ERROR(check_field("gather_group", t.gather_group, 1, 4, true));
+  }
   LORAPLEX_RETURN_IF_ERROR(
       check_field("gather_max_token_ranks", t.gather_max_token_ranks, 1, 1 << 30, false));
   g_tuning = t;
@@ -74,10 +72,6 @@ Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
       out.decode_ctas_per_sm = v;
     } else if (key == "decode_persistent") {
       out.decode_persistent = v;
-    } else if (key == "gather_shrink_threads") {
-      out.gather_shrink_threads = v;
-    } else if (key == "gather_expand_threads") {
-      out.gather_expand_threads = v;
     } else if (key == "gather_group") {
       out.gather_group = v;
     } else if (key == "gather_max_token_ranks") {
