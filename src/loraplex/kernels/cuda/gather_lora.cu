@@ -1,16 +1,18 @@
-// One LoRA layer for decode-sized batches as TWO short per-token kernels chained with
-// programmatic dependent launch (PDL): the BGMV form, by token slot, with no batch metadata.
+// One LoRA layer for decode-sized batches as TWO short kernels chained with programmatic
+// dependent launch (PDL): the BGMV form, by token slot, with no work lists.
 //
 // Why: at decode sizes a layer moves a few MB, which takes about a microsecond at copy
 // bandwidth, and what costs the time is the chain of dependent steps each warp walks through
 // (bench/NOTES.md: ~300 cycles per dependent memory access, ~17 cycles between two
 // instructions of one warp when they depend on each other). So both kernels here keep that
-// chain as short as it can be: a CTA reads its token's slot, the slot's rank, and then issues
-// every load of its weights at once; no sorting, no work lists, no barriers across CTAs.
+// chain as short as it can be: a CTA reads its tokens' slots, the slot's rank, and then issues
+// every load of its weights at once; no work lists, no barriers across CTAs.
 //
-//   gather_shrink: CTA (token, slice x 16-row rank group, 1024-wide K chunk). 128 threads each
-//     load 8 consecutive K of x and of the group's A rows (16-byte loads), FMA in fp32, then
-//     a butterfly reduction leaves lane l of every warp with row l / 2; the four warps are
+//   gather_shrink: CTA (group of consecutive tokens of the sorted order, slice x 16-row rank
+//     group, 1024-wide K chunk). Tokens of one slot are adjacent in the sorted order, so a
+//     group usually shares one slot and loads its A rows once. 128 threads each load 8
+//     consecutive K of x and of the group's A rows (16-byte loads), FMA in fp32, then a
+//     butterfly reduction leaves lane l of every warp with row l / 2; the four warps are
 //     summed through shared memory and the K-chunk partial sums go to the metadata's scratch
 //     [k_chunk][slice][token][rank].
 //   gather_expand: CTA (token, 512 columns of one slice), launched with PDL so that it starts
@@ -196,145 +198,94 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
   }
 }
 
-// kGroup as in the shrink: consecutive tokens of the sorted order per CTA; tokens of one slot
-// share the B columns the CTA loads. Each thread owns 4 columns of 512 per CTA.
-template <typename T, int kGroup>
+// One token per CTA: grouping tokens here measured slower (a group that straddles two slots
+// serialises its second slot's B loads behind the first one's work). 4 columns per thread.
+template <typename T>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
   constexpr int kColsPerCta = kThreads * kColsPerThread;
-  __shared__ float inter[kGroup][kMaxRank];
+  __shared__ float inter[kMaxRank];
+  const int t = static_cast<int>(blockIdx.x);
   const int u = static_cast<int>(blockIdx.y);
-  const int first = static_cast<int>(blockIdx.x) * kGroup;
-  int tok[kGroup];
-  int slot_of[kGroup];
-#pragma unroll
-  for (int j = 0; j < kGroup; ++j) {
-    const int pos = first + j;
-    tok[j] = pos >= p.num_tokens ? -1 : kGroup == 1 ? pos : p.sorted[pos];
-  }
-#pragma unroll
-  for (int j = 0; j < kGroup; ++j) {
-    const int slot = tok[j] >= 0 ? p.mapping[tok[j]] : -1;
-    slot_of[j] = valid_slot(slot, p.max_loras) ? slot : -1;
-  }
+  const int slot = p.mapping[t];
+  if (!valid_slot(slot, p.max_loras)) return;
   int s = 0;
   while (u >= p.chunk_begin[s + 1]) ++s;
+  const int rank = p.ranks[s * p.max_loras + slot];
+  if (rank == 0) return;
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t c = static_cast<int64_t>(u - p.chunk_begin[s]) * kColsPerCta + tid * kColsPerThread;
   const bool active = c < p.width[s];  // widths are multiples of kColsPerThread
-  const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
-  unsigned done = 0;  // tokens of the group already processed (the same in every thread)
+  T* yp = static_cast<T*>(p.y) + t * p.y_stride + p.y_col[s] + c;
+  const T* bp = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + c) * p.max_rank;
+  // Loads that do not depend on the shrink: y and the first ranks of the 4 B columns.
+  uint2 yv = make_uint2(0, 0);
+  uint4 bv[kColsPerThread][kPreRanks / 8];
+  const int pre = min(rank, kPreRanks);
+  if (active) {
+    yv = *reinterpret_cast<const uint2*>(yp);
 #pragma unroll
-  for (int j0 = 0; j0 < kGroup; ++j0) {
-    const int slot = slot_of[j0];
-    if (slot < 0 || ((done >> j0) & 1u) != 0) continue;
-    unsigned mine = 0;  // the group's tokens of this slot
+    for (int j = 0; j < kColsPerThread; ++j) {
 #pragma unroll
-    for (int j = 0; j < kGroup; ++j) mine |= slot_of[j] == slot ? 1u << j : 0u;
-    done |= mine;
-    const int rank = p.ranks[s * p.max_loras + slot];
-    if (rank == 0) continue;
-    const T* bp = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + c) * p.max_rank;
-    // Loads that do not depend on the shrink: y of the tokens and the first ranks of the 4 B
-    // columns.
-    uint2 yv[kGroup];
-    uint4 bv[kColsPerThread][kPreRanks / 8];
-    const int pre = min(rank, kPreRanks);
-    if (active) {
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        yv[j] = ((mine >> j) & 1u) != 0
-                    ? *reinterpret_cast<const uint2*>(static_cast<const T*>(p.y) +
-                                                      tok[j] * p.y_stride + p.y_col[s] + c)
-                    : make_uint2(0, 0);
-      }
-#pragma unroll
-      for (int q = 0; q < kColsPerThread; ++q) {
-#pragma unroll
-        for (int h = 0; h < kPreRanks / 8; ++h) {
-          bv[q][h] = h * 8 < pre ? ldg16(bp + q * p.max_rank + h * 8) : make_uint4(0, 0, 0, 0);
-        }
+      for (int q = 0; q < kPreRanks / 8; ++q) {
+        bv[j][q] = q * 8 < pre ? ldg16(bp + j * p.max_rank + q * 8) : make_uint4(0, 0, 0, 0);
       }
     }
-    pdl_wait();  // the shrink grid has finished and its partial sums are visible (idempotent)
-#pragma unroll
-    for (int j = 0; j < kGroup; ++j) {
-      if (((mine >> j) & 1u) == 0) continue;
-      const float* part =
-          p.partial + (static_cast<int64_t>(s) * p.num_tokens + tok[j]) * p.max_rank;
-      for (int r = tid; r < rank; r += kThreads) {
-        float v = 0.0f;
-#pragma unroll 4
-        for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
-        inter[j][r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths do
-      }
-    }
-    __syncthreads();
-    if (active) {
-      float acc[kGroup][kColsPerThread];
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-        for (int q = 0; q < kColsPerThread; ++q) acc[j][q] = 0.0f;
-      }
-      // Ranks 0..15 from the registers loaded before the wait; ranks past the slot's rank are
-      // masked (the B values there may be anything, NaN included).
-#pragma unroll
-      for (int h = 0; h < kPreRanks / 8; ++h) {
-#pragma unroll
-        for (int q = 0; q < kColsPerThread; ++q) {
-          float bf[8];
-          unpack8<T>(bv[q][h], bf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int r = h * 8 + i;
-            if (r < pre) {
-#pragma unroll
-              for (int j = 0; j < kGroup; ++j) acc[j][q] = fmaf(inter[j][r], bf[i], acc[j][q]);
-            }
-          }
-        }
-      }
-      // Higher ranks (rank > 16), 8 at a time for all four columns.
-      for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
-        uint4 hv[kColsPerThread];
-#pragma unroll
-        for (int q = 0; q < kColsPerThread; ++q) hv[q] = ldg16(bp + q * p.max_rank + r0);
-#pragma unroll
-        for (int q = 0; q < kColsPerThread; ++q) {
-          float bf[8];
-          unpack8<T>(hv[q], bf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            if (r0 + i < rank) {
-#pragma unroll
-              for (int j = 0; j < kGroup; ++j) {
-                acc[j][q] = fmaf(inter[j][r0 + i], bf[i], acc[j][q]);
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        if (((mine >> j) & 1u) == 0) continue;
-        T* yp = static_cast<T*>(p.y) + tok[j] * p.y_stride + p.y_col[s] + c;
-        const float2 y01 = unpack2<T>(yv[j].x);
-        const float2 y23 = unpack2<T>(yv[j].y);
-        *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[j][0], y01.y + acc[j][1]),
-                                                   pack2<T>(y23.x + acc[j][2], y23.y + acc[j][3]));
-      }
-    }
-    __syncthreads();  // `inter` is free for the next slot of the group
   }
+  pdl_wait();  // the shrink grid has finished and its partial sums are visible
+  const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
+  const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
+  for (int r = tid; r < rank; r += kThreads) {
+    float v = 0.0f;
+#pragma unroll 4
+    for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
+    inter[r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths round it
+  }
+  __syncthreads();
+  if (!active) return;
+  float acc[kColsPerThread] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Ranks 0..15 from the registers loaded before the wait; ranks past the slot's rank are
+  // masked (the B values there may be anything, NaN included).
+#pragma unroll
+  for (int q = 0; q < kPreRanks / 8; ++q) {
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) {
+      float bf[8];
+      unpack8<T>(bv[j][q], bf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = q * 8 + i;
+        if (r < pre) acc[j] = fmaf(inter[r], bf[i], acc[j]);
+      }
+    }
+  }
+  // Higher ranks (rank > 16), 8 at a time for all four columns.
+  for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
+    uint4 hv[kColsPerThread];
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) hv[j] = ldg16(bp + j * p.max_rank + r0);
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) {
+      float bf[8];
+      unpack8<T>(hv[j], bf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (r0 + i < rank) acc[j] = fmaf(inter[r0 + i], bf[i], acc[j]);
+      }
+    }
+  }
+  const float2 y01 = unpack2<T>(yv.x);
+  const float2 y23 = unpack2<T>(yv.y);
+  *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[0], y01.y + acc[1]),
+                                             pack2<T>(y23.x + acc[2], y23.y + acc[3]));
 }
 
 bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
 int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
 
-// Tokens per CTA: the tuning's gather_group, or (0) 2 up to rank 16 and 1 above (measured on
-// the H200: pairs halve the A and B traffic at rank 16; at rank 64 the larger per-CTA work
-// measured slower).
+// Tokens per shrink CTA: the tuning's gather_group, or (0) 2 up to rank 16 and 1 above
+// (measured on the H200: pairs halve the A traffic at rank 16; at rank 64 the larger per-CTA
+// work measured slower).
 int group_for(const KernelTuning& t, int max_rank) {
   if (t.gather_group > 0) return t.gather_group;
   return max_rank <= 16 ? 2 : 1;
@@ -345,9 +296,8 @@ Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t c
   shrink_grid.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
   gather_shrink_kernel<T, kGroup><<<shrink_grid, kThreads, 0, cfg.stream>>>(p);
   LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
-  cfg.gridDim.x = shrink_grid.x;
   LORAPLEX_RETURN_IF_ERROR(
-      cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T, kGroup>, p), "gather_expand"));
+      cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T>, p), "gather_expand"));
   return launch_status("gather_expand_kernel");
 }
 

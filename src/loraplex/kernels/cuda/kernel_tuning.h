@@ -26,8 +26,8 @@ struct KernelTuning {
   /// Decode-sized layers: 0 runs the per-token kernel pair chained with PDL where it applies,
   /// 1 always the persistent decode kernel.
   int decode_persistent = 0;
-  /// Per-token pair: consecutive tokens of the sorted order per CTA (1, 2 or 4), which share
-  /// the A and B rows they load when they share a slot; 0: 2 up to max_rank 16, else 1.
+  /// Per-token pair: consecutive tokens of the sorted order per shrink CTA (1, 2 or 4), which
+  /// share the A rows they load when they share a slot; 0: 2 up to max_rank 16, else 1.
   int gather_group = 0;
   /// Per-token pair: used while tokens x max_rank is at most this (1..2^30). The pair reads
   /// each token's A rows once per token (no grouping by slot); on the H200 it measured slower
