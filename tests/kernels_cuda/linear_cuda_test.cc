@@ -108,33 +108,7 @@ Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const S
   Tensor y = d.y0.clone().to(device, stream);
   Tensor ws =
       Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32, device);
-  if (path != nullptr) {
-    // The arguments add_lora_linear builds, for the path query only.
-    kernels::ShrinkArgs sa;
-    sa.dtype = c.dtype;
-    sa.num_tokens = c.tokens;
-    sa.hidden = c.hidden;
-    sa.x = x.data_ptr();
-    sa.x_row_stride = c.hidden;
-    sa.num_slices = slices;
-    sa.max_loras = c.max_loras;
-    sa.max_rank = c.max_rank;
-    kernels::ExpandArgs ea;
-    ea.dtype = c.dtype;
-    ea.num_tokens = c.tokens;
-    ea.num_slices = slices;
-    ea.max_loras = c.max_loras;
-    ea.max_rank = c.max_rank;
-    ea.y = y.data_ptr();
-    ea.y_row_stride = d.width;
-    ea.in = ws.data_ptr();
-    for (int i = 0; i < slices; ++i) {
-      sa.lora_a[i] = a[static_cast<size_t>(i)].data_ptr();
-      ea.lora_b[i] = b[static_cast<size_t>(i)].data_ptr();
-      ea.slice_width[i] = c.widths[static_cast<size_t>(i)];
-    }
-    *path = kernels::cuda::lora_linear_path(sa, ea, wrapper.token_meta().view());
-  }
+  if (path != nullptr) *path = wrapper.lora_linear_path(y, x, a, b, ranks, ws);
   wrapper.add_lora_linear(y, x, a, b, ranks, scale, ws, stream);
   return device.is_cpu() ? y : test::on_cpu(y, stream);
 }

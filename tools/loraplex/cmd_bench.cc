@@ -302,32 +302,8 @@ json entry(const char* op, const Case& c, const std::string& path, double bytes,
   return j;
 }
 
-std::string path_of(CaseData& d, const Case& c) {
-  // The same arguments add_lora_linear builds, for the path query only.
-  kernels::ShrinkArgs s;
-  s.dtype = DType::kBF16;
-  s.num_tokens = c.tokens;
-  s.hidden = kHidden;
-  s.x = d.x.data_ptr();
-  s.x_row_stride = kHidden;
-  s.num_slices = c.slices;
-  s.max_loras = c.adapters;
-  s.max_rank = c.rank;
-  kernels::ExpandArgs e;
-  e.dtype = DType::kBF16;
-  e.num_tokens = c.tokens;
-  e.num_slices = c.slices;
-  e.max_loras = c.adapters;
-  e.max_rank = c.rank;
-  e.y = d.y.data_ptr();
-  e.y_row_stride = d.width;
-  e.in = d.ws.data_ptr();
-  for (int i = 0; i < c.slices; ++i) {
-    s.lora_a[i] = d.a[0][static_cast<size_t>(i)].data_ptr();
-    e.lora_b[i] = d.b[0][static_cast<size_t>(i)].data_ptr();
-    e.slice_width[i] = d.widths[static_cast<size_t>(i)];
-  }
-  return kc::lora_linear_path(s, e, d.wrapper.token_meta().view());
+std::string path_of(CaseData& d) {
+  return d.wrapper.lora_linear_path(d.y, d.x, d.a[0], d.b[0], d.ranks, d.ws);
 }
 
 int run_kernels(const Options& o) {
@@ -369,7 +345,7 @@ int run_kernels(const Options& o) {
   for (const Case& c : cases) {
     CaseData d(c, o.device, stream);
     const Bytes by = count_bytes(c);
-    const std::string path = path_of(d, c);
+    const std::string path = path_of(d);
     struct Op {
       const char* name;
       double bytes;
@@ -422,7 +398,7 @@ int run_kernels(const Options& o) {
         tuning.decode_persistent = persistent;
         tuning.gather_max_token_ranks = 1 << 30;  // the comparison runs each path as far as it goes
         throw_if_error(kc::set_kernel_tuning(tuning));
-        const std::string path = path_of(d, c);
+        const std::string path = path_of(d);
         const Timings t = bench.time(
             [&](int s) {
               d.wrapper.add_lora_linear(d.y, d.x, d.a[s], d.b[s], d.ranks, 1.0f, d.ws, stream);
@@ -466,15 +442,9 @@ int run_kernels(const Options& o) {
     doc["copy_bandwidth_gbs"] = copy_gbs;
     doc["sm_clock_mhz_start"] = clock_start;
     doc["sm_clock_mhz_end"] = kc::measured_sm_clock_mhz(stream.handle());
-    doc["tuning"] = {{"decode_k_chunks", o.tuning.decode_k_chunks},
-                     {"decode_cols", o.tuning.decode_cols},
-                     {"prefill_k_split", o.tuning.prefill_k_split},
-                     {"prefill_ctas_per_sm", o.tuning.prefill_ctas_per_sm},
-                     {"expand_ctas_per_sm", o.tuning.expand_ctas_per_sm},
-                     {"decode_ctas_per_sm", o.tuning.decode_ctas_per_sm},
-                     {"decode_persistent", o.tuning.decode_persistent},
-                     {"gather_group", o.tuning.gather_group},
-                     {"gather_max_token_ranks", o.tuning.gather_max_token_ranks}};
+    for (const auto& [name, value] : kc::kernel_tuning_values(o.tuning)) {
+      doc["tuning"][name] = value;
+    }
     doc["dtype"] = "bfloat16";
     doc["method"] = {
         {"cold", "512 MB read before each call, CUDA events, median of " + std::to_string(o.iters)},

@@ -65,6 +65,13 @@ Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::Ex
   return kernels::cuda::lora_linear(shrink, expand, meta, stream.handle());
 }
 
+std::string lora_linear_path_of(const kernels::ShrinkArgs& shrink,
+                                const kernels::ExpandArgs& expand,
+                                const kernels::LoraMetaView& meta, Device device) {
+  if (device.is_cpu()) return "cpu";
+  return kernels::cuda::lora_linear_path(shrink, expand, meta);
+}
+
 Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
                                 const kernels::LoraMetaView& meta, const Stream& stream) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_expand_fp8(args, meta);

@@ -2,6 +2,8 @@
 // Routes each op to the CPU reference or the CUDA kernels by the stream's device. The one
 // place above kernels/ that knows both backends exist.
 
+#include <string>
+
 #include "loraplex/core/status.h"
 #include "loraplex/core/stream.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
@@ -21,11 +23,15 @@ Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* toke
                             const Stream& stream);
 Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
                             const Stream& stream);
-/// Shrink and expand of one layer in one call: on CUDA small batches run one persistent
-/// kernel (split-K shrink partial sums in the metadata's scratch, expand in the same launch);
-/// otherwise shrink into `shrink.out`, then expand from it.
+/// Shrink and expand of one layer in one call: on CUDA small batches run the decode kernel
+/// pair or the persistent decode kernel (split-K shrink partial sums in the metadata's
+/// scratch, `shrink.out` not written); otherwise shrink into `shrink.out`, then expand from it.
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
                             const kernels::LoraMetaView& meta, const Stream& stream);
+/// The path dispatch_lora_linear takes on `device`: "cpu", or kernels::cuda::lora_linear_path.
+std::string lora_linear_path_of(const kernels::ShrinkArgs& shrink,
+                                const kernels::ExpandArgs& expand,
+                                const kernels::LoraMetaView& meta, Device device);
 Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
                                 const kernels::LoraMetaView& meta, const Stream& stream);
 Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArgs& args,

@@ -210,11 +210,10 @@ void PunicaWrapper::add_expand(Tensor& y, const Tensor& x, std::span<const Tenso
   throw_if_error(dispatch_lora_expand(a, token_meta_.view(), stream));
 }
 
-void PunicaWrapper::lora_linear_with_meta(Tensor& y, const Tensor& x,
-                                          std::span<const Tensor> lora_a,
-                                          std::span<const Tensor> lora_b, const SlotRanks& ranks,
-                                          float scale, Tensor& workspace, const LoraBatchMeta& meta,
-                                          const Stream& stream) const {
+std::pair<kernels::ShrinkArgs, kernels::ExpandArgs> PunicaWrapper::linear_args(
+    const Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+    std::span<const Tensor> lora_b, const SlotRanks& ranks, float scale, Tensor& workspace,
+    const LoraBatchMeta& meta) const {
   const char* op = "add_lora_linear";
   LORAPLEX_CHECK(lora_a.size() == lora_b.size(), op, ": ", lora_a.size(), " LoRA-A slices but ",
                  lora_b.size(), " LoRA-B slices");
@@ -223,10 +222,26 @@ void PunicaWrapper::lora_linear_with_meta(Tensor& y, const Tensor& x,
   const int num_slices = static_cast<int>(lora_a.size());
   Tensor buffer = workspace_view(workspace, num_slices, x.dim() == 2 ? x.size(0) : 0,
                                  lora_a[0].size(1), meta.device(), op);
-  const kernels::ShrinkArgs s = make_shrink(buffer, x, lora_a, ranks, scale, meta, op);
-  const kernels::ExpandArgs e = make_expand(y, buffer, lora_b, ranks, 0, true, meta, op);
+  return {make_shrink(buffer, x, lora_a, ranks, scale, meta, op),
+          make_expand(y, buffer, lora_b, ranks, 0, true, meta, op)};
+}
+
+void PunicaWrapper::lora_linear_with_meta(Tensor& y, const Tensor& x,
+                                          std::span<const Tensor> lora_a,
+                                          std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                                          float scale, Tensor& workspace, const LoraBatchMeta& meta,
+                                          const Stream& stream) const {
+  const auto [s, e] = linear_args(y, x, lora_a, lora_b, ranks, scale, workspace, meta);
   if (meta.no_lora()) return;
   throw_if_error(dispatch_lora_linear(s, e, meta.view(), stream));
+}
+
+std::string PunicaWrapper::lora_linear_path(const Tensor& y, const Tensor& x,
+                                            std::span<const Tensor> lora_a,
+                                            std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                                            Tensor& workspace) const {
+  const auto [s, e] = linear_args(y, x, lora_a, lora_b, ranks, 1.0f, workspace, token_meta_);
+  return lora_linear_path_of(s, e, token_meta_.view(), device_);
 }
 
 void PunicaWrapper::add_lora_linear(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,

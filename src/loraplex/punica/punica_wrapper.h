@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
+#include <utility>
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
@@ -81,6 +83,12 @@ class PunicaWrapper {
   void add_lora_linear(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
                        std::span<const Tensor> lora_b, const SlotRanks& ranks, float scale,
                        Tensor& workspace, const Stream& stream) const;
+  /// Which kernel path add_lora_linear takes for these arguments now: "cpu", or on CUDA
+  /// "gather" (the decode kernel pair), "fused" (the persistent decode kernel), "split"
+  /// (shrink + expand kernels) or "generic". For benchmarks and tests; launches nothing.
+  std::string lora_linear_path(const Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+                               std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                               Tensor& workspace) const;
   /// Logits LoRA on sampled rows, with the sampler mapping. y: [num_seqs, vocab] in/out;
   /// x: [num_seqs, hidden]; A [max_loras, max_rank, hidden]; B [max_loras, vocab, max_rank].
   void add_lora_logits(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
@@ -153,6 +161,13 @@ class PunicaWrapper {
                              std::span<const Tensor> lora_b, const SlotRanks& ranks, float scale,
                              Tensor& workspace, const LoraBatchMeta& meta,
                              const Stream& stream) const;
+  /// The checked shrink and expand arguments of one layer (the shrink writes the workspace).
+  std::pair<kernels::ShrinkArgs, kernels::ExpandArgs> linear_args(const Tensor& y, const Tensor& x,
+                                                                  std::span<const Tensor> lora_a,
+                                                                  std::span<const Tensor> lora_b,
+                                                                  const SlotRanks& ranks,
+                                                                  float scale, Tensor& workspace,
+                                                                  const LoraBatchMeta& meta) const;
 
   int max_loras_;
   int max_num_tokens_;

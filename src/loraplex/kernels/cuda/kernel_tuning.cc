@@ -8,14 +8,45 @@ namespace {
 
 KernelTuning g_tuning;
 
+// One row per field: its name, where it lives and its range. Checking, parsing and reporting
+// all read this table, so a new knob is one row here plus its member.
+struct Field {
+  const char* name;
+  int KernelTuning::*member;
+  int lo;
+  int hi;
+  bool pow2;
+  bool zero_means_auto;  // 0 is accepted besides [lo, hi]
+};
+
+constexpr Field kFields[] = {
+    {"decode_k_chunks", &KernelTuning::decode_k_chunks, 1, 16, true, false},
+    {"decode_cols", &KernelTuning::decode_cols, 8, 256, true, false},
+    {"prefill_k_split", &KernelTuning::prefill_k_split, 1, 8, true, false},
+    {"prefill_ctas_per_sm", &KernelTuning::prefill_ctas_per_sm, 1, 8, false, false},
+    {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, false},
+    {"decode_ctas_per_sm", &KernelTuning::decode_ctas_per_sm, 1, 4, false, true},
+    {"decode_persistent", &KernelTuning::decode_persistent, 0, 1, false, false},
+    {"gather_group", &KernelTuning::gather_group, 1, 4, true, true},
+    {"gather_max_token_ranks", &KernelTuning::gather_max_token_ranks, 1, 1 << 30, false, false},
+};
+
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
 
-Status check_field(const char* name, int value, int lo, int hi, bool pow2) {
-  if (value < lo || value > hi || (pow2 && !is_pow2(value))) {
-    return invalid_argument("kernel tuning: ", name, " = ", value, ", expected ",
-                            pow2 ? "a power of two in " : "an integer in ", "[", lo, ", ", hi, "]");
+Status check_field(const Field& f, int value) {
+  if (f.zero_means_auto && value == 0) return Status();
+  if (value < f.lo || value > f.hi || (f.pow2 && !is_pow2(value))) {
+    return invalid_argument("kernel tuning: ", f.name, " = ", value, ", expected ",
+                            f.pow2 ? "a power of two in " : "an integer in ", "[", f.lo, ", ", f.hi,
+                            "]", f.zero_means_auto ? " or 0 (automatic)" : "");
   }
   return Status();
+}
+
+std::string field_names() {
+  std::string names;
+  for (const Field& f : kFields) names += names.empty() ? f.name : std::string(", ") + f.name;
+  return names;
 }
 
 }  // namespace
@@ -23,18 +54,7 @@ Status check_field(const char* name, int value, int lo, int hi, bool pow2) {
 KernelTuning kernel_tuning() { return g_tuning; }
 
 Status set_kernel_tuning(const KernelTuning& t) {
-  LORAPLEX_RETURN_IF_ERROR(check_field("decode_k_chunks", t.decode_k_chunks, 1, 16, true));
-  LORAPLEX_RETURN_IF_ERROR(check_field("decode_cols", t.decode_cols, 8, 256, true));
-  LORAPLEX_RETURN_IF_ERROR(check_field("prefill_k_split", t.prefill_k_split, 1, 8, true));
-  LORAPLEX_RETURN_IF_ERROR(check_field("prefill_ctas_per_sm", t.prefill_ctas_per_sm, 1, 8, false));
-  LORAPLEX_RETURN_IF_ERROR(check_field("expand_ctas_per_sm", t.expand_ctas_per_sm, 1, 16, false));
-  LORAPLEX_RETURN_IF_ERROR(check_field("decode_ctas_per_sm", t.decode_ctas_per_sm, 0, 4, false));
-  LORAPLEX_RETURN_IF_ERROR(check_field("decode_persistent", t.decode_persistent, 0, 1, false));
-  if (t.gather_group != 0) {
-    LORAPLEX_RETURN_IF_ERROR(check_field("gather_group", t.gather_group, 1, 4, true));
-  }
-  LORAPLEX_RETURN_IF_ERROR(
-      check_field("gather_max_token_ranks", t.gather_max_token_ranks, 1, 1 << 30, false));
+  for (const Field& f : kFields) LORAPLEX_RETURN_IF_ERROR(check_field(f, t.*f.member));
   g_tuning = t;
   return Status();
 }
@@ -58,31 +78,23 @@ Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
     if (value.empty() || ec != std::errc() || ptr != value.data() + value.size()) {
       return invalid_argument("kernel tuning: ", key, " expects an integer, got '", value, "'");
     }
-    if (key == "decode_k_chunks") {
-      out.decode_k_chunks = v;
-    } else if (key == "decode_cols") {
-      out.decode_cols = v;
-    } else if (key == "prefill_k_split") {
-      out.prefill_k_split = v;
-    } else if (key == "prefill_ctas_per_sm") {
-      out.prefill_ctas_per_sm = v;
-    } else if (key == "expand_ctas_per_sm") {
-      out.expand_ctas_per_sm = v;
-    } else if (key == "decode_ctas_per_sm") {
-      out.decode_ctas_per_sm = v;
-    } else if (key == "decode_persistent") {
-      out.decode_persistent = v;
-    } else if (key == "gather_group") {
-      out.gather_group = v;
-    } else if (key == "gather_max_token_ranks") {
-      out.gather_max_token_ranks = v;
-    } else {
-      return invalid_argument("kernel tuning: unknown key '", key,
-                              "', expected decode_k_chunks, decode_cols, prefill_k_split or "
-                              "prefill_ctas_per_sm");
+    const Field* field = nullptr;
+    for (const Field& f : kFields) {
+      if (key == f.name) field = &f;
     }
+    if (field == nullptr) {
+      return invalid_argument("kernel tuning: unknown key '", key, "', expected one of ",
+                              field_names());
+    }
+    out.*field->member = v;
   }
   return Status();
+}
+
+std::vector<std::pair<std::string, int>> kernel_tuning_values(const KernelTuning& t) {
+  std::vector<std::pair<std::string, int>> values;
+  for (const Field& f : kFields) values.emplace_back(f.name, t.*f.member);
+  return values;
 }
 
 }  // namespace loraplex::kernels::cuda

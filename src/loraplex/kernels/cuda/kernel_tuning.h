@@ -1,9 +1,12 @@
 #pragma once
-// Launch-shape knobs of the decode and prefill-shrink kernels. The defaults are the shapes
-// measured best on an H200 (BENCHMARKS.md); `loraplex bench kernels --tune` sweeps them.
-// Plain C++ (no CUDA headers): it is compiled in every build, the CUDA launchers read it.
+// Launch-shape knobs of the CUDA LoRA kernels (decode paths, prefill shrink, expand grid). The
+// defaults are the shapes measured best on an H200 (BENCHMARKS.md); `loraplex bench kernels --tune`
+// sweeps them. Plain C++ (no CUDA headers): it is compiled in every build, the CUDA launchers read
+// it.
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "loraplex/core/status.h"
 
@@ -42,5 +45,7 @@ KernelTuning kernel_tuning();
 Status set_kernel_tuning(const KernelTuning& tuning);
 /// Parses "key=value,key=value" over the field names above, starting from the defaults.
 Status parse_kernel_tuning(const std::string& text, KernelTuning& out);
+/// Every field as (name, value), in declaration order (for reports).
+std::vector<std::pair<std::string, int>> kernel_tuning_values(const KernelTuning& tuning);
 
 }  // namespace loraplex::kernels::cuda
