@@ -34,19 +34,20 @@ Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandl
 Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 
-/// Shrink then expand of one layer. Small batches (up to 64 tokens by default) run ONE
-/// persistent kernel: split-K shrink partial sums to the metadata's scratch, per-(slot, slice)
-/// arrival counters, expand with the sums reduced on the fly (shrink.out is not written);
-/// larger ones run lora_shrink into shrink.out and lora_expand from it. expand.in must be
-/// shrink.out.
+/// Shrink then expand of one layer. Small batches (up to 64 tokens by default) run a decode
+/// path that writes split-K shrink partial sums to the metadata's scratch (shrink.out is not
+/// written): the per-token kernel pair chained with PDL (gather_lora.cu) while tokens x
+/// max_rank is small, else ONE persistent kernel with per-(slot, slice) arrival counters
+/// (decode_lora.cu); see kernel_tuning.h. Larger batches run lora_shrink into shrink.out and
+/// lora_expand from it. expand.in must be shrink.out.
 Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
                    StreamHandle stream);
-/// Which path lora_linear takes for these arguments: "fused", "split" or "generic".
+/// Which path lora_linear takes for these arguments: "gather", "fused", "split" or "generic".
 std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
                              const LoraMetaView& meta);
-/// Largest batch (tokens) that runs the decode kernel (lora_linear fused, and lora_shrink); a
-/// negative value restores the default. For benchmarks and tests that compare the paths; not
-/// thread-safe against launches.
+/// Largest batch (tokens) that runs a decode path (lora_linear's gather / fused, and the decode
+/// kernel's lora_shrink); a negative value restores the default. For benchmarks and tests that
+/// compare the paths; not thread-safe against launches.
 void set_fused_linear_max_tokens(int max_tokens);
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta, StreamHandle stream);
