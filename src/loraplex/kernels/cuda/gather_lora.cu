@@ -327,7 +327,7 @@ bool gather_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraM
   if (meta.token_lora_mapping == nullptr || meta.sorted_token_indices == nullptr ||
       meta.scratch == nullptr)
     return false;
-  if (s.num_tokens > 65535) return false;  // grid.x limit is larger; grid.y/z are not
+  if (s.num_tokens > 65535) return false;  // decode sizes: index arithmetic stays in int
   return k_chunks_of(s.hidden) * s.num_slices * s.num_tokens * s.max_rank <= meta.scratch_floats;
 }
 
