@@ -62,7 +62,6 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.decode_persistent = 2; }, "decode_persistent = 2"},
       {[](KernelTuning& t) { t.gather_group = 3; }, "gather_group = 3"},
       {[](KernelTuning& t) { t.gather_max_token_ranks = 0; }, "gather_max_token_ranks = 0"},
-      {[](KernelTuning& t) { t.gather_launch_point = 3; }, "gather_launch_point = 3"},
   };
   for (const Bad& b : bad) {
     KernelTuning t;

@@ -51,8 +51,8 @@ const char* kHelp =
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
     "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent, gather_group,\n"
-    "gather_max_token_ranks, gather_launch_point, prefill_k_split, prefill_ctas_per_sm,\n"
-    "expand_ctas_per_sm; the rest keep their defaults). Needs a CUDA device; --help does not.\n";
+    "gather_max_token_ranks, prefill_k_split, prefill_ctas_per_sm, expand_ctas_per_sm; the\n"
+    "rest keep their defaults). Needs a CUDA device; --help does not.\n";
 
 struct Options {
   std::string json_path;

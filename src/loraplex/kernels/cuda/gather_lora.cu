@@ -49,8 +49,7 @@ struct GatherParams {
   int num_slices;
   int num_tokens;
   int k_chunks;
-  int launch_point;  // when the shrink lets the expand start (kernel_tuning.h)
-  float* partial;    // [k_chunks][num_slices][num_tokens][max_rank]
+  float* partial;  // [k_chunks][num_slices][num_tokens][max_rank]
   float scale;
   // shrink
   const void* x;
@@ -114,10 +113,8 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
-  // When the expand may start (it reads nothing before its wait that this kernel writes):
-  // launch_point 0 now, 1 once this CTA's loads are in flight (its B and y loads then do not
-  // compete with them), 2 when this grid exits.
-  if (p.launch_point == 0) pdl_launch_dependents();
+  // The expand may start now: everything it reads before its wait is ready.
+  pdl_launch_dependents();
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
   const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
@@ -158,29 +155,20 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 #pragma unroll
       for (int i = 0; i < kRowGroup; ++i) acc[j][i] = 0.0f;
     }
-    uint4 av[kRowGroup];
-    uint4 xv[kGroup];
     if (k < p.hidden) {
       const T* arow =
           static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
+      uint4 av[kRowGroup];
 #pragma unroll
       for (int i = 0; i < kRowGroup; ++i) {
         av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-        xv[j] = ((mine >> j) & 1u) != 0
-                    ? ldg16(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k)
-                    : make_uint4(0, 0, 0, 0);
-      }
-    }
-    if (p.launch_point == 1) pdl_launch_dependents();  // repeated calls are no-ops
-    if (k < p.hidden) {
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
         if ((mine >> j) & 1u) {
+          const uint4 xv = ldg16(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k);
           float xf[8];
-          unpack8<T>(xv[j], xf);
+          unpack8<T>(xv, xf);
 #pragma unroll
           for (int i = 0; i < kRowGroup; ++i) acc[j][i] = dot8<T>(av[i], xf);
         }
@@ -355,7 +343,6 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   p.num_slices = s.num_slices;
   p.num_tokens = static_cast<int>(s.num_tokens);
   p.k_chunks = static_cast<int>(k_chunks_of(s.hidden));
-  p.launch_point = kernel_tuning().gather_launch_point;
   p.partial = meta.scratch;
   p.scale = s.scale;
   p.x = s.x;

@@ -29,7 +29,6 @@ constexpr Field kFields[] = {
     {"decode_persistent", &KernelTuning::decode_persistent, 0, 1, false, false},
     {"gather_group", &KernelTuning::gather_group, 1, 4, true, true},
     {"gather_max_token_ranks", &KernelTuning::gather_max_token_ranks, 1, 1 << 30, false, false},
-    {"gather_launch_point", &KernelTuning::gather_launch_point, 0, 2, false, false},
 };
 
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }

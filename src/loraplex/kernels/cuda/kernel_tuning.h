@@ -36,9 +36,6 @@ struct KernelTuning {
   /// each token's A rows once per token (no grouping by slot); on the H200 it measured slower
   /// than the persistent kernel at rank 64 x 64 tokens (4096) and faster below.
   int gather_max_token_ranks = 2048;
-  /// Per-token pair: when the shrink lets the expand launch (programmatic dependent launch):
-  /// 0 at the shrink's start, 1 once each shrink CTA's loads are issued, 2 at the shrink's exit.
-  int gather_launch_point = 0;
 };
 
 /// The knobs in force.
