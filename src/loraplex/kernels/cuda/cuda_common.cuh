@@ -62,6 +62,9 @@ int sm_count();
 /// Sets the largest dynamic shared memory `kernel` may use, once per kernel and device.
 Status allow_dynamic_smem(const void* kernel, int bytes);
 
+/// The activation dtypes the tensor-core and vectorised kernels take.
+inline bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

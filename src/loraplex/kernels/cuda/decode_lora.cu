@@ -473,8 +473,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_lora_kernel(DecodeParams p
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
-
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
 
 int log2_int(int v) {

@@ -23,8 +23,6 @@
 // A token with slot -1, and a slice whose rank is 0 for the token's slot, leave y untouched.
 // Ranks past a slot's rank are never loaded or are masked (their values may be anything).
 
-#include <algorithm>
-
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
@@ -278,8 +276,6 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[0], y01.y + acc[1]),
                                              pack2<T>(y23.x + acc[2], y23.y + acc[3]));
 }
-
-bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
 int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
 

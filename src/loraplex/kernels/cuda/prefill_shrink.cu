@@ -246,8 +246,6 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   cluster.sync();  // no CTA reads another's partial tile any more
 }
 
-bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
-
 struct Plan {
   int stages = 0;
   int smem = 0;

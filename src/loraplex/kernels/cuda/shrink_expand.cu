@@ -382,10 +382,8 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
   }
 }
 
-bool is_half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
-
 bool tc_expand_ok(const ExpandArgs& a) {
-  if (!is_half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.y_row_stride % 8 != 0 ||
+  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.y_row_stride % 8 != 0 ||
       a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
     return false;
   for (int s = 0; s < a.num_slices; ++s) {
