@@ -50,9 +50,9 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (decode_k_chunks, decode_cols, decode_ctas_per_sm, decode_persistent, gather_group,\n"
-    "gather_max_token_ranks, prefill_k_split, prefill_ctas_per_sm, expand_ctas_per_sm; the\n"
-    "rest keep their defaults). Needs a CUDA device; --help does not.\n";
+    "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
+    "error that lists them; the rest keep their defaults). Needs a CUDA device; --help does\n"
+    "not.\n";
 
 struct Options {
   std::string json_path;
