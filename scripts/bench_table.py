@@ -62,18 +62,16 @@ def summary(doc):
               f"(target < 10) {ok}; cold {m['cold_us']:.2f} us")
     comp = doc.get("path_comparison", [])
     if comp:
-        print("layer paths, graph rotating us (fused: persistent decode kernel; gather: "
-              "per-token pair; split: shrink + expand kernels):")
+        print("layer paths, graph rotating us (cluster: one-kernel cluster layer; fused: "
+              "persistent decode kernel; gather: per-token pair; split: shrink + expand kernels):")
         for c in comp:
-            f = c.get("fused_graph_rotating_us")
-            s = c.get("split_graph_rotating_us")
-            g = c.get("gather_graph_rotating_us")
-            if f is None or s is None:
-                continue
-            gather = f" gather {g:8.2f}" if g is not None else ""
+            parts = []
+            for name in ("cluster", "fused", "gather", "split"):
+                v = c.get(f"{name}_graph_rotating_us")
+                if v is not None:
+                    parts.append(f"{name} {v:8.2f}")
             print(f"  r{c['rank']:<3} lora {c['adapters']:>2} tok {c['tokens']:>4} "
-                  f"slices {c['slices']}: fused {f:8.2f}{gather} split {s:8.2f} "
-                  f"roof {c['roofline_us']:7.2f}")
+                  f"slices {c['slices']}: {' '.join(parts)} roof {c['roofline_us']:7.2f}")
 
 
 def markdown(doc):

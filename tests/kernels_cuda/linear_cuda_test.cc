@@ -126,6 +126,11 @@ const std::vector<LayerCase>& linear_cases() {
       {DType::kBF16, 300, 8, 64, 2048, {1024, 256, 256}, D::kUniform, 0.1, false},
       {DType::kF16, 1100, 32, 16, 1024, {1024}, D::kZipf, 0.05, true},
       {DType::kBF16, 200, 2, 128, 512, {384}, D::kSkewed, 0.0, true},
+      // Decode sizes for the cluster path: one slot over several 16-token units (clusters of
+      // 16); K = 8 x 199 split unevenly over a cluster of 4, ranks not multiples of 8.
+      {DType::kBF16, 64, 2, 16, 4096, {4096, 1024, 1024}, D::kOneAdapter, 0.0, false},
+      {DType::kF16, 40, 6, 24, 1592, {200, 56}, D::kSkewed, 0.25, true},
+      {DType::kBF16, 3, 3, 64, 1592, {1592}, D::kAllDistinct, 0.0, true},
       // Generic kernels: float32, or sizes that are not multiples of 8.
       {DType::kF32, 33, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},
       {DType::kBF16, 17, 3, 12, 100, {36, 20}, D::kAllDistinct, 0.0, true},
@@ -156,18 +161,23 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
   Stream cpu;
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
   // limit 0: never fused (shrink + expand kernels, and no decode-kernel shrink); 1 << 20: the
-  // decode-sized paths wherever the metadata's scratch holds their partial sums, with the
-  // persistent kernel (persistent 1) or the per-token PDL pair (persistent 0).
+  // decode-sized paths wherever they apply: the one-kernel cluster layer (cluster 1), else
+  // the persistent kernel (persistent 1) or the per-token PDL pair (persistent 0).
   struct Config {
     int limit;
     int persistent;
+    int cluster;
     const char* name;
   };
-  const Config configs[] = {{0, 0, "split"}, {1 << 20, 1, "fused"}, {1 << 20, 0, "gather"}};
+  const Config configs[] = {{0, 0, 0, "split"},
+                            {1 << 20, 1, 0, "fused"},
+                            {1 << 20, 0, 0, "gather"},
+                            {1 << 20, 0, 2, "cluster"}};
   for (const Config& cfg : configs) {
     kernels::cuda::set_fused_linear_max_tokens(cfg.limit);
     kernels::cuda::KernelTuning tuning = defaults;
     tuning.decode_persistent = cfg.persistent;
+    tuning.decode_cluster = cfg.cluster;
     tuning.gather_max_token_ranks = 1 << 30;  // the pair on every case it supports
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
     int ran = 0;
@@ -189,38 +199,46 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
 }
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
-// few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8.
+// few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
+// the cluster layer with clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(303);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  const std::vector<kernels::cuda::KernelTuning> shapes = {{.decode_k_chunks = 1,
-                                                            .decode_cols = 256,
-                                                            .prefill_k_split = 1,
-                                                            .prefill_ctas_per_sm = 1,
-                                                            .expand_ctas_per_sm = 1,
-                                                            .decode_ctas_per_sm = 1,
-                                                            .decode_persistent = 0,
-                                                            .gather_group = 1,
-                                                            .gather_max_token_ranks = 1 << 30},
-                                                           {.decode_k_chunks = 4,
-                                                            .decode_cols = 64,
-                                                            .prefill_k_split = 8,
-                                                            .prefill_ctas_per_sm = 8,
-                                                            .expand_ctas_per_sm = 16,
-                                                            .decode_ctas_per_sm = 2,
-                                                            .decode_persistent = 0,
-                                                            .gather_group = 4,
-                                                            .gather_max_token_ranks = 1 << 30},
-                                                           {.decode_k_chunks = 8,
-                                                            .decode_cols = 8,
-                                                            .prefill_k_split = 2,
-                                                            .prefill_ctas_per_sm = 4,
-                                                            .expand_ctas_per_sm = 2,
-                                                            .decode_ctas_per_sm = 0,
-                                                            .decode_persistent = 1}};
+  const std::vector<kernels::cuda::KernelTuning> shapes = {
+      {.decode_k_chunks = 1,
+       .decode_cols = 256,
+       .prefill_k_split = 1,
+       .prefill_ctas_per_sm = 1,
+       .expand_ctas_per_sm = 1,
+       .decode_ctas_per_sm = 1,
+       .decode_persistent = 0,
+       .gather_group = 1,
+       .gather_max_token_ranks = 1 << 30,
+       .decode_cluster = 0},
+      {.decode_k_chunks = 4,
+       .decode_cols = 64,
+       .prefill_k_split = 8,
+       .prefill_ctas_per_sm = 8,
+       .expand_ctas_per_sm = 16,
+       .decode_ctas_per_sm = 2,
+       .decode_persistent = 0,
+       .gather_group = 4,
+       .gather_max_token_ranks = 1 << 30,
+       .decode_cluster = 0},
+      {.decode_k_chunks = 8,
+       .decode_cols = 8,
+       .prefill_k_split = 2,
+       .prefill_ctas_per_sm = 4,
+       .expand_ctas_per_sm = 2,
+       .decode_ctas_per_sm = 0,
+       .decode_persistent = 1,
+       .decode_cluster = 0},
+      {.decode_cluster = 2, .cluster_size = 1},
+      {.decode_cluster = 2, .cluster_size = 2},
+      {.decode_cluster = 2, .cluster_size = 16}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {
@@ -231,11 +249,12 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
         const Tensor got = run_linear(c, d, test::gpu(), stream);
         const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
         const double rtol = test::default_rtol(c.dtype);
-        test::expect_matches(got, ref, stream, rtol, rtol * 2,
-                             case_name(c) + " k_chunks " + std::to_string(t.decode_k_chunks) +
-                                 " cols " + std::to_string(t.decode_cols) + " k_split " +
-                                 std::to_string(t.prefill_k_split) + " group " +
-                                 std::to_string(t.gather_group));
+        test::expect_matches(
+            got, ref, stream, rtol, rtol * 2,
+            case_name(c) + " k_chunks " + std::to_string(t.decode_k_chunks) + " cols " +
+                std::to_string(t.decode_cols) + " k_split " + std::to_string(t.prefill_k_split) +
+                " group " + std::to_string(t.gather_group) + " cluster " +
+                std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size));
       }
     }
   }
@@ -429,11 +448,12 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
       {DType::kF32, 40, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},                // generic
   };
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  // The decode-sized case runs the per-token PDL pair (persistent 0) and the persistent kernel
-  // with its arrival counters (persistent 1): both must replay correctly.
-  for (int persistent : {0, 1}) {
+  // The decode-sized case runs the cluster layer (mode 2), the per-token PDL pair (mode 0) and
+  // the persistent kernel with its arrival counters (mode 1): each must replay correctly.
+  for (int mode : {2, 0, 1}) {
     kernels::cuda::KernelTuning tuning = defaults;
-    tuning.decode_persistent = persistent;
+    tuning.decode_persistent = mode == 1 ? 1 : 0;
+    tuning.decode_cluster = mode == 2 ? 2 : 0;
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
     for (const LayerCase& c : cases) {
       const LayerData d = make_layer(c, rng);
@@ -470,9 +490,8 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
       const Tensor got = test::on_cpu(y, stream);
       const Tensor ref = run_linear(c, d2, Device::cpu(), cpu, nullptr, 1.0f);
       const double rtol = test::default_rtol(c.dtype);
-      test::expect_matches(
-          got, ref, stream, rtol, rtol * 2,
-          case_name(c) + " graph replay, persistent " + std::to_string(persistent));
+      test::expect_matches(got, ref, stream, rtol, rtol * 2,
+                           case_name(c) + " graph replay, decode mode " + std::to_string(mode));
     }
   }
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());

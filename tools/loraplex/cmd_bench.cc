@@ -378,7 +378,7 @@ int run_kernels(const Options& o) {
     }
   }
 
-  // Fused versus split (shrink kernel + expand kernel) for the layer at decode sizes.
+  // The layer paths side by side at decode sizes.
   json comparison = json::array();
   if (o.path_comparison) {
     for (const Case& c : cases) {
@@ -390,12 +390,14 @@ int run_kernels(const Options& o) {
       row["adapters"] = c.adapters;
       row["tokens"] = c.tokens;
       row["slices"] = c.slices;
-      // split (shrink + expand kernels), the persistent decode kernel, the per-token pair.
-      const std::pair<int, int> configs[] = {{0, 0}, {1 << 20, 1}, {1 << 20, 0}};
-      for (const auto& [limit, persistent] : configs) {
+      // split (shrink + expand kernels), the persistent decode kernel, the per-token pair, the
+      // one-kernel cluster layer: {token limit, persistent, cluster}.
+      const int configs[][3] = {{0, 0, 0}, {1 << 20, 1, 0}, {1 << 20, 0, 0}, {1 << 20, 0, 2}};
+      for (const auto& [limit, persistent, cluster] : configs) {
         kc::set_fused_linear_max_tokens(limit);
         kc::KernelTuning tuning = o.tuning;
         tuning.decode_persistent = persistent;
+        tuning.decode_cluster = cluster;
         tuning.gather_max_token_ranks = 1 << 30;  // the comparison runs each path as far as it goes
         throw_if_error(kc::set_kernel_tuning(tuning));
         const std::string path = path_of(d);

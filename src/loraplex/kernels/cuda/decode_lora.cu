@@ -618,6 +618,27 @@ bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMe
          gather_linear_applies(shrink, expand, meta);
 }
 
+// The one-kernel cluster layer (cluster_lora.cu) with decode_cluster 2: wherever it applies.
+// With 1 (the default): only where it measured faster than the other paths on the H200
+// (BENCHMARKS.md, 2026-11-23): at least 64 tokens and at least 8 per slot that can be active
+// (one cluster of 16 CTAs per 16 tokens of a slot: fewer tokens per slot leave its CTAs
+// little to share), tokens x max_rank <= 4096, the slices' A rows (ranks rounded to 16) at
+// most 64, and one slice up to 64 tokens (q/k/v at 64 tokens measured 3% slower than the
+// per-token pair). It then replaces the persistent kernel (rank 64 x 64 tokens, one slice:
+// 28-30% faster) and the split path (65 to 256 tokens at rank 16: 19-40% faster).
+bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
+  const int mode = kernel_tuning().decode_cluster;
+  const int64_t t = shrink.num_tokens;
+  if (mode == 0 || t <= 0) return false;
+  if (mode == 1) {
+    const int64_t rows = shrink.num_slices * ((shrink.max_rank + 15) / 16 * 16);
+    const int64_t slots = std::min<int64_t>(t, shrink.max_loras);
+    if (t < 64 || t * shrink.max_rank > 4096 || rows > 64 || t < 8 * slots) return false;
+    if (shrink.num_slices > 1 && t <= 64) return false;
+  }
+  return cluster_linear_applies(shrink, expand, meta);
+}
+
 }  // namespace
 
 bool decode_shrink_applies(const ShrinkArgs& args, const LoraMetaView& meta) {
@@ -635,6 +656,7 @@ void set_fused_linear_max_tokens(int max_tokens) {
 
 std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
                              const LoraMetaView& meta) {
+  if (use_cluster(shrink, expand, meta)) return "cluster";
   if (shrink.num_tokens > 0 && shrink_ok(shrink, meta) && expand_ok(shrink, expand)) {
     return use_gather(shrink, expand, meta) ? "gather" : "fused";
   }
@@ -650,6 +672,7 @@ Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const Lor
   LORAPLEX_RETURN_IF_ERROR(
       check_meta_view(meta, shrink.num_tokens, shrink.max_loras, "lora_linear"));
   if (shrink.num_tokens == 0) return Status();
+  if (use_cluster(shrink, expand, meta)) return cluster_linear(shrink, expand, meta, stream);
   if (shrink_ok(shrink, meta) && expand_ok(shrink, expand)) {
     if (use_gather(shrink, expand, meta)) return gather_linear(shrink, expand, meta, stream);
     return launch(shrink, &expand, meta, stream);

@@ -36,6 +36,13 @@ struct KernelTuning {
   /// each token's A rows once per token (no grouping by slot); on the H200 it measured slower
   /// than the persistent kernel at rank 64 x 64 tokens (4096) and faster below.
   int gather_max_token_ranks = 2048;
+  /// Layers up to 256 tokens: the one-kernel cluster path (cluster_lora.cu). 0: never; 1: where
+  /// it measured faster than the other paths (decode_lora.cu, use_cluster); 2: wherever it
+  /// applies (for tests and comparisons).
+  int decode_cluster = 1;
+  /// Cluster path: CTAs per cluster (1..16, a power of two), which split K for the shrink and
+  /// the output columns for the expand; 0: about 256 of K per CTA.
+  int cluster_size = 0;
 };
 
 /// The knobs in force.

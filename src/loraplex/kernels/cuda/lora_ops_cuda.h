@@ -35,14 +35,17 @@ Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, St
 Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 
 /// Shrink then expand of one layer. Small batches (up to 64 tokens by default) run a decode
-/// path that writes split-K shrink partial sums to the metadata's scratch (shrink.out is not
-/// written): the per-token kernel pair chained with PDL (gather_lora.cu) while tokens x
-/// max_rank is small, else ONE persistent kernel with per-(slot, slice) arrival counters
-/// (decode_lora.cu); see kernel_tuning.h. Larger batches run lora_shrink into shrink.out and
-/// lora_expand from it. expand.in must be shrink.out.
+/// path that does not write shrink.out: ONE kernel of thread-block clusters that reduces the
+/// split-K shrink over distributed shared memory (cluster_lora.cu) wherever its staged weights
+/// fit; else split-K partial sums in the metadata's scratch, through the per-token kernel pair
+/// chained with PDL (gather_lora.cu) while tokens x max_rank is small, or ONE persistent kernel
+/// with per-(slot, slice) arrival counters (decode_lora.cu); see kernel_tuning.h. Larger
+/// batches run lora_shrink into shrink.out and lora_expand from it. expand.in must be
+/// shrink.out.
 Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
                    StreamHandle stream);
-/// Which path lora_linear takes for these arguments: "gather", "fused", "split" or "generic".
+/// Which path lora_linear takes for these arguments: "cluster", "gather", "fused", "split" or
+/// "generic".
 std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
                              const LoraMetaView& meta);
 /// Largest batch (tokens) that runs a decode path (lora_linear's gather / fused, and the decode

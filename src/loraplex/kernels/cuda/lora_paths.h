@@ -23,4 +23,12 @@ bool gather_linear_applies(const ShrinkArgs& shrink, const ExpandArgs& expand,
 Status gather_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
                      StreamHandle stream);
 
+/// The one-kernel cluster layer (cluster_lora.cu) runs this layer: bf16/f16, add_inputs,
+/// max_rank a multiple of 8 up to 256, aligned rows, slice widths multiples of 8, and its
+/// staged weights fit in shared memory.
+bool cluster_linear_applies(const ShrinkArgs& shrink, const ExpandArgs& expand,
+                            const LoraMetaView& meta);
+Status cluster_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
+                      StreamHandle stream);
+
 }  // namespace loraplex::kernels::cuda

@@ -1,0 +1,594 @@
+// One LoRA layer for decode-sized batches as ONE kernel of thread-block clusters: the shrink's
+// split-K partial sums are reduced through distributed shared memory, so the rank-r
+// intermediate never leaves the chip and nothing waits on another kernel or on a global
+// counter.
+//
+// Why: at decode sizes a layer moves a few MB (about a microsecond at copy bandwidth) and the
+// time goes to the chain of dependent steps (bench/NOTES.md). The kernel pair of
+// gather_lora.cu walks launch -> metadata -> A and x -> partial sums to global memory -> PDL
+// hand-off -> partial sums back -> y. Here every CTA walks launch -> metadata (one round trip:
+// the sorted indices and the rank table of a decode batch are read with it) -> ALL of its
+// loads at once (A for the shrink AND B and y for the expand, as cp.async) -> tensor cores ->
+// cluster barrier -> the partial sums of the cluster's other CTAs over DSMEM -> tensor cores ->
+// y.
+//
+// Work: a unit is up to 16 tokens of one slot (one active metadata entry is
+// ceil(tokens / 16) units), one cluster of C CTAs per unit (grid: C x units at most). CTA c of
+// the cluster owns K chunk c of the shrink (every slice's A rows of the slot, at the slot's
+// own rank, and the unit's x rows) and 1/C of the concatenated output columns of the expand
+// (their B rows at the slot's rank and the unit's y values). After the shrink each CTA keeps
+// its partial sums [16 tokens][sum of ranks] in shared memory; after the cluster barrier every
+// CTA adds the C partial sums (fixed order, so every CTA gets the same bits), scales and
+// rounds them to the weight dtype (as the other paths and vLLM do) and runs its expand.
+// A token with slot -1 is in no unit; a slice whose rank is 0 for the slot leaves y untouched;
+// A rows and B columns past a slot's rank are never read.
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
+#include "loraplex/kernels/cuda/lora_paths.h"
+
+namespace loraplex::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnitTokens = 16;     // tokens per unit: the M of one mma tile
+constexpr int kMaxCluster = 16;     // a non-portable cluster size, allowed on sm_90
+constexpr int kPreSorted = 64;      // sorted indices read with the metadata (2 per lane)
+constexpr int kPreRanks = 128;      // rank-table entries read with the metadata (4 per lane)
+constexpr int kPad = 8;             // elements of padding per shared row: conflict-free ldmatrix
+constexpr int kTargetKChunk = 256;  // K per CTA that the automatic cluster size aims at
+constexpr int kMaxWarpTiles = 8;    // expand: 8-column tiles per warp (y held in registers)
+constexpr int kMaxCtaCols = kWarps * kMaxWarpTiles * 8;
+constexpr int kMaxRows = kWarps * 2 * 16;  // shrink: two 16-row tiles of A per warp
+
+struct ClusterParams {
+  const int32_t* sorted;
+  const int32_t* active_ids;
+  const int32_t* counts;
+  const int32_t* start_loc;
+  const int32_t* ranks;  // [num_slices, max_loras]
+  int max_loras;
+  int max_rank;
+  int num_slices;
+  int num_tokens;
+  float scale;
+  const void* x;
+  int64_t x_stride;
+  int hidden;
+  int k_chunk;  // K per CTA, a multiple of 16
+  const void* a[kMaxSlices];
+  const void* b[kMaxSlices];
+  int col_begin[kMaxSlices + 1];  // slice s owns concatenated columns [col_begin[s], [s + 1])
+  int64_t y_col[kMaxSlices];      // the y column of each slice's first column
+  int cols_per_cta;               // a multiple of 8
+  void* y;
+  int64_t y_stride;
+  // Shared memory: pitches in elements, offsets in bytes (x at 0).
+  int r16;  // max_rank rounded up to 16
+  int x_pitch;
+  int b_pitch;
+  int inter_pitch;
+  int off_a;
+  int off_b;
+  int off_inter;
+};
+
+// What warp 0 reads from the metadata for the CTA's unit.
+struct UnitInfo {
+  int slot;
+  int n;  // tokens of the unit (0: no unit, the cluster exits)
+  int tok[kUnitTokens];
+  int rank[kMaxSlices];
+  int row_off[kMaxSlices + 1];  // slice s's A rows / intermediate columns, each rounded to 16
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/// The address of the same shared variable in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int round16(int v) { return (v + 15) & ~15; }
+
+/// The slice that owns offset `v` of a prefix table (bounds[0] = 0, bounds[count] = total).
+__device__ __forceinline__ int slice_of(const int* bounds, int count, int v) {
+  int s = 0;
+  while (s + 1 < count && v >= bounds[s + 1]) ++s;
+  return s;
+}
+
+// Warp 0: the unit's slot, tokens and ranks. One round trip for a decode batch: the active
+// entries, their counts and start offsets, the sorted indices (up to kPreSorted tokens) and
+// the rank table (up to kPreRanks entries) are all loaded before any of them is used.
+__device__ void read_unit(const ClusterParams& p, int unit, int lane, UnitInfo& info) {
+  const bool pre_sorted = p.num_tokens <= kPreSorted;
+  const int rank_entries = p.num_slices * p.max_loras;
+  const bool pre_ranks = rank_entries <= kPreRanks;
+  int sorted0 = 0;
+  int sorted1 = 0;
+  if (pre_sorted) {
+    if (lane < p.num_tokens) sorted0 = p.sorted[lane];
+    if (lane + 32 < p.num_tokens) sorted1 = p.sorted[lane + 32];
+  }
+  int rk[4] = {0, 0, 0, 0};
+  if (pre_ranks) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (lane + 32 * j < rank_entries) rk[j] = p.ranks[lane + 32 * j];
+    }
+  }
+  const int ne = p.max_loras + 1;
+  int slot = -1;
+  int first = 0;
+  int n = 0;
+  int running = 0;
+  for (int base = 0; base < ne; base += 32) {
+    const int e = base + lane;
+    int id = -1;
+    int cnt = 0;
+    int st = 0;
+    if (e < ne) {
+      id = p.active_ids[e];
+      cnt = p.counts[e];
+      st = p.start_loc[e];
+    }
+    const int units = valid_slot(id, p.max_loras) ? (cnt + kUnitTokens - 1) / kUnitTokens : 0;
+    const int incl = running + warp_inclusive_sum(units, lane);
+    // The first entry whose units reach past `unit` holds it (incl is non-decreasing).
+    const unsigned hit = __ballot_sync(kFullMask, incl > unit);
+    if (hit != 0) {
+      const int f = __ffs(static_cast<int>(hit)) - 1;
+      const int j = unit - __shfl_sync(kFullMask, incl - units, f);
+      slot = __shfl_sync(kFullMask, id, f);
+      first = __shfl_sync(kFullMask, st, f) + j * kUnitTokens;
+      n = min(kUnitTokens, __shfl_sync(kFullMask, cnt, f) - j * kUnitTokens);
+      break;
+    }
+    running = __shfl_sync(kFullMask, incl, 31);
+  }
+  const int pos = first + (lane & (kUnitTokens - 1));
+  int tok = -1;
+  if (pre_sorted) {
+    const int lo = __shfl_sync(kFullMask, sorted0, pos & 31);
+    const int hi = __shfl_sync(kFullMask, sorted1, pos & 31);
+    tok = pos < 32 ? lo : hi;
+  } else if (lane < n) {
+    tok = p.sorted[pos];
+  }
+  const int s = lane & (kMaxSlices - 1);
+  const int idx = n > 0 ? s * p.max_loras + slot : 0;
+  int r = 0;
+  if (pre_ranks) {
+    const int src = idx & 31;
+    const int v0 = __shfl_sync(kFullMask, rk[0], src);
+    const int v1 = __shfl_sync(kFullMask, rk[1], src);
+    const int v2 = __shfl_sync(kFullMask, rk[2], src);
+    const int v3 = __shfl_sync(kFullMask, rk[3], src);
+    const int q = idx >> 5;
+    r = q == 0 ? v0 : q == 1 ? v1 : q == 2 ? v2 : v3;
+  } else if (n > 0 && lane < p.num_slices) {
+    r = p.ranks[idx];
+  }
+  if (lane < kUnitTokens) info.tok[lane] = tok;
+  if (lane < kMaxSlices)
+    info.rank[lane] = lane < p.num_slices && n > 0 ? min(max(r, 0), p.max_rank) : 0;
+  __syncwarp();
+  if (lane == 0) {
+    info.slot = slot;
+    info.n = n;
+    info.row_off[0] = 0;
+    for (int i = 0; i < kMaxSlices; ++i)
+      info.row_off[i + 1] = info.row_off[i] + round16(info.rank[i]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ UnitInfo info;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int crank = static_cast<int>(blockIdx.x);  // rank in the cluster: clusters are (C, 1, 1)
+  const int csize = static_cast<int>(gridDim.x);
+  if (warp == 0) read_unit(p, static_cast<int>(blockIdx.y), lane, info);
+  __syncthreads();
+  const int n = info.n;
+  const int rows_a = info.row_off[p.num_slices];
+  // The same decision in every CTA of the cluster, so no barrier below waits for an exited CTA.
+  if (n == 0 || rows_a == 0) return;
+  const int slot = info.slot;
+
+  T* xs = reinterpret_cast<T*>(smem);
+  T* as = reinterpret_cast<T*>(smem + p.off_a);
+  float* red = reinterpret_cast<float*>(smem + p.off_a);  // reuses A's space after the shrink
+  T* bs = reinterpret_cast<T*>(smem + p.off_b);
+  T* inter = reinterpret_cast<T*>(smem + p.off_inter);
+
+  // ---- Every load of the CTA at once: A and B (cp.async) first, then x (cp.async) and this
+  // warp's y values (into registers: the expand adds to them).
+  const int k0 = crank * p.k_chunk;
+  const int kc8 = p.k_chunk / 8;
+  {
+    int s = 0;
+    for (int row = warp; row < rows_a; row += kWarps) {
+      while (row >= info.row_off[s + 1]) ++s;
+      const int j = row - info.row_off[s];
+      if (j >= info.rank[s]) continue;  // rows past the rank are masked after the reduction
+      const T* src =
+          static_cast<const T*>(p.a[s]) + (int64_t{slot} * p.max_rank + j) * p.hidden + k0;
+      T* dst = as + row * p.x_pitch;
+      for (int q = lane; q < kc8; q += 32) {
+        const bool in = k0 + q * 8 < p.hidden;
+        cp_async16(dst + q * 8, in ? src + q * 8 : src, in ? 16 : 0);
+      }
+    }
+  }
+  const int c0 = crank * p.cols_per_cta;
+  const int ncols = max(0, min(p.cols_per_cta, p.col_begin[p.num_slices] - c0));
+  for (int lc = tid; lc < ncols; lc += kThreads) {
+    const int c = c0 + lc;
+    const int s = slice_of(p.col_begin, p.num_slices, c);
+    const int rs = info.rank[s];
+    const int64_t width = p.col_begin[s + 1] - p.col_begin[s];
+    const T* src =
+        static_cast<const T*>(p.b[s]) + (int64_t{slot} * width + (c - p.col_begin[s])) * p.max_rank;
+    T* dst = bs + lc * p.b_pitch;
+    for (int q = 0; q * 8 < rs; ++q) {
+      cp_async16(dst + q * 8, src + q * 8, min((rs - q * 8) * 2, 16));
+    }
+    if ((rs & 15) != 0 && (rs & 15) <= 8) {  // the last 16-rank step's upper half: zeros
+      cp_async16(dst + (rs & ~15) + 8, src, 0);
+    }
+  }
+  for (int row = warp; row < n; row += kWarps) {
+    const T* src = static_cast<const T*>(p.x) + info.tok[row] * p.x_stride + k0;
+    T* dst = xs + row * p.x_pitch;
+    for (int q = lane; q < kc8; q += 32) {
+      const bool in = k0 + q * 8 < p.hidden;
+      cp_async16(dst + q * 8, in ? src + q * 8 : src, in ? 16 : 0);
+    }
+  }
+  cp_async_commit();
+  const int g = lane >> 2;
+  const int t2 = (lane & 3) * 2;
+  // This warp's expand tiles are w, w + 8, ... (8 columns each); rows g and g + 8 of each.
+  const T* yrow0 = g < n ? static_cast<const T*>(p.y) + info.tok[g] * p.y_stride : nullptr;
+  const T* yrow1 = g + 8 < n ? static_cast<const T*>(p.y) + info.tok[g + 8] * p.y_stride : nullptr;
+  uint32_t yv[kMaxWarpTiles][2];
+#pragma unroll
+  for (int j = 0; j < kMaxWarpTiles; ++j) {
+    const int tile = warp + kWarps * j;
+    yv[j][0] = 0;
+    yv[j][1] = 0;
+    if (tile * 8 < ncols) {
+      const int c = c0 + tile * 8;
+      const int s = slice_of(p.col_begin, p.num_slices, c);
+      const int64_t col = p.y_col[s] + (c - p.col_begin[s]) + t2;
+      if (yrow0 != nullptr) yv[j][0] = *reinterpret_cast<const uint32_t*>(yrow0 + col);
+      if (yrow1 != nullptr) yv[j][1] = *reinterpret_cast<const uint32_t*>(yrow1 + col);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- Shrink: [16 tokens] x [rows_a] over this CTA's K chunk. Warp items are (16-row tile of
+  // A, part of the K steps); the parts are summed in shared memory, in a fixed order.
+  const int nt16 = rows_a / 16;
+  const int wk = nt16 >= kWarps ? 1 : kWarps / nt16;
+  const int ksteps = p.k_chunk / 16;
+  float acc[2][2][4];  // [item of this warp][n8 half][fragment]
+  const int items = nt16 * wk;
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int item = warp + it * kWarps;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[it][h][i] = 0.0f;
+    }
+    if (item >= items) continue;
+    const int tile = item / wk;
+    const int part = item - tile * wk;
+    const uint32_t xa = smem_addr(xs + (lane & 15) * p.x_pitch + (lane >> 4) * 8);
+    const uint32_t aa = smem_addr(as + (tile * 16 + (lane & 7) + ((lane >> 4) << 3)) * p.x_pitch +
+                                  ((lane >> 3) & 1) * 8);
+    for (int kk = part; kk < ksteps; kk += wk) {
+      uint32_t af[4];
+      uint32_t bf[4];
+      ldmatrix_x4_at(af, xa + kk * 32);
+      ldmatrix_x4_at(bf, aa + kk * 32);
+      const uint32_t b0[2] = {bf[0], bf[1]};
+      const uint32_t b1[2] = {bf[2], bf[3]};
+      mma_16816<T>(acc[it][0], af, b0);
+      mma_16816<T>(acc[it][1], af, b1);
+    }
+  }
+  __syncthreads();  // A's space becomes `red`
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int item = warp + it * kWarps;
+    if (item >= items) continue;
+    const int tile = item / wk;
+    float* r = red + (item - tile * wk) * kUnitTokens * rows_a;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = tile * 16 + h * 8 + t2;
+      *reinterpret_cast<float2*>(r + g * rows_a + col) = make_float2(acc[it][h][0], acc[it][h][1]);
+      *reinterpret_cast<float2*>(r + (g + 8) * rows_a + col) =
+          make_float2(acc[it][h][2], acc[it][h][3]);
+    }
+  }
+  __syncthreads();
+  if (wk > 1) {
+    for (int e = tid; e < n * rows_a; e += kThreads) {
+      float v = red[e];
+      for (int q = 1; q < wk; ++q) v += red[q * kUnitTokens * rows_a + e];
+      red[e] = v;
+    }
+  }
+
+  // ---- The cluster's partial sums: after the barrier every CTA reads all C of them.
+  cluster_arrive();
+  cluster_wait();
+  const uint32_t red_base = smem_addr(red);
+  for (int e = tid; e < n * rows_a; e += kThreads) {
+    const int i = e / rows_a;
+    const int c = e - i * rows_a;
+    const int s = slice_of(info.row_off, p.num_slices, c);
+    float v = 0.0f;
+    if (c - info.row_off[s] < info.rank[s]) {
+      const uint32_t addr = red_base + static_cast<uint32_t>(e) * 4u;
+      float part[kMaxCluster];
+#pragma unroll
+      for (int q = 0; q < kMaxCluster; ++q) {
+        part[q] = q < csize ? ld_cluster(map_to_rank(addr, q)) : 0.0f;
+      }
+#pragma unroll
+      for (int q = 0; q < kMaxCluster; ++q) v += part[q];
+      v = to_float(from_float<T>(p.scale * v));
+    }
+    inter[i * p.inter_pitch + c] = from_float<T>(v);  // 0 past the rank: B there is zero-filled
+  }
+  cluster_arrive();  // this CTA no longer reads the others' shared memory
+  __syncthreads();
+
+  // ---- Expand: this warp's tiles of 8 columns; the y values loaded above start the sums.
+  int cur = -1;  // the slice whose first 16-rank A fragment `a0` holds
+  uint32_t a0[4] = {0, 0, 0, 0};
+  const uint32_t ia = smem_addr(inter + (lane & 15) * p.inter_pitch + (lane >> 4) * 8);
+  const uint32_t ba = smem_addr(bs + (lane & 7) * p.b_pitch + ((lane >> 3) & 1) * 8);
+#pragma unroll
+  for (int j = 0; j < kMaxWarpTiles; ++j) {
+    const int tile = warp + kWarps * j;
+    if (tile * 8 >= ncols) break;
+    const int c = c0 + tile * 8;
+    const int s = slice_of(p.col_begin, p.num_slices, c);
+    const int rs = info.rank[s];
+    if (rs == 0) continue;
+    const uint32_t ias = ia + info.row_off[s] * 2;
+    if (s != cur) {
+      ldmatrix_x4_at(a0, ias);
+      cur = s;
+    }
+    const float2 y0 = unpack2<T>(yv[j][0]);
+    const float2 y1 = unpack2<T>(yv[j][1]);
+    float out[4] = {y0.x, y0.y, y1.x, y1.y};
+    const uint32_t bt = ba + tile * 8 * p.b_pitch * 2;
+    uint32_t bf[2];
+    ldmatrix_x2_at(bf, bt);
+    mma_16816<T>(out, a0, bf);
+    for (int kk = 1; kk * 16 < rs; ++kk) {
+      uint32_t af[4];
+      ldmatrix_x4_at(af, ias + kk * 32);
+      ldmatrix_x2_at(bf, bt + kk * 32);
+      mma_16816<T>(out, af, bf);
+    }
+    const int64_t col = p.y_col[s] + (c - p.col_begin[s]) + t2;
+    if (yrow0 != nullptr) {
+      *reinterpret_cast<uint32_t*>(const_cast<T*>(yrow0) + col) = pack2<T>(out[0], out[1]);
+    }
+    if (yrow1 != nullptr) {
+      *reinterpret_cast<uint32_t*>(const_cast<T*>(yrow1) + col) = pack2<T>(out[2], out[3]);
+    }
+  }
+  cluster_wait();  // the other CTAs have read this CTA's partial sums: its shared memory may go
+}
+
+struct Shape {
+  int cluster = 1;
+  int k_chunk = 0;
+  int cols_per_cta = 0;
+  int smem = 0;
+  ClusterParams layout{};  // the shared-memory fields only
+};
+
+Shape shape_for(const ShrinkArgs& s, int total_cols, int cluster) {
+  Shape sh;
+  sh.cluster = cluster;
+  sh.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, cluster), 16) * 16);
+  sh.cols_per_cta = static_cast<int>(ceil_div(ceil_div(total_cols, 8), cluster) * 8);
+  ClusterParams& l = sh.layout;
+  l.r16 = static_cast<int>(ceil_div(s.max_rank, 16) * 16);
+  const int rows = s.num_slices * l.r16;
+  l.x_pitch = sh.k_chunk + kPad;
+  l.b_pitch = l.r16 + kPad;
+  l.inter_pitch = rows + kPad;
+  int off = kUnitTokens * l.x_pitch * 2;
+  l.off_a = off;
+  // A's rows, and after the shrink the per-warp partial sums (at most 8 parts of 16 columns,
+  // or one part of all rows).
+  off += std::max(rows * l.x_pitch * 2, kUnitTokens * std::max(kWarps * 16, rows) * 4);
+  l.off_b = off;
+  off += sh.cols_per_cta * l.b_pitch * 2;
+  l.off_inter = off;
+  off += kUnitTokens * l.inter_pitch * 2;
+  sh.smem = off;
+  return sh;
+}
+
+int max_smem_optin() {
+  static std::mutex mutex;
+  static std::map<int, int> cache;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    v = 48 * 1024;
+  }
+  cache[device] = v;
+  return v;
+}
+
+int total_columns(const ExpandArgs& e) {
+  int64_t w = 0;
+  for (int i = 0; i < e.num_slices; ++i) w += e.slice_width[i];
+  return static_cast<int>(w);
+}
+
+// The cluster size: the tuning's, or (0) the power of two that gives each CTA about
+// kTargetKChunk of K, grown while the shared memory does not fit.
+Shape choose_shape(const ShrinkArgs& s, const ExpandArgs& e) {
+  const int cols = total_columns(e);
+  int c = kernel_tuning().cluster_size;
+  if (c == 0) {
+    c = 1;
+    while (c < kMaxCluster && int64_t{c} * 2 * kTargetKChunk <= s.hidden) c *= 2;
+  }
+  Shape sh = shape_for(s, cols, c);
+  while ((sh.smem > max_smem_optin() || sh.cols_per_cta > kMaxCtaCols) &&
+         sh.cluster < kMaxCluster) {
+    sh = shape_for(s, cols, sh.cluster * 2);
+  }
+  return sh;
+}
+
+template <typename T>
+Status launch(const ClusterParams& p, const Shape& sh, int units, StreamHandle stream) {
+  const void* kernel = reinterpret_cast<const void*>(&cluster_lora_kernel<T>);
+  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(kernel, sh.smem));
+  if (sh.cluster > 8) {
+    // A function attribute, set once (the first call of every op is a warm-up outside any
+    // capture).
+    static std::mutex mutex;
+    static std::map<std::pair<const void*, int>, bool> done;
+    int device = 0;
+    cudaGetDevice(&device);
+    std::lock_guard<std::mutex> lock(mutex);
+    bool& set = done[{kernel, device}];
+    if (!set) {
+      LORAPLEX_RETURN_IF_ERROR(cuda_status(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+          "cudaFuncSetAttribute(non-portable cluster size)"));
+      set = true;
+    }
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(sh.cluster), static_cast<unsigned>(units));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(sh.smem);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(sh.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  LORAPLEX_RETURN_IF_ERROR(
+      cuda_status(cudaLaunchKernelEx(&cfg, cluster_lora_kernel<T>, p), "cluster_lora"));
+  return launch_status("cluster_lora_kernel");
+}
+
+}  // namespace
+
+bool cluster_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta) {
+  if (!half_dtype(s.dtype) || e.dtype != s.dtype || !e.add_inputs) return false;
+  if (e.num_slices != s.num_slices || e.max_rank != s.max_rank || e.max_loras != s.max_loras ||
+      e.num_tokens != s.num_tokens)
+    return false;
+  // Every A row of the unit is staged and each warp holds two 16-row shrink tiles: the slices'
+  // ranks, each rounded up to 16, add up to 256 at most.
+  if (s.max_rank % 8 != 0 || s.num_slices * ceil_div(s.max_rank, 16) * 16 > kMaxRows) return false;
+  if (s.hidden % 8 != 0 || s.hidden > (1 << 30) || s.x_row_stride % 8 != 0 || !aligned16(s.x))
+    return false;
+  if (e.y_row_stride % 8 != 0 || e.offset_start % 8 != 0 || !aligned16(e.y)) return false;
+  int64_t cols = 0;
+  for (int i = 0; i < s.num_slices; ++i) {
+    if (!aligned16(s.lora_a[i]) || !aligned16(e.lora_b[i])) return false;
+    if (e.slice_width[i] % 8 != 0) return false;
+    cols += e.slice_width[i];
+  }
+  if (cols > (1 << 30)) return false;
+  if (meta.sorted_token_indices == nullptr || meta.active_lora_ids == nullptr ||
+      meta.num_tokens_per_lora == nullptr || meta.lora_token_start_loc == nullptr)
+    return false;
+  if (s.num_tokens > 65535) return false;  // decode sizes: index arithmetic stays in int
+  const Shape sh = choose_shape(s, e);
+  return sh.smem <= max_smem_optin() && sh.cols_per_cta <= kMaxCtaCols;
+}
+
+Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta,
+                      StreamHandle stream) {
+  LORAPLEX_ENSURE(cluster_linear_applies(s, e, meta), "cluster_linear: arguments not supported");
+  const Shape sh = choose_shape(s, e);
+  ClusterParams p = sh.layout;
+  p.sorted = meta.sorted_token_indices;
+  p.active_ids = meta.active_lora_ids;
+  p.counts = meta.num_tokens_per_lora;
+  p.start_loc = meta.lora_token_start_loc;
+  p.ranks = s.ranks;
+  p.max_loras = s.max_loras;
+  p.max_rank = s.max_rank;
+  p.num_slices = s.num_slices;
+  p.num_tokens = static_cast<int>(s.num_tokens);
+  p.scale = s.scale;
+  p.x = s.x;
+  p.x_stride = s.x_row_stride;
+  p.hidden = static_cast<int>(s.hidden);
+  p.k_chunk = sh.k_chunk;
+  int64_t col = e.offset_start;
+  p.col_begin[0] = 0;
+  for (int i = 0; i < s.num_slices; ++i) {
+    p.a[i] = s.lora_a[i];
+    p.b[i] = e.lora_b[i];
+    p.y_col[i] = col;
+    col += e.slice_width[i];
+    p.col_begin[i + 1] = p.col_begin[i] + static_cast<int>(e.slice_width[i]);
+  }
+  p.cols_per_cta = sh.cols_per_cta;
+  p.y = e.y;
+  p.y_stride = e.y_row_stride;
+  // Units at most: sum over active slots of ceil(tokens / 16) <= tokens / 16 + active slots.
+  const int64_t t = s.num_tokens;
+  const int units =
+      static_cast<int>(std::min<int64_t>(t, t / kUnitTokens + std::min<int64_t>(t, s.max_loras)));
+  if (s.dtype == DType::kBF16) return launch<bf16>(p, sh, units, stream);
+  return launch<f16>(p, sh, units, stream);
+}
+
+}  // namespace loraplex::kernels::cuda
