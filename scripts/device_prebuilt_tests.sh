@@ -19,17 +19,4 @@ for t in .device/bin/*_tests; do
   echo "$(basename $t): exit $st passed ${p:-0} failed ${f:-0} skipped ${s:-0}"
   grep -E "^\[  SKIPPED \] [A-Za-z]|^\[  FAILED  \] [A-Za-z]" $OUT/$(basename $t).log | head -20
 done
-fx=testdata/tiny-llama/adapters
-for dt in float32 bfloat16; do
-  .device/bin/loraplex generate --model testdata/tiny-llama/model --lora sql=$fx/sql --lora pirate=$fx/pirate --lora rslora=$fx/rslora --lora vocab=$fx/vocab \
-    --requests testdata/tiny-llama/requests.jsonl --max-tokens 12 --ignore-eos --device cuda --dtype $dt --output $OUT/generate_$dt.jsonl > /dev/null 2> $OUT/generate_$dt.err
-  echo "generate $dt status $?"
-  python3 - $OUT/generate_$dt.jsonl testdata/tiny-llama/expected.jsonl <<'PY'
-import json, sys
-got = [json.loads(l) for l in open(sys.argv[1])]
-exp = [json.loads(l) for l in open(sys.argv[2])]
-same = sum(g["output_token_ids"] == e["output_token_ids"] for g, e in zip(got, exp))
-first = sum(g["output_token_ids"][:1] == e["output_token_ids"][:1] for g, e in zip(got, exp))
-print(f"  {len(got)} requests: all 12 tokens equal in {same}, first token equal in {first}")
-PY
-done
+bash scripts/device_generate_check.sh .device/bin/loraplex "$OUT"

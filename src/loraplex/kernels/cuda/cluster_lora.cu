@@ -527,10 +527,7 @@ Status launch(const ClusterParams& p, const Shape& sh, int units, StreamHandle s
 }  // namespace
 
 bool cluster_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta) {
-  if (!half_dtype(s.dtype) || e.dtype != s.dtype || !e.add_inputs) return false;
-  if (e.num_slices != s.num_slices || e.max_rank != s.max_rank || e.max_loras != s.max_loras ||
-      e.num_tokens != s.num_tokens)
-    return false;
+  if (!one_half_layer(s, e)) return false;
   // Every A row of the unit is staged and each warp holds two 16-row shrink tiles: the slices'
   // ranks, each rounded up to 16, add up to 256 at most.
   if (s.max_rank % 8 != 0 || s.num_slices * ceil_div(s.max_rank, 16) * 16 > kMaxRows) return false;

@@ -307,10 +307,7 @@ Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& 
 }  // namespace
 
 bool gather_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta) {
-  if (!half_dtype(s.dtype) || e.dtype != s.dtype || !e.add_inputs) return false;
-  if (e.num_slices != s.num_slices || e.max_rank != s.max_rank || e.max_loras != s.max_loras ||
-      e.num_tokens != s.num_tokens)
-    return false;
+  if (!one_half_layer(s, e)) return false;
   if (s.max_rank % 8 != 0 || s.max_rank > kMaxRank) return false;
   if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
   if (e.y_row_stride % kColsPerThread != 0 || e.offset_start % kColsPerThread != 0 ||

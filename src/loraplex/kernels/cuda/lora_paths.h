@@ -2,9 +2,18 @@
 // The tensor-core, decode and gather paths, shared between the .cu files of kernels/cuda/
 // (lora_shrink in shrink_expand.cu picks one). Internal to the CUDA backend.
 
+#include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 
 namespace loraplex::kernels::cuda {
+
+/// The shrink and expand describe one layer that the one-launch decode paths can take: bf16 or
+/// f16 throughout, the same slices, slots, ranks and tokens, and the sum added to y.
+inline bool one_half_layer(const ShrinkArgs& s, const ExpandArgs& e) {
+  return half_dtype(s.dtype) && e.dtype == s.dtype && e.add_inputs &&
+         e.num_slices == s.num_slices && e.max_rank == s.max_rank && e.max_loras == s.max_loras &&
+         e.num_tokens == s.num_tokens;
+}
 
 /// The decode kernel (decode_lora.cu) runs this shrink: small batch, bf16/f16, aligned rows
 /// and enough metadata scratch for its split-K partial sums.
