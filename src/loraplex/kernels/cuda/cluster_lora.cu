@@ -1,5 +1,5 @@
 // One LoRA layer for decode-sized batches as ONE kernel of thread-block clusters: the shrink's
-// split-K partial sums are reduced through distributed shared memory, so the rank-r
+// split-K partial sums are exchanged through distributed shared memory, so the rank-r
 // intermediate never leaves the chip and nothing waits on another kernel or on a global
 // counter.
 //
@@ -8,18 +8,21 @@
 // gather_lora.cu walks launch -> metadata -> A and x -> partial sums to global memory -> PDL
 // hand-off -> partial sums back -> y. Here every CTA walks launch -> metadata (one round trip:
 // the sorted indices and the rank table of a decode batch are read with it) -> ALL of its
-// loads at once (A for the shrink AND B and y for the expand, as cp.async) -> tensor cores ->
-// cluster barrier -> the partial sums of the cluster's other CTAs over DSMEM -> tensor cores ->
-// y.
+// loads at once (A for the shrink AND B and y for the expand) -> tensor cores -> partial sums
+// to their owner CTA (st.async) -> the owner's rounded sums to every CTA (st.async) -> tensor
+// cores -> y.
 //
 // Work: a unit is up to 16 tokens of one slot (one active metadata entry is
 // ceil(tokens / 16) units), one cluster of C CTAs per unit (grid: C x units at most). CTA c of
 // the cluster owns K chunk c of the shrink (every slice's A rows of the slot, at the slot's
-// own rank, and the unit's x rows) and 1/C of the concatenated output columns of the expand
-// (their B rows at the slot's rank and the unit's y values). After the shrink each CTA keeps
-// its partial sums [16 tokens][sum of ranks] in shared memory; after the cluster barrier every
-// CTA adds the C partial sums (fixed order, so every CTA gets the same bits), scales and
-// rounds them to the weight dtype (as the other paths and vLLM do) and runs its expand.
+// own rank, and the unit's x rows) and a run of output columns of ONE slice for the expand
+// (their B rows at the slot's rank, and the unit's y values, loaded into registers). The
+// partial sums [tokens][sum of ranks] are reduce-scattered: CTA q sends element e to the CTA
+// that owns e, which adds the C values in a fixed order (the result does not depend on
+// timing), scales and rounds them to the weight dtype (as the other paths and vLLM do) and
+// sends them to every CTA of the cluster. Both exchanges are st.async stores that complete
+// transactions on an mbarrier of the receiving CTA: no cluster-wide barrier (its release
+// compiles to a GPU-scope memory barrier) after the one that publishes the mbarriers.
 // A token with slot -1 is in no unit; a slice whose rank is 0 for the slot leaves y untouched;
 // A rows and B columns past a slot's rank are never read.
 
@@ -63,9 +66,13 @@ struct ClusterParams {
   int k_chunk;  // K per CTA, a multiple of 16
   const void* a[kMaxSlices];
   const void* b[kMaxSlices];
-  int col_begin[kMaxSlices + 1];  // slice s owns concatenated columns [col_begin[s], [s + 1])
-  int64_t y_col[kMaxSlices];      // the y column of each slice's first column
-  int cols_per_cta;               // a multiple of 8
+  int64_t width[kMaxSlices];  // output columns of each slice
+  int64_t y_col[kMaxSlices];  // the y column of each slice's first column
+  // The expand's columns of CTA c: columns [cta_col0[c], + cta_cols[c]) of slice cta_slice[c]
+  // (multiples of 8).
+  int cta_slice[kMaxCluster];
+  int cta_col0[kMaxCluster];
+  int cta_cols[kMaxCluster];
   void* y;
   int64_t y_stride;
   // Shared memory: pitches in elements, offsets in bytes (x at 0).
@@ -76,6 +83,7 @@ struct ClusterParams {
   int off_a;
   int off_b;
   int off_inter;
+  int off_recv;  // the partial sums this CTA owns, one row per CTA of the cluster
 };
 
 // What warp 0 reads from the metadata for the CTA's unit.
@@ -90,11 +98,13 @@ struct UnitInfo {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+// The one cluster-wide barrier: it publishes the initialised mbarriers (fence below), nothing
+// else, so it needs no release (a release compiles to MEMBAR.ALL.GPU).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 /// The address of the same shared variable in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, int rank) {
@@ -102,10 +112,33 @@ __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, int rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
   return out;
 }
-__device__ __forceinline__ float ld_cluster(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+/// The one local arrival of the phase, with the bytes the other CTAs will store.
+__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar) {
+  uint32_t done = 0;
+  while (done == 0) {
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  }
+}
+/// 4 bytes into another CTA's shared memory, completing 4 bytes of its mbarrier's transactions.
+__device__ __forceinline__ void st_async(uint32_t addr, uint32_t v, uint32_t bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr),
+      "r"(v), "r"(bar)
+      : "memory");
 }
 
 __device__ __forceinline__ int round16(int v) { return (v + 15) & ~15; }
@@ -206,24 +239,43 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ UnitInfo info;
+  __shared__ __align__(8) uint64_t bars[2];  // the two exchanges: partial sums, rounded sums
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int crank = static_cast<int>(blockIdx.x);  // rank in the cluster: clusters are (C, 1, 1)
   const int csize = static_cast<int>(gridDim.x);
+  const uint32_t bar_part = smem_addr(&bars[0]);
+  const uint32_t bar_sum = smem_addr(&bars[1]);
+  if (tid == 0) {
+    mbar_init(bar_part);
+    mbar_init(bar_sum);
+  }
+  __syncthreads();
+  cluster_arrive_relaxed();  // waited for just before the first store into another CTA
   if (warp == 0) read_unit(p, static_cast<int>(blockIdx.y), lane, info);
   __syncthreads();
   const int n = info.n;
   const int rows_a = info.row_off[p.num_slices];
-  // The same decision in every CTA of the cluster, so no barrier below waits for an exited CTA.
+  // The same decision in every CTA of the cluster, so nothing below waits for an exited CTA.
   if (n == 0 || rows_a == 0) return;
   const int slot = info.slot;
+  // The partial sums [n][rows_a] as elements e: CTA q owns [q * chunk, (q + 1) * chunk), an
+  // even count, so that the rounded sums travel in pairs (rows_a is a multiple of 16).
+  const int elems = n * rows_a;
+  const int chunk = ((elems + csize - 1) / csize + 1) & ~1;
+  const int own = max(0, min(chunk, elems - crank * chunk));
+  if (tid == 0) {
+    mbar_arrive_expect(bar_part, static_cast<uint32_t>(csize * own * 4));
+    mbar_arrive_expect(bar_sum, static_cast<uint32_t>(elems * 2));
+  }
 
   T* xs = reinterpret_cast<T*>(smem);
   T* as = reinterpret_cast<T*>(smem + p.off_a);
   float* red = reinterpret_cast<float*>(smem + p.off_a);  // reuses A's space after the shrink
   T* bs = reinterpret_cast<T*>(smem + p.off_b);
   T* inter = reinterpret_cast<T*>(smem + p.off_inter);
+  float* recv = reinterpret_cast<float*>(smem + p.off_recv);
 
   // ---- Every load of the CTA at once: A and B (cp.async) first, then x (cp.async) and this
   // warp's y values (into registers: the expand adds to them).
@@ -244,21 +296,22 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
       }
     }
   }
-  const int c0 = crank * p.cols_per_cta;
-  const int ncols = max(0, min(p.cols_per_cta, p.col_begin[p.num_slices] - c0));
-  for (int lc = tid; lc < ncols; lc += kThreads) {
-    const int c = c0 + lc;
-    const int s = slice_of(p.col_begin, p.num_slices, c);
-    const int rs = info.rank[s];
-    const int64_t width = p.col_begin[s + 1] - p.col_begin[s];
+  const int es = p.cta_slice[crank];  // this CTA's expand: one slice
+  const int ers = info.rank[es];
+  const int ncols = ers > 0 ? p.cta_cols[crank] : 0;
+  const int ecol0 = p.cta_col0[crank];
+  {
     const T* src =
-        static_cast<const T*>(p.b[s]) + (int64_t{slot} * width + (c - p.col_begin[s])) * p.max_rank;
-    T* dst = bs + lc * p.b_pitch;
-    for (int q = 0; q * 8 < rs; ++q) {
-      cp_async16(dst + q * 8, src + q * 8, min((rs - q * 8) * 2, 16));
-    }
-    if ((rs & 15) != 0 && (rs & 15) <= 8) {  // the last 16-rank step's upper half: zeros
-      cp_async16(dst + (rs & ~15) + 8, src, 0);
+        static_cast<const T*>(p.b[es]) + (int64_t{slot} * p.width[es] + ecol0) * p.max_rank;
+    for (int lc = tid; lc < ncols; lc += kThreads) {
+      const T* col = src + lc * p.max_rank;
+      T* dst = bs + lc * p.b_pitch;
+      for (int q = 0; q * 8 < ers; ++q) {
+        cp_async16(dst + q * 8, col + q * 8, min((ers - q * 8) * 2, 16));
+      }
+      if ((ers & 15) != 0 && (ers & 15) <= 8) {  // the last 16-rank step's upper half: zeros
+        cp_async16(dst + (ers & ~15) + 8, col, 0);
+      }
     }
   }
   for (int row = warp; row < n; row += kWarps) {
@@ -273,21 +326,17 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   const int g = lane >> 2;
   const int t2 = (lane & 3) * 2;
   // This warp's expand tiles are w, w + 8, ... (8 columns each); rows g and g + 8 of each.
-  const T* yrow0 = g < n ? static_cast<const T*>(p.y) + info.tok[g] * p.y_stride : nullptr;
-  const T* yrow1 = g + 8 < n ? static_cast<const T*>(p.y) + info.tok[g + 8] * p.y_stride : nullptr;
+  T* const yrow0 =
+      g < n ? static_cast<T*>(p.y) + info.tok[g] * p.y_stride + p.y_col[es] + ecol0 + t2 : nullptr;
+  T* const yrow1 =
+      g + 8 < n ? static_cast<T*>(p.y) + info.tok[g + 8] * p.y_stride + p.y_col[es] + ecol0 + t2
+                : nullptr;
   uint32_t yv[kMaxWarpTiles][2];
 #pragma unroll
   for (int j = 0; j < kMaxWarpTiles; ++j) {
-    const int tile = warp + kWarps * j;
-    yv[j][0] = 0;
-    yv[j][1] = 0;
-    if (tile * 8 < ncols) {
-      const int c = c0 + tile * 8;
-      const int s = slice_of(p.col_begin, p.num_slices, c);
-      const int64_t col = p.y_col[s] + (c - p.col_begin[s]) + t2;
-      if (yrow0 != nullptr) yv[j][0] = *reinterpret_cast<const uint32_t*>(yrow0 + col);
-      if (yrow1 != nullptr) yv[j][1] = *reinterpret_cast<const uint32_t*>(yrow1 + col);
-    }
+    const int c = (warp + kWarps * j) * 8;
+    yv[j][0] = c < ncols && yrow0 != nullptr ? *reinterpret_cast<const uint32_t*>(yrow0 + c) : 0u;
+    yv[j][1] = c < ncols && yrow1 != nullptr ? *reinterpret_cast<const uint32_t*>(yrow1 + c) : 0u;
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -340,57 +389,51 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
     }
   }
   __syncthreads();
-  if (wk > 1) {
-    for (int e = tid; e < n * rows_a; e += kThreads) {
-      float v = red[e];
-      for (int q = 1; q < wk; ++q) v += red[q * kUnitTokens * rows_a + e];
-      red[e] = v;
-    }
-  }
 
-  // ---- The cluster's partial sums: after the barrier every CTA reads all C of them.
-  cluster_arrive();
-  cluster_wait();
-  const uint32_t red_base = smem_addr(red);
-  for (int e = tid; e < n * rows_a; e += kThreads) {
+  // ---- Exchange 1: this CTA's partial sum of element e goes to e's owner, row `crank`.
+  cluster_wait();  // every CTA's mbarriers are initialised
+  const uint32_t recv_base = smem_addr(recv);
+  for (int e = tid; e < elems; e += kThreads) {
+    float v = red[e];
+    for (int q = 1; q < wk; ++q) v += red[q * kUnitTokens * rows_a + e];
+    const int owner = e / chunk;
+    const uint32_t at = recv_base + static_cast<uint32_t>(crank * chunk + e - owner * chunk) * 4u;
+    st_async(map_to_rank(at, owner), __float_as_uint(v), map_to_rank(bar_part, owner));
+  }
+  // ---- Exchange 2: the owner adds its elements' C partial sums (in CTA order), scales and
+  // rounds them, and sends each pair to every CTA's intermediate.
+  mbar_wait(bar_part);
+  const uint32_t inter_base = smem_addr(inter);
+  for (int j = tid * 2; j < own; j += kThreads * 2) {
+    const int e = crank * chunk + j;
     const int i = e / rows_a;
     const int c = e - i * rows_a;
     const int s = slice_of(info.row_off, p.num_slices, c);
-    float v = 0.0f;
-    if (c - info.row_off[s] < info.rank[s]) {
-      const uint32_t addr = red_base + static_cast<uint32_t>(e) * 4u;
-      float part[kMaxCluster];
+    const int rank = info.rank[s] + info.row_off[s];  // columns past it are 0
+    float v[2];
 #pragma unroll
-      for (int q = 0; q < kMaxCluster; ++q) {
-        part[q] = q < csize ? ld_cluster(map_to_rank(addr, q)) : 0.0f;
-      }
-#pragma unroll
-      for (int q = 0; q < kMaxCluster; ++q) v += part[q];
-      v = to_float(from_float<T>(p.scale * v));
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.0f;
+      for (int q = 0; q < csize; ++q) sum += recv[q * chunk + j + h];
+      v[h] = c + h < rank ? p.scale * sum : 0.0f;
     }
-    inter[i * p.inter_pitch + c] = from_float<T>(v);  // 0 past the rank: B there is zero-filled
+    const uint32_t word = pack2<T>(v[0], v[1]);
+    const uint32_t at = inter_base + static_cast<uint32_t>(i * p.inter_pitch + c) * 2u;
+    for (int q = 0; q < csize; ++q) st_async(map_to_rank(at, q), word, map_to_rank(bar_sum, q));
   }
-  cluster_arrive();  // this CTA no longer reads the others' shared memory
-  __syncthreads();
+  mbar_wait(bar_sum);
 
-  // ---- Expand: this warp's tiles of 8 columns; the y values loaded above start the sums.
-  int cur = -1;  // the slice whose first 16-rank A fragment `a0` holds
-  uint32_t a0[4] = {0, 0, 0, 0};
-  const uint32_t ia = smem_addr(inter + (lane & 15) * p.inter_pitch + (lane >> 4) * 8);
+  // ---- Expand: this warp's tiles of 8 columns of slice `es`; the y values start the sums.
+  if (ncols == 0) return;
+  const uint32_t ia =
+      smem_addr(inter + (lane & 15) * p.inter_pitch + info.row_off[es] + (lane >> 4) * 8);
   const uint32_t ba = smem_addr(bs + (lane & 7) * p.b_pitch + ((lane >> 3) & 1) * 8);
+  uint32_t a0[4];
+  ldmatrix_x4_at(a0, ia);
 #pragma unroll
   for (int j = 0; j < kMaxWarpTiles; ++j) {
     const int tile = warp + kWarps * j;
     if (tile * 8 >= ncols) break;
-    const int c = c0 + tile * 8;
-    const int s = slice_of(p.col_begin, p.num_slices, c);
-    const int rs = info.rank[s];
-    if (rs == 0) continue;
-    const uint32_t ias = ia + info.row_off[s] * 2;
-    if (s != cur) {
-      ldmatrix_x4_at(a0, ias);
-      cur = s;
-    }
     const float2 y0 = unpack2<T>(yv[j][0]);
     const float2 y1 = unpack2<T>(yv[j][1]);
     float out[4] = {y0.x, y0.y, y1.x, y1.y};
@@ -398,36 +441,62 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
     uint32_t bf[2];
     ldmatrix_x2_at(bf, bt);
     mma_16816<T>(out, a0, bf);
-    for (int kk = 1; kk * 16 < rs; ++kk) {
+    for (int kk = 1; kk * 16 < ers; ++kk) {
       uint32_t af[4];
-      ldmatrix_x4_at(af, ias + kk * 32);
+      ldmatrix_x4_at(af, ia + kk * 32);
       ldmatrix_x2_at(bf, bt + kk * 32);
       mma_16816<T>(out, af, bf);
     }
-    const int64_t col = p.y_col[s] + (c - p.col_begin[s]) + t2;
-    if (yrow0 != nullptr) {
-      *reinterpret_cast<uint32_t*>(const_cast<T*>(yrow0) + col) = pack2<T>(out[0], out[1]);
-    }
-    if (yrow1 != nullptr) {
-      *reinterpret_cast<uint32_t*>(const_cast<T*>(yrow1) + col) = pack2<T>(out[2], out[3]);
-    }
+    if (yrow0 != nullptr) *reinterpret_cast<uint32_t*>(yrow0 + tile * 8) = pack2<T>(out[0], out[1]);
+    if (yrow1 != nullptr) *reinterpret_cast<uint32_t*>(yrow1 + tile * 8) = pack2<T>(out[2], out[3]);
   }
-  cluster_wait();  // the other CTAs have read this CTA's partial sums: its shared memory may go
 }
 
 struct Shape {
   int cluster = 1;
   int k_chunk = 0;
-  int cols_per_cta = 0;
+  int cols_per_cta = 0;  // the most of any CTA
   int smem = 0;
-  ClusterParams layout{};  // the shared-memory fields only
+  ClusterParams layout{};  // the shared-memory fields and the per-CTA column runs
 };
 
-Shape shape_for(const ShrinkArgs& s, int total_cols, int cluster) {
+// The expand's columns over the cluster: every slice gets at least one CTA, the rest go one at a
+// time to the slice with the most 8-column tiles per CTA; a slice's tiles are split evenly.
+void split_columns(const ExpandArgs& e, int cluster, Shape& sh) {
+  int ctas[kMaxSlices];
+  int64_t tiles[kMaxSlices];
+  for (int i = 0; i < e.num_slices; ++i) {
+    ctas[i] = 1;
+    tiles[i] = e.slice_width[i] / 8;
+  }
+  for (int left = cluster - e.num_slices; left > 0; --left) {
+    int best = 0;
+    for (int i = 1; i < e.num_slices; ++i) {
+      if (ceil_div(tiles[i], ctas[i]) > ceil_div(tiles[best], ctas[best])) best = i;
+    }
+    ++ctas[best];
+  }
+  ClusterParams& l = sh.layout;
+  int c = 0;
+  sh.cols_per_cta = 0;
+  for (int i = 0; i < e.num_slices; ++i) {
+    const int64_t per = ceil_div(tiles[i], ctas[i]);
+    for (int k = 0; k < ctas[i]; ++k, ++c) {
+      const int64_t first = std::min<int64_t>(tiles[i], k * per);
+      const int64_t count = std::min<int64_t>(tiles[i] - first, per);
+      l.cta_slice[c] = i;
+      l.cta_col0[c] = static_cast<int>(first * 8);
+      l.cta_cols[c] = static_cast<int>(count * 8);
+      sh.cols_per_cta = std::max(sh.cols_per_cta, l.cta_cols[c]);
+    }
+  }
+}
+
+Shape shape_for(const ShrinkArgs& s, const ExpandArgs& e, int cluster) {
   Shape sh;
   sh.cluster = cluster;
   sh.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, cluster), 16) * 16);
-  sh.cols_per_cta = static_cast<int>(ceil_div(ceil_div(total_cols, 8), cluster) * 8);
+  split_columns(e, cluster, sh);
   ClusterParams& l = sh.layout;
   l.r16 = static_cast<int>(ceil_div(s.max_rank, 16) * 16);
   const int rows = s.num_slices * l.r16;
@@ -443,6 +512,9 @@ Shape shape_for(const ShrinkArgs& s, int total_cols, int cluster) {
   off += sh.cols_per_cta * l.b_pitch * 2;
   l.off_inter = off;
   off += kUnitTokens * l.inter_pitch * 2;
+  l.off_recv = off;
+  // Each CTA owns at most ceil(elements / C) + 2 partial sums, received from every CTA.
+  off += static_cast<int>(ceil_div(int64_t{kUnitTokens} * rows, cluster) + 2) * cluster * 4;
   sh.smem = off;
   return sh;
 }
@@ -464,25 +536,19 @@ int max_smem_optin() {
   return v;
 }
 
-int total_columns(const ExpandArgs& e) {
-  int64_t w = 0;
-  for (int i = 0; i < e.num_slices; ++i) w += e.slice_width[i];
-  return static_cast<int>(w);
-}
-
 // The cluster size: the tuning's, or (0) the power of two that gives each CTA about
-// kTargetKChunk of K, grown while the shared memory does not fit.
+// kTargetKChunk of K; at least one CTA per slice, grown while the shared memory does not fit.
 Shape choose_shape(const ShrinkArgs& s, const ExpandArgs& e) {
-  const int cols = total_columns(e);
   int c = kernel_tuning().cluster_size;
   if (c == 0) {
     c = 1;
     while (c < kMaxCluster && int64_t{c} * 2 * kTargetKChunk <= s.hidden) c *= 2;
   }
-  Shape sh = shape_for(s, cols, c);
+  while (c < e.num_slices) c *= 2;
+  Shape sh = shape_for(s, e, c);
   while ((sh.smem > max_smem_optin() || sh.cols_per_cta > kMaxCtaCols) &&
          sh.cluster < kMaxCluster) {
-    sh = shape_for(s, cols, sh.cluster * 2);
+    sh = shape_for(s, e, sh.cluster * 2);
   }
   return sh;
 }
@@ -569,15 +635,13 @@ Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVi
   p.hidden = static_cast<int>(s.hidden);
   p.k_chunk = sh.k_chunk;
   int64_t col = e.offset_start;
-  p.col_begin[0] = 0;
   for (int i = 0; i < s.num_slices; ++i) {
     p.a[i] = s.lora_a[i];
     p.b[i] = e.lora_b[i];
+    p.width[i] = e.slice_width[i];
     p.y_col[i] = col;
     col += e.slice_width[i];
-    p.col_begin[i + 1] = p.col_begin[i] + static_cast<int>(e.slice_width[i]);
   }
-  p.cols_per_cta = sh.cols_per_cta;
   p.y = e.y;
   p.y_stride = e.y_row_stride;
   // Units at most: sum over active slots of ceil(tokens / 16) <= tokens / 16 + active slots.

@@ -620,12 +620,11 @@ bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMe
 
 // The one-kernel cluster layer (cluster_lora.cu) with decode_cluster 2: wherever it applies.
 // With 1 (the default): only where it measured faster than the other paths on the H200
-// (BENCHMARKS.md, 2026-11-23): at least 64 tokens and at least 8 per slot that can be active
-// (one cluster of 16 CTAs per 16 tokens of a slot: fewer tokens per slot leave its CTAs
-// little to share), tokens x max_rank <= 4096, the slices' A rows (ranks rounded to 16) at
-// most 64, and one slice up to 64 tokens (q/k/v at 64 tokens measured 3% slower than the
-// per-token pair). It then replaces the persistent kernel (rank 64 x 64 tokens, one slice:
-// 28-30% faster) and the split path (65 to 256 tokens at rank 16: 19-40% faster).
+// (BENCHMARKS.md, 2026-11-23): 64 to 256 tokens with at least 8 per slot that can be active
+// (one cluster of 16 CTAs per 16 tokens of a slot: with fewer tokens per slot the clusters
+// repeat the per-CTA fixed cost for little work) and the slices' A rows (ranks rounded to 16)
+// at most 64. It then replaces the pair at 64 tokens (rank 16: 15-24% faster), the persistent
+// kernel at rank 64 x 64 tokens (45-48%) and the split path at 65-256 tokens (9-49%).
 bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
   const int mode = kernel_tuning().decode_cluster;
   const int64_t t = shrink.num_tokens;
@@ -633,8 +632,7 @@ bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraM
   if (mode == 1) {
     const int64_t rows = shrink.num_slices * ((shrink.max_rank + 15) / 16 * 16);
     const int64_t slots = std::min<int64_t>(t, shrink.max_loras);
-    if (t < 64 || t * shrink.max_rank > 4096 || rows > 64 || t < 8 * slots) return false;
-    if (shrink.num_slices > 1 && t <= 64) return false;
+    if (t < 64 || t > 256 || rows > 64 || t < 8 * slots) return false;
   }
   return cluster_linear_applies(shrink, expand, meta);
 }
