@@ -200,7 +200,8 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
-// the cluster layer with clusters of 1, 2 and 16.
+// the pair's shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster
+// layer with clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(303);
@@ -217,6 +218,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .decode_persistent = 0,
        .gather_group = 1,
        .gather_max_token_ranks = 1 << 30,
+       .gather_shrink = 2,
        .decode_cluster = 0},
       {.decode_k_chunks = 4,
        .decode_cols = 64,
@@ -227,6 +229,15 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .decode_persistent = 0,
        .gather_group = 4,
        .gather_max_token_ranks = 1 << 30,
+       .gather_shrink = 2,
+       .decode_cluster = 0},
+      {.gather_group = 2,
+       .gather_max_token_ranks = 1 << 30,
+       .gather_shrink = 1,
+       .decode_cluster = 0},
+      {.gather_group = 2,
+       .gather_max_token_ranks = 1 << 30,
+       .gather_shrink = 2,
        .decode_cluster = 0},
       {.decode_k_chunks = 8,
        .decode_cols = 8,
@@ -254,7 +265,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
             case_name(c) + " k_chunks " + std::to_string(t.decode_k_chunks) + " cols " +
                 std::to_string(t.decode_cols) + " k_split " + std::to_string(t.prefill_k_split) +
                 " group " + std::to_string(t.gather_group) + " cluster " +
-                std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size));
+                std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
+                " shrink " + std::to_string(t.gather_shrink));
       }
     }
   }

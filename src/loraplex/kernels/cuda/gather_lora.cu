@@ -10,10 +10,11 @@
 //
 //   gather_shrink: CTA (group of consecutive tokens of the sorted order, slice x 16-row rank
 //     group, 1024-wide K chunk). Tokens of one slot are adjacent in the sorted order, so a
-//     group usually shares one slot and loads its A rows once. 128 threads each load 8
-//     consecutive K of x and of the group's A rows (16-byte loads), FMA in fp32, then a
-//     butterfly reduction leaves lane l of every warp with row l / 2; the four warps are
-//     summed through shared memory and the K-chunk partial sums go to the metadata's scratch
+//     group usually shares one slot and loads its A rows once. The arithmetic is FMA (each
+//     thread 8 consecutive K of every row, a butterfly reduction) or, where tokens share
+//     slots, tensor cores (lane (g, t) loads 64 of its K of A rows g and g + 8 and of token
+//     g's x row straight into mma fragments: the K-order trick); the four warps are summed
+//     through shared memory and the K-chunk partial sums go to the metadata's scratch
 //     [k_chunk][slice][token][rank].
 //   gather_expand: CTA (token, 512 columns of one slice), launched with PDL so that it starts
 //     while the shrink runs: its slot, rank, y values and the first 16 ranks of its B columns
@@ -22,6 +23,8 @@
 //     each thread adds the dot products of its 4 columns to y.
 // A token with slot -1, and a slice whose rank is 0 for the token's slot, leave y untouched.
 // Ranks past a slot's rank are never loaded or are masked (their values may be anything).
+
+#include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
@@ -68,6 +71,15 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+/// A 16-byte read-only load that the front end neither repeats nor moves past the mma asm.
+__device__ __forceinline__ uint4 ldg16_now(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ uint4 ldg16(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
@@ -109,7 +121,120 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
 // sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
 // shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
+// The K-chunk partial sums of one slot's tokens (`mine`, a mask over the group) with FMA: each
+// thread takes 8 consecutive K of the group's 16 A rows and of the tokens' x rows, and a
+// butterfly leaves lane l with row l / 2 of each token; red[warp][token][row] gets the warp's
+// sums.
 template <typename T, int kGroup>
+__device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow, int rows,
+                                           unsigned mine, const int (&tok)[kGroup], int kc,
+                                           float (*red)[kGroup][kRowGroup]) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
+  float acc[kGroup][kRowGroup];
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+    for (int i = 0; i < kRowGroup; ++i) acc[j][i] = 0.0f;
+  }
+  if (k < p.hidden) {
+    uint4 av[kRowGroup];
+#pragma unroll
+    for (int i = 0; i < kRowGroup; ++i) {
+      av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      if ((mine >> j) & 1u) {
+        const uint4 xv = ldg16(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k);
+        float xf[8];
+        unpack8<T>(xv, xf);
+#pragma unroll
+        for (int i = 0; i < kRowGroup; ++i) acc[j][i] = dot8<T>(av[i], xf);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) {
+    if ((mine >> j) & 1u) {  // the same in every thread: the shuffles stay converged
+      const float sum = transpose_reduce16(acc[j], lane);
+      if ((lane & 1) == 0) red[warp][j][lane >> 1] = sum;
+    }
+  }
+}
+
+// The same partial sums on tensor cores: each warp takes 256 of K; lane (g, t) holds A rows g
+// and g + 8 and token g's x row. The K-order trick: lane t loads k = 32m + 8t .. 32m + 8t + 7
+// (m = 0..7) of the warp's 256, and 4 of them at a time are, for the mma, its k = 2t, 2t + 1,
+// 2t + 8, 2t + 9 of one of 16 steps; x and A use the same order, so the sum is unchanged,
+// every load is a plain 16-byte load into registers, and the 4 lanes of a row read 64
+// contiguous bytes per load. Fewer instructions and registers than shrink_fma, one extra
+// barrier.
+template <typename T, int kGroup>
+__device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow, int rows,
+                                           unsigned mine, const int (&tok)[kGroup], int kc,
+                                           float (*red)[kGroup][kRowGroup]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = lane >> 2;  // mma group: A rows g and g + 8, token g of the group
+  const int t = lane & 3;
+  const int64_t k = static_cast<int64_t>(kc) * kKChunk + warp * 256 + t * 8;
+  int my_tok = tok[0];
+#pragma unroll
+  for (int j = 1; j < kGroup; ++j) my_tok = g == j ? tok[j] : my_tok;
+  // The same in the whole warp (mma.sync needs every lane): this warp's K is in range.
+  const bool warp_in = k - t * 8 < p.hidden;
+  uint4 av[2][8];  // A rows g and g + 8 (zero past the rank)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const T* row = arow + (g + 8 * h) * p.hidden + k;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const bool in = warp_in && g + 8 * h < rows && k + 32 * m < p.hidden;
+      av[h][m] = in ? ldg16_now(row + 32 * m) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  uint4 xv[8];  // token g of the group when it has this slot, else zero
+  const bool has_x = warp_in && g < kGroup && ((mine >> g) & 1u) != 0;
+  const T* xrow = static_cast<const T*>(p.x) + (has_x ? my_tok : 0) * p.x_stride + k;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    xv[m] = has_x && k + 32 * m < p.hidden ? ldg16_now(xrow + 32 * m) : make_uint4(0, 0, 0, 0);
+  }
+  // A scheduling fence: every load above is issued before the first mma waits for one (left
+  // alone, ptxas sinks each load next to its mma to save registers: a round trip per step).
+  __syncthreads();
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  if (warp_in) {
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+      const uint4& x4 = xv[q >> 1];
+      const uint32_t xa[4] = {(q & 1) ? x4.z : x4.x, 0u, (q & 1) ? x4.w : x4.y, 0u};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4& a4 = av[h][q >> 1];
+        const uint32_t bf[2] = {(q & 1) ? a4.z : a4.x, (q & 1) ? a4.w : a4.y};
+        mma_16816<T>(acc[h], xa, bf);
+      }
+    }
+  }
+  // acc[h][0..1]: token g, rows 8h + 2t and 8h + 2t + 1 of the group's 16.
+  if (g < kGroup && ((mine >> g) & 1u) != 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      red[warp][g][8 * h + 2 * t] = acc[h][0];
+      red[warp][g][8 * h + 2 * t + 1] = acc[h][1];
+    }
+  }
+}
+
+// kGroup: consecutive tokens of the sorted order per CTA (1: token blockIdx.x itself, no
+// sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
+// shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
+// L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
+template <typename T, int kGroup, bool kMma>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
   // The expand may start now: everything it reads before its wait is ready.
   pdl_launch_dependents();
@@ -131,9 +256,6 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     slot_of[j] = valid_slot(slot, p.max_loras) ? slot : -1;
   }
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
   __shared__ float red[kWarps][kGroup][kRowGroup];
   unsigned done = 0;  // tokens of the group already processed (the same in every thread)
 #pragma unroll
@@ -147,37 +269,12 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     const int rank = p.ranks[s * p.max_loras + slot];
     if (r0 >= rank) continue;
     const int rows = min(kRowGroup, rank - r0);
-    float acc[kGroup][kRowGroup];
-#pragma unroll
-    for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-      for (int i = 0; i < kRowGroup; ++i) acc[j][i] = 0.0f;
-    }
-    if (k < p.hidden) {
-      const T* arow =
-          static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
-      uint4 av[kRowGroup];
-#pragma unroll
-      for (int i = 0; i < kRowGroup; ++i) {
-        av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        if ((mine >> j) & 1u) {
-          const uint4 xv = ldg16(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k);
-          float xf[8];
-          unpack8<T>(xv, xf);
-#pragma unroll
-          for (int i = 0; i < kRowGroup; ++i) acc[j][i] = dot8<T>(av[i], xf);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kGroup; ++j) {
-      if ((mine >> j) & 1u) {  // the same in every thread: the shuffles stay converged
-        const float sum = transpose_reduce16(acc[j], lane);
-        if ((lane & 1) == 0) red[warp][j][lane >> 1] = sum;
-      }
+    const T* arow =
+        static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
+    if constexpr (kMma) {
+      shrink_mma<T, kGroup>(p, arow, rows, mine, tok, kc, red);
+    } else {
+      shrink_fma<T, kGroup>(p, arow, rows, mine, tok, kc, red);
     }
     __syncthreads();
     if (tid < kGroup * kRowGroup) {
@@ -287,21 +384,38 @@ int group_for(const KernelTuning& t, int max_rank) {
   return max_rank <= 16 ? 2 : 1;
 }
 
-template <typename T, int kGroup>
+// The shrink's arithmetic: the tuning's gather_shrink (1 FMA, 2 tensor cores), or (0) tensor
+// cores when groups of tokens share a slot (group >= 2 and at least 2 tokens per slot that can
+// be active). Measured on the H200 (BENCHMARKS.md, 2026-11-23): tensor cores 5-15% faster
+// there (q/k/v, 32 adapters, 64 tokens: 13.97 -> 12.56 us), 8-10% slower with one token per
+// slot and at rank 64 (one token per CTA), where the extra barrier is not paid back.
+bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
+  if (t.gather_shrink > 0) return t.gather_shrink == 2;
+  return group >= 2 && tokens >= 2 * std::min<int64_t>(tokens, max_loras);
+}
+
+template <typename T, int kGroup, bool kMma>
 Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg) {
   shrink_grid.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
-  gather_shrink_kernel<T, kGroup><<<shrink_grid, kThreads, 0, cfg.stream>>>(p);
+  gather_shrink_kernel<T, kGroup, kMma><<<shrink_grid, kThreads, 0, cfg.stream>>>(p);
   LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T>, p), "gather_expand"));
   return launch_status("gather_expand_kernel");
 }
 
-template <typename T>
+template <typename T, bool kMma>
 Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group) {
-  if (group == 1) return launch_pair<T, 1>(p, grid, cfg);
-  if (group == 4) return launch_pair<T, 4>(p, grid, cfg);
-  return launch_pair<T, 2>(p, grid, cfg);
+  if (group == 1) return launch_pair<T, 1, kMma>(p, grid, cfg);
+  if (group == 4) return launch_pair<T, 4, kMma>(p, grid, cfg);
+  return launch_pair<T, 2, kMma>(p, grid, cfg);
+}
+
+template <typename T>
+Status launch_shrink_kind(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
+                          int group, bool mma) {
+  return mma ? launch_group<T, true>(p, grid, cfg, group)
+             : launch_group<T, false>(p, grid, cfg, group);
 }
 
 }  // namespace
@@ -372,8 +486,9 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   const int group = group_for(tuning, s.max_rank);
-  if (s.dtype == DType::kBF16) return launch_group<bf16>(p, shrink_grid, cfg, group);
-  return launch_group<f16>(p, shrink_grid, cfg, group);
+  const bool mma = mma_for(tuning, group, s.num_tokens, s.max_loras);
+  if (s.dtype == DType::kBF16) return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma);
+  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma);
 }
 
 }  // namespace loraplex::kernels::cuda

@@ -36,6 +36,9 @@ struct KernelTuning {
   /// each token's A rows once per token (no grouping by slot); on the H200 it measured slower
   /// than the persistent kernel at rank 64 x 64 tokens (4096) and faster below.
   int gather_max_token_ranks = 2048;
+  /// Per-token pair: the shrink's arithmetic. 1: FMA; 2: tensor cores; 0: tensor cores where
+  /// groups of tokens share a slot (gather_lora.cu, mma_for).
+  int gather_shrink = 0;
   /// Layers up to 256 tokens: the one-kernel cluster path (cluster_lora.cu). 0: never; 1: where
   /// it measured faster than the other paths (decode_lora.cu, use_cluster); 2: wherever it
   /// applies (for tests and comparisons).
