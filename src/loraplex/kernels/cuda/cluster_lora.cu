@@ -26,9 +26,10 @@
 // A token with slot -1 is in no unit; a slice whose rank is 0 for the slot leaves y untouched;
 // A rows and B columns past a slot's rank are never read.
 
+#include <algorithm>
 #include <map>
 #include <mutex>
-#include <tuple>
+#include <utility>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
@@ -76,7 +77,6 @@ struct ClusterParams {
   void* y;
   int64_t y_stride;
   // Shared memory: pitches in elements, offsets in bytes (x at 0).
-  int r16;  // max_rank rounded up to 16
   int x_pitch;
   int b_pitch;
   int inter_pitch;
@@ -498,10 +498,10 @@ Shape shape_for(const ShrinkArgs& s, const ExpandArgs& e, int cluster) {
   sh.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, cluster), 16) * 16);
   split_columns(e, cluster, sh);
   ClusterParams& l = sh.layout;
-  l.r16 = static_cast<int>(ceil_div(s.max_rank, 16) * 16);
-  const int rows = s.num_slices * l.r16;
+  const int r16 = static_cast<int>(ceil_div(s.max_rank, 16) * 16);
+  const int rows = s.num_slices * r16;
   l.x_pitch = sh.k_chunk + kPad;
-  l.b_pitch = l.r16 + kPad;
+  l.b_pitch = r16 + kPad;
   l.inter_pitch = rows + kPad;
   int off = kUnitTokens * l.x_pitch * 2;
   l.off_a = off;
@@ -517,23 +517,6 @@ Shape shape_for(const ShrinkArgs& s, const ExpandArgs& e, int cluster) {
   off += static_cast<int>(ceil_div(int64_t{kUnitTokens} * rows, cluster) + 2) * cluster * 4;
   sh.smem = off;
   return sh;
-}
-
-int max_smem_optin() {
-  static std::mutex mutex;
-  static std::map<int, int> cache;
-  int device = 0;
-  cudaGetDevice(&device);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();
-    v = 48 * 1024;
-  }
-  cache[device] = v;
-  return v;
 }
 
 // The cluster size: the tuning's, or (0) the power of two that gives each CTA about

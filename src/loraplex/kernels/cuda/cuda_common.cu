@@ -23,6 +23,24 @@ int sm_count() {
   return n;
 }
 
+int max_smem_optin() {
+  static std::mutex mutex;
+  static std::map<int, int> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 48 * 1024;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      v < 48 * 1024) {
+    cudaGetLastError();
+    v = 48 * 1024;
+  }
+  cache[device] = v;
+  return v;
+}
+
 Status allow_dynamic_smem(const void* kernel, int bytes) {
   // Raising the limit is a function attribute, not stream work: done once (outside any
   // capture in practice, since the first call of every op is a warm-up) and cached.

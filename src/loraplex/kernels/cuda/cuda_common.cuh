@@ -59,6 +59,8 @@ bool dispatch_device_dtype(DType dtype, Fn&& fn) {
 
 /// Multiprocessor count of the current device (cached per device).
 int sm_count();
+/// The most shared memory one block of the current device may opt in to (cached per device).
+int max_smem_optin();
 /// Sets the largest dynamic shared memory `kernel` may use, once per kernel and device.
 Status allow_dynamic_smem(const void* kernel, int bytes);
 
