@@ -313,14 +313,15 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
 }
 
 /// Two floats rounded to T (16-bit), packed low-first for one 32-bit store.
+/// One conversion instruction for the pair (round to nearest even, as two scalar roundings).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (std::is_same_v<T, bf16>) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
   } else {
-    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
-           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
   }
 }
 

@@ -37,6 +37,45 @@ constexpr int kMaxTiles = kMaxRows / 8;
 constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
 constexpr int kSmemPerSm = 227 * 1024;
 
+// One stage of this warp's MMAs: kPairs pairs of its column tiles (an x4 load each), as
+// straight-line code. The second tile of the last pair may lie past the item's tiles (its rows:
+// at most 16 past the stage, still inside the CTA's shared memory); its sums are never stored.
+// Branching per tile instead (x4 or x2 load, MMA or not) cost ~5 instructions per MMA: a
+// warp-synchronising barrier and a branch around every .aligned instruction, and B fragments
+// moved into common registers.
+template <typename T, int kTilesPerWarp, int kPairs>
+__device__ __forceinline__ void stage_pairs(float (&acc)[kTilesPerWarp][4], uint32_t a_at,
+                                            uint32_t b_at) {
+  constexpr uint32_t kPairBytes = 16 * kPitch * 2;  // two column tiles further on
+#pragma unroll
+  for (int kk = 0; kk < kBK; kk += 16) {
+    uint32_t af[4];
+    ldmatrix_x4_at(af, a_at + kk * 2);
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q) {
+      uint32_t bf[4];
+      ldmatrix_x4_at(bf, b_at + q * 2 * kPairBytes + kk * 2);
+      const uint32_t b0[2] = {bf[0], bf[1]};
+      const uint32_t b1[2] = {bf[2], bf[3]};
+      mma_16816<T>(acc[2 * q], af, b0);
+      mma_16816<T>(acc[2 * q + 1], af, b1);
+    }
+  }
+}
+
+// Picks the pair count once per stage.
+template <typename T, int kTilesPerWarp, int kPairs = kTilesPerWarp / 2>
+__device__ __forceinline__ void stage_mma(int pairs, float (&acc)[kTilesPerWarp][4], uint32_t a_at,
+                                          uint32_t b_at) {
+  if constexpr (kPairs > 0) {
+    if (pairs == kPairs) {
+      stage_pairs<T, kTilesPerWarp, kPairs>(acc, a_at, b_at);
+    } else {
+      stage_mma<T, kTilesPerWarp, kPairs - 1>(pairs, acc, a_at, b_at);
+    }
+  }
+}
+
 struct PrefillParams {
   const void* x;
   int64_t x_stride;
@@ -158,15 +197,17 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const int cset = warp >> 2;  // column tiles cset, cset + 2, ...
   const uint32_t a_off =
       static_cast<uint32_t>(((mg * 16 + (lane & 15)) * kPitch + (lane >> 4) * 8) * 2);
-  // Column tiles j0 = cset + 2i (lanes 0-15) and j0 + 2 (lanes 16-31) for ldmatrix_x4; the
-  // x2 form reads only the lanes 0-15 addresses.
+  // Column tiles j0 = cset + 4q (lanes 0-15) and j0 + 2 (lanes 16-31) of pair q for
+  // ldmatrix_x4.
   const uint32_t b_off =
       static_cast<uint32_t>(((kM + cset * 8 + (lane & 7)) * kPitch + ((lane >> 3) & 1) * 8) * 2 +
                             (lane < 16 ? 0 : 16 * kPitch * 2));
-  constexpr uint32_t kPairBytes = 16 * kPitch * 2;  // two column tiles further on
   float acc[kTilesPerWarp][4];
 #pragma unroll
   for (int i = 0; i < kTilesPerWarp; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  // This warp's column tiles cset, cset + 2, ... below ntiles, in pairs.
+  const int warp_tiles = ntiles > cset ? (ntiles - cset + 1) / 2 : 0;
+  const int pairs = (warp_tiles + 1) / 2;
 
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
@@ -183,29 +224,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     const uint32_t buf = stage0 + rd * stage_bytes;
     rd = rd + 1 == kStages ? 0 : rd + 1;
     wr = wr + 1 == kStages ? 0 : wr + 1;
-#pragma unroll
-    for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t af[4];
-      ldmatrix_x4_at(af, buf + a_off + kk * 2);
-#pragma unroll
-      for (int i = 0; i < kTilesPerWarp; i += 2) {
-        const int j0 = cset + 2 * i;
-        if (j0 >= ntiles) break;
-        const uint32_t b_at = buf + b_off + (i / 2) * 2 * kPairBytes + kk * 2;
-        if (j0 + 2 < ntiles) {
-          uint32_t bf[4];
-          ldmatrix_x4_at(bf, b_at);
-          const uint32_t b0[2] = {bf[0], bf[1]};
-          const uint32_t b1[2] = {bf[2], bf[3]};
-          mma_16816<T>(acc[i], af, b0);
-          mma_16816<T>(acc[i + 1], af, b1);
-        } else {
-          uint32_t b0[2];
-          ldmatrix_x2_at(b0, b_at);
-          mma_16816<T>(acc[i], af, b0);
-        }
-      }
-    }
+    stage_mma<T, kTilesPerWarp>(pairs, acc, buf + a_off, buf + b_off);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: the region holds the partial tile
@@ -328,18 +347,21 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.off_rows = plan.off_rows;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
   // until the grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least
-  // 512 K elements per CTA.
+  // 512 K elements per CTA. The large variant (more than 64 A rows: its MMAs, not its loads,
+  // set its time) splits only while the full tiles fill one CTA per SM: at 4096 tokens and
+  // rank 64 a split of 2 measured 18-26% faster than 4 (BENCHMARKS.md, 2026-11-24).
   const KernelTuning tuning = kernel_tuning();
   const int64_t tiles = ceil_div(s.num_tokens, kM) + std::min<int64_t>(s.num_tokens, s.max_loras);
+  const bool small = plan.a_rows <= kSmallRows;
   int k_split = 1;
   while (k_split < tuning.prefill_k_split &&
          tiles * k_split < tuning.prefill_ctas_per_sm * sm_count() &&
+         (small || ceil_div(s.num_tokens, kM) * k_split * 2 <= sm_count()) &&
          s.hidden >= int64_t{k_split} * 2 * 512) {
     k_split *= 2;
   }
   p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
   const int clusters = static_cast<int>(tiles);
-  const bool small = plan.a_rows <= kSmallRows;
   if (s.dtype == DType::kBF16) {
     return small ? launch<bf16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
                  : launch<bf16, kMaxRows / 16>(p, plan, k_split, clusters, stream);

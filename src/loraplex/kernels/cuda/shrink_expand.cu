@@ -200,6 +200,28 @@ struct TcExpandParams {
   bool cache_sorted;
 };
 
+// One rank chunk of a warp's 16 x 128 block. kFull (all 128 columns): straight-line code;
+// testing the column count per MMA put a warp-synchronising barrier and a compare before every
+// .aligned instruction (the same cost the prefill shrink's pair loop had).
+template <typename T, bool kFull>
+__device__ __forceinline__ void expand_mma(float (&acc)[16][4], const T* a_rows, const T* bs,
+                                           int rank_left, int ncols, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kTcBK; kk += 16) {
+    if (kk >= rank_left) break;
+    uint32_t af[4];
+    load_a_frag(af, a_rows + kk, kTcPitch, lane);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (kFull || j * 8 < ncols) {
+        uint32_t bfr[2];
+        load_b_frag(bfr, bs + j * 8 * kTcPitch + kk, kTcPitch, lane);
+        mma_16816<T>(acc[j], af, bfr);
+      }
+    }
+  }
+}
+
 constexpr int kCacheRanks = 4096;
 constexpr int kCacheSorted = 2048;
 
@@ -332,19 +354,11 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
       cp_async_wait<0>();
       __syncthreads();
       if (warp_has_rows) {
-#pragma unroll
-        for (int kk = 0; kk < kTcBK; kk += 16) {
-          if (kb + kk >= rank) break;
-          uint32_t af[4];
-          load_a_frag(af, ins + warp * 16 * kTcPitch + kk, kTcPitch, lane);
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            if (j * 8 < ncols) {
-              uint32_t bfr[2];
-              load_b_frag(bfr, bs + j * 8 * kTcPitch + kk, kTcPitch, lane);
-              mma_16816<T>(acc[j], af, bfr);
-            }
-          }
+        const T* a_rows = ins + warp * 16 * kTcPitch;
+        if (ncols == kExpandBN) {
+          expand_mma<T, true>(acc, a_rows, bs, rank - kb, ncols, lane);
+        } else {
+          expand_mma<T, false>(acc, a_rows, bs, rank - kb, ncols, lane);
         }
       }
     }
