@@ -173,11 +173,10 @@ Status launch_expand_generic(const ExpandArgs& a, const int32_t* mapping, Stream
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels.
 
-constexpr int kTcThreads = 128;      // 4 warps, 16 token rows each
-constexpr int kTcBM = 64;            // tokens per tile
-constexpr int kTcBK = 64;            // K elements per stage
-constexpr int kTcPitch = kTcBK + 8;  // padded rows: fragment loads are bank-conflict free
-constexpr int kExpandBN = 128;       // output columns per expand item
+constexpr int kTcThreads = 128;  // 4 warps, 16 token rows each
+constexpr int kTcBM = 64;        // tokens per tile
+constexpr int kTcBK = 64;        // rank elements per staged chunk (ranks above 16)
+constexpr int kExpandBN = 128;   // output columns per expand item
 constexpr int kYPitch = kExpandBN + 8;
 
 struct TcExpandParams {
@@ -200,22 +199,23 @@ struct TcExpandParams {
   bool cache_sorted;
 };
 
-// One rank chunk of a warp's 16 x 128 block. kFull (all 128 columns): straight-line code;
-// testing the column count per MMA put a warp-synchronising barrier and a compare before every
-// .aligned instruction (the same cost the prefill shrink's pair loop had).
-template <typename T, bool kFull>
+// One rank chunk (kBK) of a warp's 16 x 128 block. kFull (all 128 columns): straight-line
+// code; testing the column count per MMA put a warp-synchronising barrier and a compare before
+// every .aligned instruction (the same cost the prefill shrink's pair loop had).
+template <typename T, int kBK, bool kFull>
 __device__ __forceinline__ void expand_mma(float (&acc)[16][4], const T* a_rows, const T* bs,
                                            int rank_left, int ncols, int lane) {
+  constexpr int kPitch = kBK + 8;
 #pragma unroll
-  for (int kk = 0; kk < kTcBK; kk += 16) {
+  for (int kk = 0; kk < kBK; kk += 16) {
     if (kk >= rank_left) break;
     uint32_t af[4];
-    load_a_frag(af, a_rows + kk, kTcPitch, lane);
+    load_a_frag(af, a_rows + kk, kPitch, lane);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       if (kFull || j * 8 < ncols) {
         uint32_t bfr[2];
-        load_b_frag(bfr, bs + j * 8 * kTcPitch + kk, kTcPitch, lane);
+        load_b_frag(bfr, bs + j * 8 * kPitch + kk, kPitch, lane);
         mma_16816<T>(acc[j], af, bfr);
       }
     }
@@ -225,11 +225,19 @@ __device__ __forceinline__ void expand_mma(float (&acc)[16][4], const T* a_rows,
 constexpr int kCacheRanks = 4096;
 constexpr int kCacheSorted = 2048;
 
-constexpr int kExpandSmemBytes =
-    (kTcBM * kYPitch + kTcBM * kTcPitch + kExpandBN * kTcPitch) * 2 + kTcBM * 4;
+// The y tile, the intermediate tile, the B tile and the token indices of one item.
+constexpr int expand_smem_bytes(int bk) {
+  return (kTcBM * kYPitch + kTcBM * (bk + 8) + kExpandBN * (bk + 8)) * 2 + kTcBM * 4;
+}
 
-template <typename T>
-__global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p) {
+// Four CTAs per SM, the default grid (expand_ctas_per_sm). kBK = 64 (any rank, in chunks):
+// 45 KB of shared memory and ~125 registers. kBK = 16 (max_rank <= 16): 27 KB, and a quarter of
+// the staging work. Five CTAs per SM of the kBK = 16 variant (registers capped at 102) measured
+// slower at 4096 tokens (BENCHMARKS.md, 2026-11-24).
+template <typename T, int kBK>
+__global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams p) {
+  constexpr int kTcPitch = kBK + 8;  // padded rows: fragment loads are bank-conflict free
+  constexpr int kChunks = kBK / 8;   // 16-byte chunks per staged row
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ys = reinterpret_cast<T*>(smem_raw);
   T* ins = ys + kTcBM * kYPitch;
@@ -281,7 +289,7 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     const int mrows = min(kTcBM, p.meta.num_tokens_per_lora[e] - m0);
     const int start = p.meta.lora_token_start_loc[e] + m0;
     const bool same_rows = tile == prev_tile;
-    const bool same_in = same_rows && s == prev_s && rank <= kTcBK;
+    const bool same_in = same_rows && s == prev_s && rank <= kBK;
     prev_tile = tile;
     prev_s = s;
     __syncthreads();  // the previous item is done with the tiles
@@ -308,11 +316,11 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     const T* bg = static_cast<const T*>(p.b[s]) + (slot * p.width[s] + n0) * p.max_rank;
     const bool warp_has_rows = warp * 16 < mrows;
-    for (int kb = 0; kb < rank; kb += kTcBK) {
+    for (int kb = 0; kb < rank; kb += kBK) {
       if (kb > 0) __syncthreads();  // the previous rank chunk's fragments are consumed
-      for (int i = tid; i < kExpandBN * 8; i += kTcThreads) {
-        const int n = i >> 3;
-        const int ch = i & 7;
+      for (int i = tid; i < kExpandBN * kChunks; i += kTcThreads) {
+        const int n = i / kChunks;
+        const int ch = i % kChunks;
         const int kvalid = rank - kb - ch * 8;
         const int bytes = (n < ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
         cp_async16(bs + n * kTcPitch + ch * 8, bytes ? bg + n * p.max_rank + kb + ch * 8 : bg,
@@ -322,9 +330,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         // The intermediate of these rows and this slice is still staged.
       } else if (!p.in_f32) {
         const T* ing = static_cast<const T*>(p.in);
-        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
-          const int row = i >> 3;
-          const int ch = i & 7;
+        for (int i = tid; i < kTcBM * kChunks; i += kTcThreads) {
+          const int row = i / kChunks;
+          const int ch = i % kChunks;
           const int kvalid = rank - kb - ch * 8;
           const int bytes = (row < mrows && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
           const T* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
@@ -332,9 +340,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
         }
       } else {
         const float* ing = static_cast<const float*>(p.in);
-        for (int i = tid; i < kTcBM * 8; i += kTcThreads) {
-          const int row = i >> 3;
-          const int ch = i & 7;
+        for (int i = tid; i < kTcBM * kChunks; i += kTcThreads) {
+          const int row = i / kChunks;
+          const int ch = i % kChunks;
           const int kvalid = row < mrows ? rank - kb - ch * 8 : 0;
           float v[8];
           const float* src = ing + (s * p.num_tokens + tok[row]) * p.max_rank + kb + ch * 8;
@@ -356,9 +364,9 @@ __global__ void __launch_bounds__(kTcThreads) expand_tc_kernel(TcExpandParams p)
       if (warp_has_rows) {
         const T* a_rows = ins + warp * 16 * kTcPitch;
         if (ncols == kExpandBN) {
-          expand_mma<T, true>(acc, a_rows, bs, rank - kb, ncols, lane);
+          expand_mma<T, kBK, true>(acc, a_rows, bs, rank - kb, ncols, lane);
         } else {
-          expand_mma<T, false>(acc, a_rows, bs, rank - kb, ncols, lane);
+          expand_mma<T, kBK, false>(acc, a_rows, bs, rank - kb, ncols, lane);
         }
       }
     }
@@ -436,22 +444,26 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   p.meta = meta;
   p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
   p.cache_sorted = a.num_tokens <= kCacheSorted;
-  const int smem = kExpandSmemBytes + (a.max_loras + 2) * 4 +
-                   (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
-                   (p.cache_sorted ? static_cast<int>(a.num_tokens) * 4 : 0);
+  const int tables = (a.max_loras + 2) * 4 + (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
+                     (p.cache_sorted ? static_cast<int>(a.num_tokens) * 4 : 0);
   const int64_t items =
       tile_upper_bound(a.num_tokens, a.max_loras, kTcBM) * p.ntile_begin[a.num_slices];
+  auto s = static_cast<cudaStream_t>(stream);
   const int grid = static_cast<int>(
       std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
-  auto s = static_cast<cudaStream_t>(stream);
+  auto run = [&](auto kernel, int bk) -> Status {
+    const int smem = expand_smem_bytes(bk) + tables;
+    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
+    kernel<<<grid, kTcThreads, smem, s>>>(p);
+    return Status();
+  };
+  const bool small = a.max_rank <= 16;
   if (a.dtype == DType::kBF16) {
-    LORAPLEX_RETURN_IF_ERROR(
-        allow_dynamic_smem(reinterpret_cast<const void*>(&expand_tc_kernel<bf16>), smem));
-    expand_tc_kernel<bf16><<<grid, kTcThreads, smem, s>>>(p);
+    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16>, 16)
+                                   : run(&expand_tc_kernel<bf16, kTcBK>, kTcBK));
   } else {
-    LORAPLEX_RETURN_IF_ERROR(
-        allow_dynamic_smem(reinterpret_cast<const void*>(&expand_tc_kernel<f16>), smem));
-    expand_tc_kernel<f16><<<grid, kTcThreads, smem, s>>>(p);
+    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<f16, 16>, 16)
+                                   : run(&expand_tc_kernel<f16, kTcBK>, kTcBK));
   }
   return launch_status("expand_tc_kernel");
 }
