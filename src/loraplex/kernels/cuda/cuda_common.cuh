@@ -251,8 +251,11 @@ __device__ __forceinline__ float warp_max(float v) {
 /// the active ones, get none): prefix[e] = first tile of entry e, prefix[n] = total, over all
 /// n = max_loras + 1 entries, so no load waits for the active count. Run by the whole block
 /// (warp 0 scans, then a barrier). Returns n.
+/// With `entries` (3 x n ints) non-null, each entry's slot, token count and first sorted
+/// position are kept there too (entries[e], entries[n + e], entries[2n + e]), loaded in the
+/// same round trip, so a work item finds its entry's data without another global load.
 __device__ __forceinline__ int build_tile_prefix(const LoraMetaView& meta, int tile_rows,
-                                                 int* prefix) {
+                                                 int* prefix, int* entries = nullptr) {
   const int n = meta.max_loras + 1;
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
@@ -260,8 +263,15 @@ __device__ __forceinline__ int build_tile_prefix(const LoraMetaView& meta, int t
     for (int base = 0; base < n; base += 32) {
       const int e = base + lane;
       int v = 0;
-      if (e < n && valid_slot(meta.active_lora_ids[e], meta.max_loras)) {
-        v = (meta.num_tokens_per_lora[e] + tile_rows - 1) / tile_rows;
+      if (e < n) {
+        const int slot = meta.active_lora_ids[e];
+        const int count = meta.num_tokens_per_lora[e];
+        if (entries != nullptr) {
+          entries[e] = slot;
+          entries[n + e] = count;
+          entries[2 * n + e] = meta.lora_token_start_loc[e];
+        }
+        if (valid_slot(slot, meta.max_loras)) v = (count + tile_rows - 1) / tile_rows;
       }
       v = warp_inclusive_sum(v, lane);
       if (e < n) prefix[e + 1] = running + v;

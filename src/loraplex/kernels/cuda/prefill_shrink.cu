@@ -90,11 +90,12 @@ struct PrefillParams {
   void* out;
   bool out_f32;
   int64_t num_tokens;
-  int k_chunk;      // K per CTA of a cluster, a multiple of kBK
-  int stage_elems;  // (kM + a_rows) * kPitch
-  int red_pitch;    // floats per row of the partial tile
-  int region;       // bytes of the stages (later the partial tile); the tables follow
-  int off_rows;     // bytes: the staged rows' source pointers
+  int k_chunk;       // K per CTA of a cluster, a multiple of kBK
+  int stage_elems;   // (kM + a_rows) * kPitch
+  int red_pitch;     // floats per row of the partial tile
+  bool cache_ranks;  // the rank table is copied to shared memory (num_slices x max_loras small)
+  int region;        // bytes of the stages (later the partial tile); the tables follow
+  int off_rows;      // bytes: the staged rows' source pointers
 };
 
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
@@ -112,23 +113,34 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const int S = p.num_slices;
 
   T* stage_base = reinterpret_cast<T*>(smem_raw);
-  int* prefix = reinterpret_cast<int*>(smem_raw + p.region);               // [max_loras + 2]
-  int* tok = prefix + p.max_loras + 2;                                     // [kM]
-  int* srank = tok + kM;                                                   // [kMaxSlices]
-  int* tile_slice = srank + kMaxSlices;                                    // [kMaxTiles]
-  int* tile_r0 = tile_slice + kMaxTiles;                                   // [kMaxTiles]
-  int* ntiles_s = tile_r0 + kMaxTiles;                                     // [1]
+  int* prefix = reinterpret_cast<int*>(smem_raw + p.region);  // [max_loras + 2]
+  int* tok = prefix + p.max_loras + 2;                        // [kM]
+  int* srank = tok + kM;                                      // [kMaxSlices]
+  int* tile_slice = srank + kMaxSlices;                       // [kMaxTiles]
+  int* tile_r0 = tile_slice + kMaxTiles;                      // [kMaxTiles]
+  int* ntiles_s = tile_r0 + kMaxTiles;                        // [1]
+  int* entries = ntiles_s + 1;                                // [3 (max_loras + 1)]
+  int* rank_tab = entries + 3 * (p.max_loras + 1);            // [S max_loras] when cache_ranks
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
 
-  const int ne = build_tile_prefix(p.meta, kM, prefix);
+  // The metadata entries and the rank table come in one round trip (the other warps load the
+  // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
+  // sorted token indices.
+  if (p.cache_ranks) {
+    for (int i = tid; i < S * p.max_loras; i += kThreads) rank_tab[i] = p.ranks[i];
+  }
+  const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
   if (item >= prefix[ne]) return;  // the same in every CTA of the cluster: no barrier waits
   const int e = find_tile_entry(prefix, ne, item);
-  const int slot = p.meta.active_lora_ids[e];
+  const int slot = entries[e];
   const int m0 = (item - prefix[e]) * kM;
-  const int mrows = min(kM, p.meta.num_tokens_per_lora[e] - m0);
-  const int start = p.meta.lora_token_start_loc[e] + m0;
+  const int mrows = min(kM, entries[ne + e] - m0);
+  const int start = entries[2 * ne + e] + m0;
   if (tid < kM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : -1;
-  if (tid < S) srank[tid] = p.ranks[tid * p.max_loras + slot];
+  if (tid < S) {
+    srank[tid] =
+        p.cache_ranks ? rank_tab[tid * p.max_loras + slot] : p.ranks[tid * p.max_loras + slot];
+  }
   __syncthreads();
   if (tid == 0) {
     // Column tiles: 8 A rows of one slice each, up to that slice's rank rounded up to 8.
@@ -265,6 +277,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   cluster.sync();  // no CTA reads another's partial tile any more
 }
 
+constexpr int kCacheRanks = 4096;
+bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kCacheRanks; }
+
 struct Plan {
   int stages = 0;
   int smem = 0;
@@ -278,7 +293,8 @@ Plan make_plan(const ShrinkArgs& s) {
   plan.a_rows = s.num_slices * s.max_rank;
   const int stage_elems = (kM + plan.a_rows) * kPitch;
   const int red_bytes = kM * (plan.a_rows + 4) * 4;
-  const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1;
+  const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1 + 3 * (s.max_loras + 1) +
+                   (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
   // The small-register variant keeps four stages in flight, the large one three (its stages
   // are up to four times larger); as the kernel's kStages.
   plan.stages = plan.a_rows <= kSmallRows ? 4 : 3;
@@ -343,6 +359,7 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.num_tokens = s.num_tokens;
   p.stage_elems = (kM + plan.a_rows) * kPitch;
   p.red_pitch = plan.a_rows + 4;
+  p.cache_ranks = cache_ranks(s);
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K

@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams
   T* bs = ins + kTcBM * kTcPitch;
   int* tok = reinterpret_cast<int*>(bs + kExpandBN * kTcPitch);
   int* prefix = tok + kTcBM;
-  int* rank_cache = prefix + p.max_loras + 2;  // when cache_ranks
+  int* entries = prefix + p.max_loras + 2;            // [3 (max_loras + 1)]: slot, count, start
+  int* rank_cache = entries + 3 * (p.max_loras + 1);  // when cache_ranks
   int* sorted_cache = rank_cache + (p.cache_ranks ? p.num_slices * p.max_loras : 0);
   // The layer's ranks and (small batches) the sorted token indices come with the metadata
   // in the first round trip, so a work item needs no other load before its data.
@@ -258,7 +259,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams
       sorted_cache[i] = p.meta.sorted_token_indices[i];
     }
   }
-  const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix);
+  const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix, entries);
   const int total_nt = p.ntile_begin[p.num_slices];
   const int64_t items = static_cast<int64_t>(prefix[n_entries]) * total_nt;
   const int tid = static_cast<int>(threadIdx.x);
@@ -279,15 +280,15 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams
     int s = 0;
     while (u >= p.ntile_begin[s + 1]) ++s;
     const int e = find_tile_entry(prefix, n_entries, tile);
-    const int slot = p.meta.active_lora_ids[e];
+    const int slot = entries[e];
     const int rank =
         p.cache_ranks ? rank_cache[s * p.max_loras + slot] : p.ranks[s * p.max_loras + slot];
     if (rank == 0 && p.add_inputs) continue;
     const int64_t n0 = static_cast<int64_t>(u - p.ntile_begin[s]) * kExpandBN;
     const int ncols = static_cast<int>(min(static_cast<int64_t>(kExpandBN), p.width[s] - n0));
     const int m0 = (tile - prefix[e]) * kTcBM;
-    const int mrows = min(kTcBM, p.meta.num_tokens_per_lora[e] - m0);
-    const int start = p.meta.lora_token_start_loc[e] + m0;
+    const int mrows = min(kTcBM, entries[n_entries + e] - m0);
+    const int start = entries[2 * n_entries + e] + m0;
     const bool same_rows = tile == prev_tile;
     const bool same_in = same_rows && s == prev_s && rank <= kBK;
     prev_tile = tile;
@@ -444,7 +445,8 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   p.meta = meta;
   p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
   p.cache_sorted = a.num_tokens <= kCacheSorted;
-  const int tables = (a.max_loras + 2) * 4 + (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
+  const int tables = (a.max_loras + 2) * 4 + 3 * (a.max_loras + 1) * 4 +
+                     (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
                      (p.cache_sorted ? static_cast<int>(a.num_tokens) * 4 : 0);
   const int64_t items =
       tile_upper_bound(a.num_tokens, a.max_loras, kTcBM) * p.ntile_begin[a.num_slices];
