@@ -58,6 +58,7 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.prefill_k_split = 16; }, "prefill_k_split = 16"},
       {[](KernelTuning& t) { t.prefill_ctas_per_sm = 0; }, "prefill_ctas_per_sm = 0"},
       {[](KernelTuning& t) { t.expand_ctas_per_sm = 0; }, "expand_ctas_per_sm = 0"},
+      {[](KernelTuning& t) { t.expand_pipelined = 3; }, "expand_pipelined = 3"},
       {[](KernelTuning& t) { t.decode_ctas_per_sm = 5; }, "decode_ctas_per_sm = 5"},
       {[](KernelTuning& t) { t.decode_persistent = 2; }, "decode_persistent = 2"},
       {[](KernelTuning& t) { t.gather_group = 3; }, "gather_group = 3"},

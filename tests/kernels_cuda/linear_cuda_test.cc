@@ -200,6 +200,7 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
+// the expand up to rank 16 one item at a time and pipelined,
 // the pair's shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster
 // layer with clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
@@ -214,6 +215,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 1,
        .prefill_ctas_per_sm = 1,
        .expand_ctas_per_sm = 1,
+       .expand_pipelined = 1,
        .decode_ctas_per_sm = 1,
        .decode_persistent = 0,
        .gather_group = 1,
@@ -225,6 +227,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 8,
        .prefill_ctas_per_sm = 8,
        .expand_ctas_per_sm = 16,
+       .expand_pipelined = 2,
        .decode_ctas_per_sm = 2,
        .decode_persistent = 0,
        .gather_group = 4,
@@ -266,7 +269,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 std::to_string(t.decode_cols) + " k_split " + std::to_string(t.prefill_k_split) +
                 " group " + std::to_string(t.gather_group) + " cluster " +
                 std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
-                " shrink " + std::to_string(t.gather_shrink));
+                " shrink " + std::to_string(t.gather_shrink) + " pipelined " +
+                std::to_string(t.expand_pipelined));
       }
     }
   }

@@ -25,6 +25,7 @@ constexpr Field kFields[] = {
     {"prefill_k_split", &KernelTuning::prefill_k_split, 1, 8, true, false},
     {"prefill_ctas_per_sm", &KernelTuning::prefill_ctas_per_sm, 1, 8, false, false},
     {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, false},
+    {"expand_pipelined", &KernelTuning::expand_pipelined, 1, 2, false, true},
     {"decode_ctas_per_sm", &KernelTuning::decode_ctas_per_sm, 1, 4, false, true},
     {"decode_persistent", &KernelTuning::decode_persistent, 0, 1, false, false},
     {"gather_group", &KernelTuning::gather_group, 1, 4, true, true},

@@ -497,6 +497,7 @@ Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandl
   LORAPLEX_RETURN_IF_ERROR(check_expand_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_expand"));
   if (args.num_tokens == 0) return Status();
+  if (expand_pipelined_applies(args)) return expand_pipelined(args, meta, stream);
   if (tc_expand_ok(args)) return launch_expand_tc(args, meta, stream);
   return launch_expand_generic(args, meta.token_lora_mapping, stream);
 }

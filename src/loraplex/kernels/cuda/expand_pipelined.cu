@@ -1,0 +1,365 @@
+// Expand on tensor cores for max_rank <= 16, software-pipelined over a CTA's work items.
+//
+// The work items are the tensor-core expand's (shrink_expand.cu): one 64-token tile of one
+// active slot (rows gathered through the sorted token indices) x one 128-column tile of one
+// slice, a contiguous run of items per CTA. That kernel handles one item at a time: load y, B
+// and the intermediate, wait, multiply, add, store; every item pays a full memory round trip
+// plus its arithmetic, and the expand ran ~6 us above what its memory pattern alone reaches.
+// Here two y tiles alternate: the next item's y rows are in flight while this item waits for
+// its operands, multiplies, adds and stores, and the next item's B rows and intermediate rows
+// are issued as soon as this item's MMAs are done. Rank 16 keeps the B and intermediate tiles
+// small enough (shared memory ~47 KB) for four CTAs per SM with the second y tile. An fp32
+// intermediate is staged as fp32 and rounded to the weight dtype when the fragments are built,
+// as vLLM rounds it before its expand.
+
+#include <algorithm>
+
+#include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_tuning.h"
+#include "loraplex/kernels/cuda/lora_paths.h"
+
+namespace loraplex::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps, 16 token rows each
+constexpr int kBM = 64;        // tokens per tile
+constexpr int kBN = 128;       // output columns per item
+constexpr int kYPitch = kBN + 8;
+constexpr int kRank = 16;                    // max_rank this kernel takes
+constexpr int kBPitch = kRank + 8;           // 16-bit rows: fragment loads conflict-free
+constexpr int kFPitch = kRank + 8;           // fp32 intermediate rows
+constexpr int kYBytes = kBM * kYPitch * 2;   // one y tile
+constexpr int kBBytes = kBN * kBPitch * 2;   // the B tile
+constexpr int kInBytes = kBM * kFPitch * 4;  // the intermediate tile (fp32 or 16-bit)
+constexpr int kTokSets = 3;                  // token-index sets in rotation (see the loop)
+constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kInBytes + kTokSets * kBM * 4;
+constexpr int kCacheRanks = 4096;
+
+struct PipeParams {
+  const void* in;
+  bool in_f32;
+  int num_slices;
+  const void* b[kMaxSlices];
+  int64_t width[kMaxSlices];
+  int64_t y_col[kMaxSlices];        // first y column of each slice
+  int ntile_begin[kMaxSlices + 1];  // prefix of 128-column tiles per slice
+  int max_loras;
+  int max_rank;
+  const int32_t* ranks;
+  void* y;
+  int64_t y_stride;
+  bool add_inputs;
+  int64_t num_tokens;
+  LoraMetaView meta;
+  bool cache_ranks;
+};
+
+struct Item {
+  int64_t index;  // == the run's end: no item
+  int s;
+  int slot;
+  int rank;
+  int n0;
+  int ncols;
+  int mrows;
+  int start;
+};
+
+// The shared-memory tables every item decode reads.
+struct Tables {
+  const int* prefix;
+  const int* entries;  // slot, count, start per metadata entry
+  const int* ranks;    // the rank table (cache_ranks) or null
+  int n;               // metadata entries
+  int total_nt;        // column tiles over all slices
+};
+
+__device__ __forceinline__ Item decode(const PipeParams& p, const Tables& t, int64_t index) {
+  Item it;
+  it.index = index;
+  const int tile = static_cast<int>(index / t.total_nt);
+  const int u = static_cast<int>(index % t.total_nt);
+  int s = 0;
+  while (u >= p.ntile_begin[s + 1]) ++s;
+  const int e = find_tile_entry(t.prefix, t.n, tile);
+  it.s = s;
+  it.slot = t.entries[e];
+  const int r = s * p.max_loras + it.slot;
+  it.rank = t.ranks != nullptr ? t.ranks[r] : p.ranks[r];
+  it.n0 = (u - p.ntile_begin[s]) * kBN;
+  it.ncols = static_cast<int>(min(static_cast<int64_t>(kBN), p.width[s] - it.n0));
+  const int m0 = (tile - t.prefix[e]) * kBM;
+  it.mrows = min(kBM, t.entries[t.n + e] - m0);
+  it.start = t.entries[2 * t.n + e] + m0;
+  return it;
+}
+
+// The first item at or after `index` that changes y (rank 0 with add_inputs adds nothing).
+__device__ __forceinline__ Item next_item(const PipeParams& p, const Tables& t, int64_t index,
+                                          int64_t last) {
+  for (; index < last; ++index) {
+    const Item it = decode(p, t, index);
+    if (!(it.rank == 0 && p.add_inputs)) return it;
+  }
+  Item none{};
+  none.index = last;
+  return none;
+}
+
+template <typename T>
+__device__ __forceinline__ void issue_y(const PipeParams& p, const Item& it, T* ys, const int* tok,
+                                        int tid) {
+  if (!p.add_inputs) return;
+  const int ch = tid & 15;  // 16 threads per 256-byte row
+  if (ch * 8 >= it.ncols) return;
+  const T* yg = static_cast<const T*>(p.y) + p.y_col[it.s] + it.n0 + ch * 8;
+  for (int row = tid >> 4; row < it.mrows; row += kThreads / 16) {
+    cp_async16(ys + row * kYPitch + ch * 8, yg + static_cast<int64_t>(tok[row]) * p.y_stride, 16);
+  }
+}
+
+// B rows (2 chunks of 8 per column) and intermediate rows, zero-filled past the rank and past
+// the tile's rows and columns.
+template <typename T>
+__device__ __forceinline__ void issue_operands(const PipeParams& p, const Item& it, T* bs,
+                                               unsigned char* in_raw, const int* tok, int tid) {
+  const T* bg = static_cast<const T*>(p.b[it.s]) +
+                (static_cast<int64_t>(it.slot) * p.width[it.s] + it.n0) * p.max_rank;
+#pragma unroll
+  for (int k = 0; k < kBN * 2 / kThreads; ++k) {
+    const int i = tid + k * kThreads;
+    const int n = i >> 1;
+    const int ch = i & 1;
+    const int kvalid = it.rank - ch * 8;
+    const int bytes = (n < it.ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
+    cp_async16(bs + n * kBPitch + ch * 8, bytes ? bg + n * p.max_rank + ch * 8 : bg, bytes);
+  }
+  if (p.in_f32) {
+    const float* ing = static_cast<const float*>(p.in);
+    float* inf = reinterpret_cast<float*>(in_raw);
+#pragma unroll
+    for (int k = 0; k < kBM * 4 / kThreads; ++k) {
+      const int i = tid + k * kThreads;
+      const int row = i >> 2;
+      const int ch = i & 3;
+      const int kvalid = row < it.mrows ? it.rank - ch * 4 : 0;
+      const int bytes = kvalid >= 4 ? 16 : max(kvalid, 0) * 4;
+      const float* src = ing + (it.s * p.num_tokens + tok[row]) * p.max_rank + ch * 4;
+      cp_async16(inf + row * kFPitch + ch * 4, bytes ? src : ing, bytes);
+    }
+  } else {
+    const T* ing = static_cast<const T*>(p.in);
+    T* ins = reinterpret_cast<T*>(in_raw);
+    const int row = tid >> 1;
+    const int ch = tid & 1;
+    const int kvalid = row < it.mrows ? it.rank - ch * 8 : 0;
+    const int bytes = kvalid > 0 ? min(kvalid, 8) * 2 : 0;
+    const T* src = ing + (it.s * p.num_tokens + tok[row]) * p.max_rank + ch * 8;
+    cp_async16(ins + row * kBPitch + ch * 8, bytes ? src : ing, bytes);
+  }
+}
+
+// This warp's 16 rows x 128 columns of the product (one 16-deep K step: rank <= 16).
+template <typename T, bool kFull>
+__device__ __forceinline__ void multiply(const PipeParams& p, const Item& it, const T* bs,
+                                         const unsigned char* in_raw, float (&acc)[16][4], int warp,
+                                         int lane) {
+  uint32_t af[4];
+  if (p.in_f32) {
+    const float* f = reinterpret_cast<const float*>(in_raw) + (warp * 16 + (lane >> 2)) * kFPitch +
+                     (lane & 3) * 2;
+    const float2 v0 = *reinterpret_cast<const float2*>(f);
+    const float2 v1 = *reinterpret_cast<const float2*>(f + 8 * kFPitch);
+    const float2 v2 = *reinterpret_cast<const float2*>(f + 8);
+    const float2 v3 = *reinterpret_cast<const float2*>(f + 8 * kFPitch + 8);
+    af[0] = pack2<T>(v0.x, v0.y);
+    af[1] = pack2<T>(v1.x, v1.y);
+    af[2] = pack2<T>(v2.x, v2.y);
+    af[3] = pack2<T>(v3.x, v3.y);
+  } else {
+    load_a_frag(af, reinterpret_cast<const T*>(in_raw) + warp * 16 * kBPitch, kBPitch, lane);
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (kFull || j * 8 < it.ncols) {
+      uint32_t bfr[2];
+      load_b_frag(bfr, bs + j * 8 * kBPitch, kBPitch, lane);
+      mma_16816<T>(acc[j], af, bfr);
+    }
+  }
+}
+
+// The sums plus the old y, rounded, into this warp's rows of the staged y tile.
+template <typename T>
+__device__ __forceinline__ void add_into_tile(const PipeParams& p, const Item& it, T* ys,
+                                              const float (&acc)[16][4], int warp, int lane) {
+  const int g = lane >> 2;
+  const int tq = (lane & 3) * 2;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (j * 8 < it.ncols) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t* cell =
+            reinterpret_cast<uint32_t*>(ys + (warp * 16 + g + h * 8) * kYPitch + j * 8 + tq);
+        float v0 = acc[j][h * 2];
+        float v1 = acc[j][h * 2 + 1];
+        if (p.add_inputs) {
+          const float2 old = unpack2<T>(*cell);
+          v0 += old.x;
+          v1 += old.y;
+        }
+        *cell = pack2<T>(v0, v1);
+      }
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_tile(const PipeParams& p, const Item& it, const T* ys,
+                                           const int* tok, int tid) {
+  const int ch = tid & 15;
+  if (ch * 8 >= it.ncols) return;
+  T* yg = static_cast<T*>(p.y) + p.y_col[it.s] + it.n0 + ch * 8;
+  for (int row = tid >> 4; row < it.mrows; row += kThreads / 16) {
+    *reinterpret_cast<uint4*>(yg + static_cast<int64_t>(tok[row]) * p.y_stride) =
+        *reinterpret_cast<const uint4*>(ys + row * kYPitch + ch * 8);
+  }
+}
+
+__device__ __forceinline__ void load_tokens(const PipeParams& p, const Item& it, int* tok,
+                                            int tid) {
+  if (tid < kBM) tok[tid] = tid < it.mrows ? p.meta.sorted_token_indices[it.start + tid] : 0;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(PipeParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* ybuf = reinterpret_cast<T*>(smem_raw);  // [2][kBM][kYPitch]
+  T* bs = reinterpret_cast<T*>(smem_raw + 2 * kYBytes);
+  unsigned char* in_raw = smem_raw + 2 * kYBytes + kBBytes;
+  int* tokbuf = reinterpret_cast<int*>(in_raw + kInBytes);  // [kTokSets][kBM]
+  int* prefix = tokbuf + kTokSets * kBM;
+  int* entries = prefix + p.max_loras + 2;
+  int* rank_cache = entries + 3 * (p.max_loras + 1);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  if (p.cache_ranks) {
+    for (int i = tid; i < p.num_slices * p.max_loras; i += kThreads) rank_cache[i] = p.ranks[i];
+  }
+  Tables t;
+  t.n = build_tile_prefix(p.meta, kBM, prefix, entries);  // its barrier covers the ranks too
+  t.prefix = prefix;
+  t.entries = entries;
+  t.ranks = p.cache_ranks ? rank_cache : nullptr;
+  t.total_nt = p.ntile_begin[p.num_slices];
+  const int64_t items = static_cast<int64_t>(prefix[t.n]) * t.total_nt;
+  const int64_t per_cta = ceil_div(items, static_cast<int64_t>(gridDim.x));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * per_cta;
+  const int64_t last = min(items, first + per_cta);
+
+  Item cur = next_item(p, t, first, last);
+  if (cur.index >= last) return;  // the same in the whole CTA
+  load_tokens(p, cur, tokbuf, tid);
+  __syncthreads();
+  issue_y(p, cur, ybuf, tokbuf, tid);
+  issue_operands(p, cur, bs, in_raw, tokbuf, tid);
+  cp_async_commit();
+  // Item k of the run uses y tile k % 2 and token set k % 3: the set written for item k + 1 was
+  // last read by item k - 2's stores, which every thread finished before item k - 1's first
+  // barrier.
+  int yb = 0;
+  int ts = 0;
+  while (cur.index < last) {
+    const Item nxt = next_item(p, t, cur.index + 1, last);
+    const bool has_next = nxt.index < last;
+    const int ts_next = ts + 1 == kTokSets ? 0 : ts + 1;
+    T* ys = ybuf + yb * kBM * kYPitch;
+    T* ys_next = ybuf + (yb ^ 1) * kBM * kYPitch;
+    const int* tok = tokbuf + ts * kBM;
+    int* tok_next = tokbuf + ts_next * kBM;
+    if (has_next) load_tokens(p, nxt, tok_next, tid);
+    __syncthreads();  // the next item's token indices; the other y tile's stores are done
+    if (has_next) issue_y(p, nxt, ys_next, tok_next, tid);
+    cp_async_commit();
+    cp_async_wait<1>();  // this item's y, B and intermediate (the next y may still fly)
+    __syncthreads();
+    float acc[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    const bool warp_has_rows = warp * 16 < cur.mrows;
+    if (warp_has_rows && cur.rank > 0) {
+      if (cur.ncols == kBN) {
+        multiply<T, true>(p, cur, bs, in_raw, acc, warp, lane);
+      } else {
+        multiply<T, false>(p, cur, bs, in_raw, acc, warp, lane);
+      }
+    }
+    __syncthreads();  // every warp is done with B and the intermediate
+    if (has_next) issue_operands(p, nxt, bs, in_raw, tok_next, tid);
+    cp_async_commit();
+    if (warp_has_rows) add_into_tile(p, cur, ys, acc, warp, lane);
+    __syncthreads();  // the tile's sums are complete
+    store_tile(p, cur, ys, tok, tid);
+    cur = nxt;
+    yb ^= 1;
+    ts = ts_next;
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace
+
+bool expand_pipelined_applies(const ExpandArgs& a) {
+  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.max_rank > kRank) return false;
+  if (kernel_tuning().expand_pipelined == 1) return false;
+  if (a.y_row_stride % 8 != 0 || a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
+    return false;
+  for (int s = 0; s < a.num_slices; ++s) {
+    if (a.slice_width[s] % 8 != 0 || !aligned16(a.lora_b[s])) return false;
+  }
+  return true;
+}
+
+Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
+  LORAPLEX_ENSURE(expand_pipelined_applies(a), "expand_pipelined: arguments not supported");
+  PipeParams p{};
+  p.in = a.in;
+  p.in_f32 = a.in_dtype == DType::kF32;
+  p.num_slices = a.num_slices;
+  int64_t col = a.offset_start;
+  p.ntile_begin[0] = 0;
+  for (int s = 0; s < a.num_slices; ++s) {
+    p.b[s] = a.lora_b[s];
+    p.width[s] = a.slice_width[s];
+    p.y_col[s] = col;
+    col += a.slice_width[s];
+    p.ntile_begin[s + 1] = p.ntile_begin[s] + static_cast<int>(ceil_div(a.slice_width[s], kBN));
+  }
+  p.max_loras = a.max_loras;
+  p.max_rank = a.max_rank;
+  p.ranks = a.ranks;
+  p.y = a.y;
+  p.y_stride = a.y_row_stride;
+  p.add_inputs = a.add_inputs;
+  p.num_tokens = a.num_tokens;
+  p.meta = meta;
+  p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
+  const int smem = kFixedBytes + (a.max_loras + 2) * 4 + 3 * (a.max_loras + 1) * 4 +
+                   (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0);
+  // Work tiles can exceed ceil(T / 64) by one per active slot (each slot's last partial tile).
+  const int64_t tiles = ceil_div(a.num_tokens, kBM) + std::min<int64_t>(a.num_tokens, a.max_loras);
+  const int64_t items = tiles * p.ntile_begin[a.num_slices];
+  const int grid = static_cast<int>(
+      std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
+  auto s = static_cast<cudaStream_t>(stream);
+  auto run = [&](auto kernel) -> Status {
+    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
+    kernel<<<grid, kThreads, smem, s>>>(p);
+    return launch_status("expand_pipe_kernel");
+  };
+  return a.dtype == DType::kBF16 ? run(&expand_pipe_kernel<bf16>) : run(&expand_pipe_kernel<f16>);
+}
+
+}  // namespace loraplex::kernels::cuda
