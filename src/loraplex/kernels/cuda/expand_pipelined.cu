@@ -15,16 +15,17 @@
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/expand_items.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps, 16 token rows each
-constexpr int kBM = 64;        // tokens per tile
-constexpr int kBN = 128;       // output columns per item
-constexpr int kYPitch = kBN + 8;
+constexpr int kThreads = 128;         // 4 warps, 16 token rows each
+constexpr int kBM = kExpandTileRows;  // tokens per tile
+constexpr int kBN = kExpandTileCols;  // output columns per item
+constexpr int kYPitch = kExpandYPitch;
 constexpr int kRank = 16;                    // max_rank this kernel takes
 constexpr int kBPitch = kRank + 8;           // 16-bit rows: fragment loads conflict-free
 constexpr int kFPitch = kRank + 8;           // fp32 intermediate rows
@@ -33,82 +34,35 @@ constexpr int kBBytes = kBN * kBPitch * 2;   // the B tile
 constexpr int kInBytes = kBM * kFPitch * 4;  // the intermediate tile (fp32 or 16-bit)
 constexpr int kTokSets = 3;                  // token-index sets in rotation (see the loop)
 constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kInBytes + kTokSets * kBM * 4;
-constexpr int kCacheRanks = 4096;
 
-struct PipeParams {
-  const void* in;
-  bool in_f32;
-  int num_slices;
-  const void* b[kMaxSlices];
-  int64_t width[kMaxSlices];
-  int64_t y_col[kMaxSlices];        // first y column of each slice
-  int ntile_begin[kMaxSlices + 1];  // prefix of 128-column tiles per slice
-  int max_loras;
-  int max_rank;
-  const int32_t* ranks;
-  void* y;
-  int64_t y_stride;
-  bool add_inputs;
-  int64_t num_tokens;
-  LoraMetaView meta;
-  bool cache_ranks;
-};
-
-struct Item {
-  int64_t index;  // == the run's end: no item
-  int s;
-  int slot;
-  int rank;
-  int n0;
-  int ncols;
-  int mrows;
-  int start;
+// An item of the run with its index (== the run's end: none).
+struct Item : ExpandItem {
+  int64_t index;
 };
 
 // The shared-memory tables every item decode reads.
 struct Tables {
   const int* prefix;
-  const int* entries;  // slot, count, start per metadata entry
-  const int* ranks;    // the rank table (cache_ranks) or null
-  int n;               // metadata entries
-  int total_nt;        // column tiles over all slices
+  const int* entries;     // slot, count, start per metadata entry
+  const int* rank_cache;  // the rank table's shared copy (cache_ranks)
+  int n;                  // metadata entries
 };
 
-__device__ __forceinline__ Item decode(const PipeParams& p, const Tables& t, int64_t index) {
-  Item it;
+// The first item at or after `index` that changes y (rank 0 with add_inputs adds nothing).
+__device__ __forceinline__ Item next_item(const ExpandTileParams& p, const Tables& t, int64_t index,
+                                          int64_t last) {
+  Item it{};
+  for (; index < last; ++index) {
+    static_cast<ExpandItem&>(it) = expand_item(p, t.prefix, t.entries, t.n, t.rank_cache, index);
+    if (!(it.rank == 0 && p.add_inputs)) break;
+  }
   it.index = index;
-  const int tile = static_cast<int>(index / t.total_nt);
-  const int u = static_cast<int>(index % t.total_nt);
-  int s = 0;
-  while (u >= p.ntile_begin[s + 1]) ++s;
-  const int e = find_tile_entry(t.prefix, t.n, tile);
-  it.s = s;
-  it.slot = t.entries[e];
-  const int r = s * p.max_loras + it.slot;
-  it.rank = t.ranks != nullptr ? t.ranks[r] : p.ranks[r];
-  it.n0 = (u - p.ntile_begin[s]) * kBN;
-  it.ncols = static_cast<int>(min(static_cast<int64_t>(kBN), p.width[s] - it.n0));
-  const int m0 = (tile - t.prefix[e]) * kBM;
-  it.mrows = min(kBM, t.entries[t.n + e] - m0);
-  it.start = t.entries[2 * t.n + e] + m0;
   return it;
 }
 
-// The first item at or after `index` that changes y (rank 0 with add_inputs adds nothing).
-__device__ __forceinline__ Item next_item(const PipeParams& p, const Tables& t, int64_t index,
-                                          int64_t last) {
-  for (; index < last; ++index) {
-    const Item it = decode(p, t, index);
-    if (!(it.rank == 0 && p.add_inputs)) return it;
-  }
-  Item none{};
-  none.index = last;
-  return none;
-}
-
 template <typename T>
-__device__ __forceinline__ void issue_y(const PipeParams& p, const Item& it, T* ys, const int* tok,
-                                        int tid) {
+__device__ __forceinline__ void issue_y(const ExpandTileParams& p, const Item& it, T* ys,
+                                        const int* tok, int tid) {
   if (!p.add_inputs) return;
   const int ch = tid & 15;  // 16 threads per 256-byte row
   if (ch * 8 >= it.ncols) return;
@@ -121,7 +75,7 @@ __device__ __forceinline__ void issue_y(const PipeParams& p, const Item& it, T* 
 // B rows (2 chunks of 8 per column) and intermediate rows, zero-filled past the rank and past
 // the tile's rows and columns.
 template <typename T>
-__device__ __forceinline__ void issue_operands(const PipeParams& p, const Item& it, T* bs,
+__device__ __forceinline__ void issue_operands(const ExpandTileParams& p, const Item& it, T* bs,
                                                unsigned char* in_raw, const int* tok, int tid) {
   const T* bg = static_cast<const T*>(p.b[it.s]) +
                 (static_cast<int64_t>(it.slot) * p.width[it.s] + it.n0) * p.max_rank;
@@ -161,7 +115,7 @@ __device__ __forceinline__ void issue_operands(const PipeParams& p, const Item& 
 
 // This warp's 16 rows x 128 columns of the product (one 16-deep K step: rank <= 16).
 template <typename T, bool kFull>
-__device__ __forceinline__ void multiply(const PipeParams& p, const Item& it, const T* bs,
+__device__ __forceinline__ void multiply(const ExpandTileParams& p, const Item& it, const T* bs,
                                          const unsigned char* in_raw, float (&acc)[16][4], int warp,
                                          int lane) {
   uint32_t af[4];
@@ -189,34 +143,8 @@ __device__ __forceinline__ void multiply(const PipeParams& p, const Item& it, co
   }
 }
 
-// The sums plus the old y, rounded, into this warp's rows of the staged y tile.
 template <typename T>
-__device__ __forceinline__ void add_into_tile(const PipeParams& p, const Item& it, T* ys,
-                                              const float (&acc)[16][4], int warp, int lane) {
-  const int g = lane >> 2;
-  const int tq = (lane & 3) * 2;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (j * 8 < it.ncols) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t* cell =
-            reinterpret_cast<uint32_t*>(ys + (warp * 16 + g + h * 8) * kYPitch + j * 8 + tq);
-        float v0 = acc[j][h * 2];
-        float v1 = acc[j][h * 2 + 1];
-        if (p.add_inputs) {
-          const float2 old = unpack2<T>(*cell);
-          v0 += old.x;
-          v1 += old.y;
-        }
-        *cell = pack2<T>(v0, v1);
-      }
-    }
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_tile(const PipeParams& p, const Item& it, const T* ys,
+__device__ __forceinline__ void store_tile(const ExpandTileParams& p, const Item& it, const T* ys,
                                            const int* tok, int tid) {
   const int ch = tid & 15;
   if (ch * 8 >= it.ncols) return;
@@ -227,13 +155,13 @@ __device__ __forceinline__ void store_tile(const PipeParams& p, const Item& it, 
   }
 }
 
-__device__ __forceinline__ void load_tokens(const PipeParams& p, const Item& it, int* tok,
+__device__ __forceinline__ void load_tokens(const ExpandTileParams& p, const Item& it, int* tok,
                                             int tid) {
   if (tid < kBM) tok[tid] = tid < it.mrows ? p.meta.sorted_token_indices[it.start + tid] : 0;
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(PipeParams p) {
+__global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTileParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ybuf = reinterpret_cast<T*>(smem_raw);  // [2][kBM][kYPitch]
   T* bs = reinterpret_cast<T*>(smem_raw + 2 * kYBytes);
@@ -252,9 +180,8 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(PipeParams p) 
   t.n = build_tile_prefix(p.meta, kBM, prefix, entries);  // its barrier covers the ranks too
   t.prefix = prefix;
   t.entries = entries;
-  t.ranks = p.cache_ranks ? rank_cache : nullptr;
-  t.total_nt = p.ntile_begin[p.num_slices];
-  const int64_t items = static_cast<int64_t>(prefix[t.n]) * t.total_nt;
+  t.rank_cache = rank_cache;
+  const int64_t items = static_cast<int64_t>(prefix[t.n]) * p.ntile_begin[p.num_slices];
   const int64_t per_cta = ceil_div(items, static_cast<int64_t>(gridDim.x));
   const int64_t first = static_cast<int64_t>(blockIdx.x) * per_cta;
   const int64_t last = min(items, first + per_cta);
@@ -299,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(PipeParams p) 
     __syncthreads();  // every warp is done with B and the intermediate
     if (has_next) issue_operands(p, nxt, bs, in_raw, tok_next, tid);
     cp_async_commit();
-    if (warp_has_rows) add_into_tile(p, cur, ys, acc, warp, lane);
+    if (warp_has_rows) add_into_y_tile(ys, acc, warp, lane, cur.ncols, p.add_inputs);
     __syncthreads();  // the tile's sums are complete
     store_tile(p, cur, ys, tok, tid);
     cur = nxt;
@@ -324,35 +251,11 @@ bool expand_pipelined_applies(const ExpandArgs& a) {
 
 Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
   LORAPLEX_ENSURE(expand_pipelined_applies(a), "expand_pipelined: arguments not supported");
-  PipeParams p{};
-  p.in = a.in;
-  p.in_f32 = a.in_dtype == DType::kF32;
-  p.num_slices = a.num_slices;
-  int64_t col = a.offset_start;
-  p.ntile_begin[0] = 0;
-  for (int s = 0; s < a.num_slices; ++s) {
-    p.b[s] = a.lora_b[s];
-    p.width[s] = a.slice_width[s];
-    p.y_col[s] = col;
-    col += a.slice_width[s];
-    p.ntile_begin[s + 1] = p.ntile_begin[s] + static_cast<int>(ceil_div(a.slice_width[s], kBN));
-  }
-  p.max_loras = a.max_loras;
-  p.max_rank = a.max_rank;
-  p.ranks = a.ranks;
-  p.y = a.y;
-  p.y_stride = a.y_row_stride;
-  p.add_inputs = a.add_inputs;
-  p.num_tokens = a.num_tokens;
-  p.meta = meta;
-  p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
-  const int smem = kFixedBytes + (a.max_loras + 2) * 4 + 3 * (a.max_loras + 1) * 4 +
-                   (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0);
-  // Work tiles can exceed ceil(T / 64) by one per active slot (each slot's last partial tile).
-  const int64_t tiles = ceil_div(a.num_tokens, kBM) + std::min<int64_t>(a.num_tokens, a.max_loras);
-  const int64_t items = tiles * p.ntile_begin[a.num_slices];
-  const int grid = static_cast<int>(
-      std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
+  ExpandTileParams p = expand_tile_params(a, meta);
+  p.cache_sorted = false;  // the token indices are loaded an item ahead
+  const int smem = kFixedBytes + expand_table_bytes(p);
+  const int grid = static_cast<int>(std::min<int64_t>(
+      expand_tile_items(p), int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
   auto s = static_cast<cudaStream_t>(stream);
   auto run = [&](auto kernel) -> Status {
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));

@@ -1,14 +1,13 @@
 // Shrink and expand on CUDA.
 //
-// Expand on tensor cores (bf16/f16, 16-byte aligned rows): a persistent grid over work items
-// of one active slot, one 64-token tile of that slot's tokens (rows gathered through the
-// sorted token indices) and one 128-column tile of one slice, all slices in one launch.
-// Items are counted on the device from the metadata, so absent slots cost nothing and the
-// launch configuration depends only on host-known sizes. Each slot costs its own rank: B
-// columns and MMA steps past a slot's rank are never loaded or computed. Operands are staged
-// with cp.async (zero-filled past the valid bytes), multiplied with mma.sync m16n8k16 into
-// fp32 (the intermediate rounded to the weight dtype first, as vLLM does), and y is read,
-// added and written with 16-byte accesses through shared memory.
+// Expand on tensor cores (bf16/f16, 16-byte aligned rows), one work item at a time: a
+// persistent grid over the items of expand_items.cuh (one 64-token tile of one active slot x
+// one 128-column tile of one slice, all slices in one launch). Up to max_rank 16 lora_expand
+// runs the pipelined expand (expand_pipelined.cu) unless told not to. Each slot costs its own rank:
+// B columns and MMA steps past a slot's rank are never loaded or computed. Operands are staged with
+// cp.async (zero-filled past the valid bytes), multiplied with mma.sync m16n8k16 into fp32 (the
+// intermediate rounded to the weight dtype first, as vLLM does), and y is read, added and written
+// with 16-byte accesses through shared memory.
 //
 // lora_shrink runs the decode kernel (decode_lora.cu) for small batches and the tensor-core
 // prefill shrink (prefill_shrink.cu) for larger ones. Generic kernels (any dtype, any
@@ -17,6 +16,7 @@
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/expand_items.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
@@ -173,31 +173,11 @@ Status launch_expand_generic(const ExpandArgs& a, const int32_t* mapping, Stream
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels.
 
-constexpr int kTcThreads = 128;  // 4 warps, 16 token rows each
-constexpr int kTcBM = 64;        // tokens per tile
-constexpr int kTcBK = 64;        // rank elements per staged chunk (ranks above 16)
-constexpr int kExpandBN = 128;   // output columns per expand item
-constexpr int kYPitch = kExpandBN + 8;
-
-struct TcExpandParams {
-  const void* in;
-  bool in_f32;
-  int num_slices;
-  const void* b[kMaxSlices];
-  int64_t width[kMaxSlices];
-  int64_t y_col[kMaxSlices];        // first y column of each slice
-  int ntile_begin[kMaxSlices + 1];  // prefix of 128-column tiles per slice
-  int max_loras;
-  int max_rank;
-  const int32_t* ranks;
-  void* y;
-  int64_t y_stride;
-  bool add_inputs;
-  int64_t num_tokens;
-  LoraMetaView meta;
-  bool cache_ranks;
-  bool cache_sorted;
-};
+constexpr int kTcThreads = 128;             // 4 warps, 16 token rows each
+constexpr int kTcBM = kExpandTileRows;      // tokens per tile
+constexpr int kTcBK = 64;                   // rank elements per staged chunk (ranks above 16)
+constexpr int kExpandBN = kExpandTileCols;  // output columns per expand item
+constexpr int kYPitch = kExpandYPitch;
 
 // One rank chunk (kBK) of a warp's 16 x 128 block. kFull (all 128 columns): straight-line
 // code; testing the column count per MMA put a warp-synchronising barrier and a compare before
@@ -222,9 +202,6 @@ __device__ __forceinline__ void expand_mma(float (&acc)[16][4], const T* a_rows,
   }
 }
 
-constexpr int kCacheRanks = 4096;
-constexpr int kCacheSorted = 2048;
-
 // The y tile, the intermediate tile, the B tile and the token indices of one item.
 constexpr int expand_smem_bytes(int bk) {
   return (kTcBM * kYPitch + kTcBM * (bk + 8) + kExpandBN * (bk + 8)) * 2 + kTcBM * 4;
@@ -235,7 +212,7 @@ constexpr int expand_smem_bytes(int bk) {
 // the staging work. Five CTAs per SM of the kBK = 16 variant (registers capped at 102) measured
 // slower at 4096 tokens (BENCHMARKS.md, 2026-11-24).
 template <typename T, int kBK>
-__global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams p) {
+__global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTileParams p) {
   constexpr int kTcPitch = kBK + 8;  // padded rows: fragment loads are bank-conflict free
   constexpr int kChunks = kBK / 8;   // 16-byte chunks per staged row
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -275,20 +252,16 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams
   int prev_tile = -1;
   int prev_s = -1;
   for (int64_t item = first; item < last; ++item) {
-    const int tile = static_cast<int>(item / total_nt);
-    const int u = static_cast<int>(item % total_nt);
-    int s = 0;
-    while (u >= p.ntile_begin[s + 1]) ++s;
-    const int e = find_tile_entry(prefix, n_entries, tile);
-    const int slot = entries[e];
-    const int rank =
-        p.cache_ranks ? rank_cache[s * p.max_loras + slot] : p.ranks[s * p.max_loras + slot];
+    const ExpandItem it = expand_item(p, prefix, entries, n_entries, rank_cache, item);
+    const int tile = it.tile;
+    const int s = it.s;
+    const int slot = it.slot;
+    const int rank = it.rank;
     if (rank == 0 && p.add_inputs) continue;
-    const int64_t n0 = static_cast<int64_t>(u - p.ntile_begin[s]) * kExpandBN;
-    const int ncols = static_cast<int>(min(static_cast<int64_t>(kExpandBN), p.width[s] - n0));
-    const int m0 = (tile - prefix[e]) * kTcBM;
-    const int mrows = min(kTcBM, entries[n_entries + e] - m0);
-    const int start = entries[2 * n_entries + e] + m0;
+    const int64_t n0 = it.n0;
+    const int ncols = it.ncols;
+    const int mrows = it.mrows;
+    const int start = it.start;
     const bool same_rows = tile == prev_tile;
     const bool same_in = same_rows && s == prev_s && rank <= kBK;
     prev_tile = tile;
@@ -373,26 +346,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(TcExpandParams
     }
     cp_async_wait<0>();
     __syncthreads();  // the y tile has landed for every thread
-    if (warp_has_rows) {
-      const int g = lane >> 2;
-      const int tq = (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t* cell =
-              reinterpret_cast<uint32_t*>(ys + (warp * 16 + g + h * 8) * kYPitch + j * 8 + tq);
-          float v0 = acc[j][h * 2];
-          float v1 = acc[j][h * 2 + 1];
-          if (p.add_inputs) {
-            const float2 old = unpack2<T>(*cell);
-            v0 += old.x;
-            v1 += old.y;
-          }
-          *cell = pack2<T>(v0, v1);
-        }
-      }
-    }
+    // Every column (those past ncols are never stored): no per-column test, as before.
+    if (warp_has_rows) add_into_y_tile(ys, acc, warp, lane, kExpandBN, p.add_inputs);
     __syncthreads();
     for (int i = tid; i < kTcBM * (kExpandBN / 8); i += kTcThreads) {
       const int row = i / (kExpandBN / 8);
@@ -415,13 +370,10 @@ bool tc_expand_ok(const ExpandArgs& a) {
   return true;
 }
 
-// Work tiles can exceed ceil(T / 64) by one per active slot (each slot's last partial tile).
-int64_t tile_upper_bound(int64_t num_tokens, int max_loras, int tile_rows) {
-  return ceil_div(num_tokens, tile_rows) + std::min<int64_t>(num_tokens, max_loras);
-}
+}  // namespace
 
-Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
-  TcExpandParams p{};
+ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& meta) {
+  ExpandTileParams p{};
   p.in = a.in;
   p.in_f32 = a.in_dtype == DType::kF32;
   p.num_slices = a.num_slices;
@@ -433,7 +385,7 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
     p.y_col[s] = col;
     col += a.slice_width[s];
     p.ntile_begin[s + 1] =
-        p.ntile_begin[s] + static_cast<int>(ceil_div(a.slice_width[s], kExpandBN));
+        p.ntile_begin[s] + static_cast<int>(ceil_div(a.slice_width[s], kExpandTileCols));
   }
   p.max_loras = a.max_loras;
   p.max_rank = a.max_rank;
@@ -443,13 +395,29 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   p.add_inputs = a.add_inputs;
   p.num_tokens = a.num_tokens;
   p.meta = meta;
-  p.cache_ranks = a.num_slices * a.max_loras <= kCacheRanks;
-  p.cache_sorted = a.num_tokens <= kCacheSorted;
-  const int tables = (a.max_loras + 2) * 4 + 3 * (a.max_loras + 1) * 4 +
-                     (p.cache_ranks ? a.num_slices * a.max_loras * 4 : 0) +
-                     (p.cache_sorted ? static_cast<int>(a.num_tokens) * 4 : 0);
-  const int64_t items =
-      tile_upper_bound(a.num_tokens, a.max_loras, kTcBM) * p.ntile_begin[a.num_slices];
+  p.cache_ranks = a.num_slices * a.max_loras <= 4096;
+  p.cache_sorted = a.num_tokens <= 2048;
+  return p;
+}
+
+int64_t expand_tile_items(const ExpandTileParams& p) {
+  const int64_t tiles = ceil_div(p.num_tokens, int64_t{kExpandTileRows}) +
+                        std::min<int64_t>(p.num_tokens, p.max_loras);
+  return tiles * p.ntile_begin[p.num_slices];
+}
+
+int expand_table_bytes(const ExpandTileParams& p) {
+  return (p.max_loras + 2) * 4 + 3 * (p.max_loras + 1) * 4 +
+         (p.cache_ranks ? p.num_slices * p.max_loras * 4 : 0) +
+         (p.cache_sorted ? static_cast<int>(p.num_tokens) * 4 : 0);
+}
+
+namespace {
+
+Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
+  const ExpandTileParams p = expand_tile_params(a, meta);
+  const int tables = expand_table_bytes(p);
+  const int64_t items = expand_tile_items(p);
   auto s = static_cast<cudaStream_t>(stream);
   const int grid = static_cast<int>(
       std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));

@@ -1,0 +1,111 @@
+#pragma once
+// The work items of the tensor-core expands (shrink_expand.cu one item at a time,
+// expand_pipelined.cu pipelined): one 64-token tile of one active slot (rows gathered through
+// the sorted token indices) x one 128-column tile of one slice, all slices in one launch,
+// counted on the device from the metadata (absent slots cost nothing, the launch shape depends
+// only on host-known sizes). Their parameters, the host side that fills them and the decode of
+// an item index. Internal to the CUDA backend.
+
+#include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/lora_ops.h"
+
+namespace loraplex::kernels::cuda {
+
+inline constexpr int kExpandTileRows = 64;                 // tokens per item
+inline constexpr int kExpandTileCols = 128;                // output columns per item
+inline constexpr int kExpandYPitch = kExpandTileCols + 8;  // staged y rows, 16-bit elements
+
+struct ExpandTileParams {
+  const void* in;
+  bool in_f32;
+  int num_slices;
+  const void* b[kMaxSlices];
+  int64_t width[kMaxSlices];
+  int64_t y_col[kMaxSlices];        // first y column of each slice
+  int ntile_begin[kMaxSlices + 1];  // prefix of 128-column tiles per slice
+  int max_loras;
+  int max_rank;
+  const int32_t* ranks;
+  void* y;
+  int64_t y_stride;
+  bool add_inputs;
+  int64_t num_tokens;
+  LoraMetaView meta;
+  bool cache_ranks;   // the rank table goes to shared memory (num_slices x max_loras small)
+  bool cache_sorted;  // the sorted token indices go to shared memory (small batches)
+};
+
+/// Everything from the arguments; the caches on where the tables are small.
+ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& meta);
+
+/// Work items at most: one tile per 64 tokens plus each active slot's last partial tile, times
+/// the column tiles of all slices.
+int64_t expand_tile_items(const ExpandTileParams& p);
+
+/// Shared-memory bytes of the item tables: the tile prefix, the metadata entries and the caches.
+int expand_table_bytes(const ExpandTileParams& p);
+
+struct ExpandItem {
+  int tile;
+  int s;  // slice
+  int slot;
+  int rank;
+  int n0;     // first column within the slice
+  int ncols;  // columns (a multiple of 8 where the tensor-core paths apply)
+  int mrows;  // tokens
+  int start;  // first sorted position
+};
+
+/// Item `index` from the tile prefix and the metadata entries (build_tile_prefix over `n`
+/// entries) and the rank table (`rank_cache`: its shared copy where cache_ranks, else the
+/// global one; kept as two loads so the shared one stays a shared-memory load).
+__device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, const int* prefix,
+                                                  const int* entries, int n, const int* rank_cache,
+                                                  int64_t index) {
+  const int total_nt = p.ntile_begin[p.num_slices];
+  ExpandItem it;
+  it.tile = static_cast<int>(index / total_nt);
+  const int u = static_cast<int>(index % total_nt);
+  int s = 0;
+  while (u >= p.ntile_begin[s + 1]) ++s;
+  const int e = find_tile_entry(prefix, n, it.tile);
+  it.s = s;
+  it.slot = entries[e];
+  const int r = s * p.max_loras + it.slot;
+  it.rank = p.cache_ranks ? rank_cache[r] : p.ranks[r];
+  it.n0 = (u - p.ntile_begin[s]) * kExpandTileCols;
+  it.ncols = static_cast<int>(min(static_cast<int64_t>(kExpandTileCols), p.width[s] - it.n0));
+  const int m0 = (it.tile - prefix[e]) * kExpandTileRows;
+  it.mrows = min(kExpandTileRows, entries[n + e] - m0);
+  it.start = entries[2 * n + e] + m0;
+  return it;
+}
+
+/// A warp's 16 x 128 sums (mma accumulator layout) plus the old y (add_inputs), rounded to T,
+/// into its rows of the staged y tile (pitch kExpandYPitch); columns past ncols skipped.
+template <typename T>
+__device__ __forceinline__ void add_into_y_tile(T* ys, const float (&acc)[16][4], int warp,
+                                                int lane, int ncols, bool add_inputs) {
+  const int g = lane >> 2;
+  const int tq = (lane & 3) * 2;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    if (j * 8 < ncols) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t* cell =
+            reinterpret_cast<uint32_t*>(ys + (warp * 16 + g + h * 8) * kExpandYPitch + j * 8 + tq);
+        float v0 = acc[j][h * 2];
+        float v1 = acc[j][h * 2 + 1];
+        if (add_inputs) {
+          const float2 old = unpack2<T>(*cell);
+          v0 += old.x;
+          v1 += old.y;
+        }
+        *cell = pack2<T>(v0, v1);
+      }
+    }
+  }
+}
+
+}  // namespace loraplex::kernels::cuda
