@@ -247,6 +247,10 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+/// Rank tables ([num_slices, max_loras] ints) up to this many entries are copied to shared
+/// memory by the prefill shrink and the tensor-core expands (16 KB at most).
+inline constexpr int kMaxCachedRanks = 4096;
+
 /// Work tiles of `tile_rows` tokens per metadata entry (entries with slot -1, and those past
 /// the active ones, get none): prefix[e] = first tile of entry e, prefix[n] = total, over all
 /// n = max_loras + 1 entries, so no load waits for the active count. Run by the whole block

@@ -14,6 +14,7 @@ namespace loraplex::kernels::cuda {
 inline constexpr int kExpandTileRows = 64;                 // tokens per item
 inline constexpr int kExpandTileCols = 128;                // output columns per item
 inline constexpr int kExpandYPitch = kExpandTileCols + 8;  // staged y rows, 16-bit elements
+inline constexpr int kExpandCachedTokens = 2048;           // sorted indices copied to shared memory
 
 struct ExpandTileParams {
   const void* in;

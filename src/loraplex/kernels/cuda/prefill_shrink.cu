@@ -36,6 +36,9 @@ constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
 constexpr int kMaxTiles = kMaxRows / 8;
 constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
 constexpr int kSmemPerSm = 227 * 1024;
+// stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
+// the row sources that always follow the stage region cover them.
+static_assert((kM + kMaxRows) * 8 >= 16 * kPitch * 2, "a pair's spare rows stay in shared memory");
 
 // One stage of this warp's MMAs: kPairs pairs of its column tiles (an x4 load each), as
 // straight-line code. The second tile of the last pair may lie past the item's tiles (its rows:
@@ -277,8 +280,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   cluster.sync();  // no CTA reads another's partial tile any more
 }
 
-constexpr int kCacheRanks = 4096;
-bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kCacheRanks; }
+bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
 
 struct Plan {
   int stages = 0;

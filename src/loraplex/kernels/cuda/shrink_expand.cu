@@ -395,8 +395,8 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
   p.add_inputs = a.add_inputs;
   p.num_tokens = a.num_tokens;
   p.meta = meta;
-  p.cache_ranks = a.num_slices * a.max_loras <= 4096;
-  p.cache_sorted = a.num_tokens <= 2048;
+  p.cache_ranks = a.num_slices * a.max_loras <= kMaxCachedRanks;
+  p.cache_sorted = a.num_tokens <= kExpandCachedTokens;
   return p;
 }
 
