@@ -200,7 +200,8 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
-// the expand up to rank 16 one item at a time and pipelined,
+// the expand up to rank 16 one item at a time and pipelined, the shrink's ring 3, 6 and 8 stages
+// deep, the streamed copies with and without L2 prefetch hints and the sorted-index prefetch,
 // the pair's shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster
 // layer with clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
@@ -214,6 +215,9 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .decode_cols = 256,
        .prefill_k_split = 1,
        .prefill_ctas_per_sm = 1,
+       .prefill_stages = 3,
+       .l2_prefetch = 1,
+       .prefetch_sorted = 1,
        .expand_ctas_per_sm = 1,
        .expand_pipelined = 1,
        .decode_ctas_per_sm = 1,
@@ -226,6 +230,9 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .decode_cols = 64,
        .prefill_k_split = 8,
        .prefill_ctas_per_sm = 8,
+       .prefill_stages = 8,
+       .l2_prefetch = 2,
+       .prefetch_sorted = 1,
        .expand_ctas_per_sm = 16,
        .expand_pipelined = 2,
        .decode_ctas_per_sm = 2,
@@ -246,6 +253,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .decode_cols = 8,
        .prefill_k_split = 2,
        .prefill_ctas_per_sm = 4,
+       .prefill_stages = 6,
        .expand_ctas_per_sm = 2,
        .decode_ctas_per_sm = 0,
        .decode_persistent = 1,
@@ -270,7 +278,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 " group " + std::to_string(t.gather_group) + " cluster " +
                 std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
                 " shrink " + std::to_string(t.gather_shrink) + " pipelined " +
-                std::to_string(t.expand_pipelined));
+                std::to_string(t.expand_pipelined) + " stages " + std::to_string(t.prefill_stages) +
+                " l2 " + std::to_string(t.l2_prefetch));
       }
     }
   }

@@ -21,6 +21,15 @@ struct KernelTuning {
   int prefill_k_split = 4;
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
+  /// Prefill shrink: cp.async stages in flight (3..8); 0: 4 up to 64 A rows, else 3.
+  int prefill_stages = 0;
+  /// Prefill shrink and expands: L2 prefetch-size hint on the streamed copies (0 none, 1 128
+  /// bytes, 2 256 bytes).
+  int l2_prefetch = 0;
+  /// Prefill shrink and expands: 1 prefetches the sorted token indices a CTA's first tile most
+  /// likely reads (tile x 64, exact when earlier slots fill whole tiles) into L2 while the
+  /// metadata is read; 0 does not.
+  int prefetch_sorted = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.
   int expand_ctas_per_sm = 4;

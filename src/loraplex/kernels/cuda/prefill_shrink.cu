@@ -18,6 +18,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
@@ -97,13 +98,16 @@ struct PrefillParams {
   int stage_elems;   // (kM + a_rows) * kPitch
   int red_pitch;     // floats per row of the partial tile
   bool cache_ranks;  // the rank table is copied to shared memory (num_slices x max_loras small)
-  int region;        // bytes of the stages (later the partial tile); the tables follow
-  int off_rows;      // bytes: the staged rows' source pointers
+  int l2_prefetch;   // L2 prefetch-size hint of the stage copies (kernel_tuning)
+  bool prefetch_sorted;
+  int region;    // bytes of the stages (later the partial tile); the tables follow
+  int off_rows;  // bytes: the staged rows' source pointers
 };
 
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
-// x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles.
-template <typename T, int kTilesPerWarp>
+// x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles. kStages: the
+// cp.async ring's depth (kStages - 1 stages in flight while one is multiplied).
+template <typename T, int kTilesPerWarp, int kStages>
 __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
@@ -125,6 +129,14 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   int* entries = ntiles_s + 1;                                // [3 (max_loras + 1)]
   int* rank_tab = entries + 3 * (p.max_loras + 1);            // [S max_loras] when cache_ranks
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
+
+  // The sorted token indices of tile `item` start at item x kM when the slots before it fill
+  // whole tiles (one slot, or counts that are multiples of 64); fetched into L2 now, their
+  // load after the metadata is an L2 hit instead of a DRAM round trip. A wrong guess costs
+  // two cache lines.
+  if (p.prefetch_sorted && crank == 0 && tid < 2 && int64_t{item} * kM + tid * 32 < p.num_tokens) {
+    prefetch_l2(p.meta.sorted_token_indices + int64_t{item} * kM + tid * 32);
+  }
 
   // The metadata entries and the rank table come in one round trip (the other warps load the
   // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
@@ -191,20 +203,29 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   }
   // Shared-memory addresses in bytes, computed once: a stage costs a few instructions per
   // copy and per fragment.
-  constexpr int kStages = kTilesPerWarp <= kSmallRows / 16 ? 4 : 3;
   const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stage_base));
   const uint32_t stage_bytes = static_cast<uint32_t>(p.stage_elems) * 2;
   const uint32_t copy_off = static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
   constexpr uint32_t kSlotBytes = (kThreads / 8) * kPitch * 2;
-  auto load_stage = [&](int kt, uint32_t stage) {
+  auto load_stage_hinted = [&](auto l2, int kt, uint32_t stage) {
     const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
     const bool k_ok = k < k_hi;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       if ((tid >> 3) + i * (kThreads / 8) < rows) {
         const bool ok = k_ok && src[i] != nullptr;
-        cp_async16_at(stage + copy_off + i * kSlotBytes, ok ? src[i] + k : xg, ok ? 16 : 0);
+        cp_async16_l2_at<decltype(l2)::value>(stage + copy_off + i * kSlotBytes,
+                                              ok ? src[i] + k : xg, ok ? 16 : 0);
       }
+    }
+  };
+  auto load_stage = [&](int kt, uint32_t stage) {
+    if (p.l2_prefetch == 2) {
+      load_stage_hinted(std::integral_constant<int, 2>{}, kt, stage);
+    } else if (p.l2_prefetch == 1) {
+      load_stage_hinted(std::integral_constant<int, 1>{}, kt, stage);
+    } else {
+      load_stage_hinted(std::integral_constant<int, 0>{}, kt, stage);
     }
   };
 
@@ -298,19 +319,22 @@ Plan make_plan(const ShrinkArgs& s) {
   const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1 + 3 * (s.max_loras + 1) +
                    (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
   // The small-register variant keeps four stages in flight, the large one three (its stages
-  // are up to four times larger); as the kernel's kStages.
-  plan.stages = plan.a_rows <= kSmallRows ? 4 : 3;
-  plan.region =
-      static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
-  plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
-  plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
-  return plan;
+  // are up to four times larger), unless prefill_stages says otherwise; the kernel's kStages.
+  // A tuned depth that does not fit in shared memory is lowered until it does (down to 3).
+  const int tuned = kernel_tuning().prefill_stages;
+  for (plan.stages = tuned != 0 ? tuned : plan.a_rows <= kSmallRows ? 4 : 3;; --plan.stages) {
+    plan.region =
+        static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
+    plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
+    plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
+    if (plan.smem <= kSmemPerSm || plan.stages == 3) return plan;
+  }
 }
 
-template <typename T, int kTilesPerWarp>
-Status launch(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
-              StreamHandle stream) {
-  auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp>;
+template <typename T, int kTilesPerWarp, int kStages>
+Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
+                     StreamHandle stream) {
+  auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages>;
   LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * k_split));
@@ -327,6 +351,25 @@ Status launch(const PrefillParams& p, const Plan& plan, int k_split, int cluster
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, kernel, p), "prefill_shrink_kernel launch"));
   return launch_status("prefill_shrink_kernel");
+}
+
+template <typename T, int kTilesPerWarp>
+Status launch(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
+              StreamHandle stream) {
+  switch (plan.stages) {
+    case 3:
+      return launch_staged<T, kTilesPerWarp, 3>(p, plan, k_split, clusters, stream);
+    case 4:
+      return launch_staged<T, kTilesPerWarp, 4>(p, plan, k_split, clusters, stream);
+    case 5:
+      return launch_staged<T, kTilesPerWarp, 5>(p, plan, k_split, clusters, stream);
+    case 6:
+      return launch_staged<T, kTilesPerWarp, 6>(p, plan, k_split, clusters, stream);
+    case 7:
+      return launch_staged<T, kTilesPerWarp, 7>(p, plan, k_split, clusters, stream);
+    default:
+      return launch_staged<T, kTilesPerWarp, 8>(p, plan, k_split, clusters, stream);
+  }
 }
 
 }  // namespace
@@ -362,6 +405,8 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.stage_elems = (kM + plan.a_rows) * kPitch;
   p.red_pitch = plan.a_rows + 4;
   p.cache_ranks = cache_ranks(s);
+  p.l2_prefetch = kernel_tuning().l2_prefetch;
+  p.prefetch_sorted = kernel_tuning().prefetch_sorted != 0;
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
