@@ -21,8 +21,11 @@ struct KernelTuning {
   int prefill_k_split = 4;
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
-  /// Prefill shrink: cp.async stages in flight (3..8); 0: 4 up to 64 A rows, else 3.
+  /// Prefill shrink: cp.async ring depth (3, 4 or 6); 0: 4 up to 64 A rows, else 3.
   int prefill_stages = 0;
+  /// Prefill shrink: 1 gives the CTAs of a cluster interleaved 64-wide K blocks instead of
+  /// contiguous K chunks.
+  int prefill_k_interleave = 0;
   /// Prefill shrink and expands: L2 prefetch-size hint on the streamed copies (0 none, 1 128
   /// bytes, 2 256 bytes).
   int l2_prefetch = 0;

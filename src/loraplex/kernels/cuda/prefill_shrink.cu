@@ -100,6 +100,7 @@ struct PrefillParams {
   bool cache_ranks;  // the rank table is copied to shared memory (num_slices x max_loras small)
   int l2_prefetch;   // L2 prefetch-size hint of the stage copies (kernel_tuning)
   bool prefetch_sorted;
+  bool k_interleave;
   int region;    // bytes of the stages (later the partial tile); the tables follow
   int off_rows;  // bytes: the staged rows' source pointers
 };
@@ -187,9 +188,19 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   }
   __syncthreads();
   const int rows = kM + ntiles * 8;
-  const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
-  const int64_t k_hi = min(K, k_lo + p.k_chunk);
-  const int nk = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, kBK)) : 0;
+  // This CTA's K blocks: a contiguous chunk, or (k_interleave) every ks-th block from block
+  // crank, so that the cluster's CTAs read neighbouring 128-byte pieces of each row at once.
+  int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
+  int64_t k_hi = min(K, k_lo + p.k_chunk);
+  int64_t k_step = kBK;
+  int nk = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, kBK)) : 0;
+  if (p.k_interleave) {
+    const int64_t blocks = ceil_div(K, kBK);
+    k_lo = static_cast<int64_t>(crank) * kBK;
+    k_hi = K;
+    k_step = static_cast<int64_t>(ks) * kBK;
+    nk = crank < blocks ? static_cast<int>(ceil_div(blocks - crank, ks)) : 0;
+  }
 
   // This thread's copies, the same in every stage: 16-byte column ch of rows tid / 8 + 32 i.
   // Their sources are looked up once, so a stage costs a few instructions per copy.
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const uint32_t copy_off = static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
   constexpr uint32_t kSlotBytes = (kThreads / 8) * kPitch * 2;
   auto load_stage_hinted = [&](auto l2, int kt, uint32_t stage) {
-    const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
+    const int64_t k = k_lo + kt * k_step + ch * 8;
     const bool k_ok = k < k_hi;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
@@ -363,12 +374,8 @@ Status launch(const PrefillParams& p, const Plan& plan, int k_split, int cluster
       return launch_staged<T, kTilesPerWarp, 4>(p, plan, k_split, clusters, stream);
     case 5:
       return launch_staged<T, kTilesPerWarp, 5>(p, plan, k_split, clusters, stream);
-    case 6:
-      return launch_staged<T, kTilesPerWarp, 6>(p, plan, k_split, clusters, stream);
-    case 7:
-      return launch_staged<T, kTilesPerWarp, 7>(p, plan, k_split, clusters, stream);
     default:
-      return launch_staged<T, kTilesPerWarp, 8>(p, plan, k_split, clusters, stream);
+      return launch_staged<T, kTilesPerWarp, 6>(p, plan, k_split, clusters, stream);
   }
 }
 
@@ -407,6 +414,7 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.cache_ranks = cache_ranks(s);
   p.l2_prefetch = kernel_tuning().l2_prefetch;
   p.prefetch_sorted = kernel_tuning().prefetch_sorted != 0;
+  p.k_interleave = kernel_tuning().prefill_k_interleave != 0;
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
