@@ -21,7 +21,8 @@ struct KernelTuning {
   int prefill_k_split = 4;
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
-  /// Prefill shrink: cp.async ring depth (3, 4 or 6); 0: 4 up to 64 A rows, else 3.
+  /// Prefill shrink: cp.async ring depth (3..6); 0: 4 where three stages hold at most 36 KB
+  /// (rank 16, one slice), else 3.
   int prefill_stages = 0;
   /// Prefill shrink: 1 gives the CTAs of a cluster interleaved 64-wide K blocks instead of
   /// contiguous K chunks.

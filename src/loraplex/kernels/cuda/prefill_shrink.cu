@@ -37,6 +37,11 @@ constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
 constexpr int kMaxTiles = kMaxRows / 8;
 constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
 constexpr int kSmemPerSm = 227 * 1024;
+// Bytes a CTA keeps in flight at most (stages beyond the one being multiplied) when the ring
+// depth is automatic. Deeper rings measured slower, not faster, at 4096 tokens on the H200:
+// rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
+// rank 16 one slice 18.7 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
+constexpr int kMaxInFlightBytes = 36 * 1024;
 // stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
 // the row sources that always follow the stage region cover them.
 static_assert((kM + kMaxRows) * 8 >= 16 * kPitch * 2, "a pair's spare rows stay in shared memory");
@@ -329,11 +334,12 @@ Plan make_plan(const ShrinkArgs& s) {
   const int red_bytes = kM * (plan.a_rows + 4) * 4;
   const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1 + 3 * (s.max_loras + 1) +
                    (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
-  // The small-register variant keeps four stages in flight, the large one three (its stages
-  // are up to four times larger), unless prefill_stages says otherwise; the kernel's kStages.
-  // A tuned depth that does not fit in shared memory is lowered until it does (down to 3).
+  // Ring depth (the kernel's kStages): four stages while three of them in flight stay within
+  // kMaxInFlightBytes (rank 16, one slice), else three, unless prefill_stages says otherwise. A
+  // tuned depth that does not fit in shared memory is lowered until it does (down to 3).
   const int tuned = kernel_tuning().prefill_stages;
-  for (plan.stages = tuned != 0 ? tuned : plan.a_rows <= kSmallRows ? 4 : 3;; --plan.stages) {
+  const int auto_stages = 3 * stage_elems * 2 <= kMaxInFlightBytes ? 4 : 3;
+  for (plan.stages = tuned != 0 ? tuned : auto_stages;; --plan.stages) {
     plan.region =
         static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
     plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
