@@ -201,9 +201,8 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
 // the expand up to rank 16 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
-// deep, its K blocks contiguous and interleaved, the streamed copies with and without L2 prefetch
-// hints and the sorted-index prefetch, the pair's shrink on FMA and on tensor cores with groups of
-// 1, 2 and 4 tokens, the cluster layer with clusters of 1, 2 and 16.
+// deep, the pair's shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the
+// cluster layer with clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(303);
@@ -216,8 +215,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 1,
        .prefill_ctas_per_sm = 1,
        .prefill_stages = 3,
-       .l2_prefetch = 1,
-       .prefetch_sorted = 1,
        .expand_ctas_per_sm = 1,
        .expand_pipelined = 1,
        .decode_ctas_per_sm = 1,
@@ -231,9 +228,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 8,
        .prefill_ctas_per_sm = 8,
        .prefill_stages = 5,
-       .prefill_k_interleave = 1,
-       .l2_prefetch = 2,
-       .prefetch_sorted = 1,
        .expand_ctas_per_sm = 16,
        .expand_pipelined = 2,
        .decode_ctas_per_sm = 2,
@@ -255,7 +249,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 2,
        .prefill_ctas_per_sm = 4,
        .prefill_stages = 6,
-       .prefill_k_interleave = 1,
        .expand_ctas_per_sm = 2,
        .decode_ctas_per_sm = 0,
        .decode_persistent = 1,

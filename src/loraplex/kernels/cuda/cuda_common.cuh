@@ -171,22 +171,6 @@ __device__ __forceinline__ void cp_async16_at(uint32_t smem, const void* gmem, i
                "r"(src_bytes)
                : "memory");
 }
-/// cp_async16_at with an L2 prefetch-size hint: kL2 0 none, 1 the 128-byte, 2 the 256-byte
-/// block around the source is fetched into L2 (the next stage's bytes of a row arrive early).
-template <int kL2>
-__device__ __forceinline__ void cp_async16_l2_at(uint32_t smem, const void* gmem, int src_bytes) {
-  if constexpr (kL2 == 2) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
-                 "r"(src_bytes)
-                 : "memory");
-  } else if constexpr (kL2 == 1) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
-                 "r"(src_bytes)
-                 : "memory");
-  } else {
-    cp_async16_at(smem, gmem, src_bytes);
-  }
-}
 /// Two 8x8 matrices (row addresses from lanes 0..15).
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -34,9 +34,6 @@ struct ExpandTileParams {
   LoraMetaView meta;
   bool cache_ranks;   // the rank table goes to shared memory (num_slices x max_loras small)
   bool cache_sorted;  // the sorted token indices go to shared memory (small batches)
-  int l2_prefetch;    // L2 prefetch-size hint of the y copies (kernel_tuning)
-  bool prefetch_sorted;
-  int64_t items_guess_per_cta;  // items per CTA when every slot fills whole tiles
 };
 
 /// Everything from the arguments; the caches on where the tables are small.
@@ -45,10 +42,6 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
 /// Work items at most: one tile per 64 tokens plus each active slot's last partial tile, times
 /// the column tiles of all slices.
 int64_t expand_tile_items(const ExpandTileParams& p);
-
-/// Items per CTA of a `grid`-CTA launch when every active slot fills whole tiles (the guess
-/// behind the sorted-index prefetch).
-int64_t expand_items_guess_per_cta(const ExpandTileParams& p, int grid);
 
 /// Shared-memory bytes of the item tables: the tile prefix, the metadata entries and the caches.
 int expand_table_bytes(const ExpandTileParams& p);

@@ -60,29 +60,15 @@ __device__ __forceinline__ Item next_item(const ExpandTileParams& p, const Table
   return it;
 }
 
-template <int kL2, typename T>
-__device__ __forceinline__ void issue_y_hinted(const ExpandTileParams& p, const Item& it, T* ys,
-                                               const int* tok, int tid) {
-  const int ch = tid & 15;  // 16 threads per 256-byte row
-  if (ch * 8 >= it.ncols) return;
-  const T* yg = static_cast<const T*>(p.y) + p.y_col[it.s] + it.n0 + ch * 8;
-  const uint32_t ys_at = static_cast<uint32_t>(__cvta_generic_to_shared(ys + ch * 8));
-  for (int row = tid >> 4; row < it.mrows; row += kThreads / 16) {
-    cp_async16_l2_at<kL2>(ys_at + row * kYPitch * 2,
-                          yg + static_cast<int64_t>(tok[row]) * p.y_stride, 16);
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void issue_y(const ExpandTileParams& p, const Item& it, T* ys,
                                         const int* tok, int tid) {
   if (!p.add_inputs) return;
-  if (p.l2_prefetch == 2) {
-    issue_y_hinted<2>(p, it, ys, tok, tid);
-  } else if (p.l2_prefetch == 1) {
-    issue_y_hinted<1>(p, it, ys, tok, tid);
-  } else {
-    issue_y_hinted<0>(p, it, ys, tok, tid);
+  const int ch = tid & 15;  // 16 threads per 256-byte row
+  if (ch * 8 >= it.ncols) return;
+  const T* yg = static_cast<const T*>(p.y) + p.y_col[it.s] + it.n0 + ch * 8;
+  for (int row = tid >> 4; row < it.mrows; row += kThreads / 16) {
+    cp_async16(ys + row * kYPitch + ch * 8, yg + static_cast<int64_t>(tok[row]) * p.y_stride, 16);
   }
 }
 
@@ -187,13 +173,6 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  if (p.prefetch_sorted && tid < 2) {
-    // The first item's sorted token indices, where the slots before it fill whole tiles (see
-    // prefill_shrink.cu); the guess uses the item count of that case.
-    const int64_t first_guess = static_cast<int64_t>(blockIdx.x) * p.items_guess_per_cta;
-    const int64_t pos = first_guess / p.ntile_begin[p.num_slices] * kBM + tid * 32;
-    if (pos < p.num_tokens) prefetch_l2(p.meta.sorted_token_indices + pos);
-  }
   if (p.cache_ranks) {
     for (int i = tid; i < p.num_slices * p.max_loras; i += kThreads) rank_cache[i] = p.ranks[i];
   }
@@ -277,7 +256,6 @@ Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   const int smem = kFixedBytes + expand_table_bytes(p);
   const int grid = static_cast<int>(std::min<int64_t>(
       expand_tile_items(p), int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
-  p.items_guess_per_cta = expand_items_guess_per_cta(p, grid);
   auto s = static_cast<cudaStream_t>(stream);
   auto run = [&](auto kernel) -> Status {
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));

@@ -24,16 +24,6 @@ struct KernelTuning {
   /// Prefill shrink: cp.async ring depth (3..6); 0: 4 where three stages hold at most 36 KB
   /// (rank 16, one slice), else 3.
   int prefill_stages = 0;
-  /// Prefill shrink: 1 gives the CTAs of a cluster interleaved 64-wide K blocks instead of
-  /// contiguous K chunks.
-  int prefill_k_interleave = 0;
-  /// Prefill shrink and expands: L2 prefetch-size hint on the streamed copies (0 none, 1 128
-  /// bytes, 2 256 bytes).
-  int l2_prefetch = 0;
-  /// Prefill shrink and expands: 1 prefetches the sorted token indices a CTA's first tile most
-  /// likely reads (tile x 64, exact when earlier slots fill whole tiles) into L2 while the
-  /// metadata is read; 0 does not.
-  int prefetch_sorted = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.
   int expand_ctas_per_sm = 4;

@@ -18,7 +18,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
@@ -103,11 +102,8 @@ struct PrefillParams {
   int stage_elems;   // (kM + a_rows) * kPitch
   int red_pitch;     // floats per row of the partial tile
   bool cache_ranks;  // the rank table is copied to shared memory (num_slices x max_loras small)
-  int l2_prefetch;   // L2 prefetch-size hint of the stage copies (kernel_tuning)
-  bool prefetch_sorted;
-  bool k_interleave;
-  int region;    // bytes of the stages (later the partial tile); the tables follow
-  int off_rows;  // bytes: the staged rows' source pointers
+  int region;        // bytes of the stages (later the partial tile); the tables follow
+  int off_rows;      // bytes: the staged rows' source pointers
 };
 
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
@@ -135,14 +131,6 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   int* entries = ntiles_s + 1;                                // [3 (max_loras + 1)]
   int* rank_tab = entries + 3 * (p.max_loras + 1);            // [S max_loras] when cache_ranks
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
-
-  // The sorted token indices of tile `item` start at item x kM when the slots before it fill
-  // whole tiles (one slot, or counts that are multiples of 64); fetched into L2 now, their
-  // load after the metadata is an L2 hit instead of a DRAM round trip. A wrong guess costs
-  // two cache lines.
-  if (p.prefetch_sorted && crank == 0 && tid < 2 && int64_t{item} * kM + tid * 32 < p.num_tokens) {
-    prefetch_l2(p.meta.sorted_token_indices + int64_t{item} * kM + tid * 32);
-  }
 
   // The metadata entries and the rank table come in one round trip (the other warps load the
   // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
@@ -193,19 +181,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   }
   __syncthreads();
   const int rows = kM + ntiles * 8;
-  // This CTA's K blocks: a contiguous chunk, or (k_interleave) every ks-th block from block
-  // crank, so that the cluster's CTAs read neighbouring 128-byte pieces of each row at once.
-  int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
-  int64_t k_hi = min(K, k_lo + p.k_chunk);
-  int64_t k_step = kBK;
-  int nk = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, kBK)) : 0;
-  if (p.k_interleave) {
-    const int64_t blocks = ceil_div(K, kBK);
-    k_lo = static_cast<int64_t>(crank) * kBK;
-    k_hi = K;
-    k_step = static_cast<int64_t>(ks) * kBK;
-    nk = crank < blocks ? static_cast<int>(ceil_div(blocks - crank, ks)) : 0;
-  }
+  const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
+  const int64_t k_hi = min(K, k_lo + p.k_chunk);
+  const int nk = k_hi > k_lo ? static_cast<int>(ceil_div(k_hi - k_lo, kBK)) : 0;
 
   // This thread's copies, the same in every stage: 16-byte column ch of rows tid / 8 + 32 i.
   // Their sources are looked up once, so a stage costs a few instructions per copy.
@@ -223,25 +201,15 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const uint32_t stage_bytes = static_cast<uint32_t>(p.stage_elems) * 2;
   const uint32_t copy_off = static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
   constexpr uint32_t kSlotBytes = (kThreads / 8) * kPitch * 2;
-  auto load_stage_hinted = [&](auto l2, int kt, uint32_t stage) {
-    const int64_t k = k_lo + kt * k_step + ch * 8;
+  auto load_stage = [&](int kt, uint32_t stage) {
+    const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
     const bool k_ok = k < k_hi;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
       if ((tid >> 3) + i * (kThreads / 8) < rows) {
         const bool ok = k_ok && src[i] != nullptr;
-        cp_async16_l2_at<decltype(l2)::value>(stage + copy_off + i * kSlotBytes,
-                                              ok ? src[i] + k : xg, ok ? 16 : 0);
+        cp_async16_at(stage + copy_off + i * kSlotBytes, ok ? src[i] + k : xg, ok ? 16 : 0);
       }
-    }
-  };
-  auto load_stage = [&](int kt, uint32_t stage) {
-    if (p.l2_prefetch == 2) {
-      load_stage_hinted(std::integral_constant<int, 2>{}, kt, stage);
-    } else if (p.l2_prefetch == 1) {
-      load_stage_hinted(std::integral_constant<int, 1>{}, kt, stage);
-    } else {
-      load_stage_hinted(std::integral_constant<int, 0>{}, kt, stage);
     }
   };
 
@@ -418,9 +386,6 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.stage_elems = (kM + plan.a_rows) * kPitch;
   p.red_pitch = plan.a_rows + 4;
   p.cache_ranks = cache_ranks(s);
-  p.l2_prefetch = kernel_tuning().l2_prefetch;
-  p.prefetch_sorted = kernel_tuning().prefetch_sorted != 0;
-  p.k_interleave = kernel_tuning().prefill_k_interleave != 0;
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K

@@ -14,7 +14,6 @@
 // strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
-#include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/expand_items.cuh"
@@ -227,12 +226,6 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   int* sorted_cache = rank_cache + (p.cache_ranks ? p.num_slices * p.max_loras : 0);
   // The layer's ranks and (small batches) the sorted token indices come with the metadata
   // in the first round trip, so a work item needs no other load before its data.
-  if (p.prefetch_sorted && !p.cache_sorted && threadIdx.x < 2) {
-    // The first item's sorted token indices (see expand_pipelined.cu).
-    const int64_t first_guess = static_cast<int64_t>(blockIdx.x) * p.items_guess_per_cta;
-    const int64_t pos = first_guess / p.ntile_begin[p.num_slices] * kTcBM + threadIdx.x * 32;
-    if (pos < p.num_tokens) prefetch_l2(p.meta.sorted_token_indices + pos);
-  }
   if (p.cache_ranks) {
     for (int i = static_cast<int>(threadIdx.x); i < p.num_slices * p.max_loras; i += kTcThreads) {
       rank_cache[i] = p.ranks[i];
@@ -284,22 +277,12 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
     }
     const int64_t ycol = p.y_col[s] + n0;
     if (p.add_inputs) {
-      auto load_y = [&](auto l2) {
-        for (int i = tid; i < kTcBM * (kExpandBN / 8); i += kTcThreads) {
-          const int row = i / (kExpandBN / 8);
-          const int ch = i % (kExpandBN / 8);
-          const bool ok = row < mrows && ch * 8 < ncols;
-          cp_async16_l2_at<decltype(l2)::value>(
-              static_cast<uint32_t>(__cvta_generic_to_shared(ys + row * kYPitch + ch * 8)),
-              ok ? yg + tok[row] * p.y_stride + ycol + ch * 8 : yg, ok ? 16 : 0);
-        }
-      };
-      if (p.l2_prefetch == 2) {
-        load_y(std::integral_constant<int, 2>{});
-      } else if (p.l2_prefetch == 1) {
-        load_y(std::integral_constant<int, 1>{});
-      } else {
-        load_y(std::integral_constant<int, 0>{});
+      for (int i = tid; i < kTcBM * (kExpandBN / 8); i += kTcThreads) {
+        const int row = i / (kExpandBN / 8);
+        const int ch = i % (kExpandBN / 8);
+        const bool ok = row < mrows && ch * 8 < ncols;
+        cp_async16(ys + row * kYPitch + ch * 8,
+                   ok ? yg + tok[row] * p.y_stride + ycol + ch * 8 : yg, ok ? 16 : 0);
       }
     }
     float acc[16][4];
@@ -414,8 +397,6 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
   p.meta = meta;
   p.cache_ranks = a.num_slices * a.max_loras <= kMaxCachedRanks;
   p.cache_sorted = a.num_tokens <= kExpandCachedTokens;
-  p.l2_prefetch = kernel_tuning().l2_prefetch;
-  p.prefetch_sorted = kernel_tuning().prefetch_sorted != 0;
   return p;
 }
 
@@ -423,11 +404,6 @@ int64_t expand_tile_items(const ExpandTileParams& p) {
   const int64_t tiles = ceil_div(p.num_tokens, int64_t{kExpandTileRows}) +
                         std::min<int64_t>(p.num_tokens, p.max_loras);
   return tiles * p.ntile_begin[p.num_slices];
-}
-
-int64_t expand_items_guess_per_cta(const ExpandTileParams& p, int grid) {
-  return ceil_div(ceil_div(p.num_tokens, int64_t{kExpandTileRows}) * p.ntile_begin[p.num_slices],
-                  int64_t{grid});
 }
 
 int expand_table_bytes(const ExpandTileParams& p) {
@@ -439,13 +415,12 @@ int expand_table_bytes(const ExpandTileParams& p) {
 namespace {
 
 Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
-  ExpandTileParams p = expand_tile_params(a, meta);
+  const ExpandTileParams p = expand_tile_params(a, meta);
   const int tables = expand_table_bytes(p);
   const int64_t items = expand_tile_items(p);
   auto s = static_cast<cudaStream_t>(stream);
   const int grid = static_cast<int>(
       std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
-  p.items_guess_per_cta = expand_items_guess_per_cta(p, grid);
   auto run = [&](auto kernel, int bk) -> Status {
     const int smem = expand_smem_bytes(bk) + tables;
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
