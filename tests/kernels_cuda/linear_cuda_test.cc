@@ -273,8 +273,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 " group " + std::to_string(t.gather_group) + " cluster " +
                 std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
                 " shrink " + std::to_string(t.gather_shrink) + " pipelined " +
-                std::to_string(t.expand_pipelined) + " stages " + std::to_string(t.prefill_stages) +
-                " l2 " + std::to_string(t.l2_prefetch));
+                std::to_string(t.expand_pipelined) + " stages " + std::to_string(t.prefill_stages));
       }
     }
   }
