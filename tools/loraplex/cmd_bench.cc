@@ -26,6 +26,7 @@
 #include "command.h"
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/punica/punica_wrapper.h"
@@ -40,6 +41,7 @@ const char* kHelp =
     "usage: loraplex bench kernels [--json FILE] [--iters N] [--quick] [--device cuda:N]\n"
     "                              [--commit HASH] [--no-path-comparison] [--no-metadata]\n"
     "                              [--only OP:RANK:ADAPTERS:TOKENS:SLICES] [--tune K=V,...]\n"
+    "                              [--trace FILE]\n"
     "Times the LoRA ops (add_lora_linear, add_shrink, add_expand and the metadata build) on\n"
     "the grid hidden 4096 x rank {16, 64} x adapters {1, 8, 32} x tokens {1, 16, 64, 256,\n"
     "1024, 4096} x slices {1: 4096, 3: 4096/1024/1024}, bf16, tokens spread round-robin\n"
@@ -51,8 +53,10 @@ const char* kHelp =
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
     "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
-    "error that lists them; the rest keep their defaults). Needs a CUDA device; --help does\n"
-    "not.\n";
+    "error that lists them; the rest keep their defaults). --trace writes, per shrink case\n"
+    "that ran the prefill shrink, one cold call's per-CTA timeline (SM, global-timer ns at\n"
+    "entry, metadata, setup, first stage, K loop end, reduction end, exit) as JSON lines.\n"
+    "Needs a CUDA device; --help does not.\n";
 
 struct Options {
   std::string json_path;
@@ -64,6 +68,7 @@ struct Options {
   Device device = Device::cuda(0);
   std::string commit;
   kc::KernelTuning tuning;
+  std::string trace_path;
 };
 
 Options parse(const std::vector<std::string>& args) {
@@ -105,6 +110,8 @@ Options parse(const std::vector<std::string>& args) {
       LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
     } else if (flag == "--commit") {
       o.commit = value();
+    } else if (flag == "--trace") {
+      o.trace_path = value();
     } else if (flag == "--tune") {
       throw_if_error(kc::parse_kernel_tuning(value(), o.tuning));
     } else {
@@ -141,6 +148,27 @@ class Bench {
 
   void flush() {
     kc::read_buffer(flush_.data_ptr(), kFlushBytes, sink_.data<float>(), stream_.handle());
+  }
+
+  // One cold call of fn with the prefill shrink's per-CTA timeline on (kernel_trace.h): the rows
+  // of the CTAs that wrote anything.
+  json trace(const std::function<void(int)>& fn) {
+    constexpr int64_t kMaxCtas = 16384;
+    Tensor buf = Tensor::zeros({kMaxCtas * kc::kTraceSlots}, DType::kI64, o_.device, stream_);
+    kc::set_prefill_shrink_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
+    flush();
+    fn(0);
+    kc::set_prefill_shrink_trace(nullptr);
+    const Tensor host = buf.to(Device::cpu(), stream_);
+    stream_.synchronize();
+    const auto* v = static_cast<const int64_t*>(host.data_ptr());
+    json rows = json::array();
+    for (int64_t b = 0; b < kMaxCtas; ++b) {
+      const int64_t* r = v + b * kc::kTraceSlots;
+      if (r[1] == 0) continue;
+      rows.push_back(json(std::vector<int64_t>(r, r + kc::kTraceSlots)));
+    }
+    return rows;
   }
 
   // fn(set) issues one call using weight set `set`.
@@ -342,6 +370,11 @@ int run_kernels(const Options& o) {
 
   std::printf("%-7s %4s %4s %5s %-15s %-7s %9s %9s %9s %9s %6s\n", "op", "rank", "lora", "tok",
               "slices", "path", "cold_us", "graph_us", "rot_us", "roof_us", "%bw");
+  std::ofstream trace_out;
+  if (!o.trace_path.empty()) {
+    trace_out.open(o.trace_path);
+    LORAPLEX_CHECK(trace_out.good(), "cannot write ", o.trace_path);
+  }
   for (const Case& c : cases) {
     CaseData d(c, o.device, stream);
     const Bytes by = count_bytes(c);
@@ -370,6 +403,12 @@ int run_kernels(const Options& o) {
       json j = entry(op.name, c, op_path, op.bytes, t, copy_gbs);
       j["weight_sets"] = d.sets;
       results.push_back(j);
+      if (trace_out.is_open() && std::string(op.name) == "shrink") {
+        trace_out << json{{"op", op.name},      {"rank", c.rank},     {"adapters", c.adapters},
+                          {"tokens", c.tokens}, {"slices", c.slices}, {"ctas", bench.trace(op.fn)}}
+                         .dump()
+                  << "\n";
+      }
       std::printf("%-7s %4d %4d %5d %-15s %-7s %9.2f %9.2f %9.2f %9.2f %6.1f\n", op.name, c.rank,
                   c.adapters, c.tokens, c.slices == 1 ? "4096" : "4096/1024/1024", op_path.c_str(),
                   t.cold_us, t.graph_us, t.rotating_us, j["roofline_us"].get<double>(),

@@ -138,6 +138,18 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
   }
 }
 
+/// The GPU's global timer in nanoseconds and this CTA's SM (per-CTA timelines, kernel_trace.h).
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }

@@ -3,6 +3,7 @@
 
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/cuda/table_write.h"
 
@@ -16,6 +17,8 @@ Status no_cuda(const char* op) { return unsupported(op, ": this build has no CUD
 }
 
 }  // namespace
+
+void set_prefill_shrink_trace(uint64_t*) {}
 
 Status build_lora_meta(int32_t, int32_t, const cpu::LoraMetaBuffers&, StreamHandle) {
   return no_cuda("build_lora_meta");

@@ -20,6 +20,7 @@
 #include <algorithm>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
 
@@ -104,7 +105,15 @@ struct PrefillParams {
   bool cache_ranks;  // the rank table is copied to shared memory (num_slices x max_loras small)
   int region;        // bytes of the stages (later the partial tile); the tables follow
   int off_rows;      // bytes: the staged rows' source pointers
+  uint64_t* trace;   // per-CTA timeline (kernel_trace.h) or nullptr
 };
+
+uint64_t* g_trace = nullptr;
+
+// Slot `k` of this CTA's timeline, written by thread 0 when tracing.
+__device__ __forceinline__ void trace_point(const PrefillParams& p, int k) {
+  if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * kTraceSlots + k] = global_ns();
+}
 
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
 // x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles. kStages: the
@@ -131,6 +140,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   int* entries = ntiles_s + 1;                                // [3 (max_loras + 1)]
   int* rank_tab = entries + 3 * (p.max_loras + 1);            // [S max_loras] when cache_ranks
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
+  if (p.trace != nullptr && tid == 0) p.trace[blockIdx.x * kTraceSlots] = sm_id();
+  trace_point(p, 1);
 
   // The metadata entries and the rank table come in one round trip (the other warps load the
   // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
@@ -139,6 +150,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     for (int i = tid; i < S * p.max_loras; i += kThreads) rank_tab[i] = p.ranks[i];
   }
   const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
+  trace_point(p, 2);
   if (item >= prefix[ne]) return;  // the same in every CTA of the cluster: no barrier waits
   const int e = find_tile_entry(prefix, ne, item);
   const int slot = entries[e];
@@ -180,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
                                      : nullptr;
   }
   __syncthreads();
+  trace_point(p, 3);
   const int rows = kM + ntiles * 8;
   const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
   const int64_t k_hi = min(K, k_lo + p.k_chunk);
@@ -244,10 +257,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     const uint32_t buf = stage0 + rd * stage_bytes;
     rd = rd + 1 == kStages ? 0 : rd + 1;
     wr = wr + 1 == kStages ? 0 : wr + 1;
+    if (kt == 0) trace_point(p, 4);
     stage_mma<T, kTilesPerWarp>(pairs, acc, buf + a_off, buf + b_off);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: the region holds the partial tile
+  trace_point(p, 5);
 
   float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
   {
@@ -282,7 +297,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
       static_cast<T*>(p.out)[o] = from_float<T>(p.scale * v);
     }
   }
+  trace_point(p, 6);
   cluster.sync();  // no CTA reads another's partial tile any more
+  trace_point(p, 7);
 }
 
 bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
@@ -355,6 +372,8 @@ Status launch(const PrefillParams& p, const Plan& plan, int k_split, int cluster
 
 }  // namespace
 
+void set_prefill_shrink_trace(uint64_t* device_buffer) { g_trace = device_buffer; }
+
 bool prefill_shrink_applies(const ShrinkArgs& s) {
   if (!half_dtype(s.dtype) || s.max_rank % 8 != 0 || s.num_slices * s.max_rank > kMaxRows) {
     return false;
@@ -388,6 +407,7 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.cache_ranks = cache_ranks(s);
   p.region = plan.region;
   p.off_rows = plan.off_rows;
+  p.trace = g_trace;
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
   // until the grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least
   // 512 K elements per CTA. The large variant (more than 64 A rows: its MMAs, not its loads,

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Summarises `loraplex bench kernels --trace` output: per case, the kernel's span, when CTAs
+started, the median / 90th-percentile time of each phase of a CTA, and how CTAs landed on SMs
+(CTAs per SM against the time their SM finished)."""
+import collections
+import json
+import statistics
+import sys
+
+PHASES = ["metadata", "setup", "first stage", "K loop", "reduction", "exit"]
+
+
+def pct(v, q):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+for line in open(sys.argv[1]):
+    c = json.loads(line)
+    rows = c["ctas"]
+    full = [r for r in rows if r[7]]
+    t0 = min(r[1] for r in rows)
+    span = max(r[7] for r in full) - t0 if full else 0
+    print(f"{c['op']} rank {c['rank']} adapters {c['adapters']} tokens {c['tokens']} slices "
+          f"{c['slices']}: {len(rows)} CTAs ({len(full)} worked), span {span / 1e3:.2f} us, "
+          f"entry spread {(max(r[1] for r in rows) - t0) / 1e3:.2f} us")
+    for k, name in enumerate(PHASES):
+        d = [(r[k + 2] - r[k + 1]) / 1e3 for r in full]
+        if d:
+            print(f"  {name:12s} median {statistics.median(d):6.2f} us  p90 {pct(d, 0.9):6.2f}  "
+                  f"max {max(d):6.2f}")
+    per_sm = collections.defaultdict(list)
+    for r in full:
+        per_sm[r[0]].append(r)
+    by_count = collections.defaultdict(list)
+    for sm, rs in per_sm.items():
+        by_count[len(rs)].append((max(r[7] for r in rs) - t0) / 1e3)
+    print("  SMs by CTAs:", ", ".join(
+        f"{n} CTAs: {len(v)} SMs (finish median {statistics.median(v):.2f} us)"
+        for n, v in sorted(by_count.items())), f"; {len(per_sm)} SMs used")
