@@ -98,14 +98,6 @@ struct UnitInfo {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// The one cluster-wide barrier: it publishes the initialised mbarriers (fence below), nothing
-// else, so it needs no release (a release compiles to MEMBAR.ALL.GPU).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-}
 /// The address of the same shared variable in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, int rank) {
   uint32_t out;

@@ -150,6 +150,17 @@ __device__ __forceinline__ uint32_t sm_id() {
   return s;
 }
 
+/// A cluster barrier without release semantics (cluster.sync()'s release compiles to
+/// MEMBAR.ALL.GPU): for barriers that order nothing but the barrier itself, e.g. the one that
+/// publishes initialised mbarriers (with their own fence) or keeps a CTA's shared memory alive
+/// until the others' remote loads, whose values were already used, are done.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }

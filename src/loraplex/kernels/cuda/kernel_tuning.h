@@ -24,6 +24,9 @@ struct KernelTuning {
   /// Prefill shrink: cp.async ring depth (3..6); 0: 4 where three stages hold at most 36 KB
   /// (rank 16, one slice), else 3.
   int prefill_stages = 0;
+  /// Prefill shrink: at most this many CTAs per SM (1..4, by padding shared memory); 0: as many
+  /// as fit.
+  int prefill_max_ctas_per_sm = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.
   int expand_ctas_per_sm = 4;

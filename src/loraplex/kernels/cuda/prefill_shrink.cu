@@ -37,6 +37,8 @@ constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
 constexpr int kMaxTiles = kMaxRows / 8;
 constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
 constexpr int kSmemPerSm = 227 * 1024;
+constexpr int kSmPool = 228 * 1024;  // shared memory of an SM, all CTAs together
+constexpr int kSmemReserved = 1024;  // the system's share per CTA
 // Bytes a CTA keeps in flight at most (stages beyond the one being multiplied) when the ring
 // depth is automatic. Deeper rings measured slower, not faster, at 4096 tokens on the H200:
 // rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
@@ -298,7 +300,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     }
   }
   trace_point(p, 6);
-  cluster.sync();  // no CTA reads another's partial tile any more
+  // No CTA reads another's partial tile any more (the loaded values are already stored).
+  cluster_arrive_relaxed();
+  cluster_wait();
   trace_point(p, 7);
 }
 
@@ -337,11 +341,15 @@ template <typename T, int kTilesPerWarp, int kStages>
 Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
                      StreamHandle stream) {
   auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages>;
-  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
+  // prefill_max_ctas_per_sm: shared memory padded so that no more CTAs than that share an SM.
+  int smem = plan.smem;
+  const int cap = kernel_tuning().prefill_max_ctas_per_sm;
+  if (cap > 0) smem = std::max(smem, kSmPool / (cap + 1) - kSmemReserved + 16);
+  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * k_split));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
