@@ -23,11 +23,14 @@ LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device)
   num_active_ = Tensor::empty({1}, DType::kI32, device);
   if (device.is_cuda()) {
     host_staging_ = Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
-    scratch_ = Tensor::empty({std::min<int64_t>(n, kScratchTokens) * kScratchFloatsPerToken},
-                             DType::kF32, device);
+    scratch_ =
+        Tensor::empty({std::max(std::min<int64_t>(n, kScratchTokens) * kScratchFloatsPerToken,
+                                n * kPrefillScratchFloatsPerToken)},
+                      DType::kF32, device);
     // Zeroed once here; every op that counts on them leaves them at zero again.
     const Stream setup = Stream::default_for(device);
-    counters_ = Tensor::zeros({(l + 1) * kernels::kMaxSlices}, DType::kI32, device, setup);
+    counters_ = Tensor::zeros({std::max((l + 1) * kernels::kMaxSlices, (n + 63) / 64 + l + 1)},
+                              DType::kI32, device, setup);
     setup.synchronize();
   }
 }

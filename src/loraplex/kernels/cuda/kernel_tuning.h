@@ -27,6 +27,10 @@ struct KernelTuning {
   /// Prefill shrink: at most this many CTAs per SM (1..4, by padding shared memory); 0: as many
   /// as fit.
   int prefill_max_ctas_per_sm = 0;
+  /// Prefill shrink: where the split-K partial sums meet. 1: in a thread-block cluster's shared
+  /// memory; 0 and 2: in global memory (the metadata's scratch, the last CTA of a tile adds
+  /// them) wherever the scratch holds them, so that the CTAs need no co-scheduling.
+  int prefill_reduce = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.
   int expand_ctas_per_sm = 4;

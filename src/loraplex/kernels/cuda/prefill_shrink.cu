@@ -108,6 +108,12 @@ struct PrefillParams {
   int region;        // bytes of the stages (later the partial tile); the tables follow
   int off_rows;      // bytes: the staged rows' source pointers
   uint64_t* trace;   // per-CTA timeline (kernel_trace.h) or nullptr
+  // Split-K through global memory instead of a cluster: each CTA's fp32 partial tile goes to
+  // the metadata's scratch ([item][k part][kM][part_pitch]), the last of a tile's CTAs to
+  // arrive (the metadata's counter per tile) adds them in part order and resets the counter.
+  bool global_reduce;
+  int k_split;
+  int part_pitch;
 };
 
 uint64_t* g_trace = nullptr;
@@ -117,6 +123,77 @@ __device__ __forceinline__ void trace_point(const PrefillParams& p, int k) {
   if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * kTraceSlots + k] = global_ns();
 }
 
+// Stores element (m, c) of the shrink's output: scaled, in the output dtype.
+template <typename T>
+__device__ __forceinline__ void store_out(const PrefillParams& p, const int* tok,
+                                          const int* tile_slice, const int* tile_r0,
+                                          const int* srank, int m, int c, float v) {
+  const int s = tile_slice[c >> 3];
+  const int r = tile_r0[c >> 3] + (c & 7);
+  if (r >= srank[s]) return;
+  const int64_t o = (static_cast<int64_t>(s) * p.num_tokens + tok[m]) * p.max_rank + r;
+  if (p.out_f32) {
+    static_cast<float*>(p.out)[o] = p.scale * v;
+  } else {
+    static_cast<T*>(p.out)[o] = from_float<T>(p.scale * v);
+  }
+}
+
+// The split-K reduction through global memory (PrefillParams::global_reduce): no cluster, so
+// the CTAs land on any SM (clusters of 4 used 124 of the H200's 132 SMs and put 3 CTAs on 8
+// of them).
+template <typename T, int kTilesPerWarp>
+__device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
+                                                      const float (&acc)[kTilesPerWarp][4],
+                                                      int item, int ks, int crank, int ntiles,
+                                                      int mrows, const int* tok,
+                                                      const int* tile_slice, const int* tile_r0,
+                                                      const int* srank) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int mg = warp & 3;
+  const int cset = warp >> 2;
+  const int pp = p.part_pitch;
+  float* part = p.meta.scratch + static_cast<int64_t>(item * ks + crank) * kM * pp;
+  const int g = lane >> 2;
+  const int tq = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < kTilesPerWarp; ++i) {
+    const int j = cset + 2 * i;
+    if (j < ntiles) {
+      float* d = part + (mg * 16 + g) * pp + j * 8 + tq;
+      *reinterpret_cast<float2*>(d) = make_float2(acc[i][0], acc[i][1]);
+      *reinterpret_cast<float2*>(d + 8 * pp) = make_float2(acc[i][2], acc[i][3]);
+    }
+  }
+  __shared__ int last;
+  __syncthreads();  // the CTA's partial tile is stored ...
+  if (tid == 0) {
+    __threadfence();  // ... and visible to the GPU before the arrival counts
+    last = atomicAdd(p.meta.counters + item, 1) == ks - 1;
+  }
+  __syncthreads();
+  if (!last) {
+    trace_point(p, 6);
+    trace_point(p, 7);
+    return;
+  }
+  __threadfence();  // the other parts, stored before their arrivals, are read after ours
+  const float* base = p.meta.scratch + static_cast<int64_t>(item * ks) * kM * pp;
+  const int cols = ntiles * 8;
+  for (int i = tid; i < mrows * cols; i += kThreads) {
+    const int m = i / cols;
+    const int c = i - m * cols;
+    float v = 0.0f;
+    for (int q = 0; q < ks; ++q) v += __ldcg(base + (static_cast<int64_t>(q) * kM + m) * pp + c);
+    store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, v);
+  }
+  if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
+  trace_point(p, 6);
+  trace_point(p, 7);
+}
+
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
 // x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles. kStages: the
 // cp.async ring's depth (kStages - 1 stages in flight while one is multiplied).
@@ -124,8 +201,9 @@ template <typename T, int kTilesPerWarp, int kStages>
 __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
-  const int ks = static_cast<int>(cluster.num_blocks());
-  const int crank = static_cast<int>(cluster.block_rank());
+  const int ks = p.global_reduce ? p.k_split : static_cast<int>(cluster.num_blocks());
+  const int crank =
+      p.global_reduce ? static_cast<int>(blockIdx.x) % ks : static_cast<int>(cluster.block_rank());
   const int item = static_cast<int>(blockIdx.x) / ks;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
@@ -266,6 +344,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   __syncthreads();  // every warp is done with the stages: the region holds the partial tile
   trace_point(p, 5);
 
+  if (p.global_reduce) {
+    reduce_through_global<T, kTilesPerWarp>(p, acc, item, ks, crank, ntiles, mrows, tok, tile_slice,
+                                            tile_r0, srank);
+    return;
+  }
   float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
   {
     const int g = lane >> 2;
@@ -287,17 +370,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   for (int i = crank * kThreads + tid; i < mrows * cols; i += ks * kThreads) {
     const int m = i / cols;
     const int c = i - m * cols;
-    const int s = tile_slice[c >> 3];
-    const int r = tile_r0[c >> 3] + (c & 7);
-    if (r >= srank[s]) continue;
     float v = 0.0f;
     for (int q = 0; q < ks; ++q) v += cluster.map_shared_rank(red, q)[m * p.red_pitch + c];
-    const int64_t o = (static_cast<int64_t>(s) * p.num_tokens + tok[m]) * p.max_rank + r;
-    if (p.out_f32) {
-      static_cast<float*>(p.out)[o] = p.scale * v;
-    } else {
-      static_cast<T*>(p.out)[o] = from_float<T>(p.scale * v);
-    }
+    store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, v);
   }
   trace_point(p, 6);
   // No CTA reads another's partial tile any more (the loaded values are already stored).
@@ -357,7 +432,7 @@ Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int 
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = p.global_reduce ? 0 : 1;  // split-K through global memory: no clusters
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, kernel, p), "prefill_shrink_kernel launch"));
   return launch_status("prefill_shrink_kernel");
@@ -433,6 +508,13 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   }
   p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
   const int clusters = static_cast<int>(tiles);
+  // The split-K partial sums through global memory where the metadata's scratch and counters
+  // hold them (prefill_reduce 0 or 2), else through a cluster's shared memory.
+  p.k_split = k_split;
+  p.part_pitch = plan.a_rows;
+  p.global_reduce = tuning.prefill_reduce != 1 && k_split > 1 && meta.scratch != nullptr &&
+                    tiles * k_split * kM * plan.a_rows <= meta.scratch_floats &&
+                    tiles <= meta.num_counters;
   if (s.dtype == DType::kBF16) {
     return small ? launch<bf16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
                  : launch<bf16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
