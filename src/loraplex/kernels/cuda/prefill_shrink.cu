@@ -180,14 +180,55 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
     return;
   }
   __threadfence();  // the other parts, stored before their arrivals, are read after ours
+  // Four columns per load, two of them per thread, four parts' loads issued before their sums
+  // (one L2 round trip per four parts, not one per part); parts added in order 0..ks-1, as the
+  // cluster path adds them.
   const float* base = p.meta.scratch + static_cast<int64_t>(item * ks) * kM * pp;
-  const int cols = ntiles * 8;
-  for (int i = tid; i < mrows * cols; i += kThreads) {
-    const int m = i / cols;
-    const int c = i - m * cols;
-    float v = 0.0f;
-    for (int q = 0; q < ks; ++q) v += __ldcg(base + (static_cast<int64_t>(q) * kM + m) * pp + c);
-    store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, v);
+  const int quads = ntiles * 2;
+  const int n = mrows * quads;
+  for (int i0 = tid; i0 < n; i0 += 2 * kThreads) {
+    float4 sum[2];
+    for (int q0 = 0; q0 < ks; q0 += 4) {
+      float4 v[2][4];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = i0 + u * kThreads;
+        const int m = i / quads;
+        const int c = (i - m * quads) * 4;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (q0 + q < ks && i < n) {
+            v[u][q] = __ldcg(reinterpret_cast<const float4*>(
+                base + (static_cast<int64_t>(q0 + q) * kM + m) * pp + c));
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (q0 + q == 0) {
+            sum[u] = v[u][0];
+          } else if (q0 + q < ks) {
+            sum[u].x += v[u][q].x;
+            sum[u].y += v[u][q].y;
+            sum[u].z += v[u][q].z;
+            sum[u].w += v[u][q].w;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i >= n) break;
+      const int m = i / quads;
+      const int c = (i - m * quads) * 4;
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, sum[u].x);
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 1, sum[u].y);
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 2, sum[u].z);
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 3, sum[u].w);
+    }
   }
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
   trace_point(p, 6);
