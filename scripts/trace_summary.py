@@ -18,6 +18,8 @@ def pct(v, q):
 for line in open(sys.argv[1]):
     c = json.loads(line)
     rows = c["ctas"]
+    if not rows:  # the case ran another shrink path
+        continue
     full = [r for r in rows if r[7]]
     t0 = min(r[1] for r in rows)
     span = max(r[7] for r in full) - t0 if full else 0

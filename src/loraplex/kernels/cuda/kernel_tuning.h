@@ -28,8 +28,9 @@ struct KernelTuning {
   /// as fit.
   int prefill_max_ctas_per_sm = 0;
   /// Prefill shrink: where the split-K partial sums meet. 1: in a thread-block cluster's shared
-  /// memory; 0 and 2: in global memory (the metadata's scratch, the last CTA of a tile adds
-  /// them) wherever the scratch holds them, so that the CTAs need no co-scheduling.
+  /// memory; 2: in global memory (the metadata's scratch, the last CTA of a tile adds them)
+  /// wherever the scratch holds them, so that the CTAs need no co-scheduling; 0: global memory
+  /// where the full tiles alone bring more than one CTA per SM (small variant), else clusters.
   int prefill_reduce = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.

@@ -139,6 +139,61 @@ __device__ __forceinline__ void store_out(const PrefillParams& p, const int* tok
   }
 }
 
+// Sums the ks partial tiles of an item and stores the output: the quads (four columns) first,
+// first + step, ... of the mrows x ntiles * 8 tile, load(q, m, c) giving part q's four values at
+// row m from column c. Two quads per thread at a time and four parts' loads issued before
+// their sums (one round trip per four parts, not one per part and value); parts added in order
+// 0..ks-1 wherever they come from, so both reductions give the same bits.
+template <typename T, typename Load>
+__device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, int step, int mrows,
+                                             int ntiles, int ks, const int* tok,
+                                             const int* tile_slice, const int* tile_r0,
+                                             const int* srank, Load load) {
+  const int quads = ntiles * 2;
+  const int n = mrows * quads;
+  for (int i0 = first; i0 < n; i0 += 2 * step) {
+    float4 sum[2];
+    for (int q0 = 0; q0 < ks; q0 += 4) {
+      float4 v[2][4];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = i0 + u * step;
+        const int m = i / quads;
+        const int c = (i - m * quads) * 4;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (q0 + q < ks && i < n) v[u][q] = load(q0 + q, m, c);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (q0 + q == 0) {
+            sum[u] = v[u][0];
+          } else if (q0 + q < ks) {
+            sum[u].x += v[u][q].x;
+            sum[u].y += v[u][q].y;
+            sum[u].z += v[u][q].z;
+            sum[u].w += v[u][q].w;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = i0 + u * step;
+      if (i >= n) break;
+      const int m = i / quads;
+      const int c = (i - m * quads) * 4;
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, sum[u].x);
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 1, sum[u].y);
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 2, sum[u].z);
+      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 3, sum[u].w);
+    }
+  }
+}
+
 // The split-K reduction through global memory (PrefillParams::global_reduce): no cluster, so
 // the CTAs land on any SM (clusters of 4 used 124 of the H200's 132 SMs and put 3 CTAs on 8
 // of them).
@@ -180,56 +235,12 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
     return;
   }
   __threadfence();  // the other parts, stored before their arrivals, are read after ours
-  // Four columns per load, two of them per thread, four parts' loads issued before their sums
-  // (one L2 round trip per four parts, not one per part); parts added in order 0..ks-1, as the
-  // cluster path adds them.
   const float* base = p.meta.scratch + static_cast<int64_t>(item * ks) * kM * pp;
-  const int quads = ntiles * 2;
-  const int n = mrows * quads;
-  for (int i0 = tid; i0 < n; i0 += 2 * kThreads) {
-    float4 sum[2];
-    for (int q0 = 0; q0 < ks; q0 += 4) {
-      float4 v[2][4];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int i = i0 + u * kThreads;
-        const int m = i / quads;
-        const int c = (i - m * quads) * 4;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (q0 + q < ks && i < n) {
-            v[u][q] = __ldcg(reinterpret_cast<const float4*>(
-                base + (static_cast<int64_t>(q0 + q) * kM + m) * pp + c));
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (q0 + q == 0) {
-            sum[u] = v[u][0];
-          } else if (q0 + q < ks) {
-            sum[u].x += v[u][q].x;
-            sum[u].y += v[u][q].y;
-            sum[u].z += v[u][q].z;
-            sum[u].w += v[u][q].w;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int i = i0 + u * kThreads;
-      if (i >= n) break;
-      const int m = i / quads;
-      const int c = (i - m * quads) * 4;
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, sum[u].x);
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 1, sum[u].y);
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 2, sum[u].z);
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 3, sum[u].w);
-    }
-  }
+  reduce_parts<T>(p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
+                  [&](int q, int m, int c) {
+                    return __ldcg(reinterpret_cast<const float4*>(
+                        base + (static_cast<int64_t>(q) * kM + m) * pp + c));
+                  });
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
   trace_point(p, 6);
   trace_point(p, 7);
@@ -407,14 +418,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     }
   }
   cluster.sync();  // every CTA's partial tile is complete
-  const int cols = ntiles * 8;
-  for (int i = crank * kThreads + tid; i < mrows * cols; i += ks * kThreads) {
-    const int m = i / cols;
-    const int c = i - m * cols;
-    float v = 0.0f;
-    for (int q = 0; q < ks; ++q) v += cluster.map_shared_rank(red, q)[m * p.red_pitch + c];
-    store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, v);
-  }
+  reduce_parts<T>(p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok, tile_slice,
+                  tile_r0, srank, [&](int q, int m, int c) {
+                    return *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) +
+                                                            m * p.red_pitch + c);
+                  });
   trace_point(p, 6);
   // No CTA reads another's partial tile any more (the loaded values are already stored).
   cluster_arrive_relaxed();
@@ -549,11 +557,16 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   }
   p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
   const int clusters = static_cast<int>(tiles);
-  // The split-K partial sums through global memory where the metadata's scratch and counters
-  // hold them (prefill_reduce 0 or 2), else through a cluster's shared memory.
+  // The split-K partial sums meet in a cluster's shared memory, or in global memory (the
+  // metadata's scratch, where it holds them) when the batch's full tiles alone bring more than
+  // one CTA per SM of the small variant (prefill_reduce 0), or always (2). Clusters of 4 landed
+  // on 124 of the H200's 132 SMs with 3 CTAs on 8 of them (or a second wave) at 4096 tokens, so
+  // the global reduction, ~1-3 us slower per CTA, wins only there (BENCHMARKS.md, 2026-11-24).
   p.k_split = k_split;
   p.part_pitch = plan.a_rows;
-  p.global_reduce = tuning.prefill_reduce != 1 && k_split > 1 && meta.scratch != nullptr &&
+  const bool many = small && ceil_div(s.num_tokens, kM) * k_split > sm_count();
+  p.global_reduce = (tuning.prefill_reduce == 2 || (tuning.prefill_reduce == 0 && many)) &&
+                    k_split > 1 && meta.scratch != nullptr &&
                     tiles * k_split * kM * plan.a_rows <= meta.scratch_floats &&
                     tiles <= meta.num_counters;
   if (s.dtype == DType::kBF16) {
