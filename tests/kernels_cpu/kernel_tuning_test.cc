@@ -59,8 +59,6 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.prefill_ctas_per_sm = 0; }, "prefill_ctas_per_sm = 0"},
       {[](KernelTuning& t) { t.prefill_max_ctas_per_sm = 5; }, "prefill_max_ctas_per_sm = 5"},
       {[](KernelTuning& t) { t.prefill_reduce = 3; }, "prefill_reduce = 3"},
-      {[](KernelTuning& t) { t.prefill_prefetch_x = 2; }, "prefill_prefetch_x = 2"},
-      {[](KernelTuning& t) { t.expand_prefetch_y = -1; }, "expand_prefetch_y = -1"},
       {[](KernelTuning& t) { t.prefill_stages = 2; }, "prefill_stages = 2"},
       {[](KernelTuning& t) { t.prefill_stages = 7; }, "prefill_stages = 7"},
       {[](KernelTuning& t) { t.expand_ctas_per_sm = 0; }, "expand_ctas_per_sm = 0"},

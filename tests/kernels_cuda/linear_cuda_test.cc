@@ -201,9 +201,9 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
 // the expand up to rank 16 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
-// deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, x and y
-// prefetched by position, the pair's shrink on FMA and on tensor cores with groups of 1, 2 and 4
-// tokens, the cluster layer with clusters of 1, 2 and 16.
+// deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, the pair's
+// shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster layer with
+// clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(303);
@@ -231,8 +231,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_stages = 5,
        .prefill_max_ctas_per_sm = 2,
        .prefill_reduce = 1,
-       .prefill_prefetch_x = 1,
-       .expand_prefetch_y = 1,
        .expand_ctas_per_sm = 16,
        .expand_pipelined = 2,
        .decode_ctas_per_sm = 2,
@@ -254,8 +252,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 2,
        .prefill_ctas_per_sm = 4,
        .prefill_stages = 6,
-       .prefill_prefetch_x = 1,
-       .expand_prefetch_y = 1,
        .expand_ctas_per_sm = 2,
        .decode_ctas_per_sm = 0,
        .decode_persistent = 1,

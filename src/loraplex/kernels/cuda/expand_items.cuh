@@ -34,7 +34,6 @@ struct ExpandTileParams {
   LoraMetaView meta;
   bool cache_ranks;   // the rank table goes to shared memory (num_slices x max_loras small)
   bool cache_sorted;  // the sorted token indices go to shared memory (small batches)
-  bool prefetch_y;    // see prefetch_y_by_position
 };
 
 /// Everything from the arguments; the caches on where the tables are small.
@@ -81,34 +80,6 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
   it.mrows = min(kExpandTileRows, entries[n + e] - m0);
   it.start = entries[2 * n + e] + m0;
   return it;
-}
-
-/// The y rows of this CTA's items into L2 by position (item tile t = rows t * 64 .. + 64) while
-/// the metadata is read, as prefill_shrink.cu prefetches x: the items of a batch together
-/// cover every row of y once whatever the sorted order, so all of y streams into L2 during the
-/// CTAs' metadata -> token -> row chain. The run is the one the CTA would get if every slot
-/// filled whole tiles (exact then, close otherwise).
-__device__ __forceinline__ void prefetch_y_by_position(const ExpandTileParams& p, int threads) {
-  if (!p.prefetch_y || !p.add_inputs) return;
-  const int total_nt = p.ntile_begin[p.num_slices];
-  const int64_t items = (p.num_tokens + kExpandTileRows - 1) / kExpandTileRows * total_nt;
-  const int64_t per = (items + gridDim.x - 1) / gridDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * per;
-  const int64_t count = min(items, first + per) - first;
-  constexpr int kLines = kExpandTileCols * 2 / 128;  // 128-byte lines per item row
-  const unsigned char* y = static_cast<const unsigned char*>(p.y);
-  for (int64_t i = threadIdx.x; i < count * kExpandTileRows * kLines; i += threads) {
-    const int64_t index = first + i / (kExpandTileRows * kLines);
-    const int r = static_cast<int>(i % (kExpandTileRows * kLines));
-    const int64_t row = index / total_nt * kExpandTileRows + r / kLines;
-    const int u = static_cast<int>(index % total_nt);
-    int s = 0;
-    while (u >= p.ntile_begin[s + 1]) ++s;
-    const int64_t col = (u - p.ntile_begin[s]) * kExpandTileCols + (r % kLines) * 64;
-    if (row < p.num_tokens && col < p.width[s]) {
-      prefetch_l2(y + (row * p.y_stride + p.y_col[s] + col) * 2);
-    }
-  }
 }
 
 /// A warp's 16 x 128 sums (mma accumulator layout) plus the old y (add_inputs), rounded to T,

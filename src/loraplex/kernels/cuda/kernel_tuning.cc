@@ -26,8 +26,6 @@ constexpr Field kFields[] = {
     {"prefill_ctas_per_sm", &KernelTuning::prefill_ctas_per_sm, 1, 8, false, false},
     {"prefill_max_ctas_per_sm", &KernelTuning::prefill_max_ctas_per_sm, 1, 4, false, true},
     {"prefill_reduce", &KernelTuning::prefill_reduce, 1, 2, false, true},
-    {"prefill_prefetch_x", &KernelTuning::prefill_prefetch_x, 0, 1, false, false},
-    {"expand_prefetch_y", &KernelTuning::expand_prefetch_y, 0, 1, false, false},
     {"prefill_stages", &KernelTuning::prefill_stages, 3, 6, false, true},
     {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, false},
     {"expand_pipelined", &KernelTuning::expand_pipelined, 1, 2, false, true},

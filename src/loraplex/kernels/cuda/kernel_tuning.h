@@ -32,12 +32,6 @@ struct KernelTuning {
   /// wherever the scratch holds them, so that the CTAs need no co-scheduling; 0: global memory
   /// where the full tiles alone bring more than one CTA per SM (small variant), else clusters.
   int prefill_reduce = 0;
-  /// Prefill shrink: 1 prefetches x into L2 by position while the metadata is read (see
-  /// prefill_shrink.cu, prefetch_x_by_position); 0 does not.
-  int prefill_prefetch_x = 0;
-  /// Tensor-core expands: 1 prefetches y into L2 by position while the metadata is read (see
-  /// expand_items.cuh, prefetch_y_by_position); 0 does not.
-  int expand_prefetch_y = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.
   int expand_ctas_per_sm = 4;

@@ -114,7 +114,6 @@ struct PrefillParams {
   bool global_reduce;
   int k_split;
   int part_pitch;
-  bool prefetch_x;  // see prefetch_x_by_position
 };
 
 uint64_t* g_trace = nullptr;
@@ -122,29 +121,6 @@ uint64_t* g_trace = nullptr;
 // Slot `k` of this CTA's timeline, written by thread 0 when tracing.
 __device__ __forceinline__ void trace_point(const PrefillParams& p, int k) {
   if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * kTraceSlots + k] = global_ns();
-}
-
-// x rows item * kM .. + kM (this CTA's K chunk) into L2, before the metadata says which rows the
-// tile really gathers. Tile `item` of the sorted order is rarely those rows, but the tiles of a
-// batch together cover each row once, so the whole of x streams into L2 while every CTA waits
-// for its metadata -> sorted indices -> row chain (~3 us at 4096 tokens, the DRAM idle) and
-// the real loads then mostly hit L2. Rows past the batch are skipped; tokens without an adapter
-// are fetched for nothing.
-template <typename T>
-__device__ __forceinline__ void prefetch_x_by_position(const PrefillParams& p, int item,
-                                                       int crank) {
-  constexpr int kLineElems = 128 / sizeof(T);
-  const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
-  const int64_t k_hi = min(p.hidden, k_lo + p.k_chunk);
-  const int lines = static_cast<int>(ceil_div(k_hi - k_lo, int64_t{kLineElems}));
-  if (lines <= 0) return;
-  const T* xg = static_cast<const T*>(p.x);
-  for (int i = static_cast<int>(threadIdx.x); i < kM * lines; i += kThreads) {
-    const int m = i / lines;
-    const int64_t row = static_cast<int64_t>(item) * kM + m;
-    if (row < p.num_tokens)
-      prefetch_l2(xg + row * p.x_stride + k_lo + (i - m * lines) * kLineElems);
-  }
 }
 
 // Stores element (m, c) of the shrink's output: scaled, in the output dtype.
@@ -298,7 +274,6 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
   if (p.trace != nullptr && tid == 0) p.trace[blockIdx.x * kTraceSlots] = sm_id();
   trace_point(p, 1);
-  if (p.prefetch_x) prefetch_x_by_position<T>(p, item, crank);
 
   // The metadata entries and the rank table come in one round trip (the other warps load the
   // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
@@ -589,7 +564,6 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   // the global reduction, ~1-3 us slower per CTA, wins only there (BENCHMARKS.md, 2026-11-24).
   p.k_split = k_split;
   p.part_pitch = plan.a_rows;
-  p.prefetch_x = tuning.prefill_prefetch_x == 1;
   const bool many = small && ceil_div(s.num_tokens, kM) * k_split > sm_count();
   p.global_reduce = (tuning.prefill_reduce == 2 || (tuning.prefill_reduce == 0 && many)) &&
                     k_split > 1 && meta.scratch != nullptr &&

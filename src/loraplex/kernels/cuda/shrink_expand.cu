@@ -224,7 +224,6 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   int* entries = prefix + p.max_loras + 2;            // [3 (max_loras + 1)]: slot, count, start
   int* rank_cache = entries + 3 * (p.max_loras + 1);  // when cache_ranks
   int* sorted_cache = rank_cache + (p.cache_ranks ? p.num_slices * p.max_loras : 0);
-  prefetch_y_by_position(p, kTcThreads);
   // The layer's ranks and (small batches) the sorted token indices come with the metadata
   // in the first round trip, so a work item needs no other load before its data.
   if (p.cache_ranks) {
@@ -398,7 +397,6 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
   p.meta = meta;
   p.cache_ranks = a.num_slices * a.max_loras <= kMaxCachedRanks;
   p.cache_sorted = a.num_tokens <= kExpandCachedTokens;
-  p.prefetch_y = kernel_tuning().expand_prefetch_y == 1 && half_dtype(a.dtype);
   return p;
 }
 
