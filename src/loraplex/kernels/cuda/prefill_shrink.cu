@@ -274,6 +274,15 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
   if (p.trace != nullptr && tid == 0) p.trace[blockIdx.x * kTraceSlots] = sm_id();
   trace_point(p, 1);
+  // Tile `item` starts at sorted position item * kM when the slots before it fill whole tiles
+  // (one slot; counts that are multiples of 64): its token indices are loaded on that guess
+  // with the metadata, and kept only if the metadata confirms it, so a right guess takes one
+  // round trip out of the chain metadata -> sorted indices -> x rows.
+  const int64_t guess = int64_t{item} * kM;
+  int spec = -1;
+  if (tid >= kM && tid < 2 * kM && guess + (tid - kM) < p.num_tokens) {
+    spec = __ldg(p.meta.sorted_token_indices + guess + (tid - kM));
+  }
 
   // The metadata entries and the rank table come in one round trip (the other warps load the
   // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
@@ -289,7 +298,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const int m0 = (item - prefix[e]) * kM;
   const int mrows = min(kM, entries[ne + e] - m0);
   const int start = entries[2 * ne + e] + m0;
-  if (tid < kM) tok[tid] = tid < mrows ? p.meta.sorted_token_indices[start + tid] : -1;
+  if (tid >= kM && tid < 2 * kM) {
+    const int m = tid - kM;
+    tok[m] = m >= mrows ? -1 : start == guess ? spec : p.meta.sorted_token_indices[start + m];
+  }
   if (tid < S) {
     srank[tid] =
         p.cache_ranks ? rank_tab[tid * p.max_loras + slot] : p.ranks[tid * p.max_loras + slot];
