@@ -82,6 +82,18 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
   return it;
 }
 
+/// The sorted position of the first token of this CTA's first item if every active slot filled
+/// whole tiles (then the run is ceil(num_tokens / 64) tiles x the column tiles, split evenly
+/// over the grid). The expands load that item's token indices on this guess together with the
+/// metadata and keep them when the item's real start equals it (one round trip less in the
+/// first item's chain metadata -> token indices -> y rows).
+__device__ __forceinline__ int64_t first_item_start_guess(const ExpandTileParams& p) {
+  const int64_t total_nt = p.ntile_begin[p.num_slices];
+  const int64_t items = (p.num_tokens + kExpandTileRows - 1) / kExpandTileRows * total_nt;
+  const int64_t per_cta = (items + gridDim.x - 1) / gridDim.x;
+  return static_cast<int64_t>(blockIdx.x) * per_cta / total_nt * kExpandTileRows;
+}
+
 /// A warp's 16 x 128 sums (mma accumulator layout) plus the old y (add_inputs), rounded to T,
 /// into its rows of the staged y tile (pitch kExpandYPitch); columns past ncols skipped.
 template <typename T>

@@ -22,7 +22,7 @@
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;         // 4 warps, 16 token rows each
+constexpr int kThreads = 128;         // 4 warps, 16 token rows each (2 x kBM: see below)
 constexpr int kBM = kExpandTileRows;  // tokens per tile
 constexpr int kBN = kExpandTileCols;  // output columns per item
 constexpr int kYPitch = kExpandYPitch;
@@ -33,6 +33,7 @@ constexpr int kYBytes = kBM * kYPitch * 2;   // one y tile
 constexpr int kBBytes = kBN * kBPitch * 2;   // the B tile
 constexpr int kInBytes = kBM * kFPitch * 4;  // the intermediate tile (fp32 or 16-bit)
 constexpr int kTokSets = 3;                  // token-index sets in rotation (see the loop)
+static_assert(kThreads == 2 * kBM, "threads kBM.. write the first item's token indices");
 constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kInBytes + kTokSets * kBM * 4;
 
 // An item of the run with its index (== the run's end: none).
@@ -173,6 +174,13 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
+  // The first item's token indices on a guess (expand_items.cuh), by the threads that write
+  // them below (warp 0 scans the metadata).
+  const int64_t guess = first_item_start_guess(p);
+  int spec = 0;
+  if (tid >= kBM && guess + (tid - kBM) < p.num_tokens) {
+    spec = __ldg(p.meta.sorted_token_indices + guess + (tid - kBM));
+  }
   if (p.cache_ranks) {
     for (int i = tid; i < p.num_slices * p.max_loras; i += kThreads) rank_cache[i] = p.ranks[i];
   }
@@ -188,7 +196,12 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
 
   Item cur = next_item(p, t, first, last);
   if (cur.index >= last) return;  // the same in the whole CTA
-  load_tokens(p, cur, tokbuf, tid);
+  if (tid >= kBM) {
+    const int m = tid - kBM;
+    tokbuf[m] = m >= cur.mrows       ? 0
+                : cur.start == guess ? spec
+                                     : p.meta.sorted_token_indices[cur.start + m];
+  }
   __syncthreads();
   issue_y(p, cur, ybuf, tokbuf, tid);
   issue_operands(p, cur, bs, in_raw, tokbuf, tid);

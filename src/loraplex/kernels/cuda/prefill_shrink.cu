@@ -141,22 +141,23 @@ __device__ __forceinline__ void store_out(const PrefillParams& p, const int* tok
 
 // Sums the ks partial tiles of an item and stores the output: the quads (four columns) first,
 // first + step, ... of the mrows x ntiles * 8 tile, load(q, m, c) giving part q's four values at
-// row m from column c. Two quads per thread at a time and four parts' loads issued before
-// their sums (one round trip per four parts, not one per part and value); parts added in order
-// 0..ks-1 wherever they come from, so both reductions give the same bits.
+// row m from column c. kQuads quads per thread at a time and four parts' loads issued before
+// their sums (one round trip per four parts and kQuads quads, not one per part and value);
+// parts added in order 0..ks-1 wherever they come from, so both reductions give the same bits.
 template <typename T, typename Load>
 __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, int step, int mrows,
                                              int ntiles, int ks, const int* tok,
                                              const int* tile_slice, const int* tile_r0,
                                              const int* srank, Load load) {
+  constexpr int kQuads = 4;
   const int quads = ntiles * 2;
   const int n = mrows * quads;
-  for (int i0 = first; i0 < n; i0 += 2 * step) {
-    float4 sum[2];
+  for (int i0 = first; i0 < n; i0 += kQuads * step) {
+    float4 sum[kQuads];
     for (int q0 = 0; q0 < ks; q0 += 4) {
-      float4 v[2][4];
+      float4 v[kQuads][4];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kQuads; ++u) {
         const int i = i0 + u * step;
         const int m = i / quads;
         const int c = (i - m * quads) * 4;
@@ -166,7 +167,7 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
         }
       }
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kQuads; ++u) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           if (q0 + q == 0) {
@@ -181,7 +182,7 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
       }
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kQuads; ++u) {
       const int i = i0 + u * step;
       if (i >= n) break;
       const int m = i / quads;

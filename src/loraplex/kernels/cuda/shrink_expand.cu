@@ -173,8 +173,9 @@ Status launch_expand_generic(const ExpandArgs& a, const int32_t* mapping, Stream
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels.
 
-constexpr int kTcThreads = 128;             // 4 warps, 16 token rows each
-constexpr int kTcBM = kExpandTileRows;      // tokens per tile
+constexpr int kTcThreads = 128;         // 4 warps, 16 token rows each
+constexpr int kTcBM = kExpandTileRows;  // tokens per tile
+static_assert(kTcThreads == 2 * kTcBM, "threads kTcBM.. write an item's token indices");
 constexpr int kTcBK = 64;                   // rank elements per staged chunk (ranks above 16)
 constexpr int kExpandBN = kExpandTileCols;  // output columns per expand item
 constexpr int kYPitch = kExpandYPitch;
@@ -226,6 +227,13 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   int* sorted_cache = rank_cache + (p.cache_ranks ? p.num_slices * p.max_loras : 0);
   // The layer's ranks and (small batches) the sorted token indices come with the metadata
   // in the first round trip, so a work item needs no other load before its data.
+  // The first item's token indices on a guess (expand_items.cuh), by the threads that write
+  // them below (warp 0 scans the metadata); small batches have them all cached instead.
+  const int64_t guess = first_item_start_guess(p);
+  int spec = 0;
+  if (!p.cache_sorted && threadIdx.x >= kTcBM && guess + (threadIdx.x - kTcBM) < p.num_tokens) {
+    spec = __ldg(p.meta.sorted_token_indices + guess + (threadIdx.x - kTcBM));
+  }
   if (p.cache_ranks) {
     for (int i = static_cast<int>(threadIdx.x); i < p.num_slices * p.max_loras; i += kTcThreads) {
       rank_cache[i] = p.ranks[i];
@@ -268,10 +276,12 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
     prev_s = s;
     __syncthreads();  // the previous item is done with the tiles
     if (!same_rows) {
-      if (tid < kTcBM) {
-        tok[tid] = tid >= mrows     ? 0
-                   : p.cache_sorted ? sorted_cache[start + tid]
-                                    : p.meta.sorted_token_indices[start + tid];
+      if (tid >= kTcBM) {
+        const int m = tid - kTcBM;
+        tok[m] = m >= mrows       ? 0
+                 : p.cache_sorted ? sorted_cache[start + m]
+                 : start == guess ? spec
+                                  : p.meta.sorted_token_indices[start + m];
       }
       __syncthreads();
     }
