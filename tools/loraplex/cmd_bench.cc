@@ -53,9 +53,9 @@ const char* kHelp =
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
     "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
-    "error that lists them; the rest keep their defaults). --trace writes, per shrink case\n"
-    "that ran the prefill shrink, one cold call's per-CTA timeline (SM, global-timer ns at\n"
-    "entry, metadata, setup, first stage, K loop end, reduction end, exit) as JSON lines.\n"
+    "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
+    "expand case that ran the prefill shrink or the pipelined expand, one cold call's per-CTA\n"
+    "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines.\n"
     "Needs a CUDA device; --help does not.\n";
 
 struct Options {
@@ -150,15 +150,15 @@ class Bench {
     kc::read_buffer(flush_.data_ptr(), kFlushBytes, sink_.data<float>(), stream_.handle());
   }
 
-  // One cold call of fn with the prefill shrink's per-CTA timeline on (kernel_trace.h): the rows
+  // One cold call of fn with the per-CTA timelines on (kernel_trace.h): the rows
   // of the CTAs that wrote anything.
   json trace(const std::function<void(int)>& fn) {
     constexpr int64_t kMaxCtas = 16384;
     Tensor buf = Tensor::zeros({kMaxCtas * kc::kTraceSlots}, DType::kI64, o_.device, stream_);
-    kc::set_prefill_shrink_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
+    kc::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
     flush();
     fn(0);
-    kc::set_prefill_shrink_trace(nullptr);
+    kc::set_kernel_trace(nullptr);
     const Tensor host = buf.to(Device::cpu(), stream_);
     stream_.synchronize();
     const auto* v = static_cast<const int64_t*>(host.data_ptr());
@@ -403,7 +403,7 @@ int run_kernels(const Options& o) {
       json j = entry(op.name, c, op_path, op.bytes, t, copy_gbs);
       j["weight_sets"] = d.sets;
       results.push_back(j);
-      if (trace_out.is_open() && std::string(op.name) == "shrink") {
+      if (trace_out.is_open() && std::string(op.name) != "linear") {
         trace_out << json{{"op", op.name},      {"rank", c.rank},     {"adapters", c.adapters},
                           {"tokens", c.tokens}, {"slices", c.slices}, {"ctas", bench.trace(op.fn)}}
                          .dump()

@@ -58,4 +58,11 @@ Status allow_dynamic_smem(const void* kernel, int bytes) {
   return Status();
 }
 
+namespace {
+uint64_t* g_kernel_trace = nullptr;
+}  // namespace
+
+void set_kernel_trace(uint64_t* device_buffer) { g_kernel_trace = device_buffer; }
+uint64_t* kernel_trace() { return g_kernel_trace; }
+
 }  // namespace loraplex::kernels::cuda

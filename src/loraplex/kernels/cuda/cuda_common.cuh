@@ -12,6 +12,7 @@
 
 #include "loraplex/core/dtype.h"
 #include "loraplex/core/status.h"
+#include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/lora_ops.h"
 
 namespace loraplex::kernels::cuda {
@@ -148,6 +149,13 @@ __device__ __forceinline__ uint32_t sm_id() {
   uint32_t s;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
+}
+/// Slot k of this CTA's timeline (kernel_trace.h) when tracing: the SM id for slot 0, else the
+/// global timer; written by thread 0.
+__device__ __forceinline__ void trace_at(uint64_t* trace, int k) {
+  if (trace != nullptr && threadIdx.x == 0) {
+    trace[blockIdx.x * kTraceSlots + k] = k == 0 ? sm_id() : global_ns();
+  }
 }
 
 /// A cluster barrier without release semantics (cluster.sync()'s release compiles to

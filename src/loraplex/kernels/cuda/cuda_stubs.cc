@@ -18,7 +18,8 @@ Status no_cuda(const char* op) { return unsupported(op, ": this build has no CUD
 
 }  // namespace
 
-void set_prefill_shrink_trace(uint64_t*) {}
+void set_kernel_trace(uint64_t*) {}
+uint64_t* kernel_trace() { return nullptr; }
 
 Status build_lora_meta(int32_t, int32_t, const cpu::LoraMetaBuffers&, StreamHandle) {
   return no_cuda("build_lora_meta");

@@ -34,6 +34,7 @@ struct ExpandTileParams {
   LoraMetaView meta;
   bool cache_ranks;   // the rank table goes to shared memory (num_slices x max_loras small)
   bool cache_sorted;  // the sorted token indices go to shared memory (small batches)
+  uint64_t* trace;    // per-CTA timeline (kernel_trace.h) or nullptr
 };
 
 /// Everything from the arguments; the caches on where the tables are small.

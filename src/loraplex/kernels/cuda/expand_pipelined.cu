@@ -174,6 +174,8 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
+  trace_at(p.trace, 0);
+  trace_at(p.trace, 1);
   // The first item's token indices on a guess (expand_items.cuh), by the threads that write
   // them below (warp 0 scans the metadata).
   const int64_t guess = first_item_start_guess(p);
@@ -186,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   }
   Tables t;
   t.n = build_tile_prefix(p.meta, kBM, prefix, entries);  // its barrier covers the ranks too
+  trace_at(p.trace, 2);
   t.prefix = prefix;
   t.entries = entries;
   t.rank_cache = rank_cache;
@@ -203,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
                                      : p.meta.sorted_token_indices[cur.start + m];
   }
   __syncthreads();
+  trace_at(p.trace, 3);
   issue_y(p, cur, ybuf, tokbuf, tid);
   issue_operands(p, cur, bs, in_raw, tokbuf, tid);
   cp_async_commit();
@@ -225,6 +229,8 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
     cp_async_commit();
     cp_async_wait<1>();  // this item's y, B and intermediate (the next y may still fly)
     __syncthreads();
+    if (yb == 0 && ts == 0)
+      trace_at(p.trace, 4);  // the first item (ts, yb first both 0 again at item 6)
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -246,7 +252,9 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
     yb ^= 1;
     ts = ts_next;
   }
+  trace_at(p.trace, 6);
   cp_async_wait<0>();
+  trace_at(p.trace, 7);
 }
 
 }  // namespace

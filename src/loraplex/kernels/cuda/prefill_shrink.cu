@@ -116,13 +116,6 @@ struct PrefillParams {
   int part_pitch;
 };
 
-uint64_t* g_trace = nullptr;
-
-// Slot `k` of this CTA's timeline, written by thread 0 when tracing.
-__device__ __forceinline__ void trace_point(const PrefillParams& p, int k) {
-  if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * kTraceSlots + k] = global_ns();
-}
-
 // Stores element (m, c) of the shrink's output: scaled, in the output dtype.
 template <typename T>
 __device__ __forceinline__ void store_out(const PrefillParams& p, const int* tok,
@@ -141,15 +134,15 @@ __device__ __forceinline__ void store_out(const PrefillParams& p, const int* tok
 
 // Sums the ks partial tiles of an item and stores the output: the quads (four columns) first,
 // first + step, ... of the mrows x ntiles * 8 tile, load(q, m, c) giving part q's four values at
-// row m from column c. kQuads quads per thread at a time and four parts' loads issued before
+// row m from column c. kQuads quads per thread at a time (4 in the large variant; 2 in the small
+// one, which keeps it at 94 registers instead of 128) and four parts' loads issued before
 // their sums (one round trip per four parts and kQuads quads, not one per part and value);
 // parts added in order 0..ks-1 wherever they come from, so both reductions give the same bits.
-template <typename T, typename Load>
+template <typename T, int kQuads, typename Load>
 __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, int step, int mrows,
                                              int ntiles, int ks, const int* tok,
                                              const int* tile_slice, const int* tile_r0,
                                              const int* srank, Load load) {
-  constexpr int kQuads = 4;
   const int quads = ntiles * 2;
   const int n = mrows * quads;
   for (int i0 = first; i0 < n; i0 += kQuads * step) {
@@ -231,20 +224,21 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   }
   __syncthreads();
   if (!last) {
-    trace_point(p, 6);
-    trace_point(p, 7);
+    trace_at(p.trace, 6);
+    trace_at(p.trace, 7);
     return;
   }
   __threadfence();  // the other parts, stored before their arrivals, are read after ours
   const float* base = p.meta.scratch + static_cast<int64_t>(item * ks) * kM * pp;
-  reduce_parts<T>(p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
-                  [&](int q, int m, int c) {
-                    return __ldcg(reinterpret_cast<const float4*>(
-                        base + (static_cast<int64_t>(q) * kM + m) * pp + c));
-                  });
+  reduce_parts<T, kTilesPerWarp >= 16 ? 4 : 2>(
+      p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
+      [&](int q, int m, int c) {
+        return __ldcg(
+            reinterpret_cast<const float4*>(base + (static_cast<int64_t>(q) * kM + m) * pp + c));
+      });
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
-  trace_point(p, 6);
-  trace_point(p, 7);
+  trace_at(p.trace, 6);
+  trace_at(p.trace, 7);
 }
 
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
@@ -273,8 +267,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   int* entries = ntiles_s + 1;                                // [3 (max_loras + 1)]
   int* rank_tab = entries + 3 * (p.max_loras + 1);            // [S max_loras] when cache_ranks
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
-  if (p.trace != nullptr && tid == 0) p.trace[blockIdx.x * kTraceSlots] = sm_id();
-  trace_point(p, 1);
+  trace_at(p.trace, 0);
+  trace_at(p.trace, 1);
   // Tile `item` starts at sorted position item * kM when the slots before it fill whole tiles
   // (one slot; counts that are multiples of 64): its token indices are loaded on that guess
   // with the metadata, and kept only if the metadata confirms it, so a right guess takes one
@@ -292,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     for (int i = tid; i < S * p.max_loras; i += kThreads) rank_tab[i] = p.ranks[i];
   }
   const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
-  trace_point(p, 2);
+  trace_at(p.trace, 2);
   if (item >= prefix[ne]) return;  // the same in every CTA of the cluster: no barrier waits
   const int e = find_tile_entry(prefix, ne, item);
   const int slot = entries[e];
@@ -337,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
                                      : nullptr;
   }
   __syncthreads();
-  trace_point(p, 3);
+  trace_at(p.trace, 3);
   const int rows = kM + ntiles * 8;
   const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
   const int64_t k_hi = min(K, k_lo + p.k_chunk);
@@ -402,12 +396,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     const uint32_t buf = stage0 + rd * stage_bytes;
     rd = rd + 1 == kStages ? 0 : rd + 1;
     wr = wr + 1 == kStages ? 0 : wr + 1;
-    if (kt == 0) trace_point(p, 4);
+    if (kt == 0) trace_at(p.trace, 4);
     stage_mma<T, kTilesPerWarp>(pairs, acc, buf + a_off, buf + b_off);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: the region holds the partial tile
-  trace_point(p, 5);
+  trace_at(p.trace, 5);
 
   if (p.global_reduce) {
     reduce_through_global<T, kTilesPerWarp>(p, acc, item, ks, crank, ntiles, mrows, tok, tile_slice,
@@ -431,16 +425,17 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     }
   }
   cluster.sync();  // every CTA's partial tile is complete
-  reduce_parts<T>(p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok, tile_slice,
-                  tile_r0, srank, [&](int q, int m, int c) {
-                    return *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) +
-                                                            m * p.red_pitch + c);
-                  });
-  trace_point(p, 6);
+  reduce_parts<T, kTilesPerWarp >= 16 ? 4 : 2>(
+      p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
+      [&](int q, int m, int c) {
+        return *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + m * p.red_pitch +
+                                                c);
+      });
+  trace_at(p.trace, 6);
   // No CTA reads another's partial tile any more (the loaded values are already stored).
   cluster_arrive_relaxed();
   cluster_wait();
-  trace_point(p, 7);
+  trace_at(p.trace, 7);
 }
 
 bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
@@ -517,8 +512,6 @@ Status launch(const PrefillParams& p, const Plan& plan, int k_split, int cluster
 
 }  // namespace
 
-void set_prefill_shrink_trace(uint64_t* device_buffer) { g_trace = device_buffer; }
-
 bool prefill_shrink_applies(const ShrinkArgs& s) {
   if (!half_dtype(s.dtype) || s.max_rank % 8 != 0 || s.num_slices * s.max_rank > kMaxRows) {
     return false;
@@ -552,7 +545,7 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.cache_ranks = cache_ranks(s);
   p.region = plan.region;
   p.off_rows = plan.off_rows;
-  p.trace = g_trace;
+  p.trace = kernel_trace();
   // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
   // until the grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least
   // 512 K elements per CTA. The large variant (more than 64 A rows: its MMAs, not its loads,

@@ -407,6 +407,7 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
   p.meta = meta;
   p.cache_ranks = a.num_slices * a.max_loras <= kMaxCachedRanks;
   p.cache_sorted = a.num_tokens <= kExpandCachedTokens;
+  p.trace = kernel_trace();
   return p;
 }
 
