@@ -7,7 +7,13 @@ import json
 import statistics
 import sys
 
-PHASES = ["metadata", "setup", "first stage", "K loop", "reduction", "exit"]
+# (name, from slot, to slot) per op; slot 0 is the SM, 1..7 the points of kernel_trace.h.
+PHASES = {
+    "shrink": [("metadata", 1, 2), ("setup", 2, 3), ("first stage", 3, 4), ("K loop", 4, 5),
+               ("reduction", 5, 6), ("exit", 6, 7)],
+    "expand": [("metadata", 1, 2), ("first tokens", 2, 3), ("first data", 3, 4),
+               ("items", 4, 6), ("exit", 6, 7)],
+}
 
 
 def pct(v, q):
@@ -26,8 +32,8 @@ for line in open(sys.argv[1]):
     print(f"{c['op']} rank {c['rank']} adapters {c['adapters']} tokens {c['tokens']} slices "
           f"{c['slices']}: {len(rows)} CTAs ({len(full)} worked), span {span / 1e3:.2f} us, "
           f"entry spread {(max(r[1] for r in rows) - t0) / 1e3:.2f} us")
-    for k, name in enumerate(PHASES):
-        d = [(r[k + 2] - r[k + 1]) / 1e3 for r in full]
+    for name, a, b in PHASES[c["op"]]:
+        d = [(r[b] - r[a]) / 1e3 for r in full]
         if d:
             print(f"  {name:12s} median {statistics.median(d):6.2f} us  p90 {pct(d, 0.9):6.2f}  "
                   f"max {max(d):6.2f}")

@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   // barrier.
   int yb = 0;
   int ts = 0;
+  bool first_item = true;
   while (cur.index < last) {
     const Item nxt = next_item(p, t, cur.index + 1, last);
     const bool has_next = nxt.index < last;
@@ -229,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
     cp_async_commit();
     cp_async_wait<1>();  // this item's y, B and intermediate (the next y may still fly)
     __syncthreads();
-    if (yb == 0 && ts == 0)
-      trace_at(p.trace, 4);  // the first item (ts, yb first both 0 again at item 6)
+    if (first_item) trace_at(p.trace, 4);
+    first_item = false;
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
