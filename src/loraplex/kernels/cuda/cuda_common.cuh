@@ -169,6 +169,15 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
+/// An int load from read-only global memory issued here: the compiler may sink a plain load to
+/// its first use, past the barriers in between, which puts it back on the critical path (the
+/// speculative token-index loads of the prefill kernels). Volatile asm keeps its place.
+__device__ __forceinline__ int ld_early(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }

@@ -181,10 +181,13 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   const int64_t guess = first_item_start_guess(p);
   int spec = 0;
   if (tid >= kBM && guess + (tid - kBM) < p.num_tokens) {
-    spec = __ldg(p.meta.sorted_token_indices + guess + (tid - kBM));
+    spec = ld_early(p.meta.sorted_token_indices + guess + (tid - kBM));
   }
   if (p.cache_ranks) {
-    for (int i = tid; i < p.num_slices * p.max_loras; i += kThreads) rank_cache[i] = p.ranks[i];
+    // Not warp 0: its rank loads would be waited for before its metadata loads are issued.
+    for (int i = tid - 32; i >= 0 && i < p.num_slices * p.max_loras; i += kThreads - 32) {
+      rank_cache[i] = p.ranks[i];
+    }
   }
   Tables t;
   t.n = build_tile_prefix(p.meta, kBM, prefix, entries);  // its barrier covers the ranks too

@@ -276,14 +276,17 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   const int64_t guess = int64_t{item} * kM;
   int spec = -1;
   if (tid >= kM && tid < 2 * kM && guess + (tid - kM) < p.num_tokens) {
-    spec = __ldg(p.meta.sorted_token_indices + guess + (tid - kM));
+    spec = ld_early(p.meta.sorted_token_indices + guess + (tid - kM));
   }
 
   // The metadata entries and the rank table come in one round trip (the other warps load the
   // ranks while warp 0 scans), so the only dependent load before the copies is the tile's
   // sorted token indices.
   if (p.cache_ranks) {
-    for (int i = tid; i < S * p.max_loras; i += kThreads) rank_tab[i] = p.ranks[i];
+    // Not warp 0: its rank loads would be waited for before its metadata loads are issued.
+    for (int i = tid - 32; i >= 0 && i < S * p.max_loras; i += kThreads - 32) {
+      rank_tab[i] = p.ranks[i];
+    }
   }
   const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
   trace_at(p.trace, 2);

@@ -232,15 +232,17 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   const int64_t guess = first_item_start_guess(p);
   int spec = 0;
   if (!p.cache_sorted && threadIdx.x >= kTcBM && guess + (threadIdx.x - kTcBM) < p.num_tokens) {
-    spec = __ldg(p.meta.sorted_token_indices + guess + (threadIdx.x - kTcBM));
+    spec = ld_early(p.meta.sorted_token_indices + guess + (threadIdx.x - kTcBM));
   }
+  // Not warp 0: its loads here would be waited for before its metadata loads are issued.
+  const int helper = static_cast<int>(threadIdx.x) - 32;
   if (p.cache_ranks) {
-    for (int i = static_cast<int>(threadIdx.x); i < p.num_slices * p.max_loras; i += kTcThreads) {
+    for (int i = helper; i >= 0 && i < p.num_slices * p.max_loras; i += kTcThreads - 32) {
       rank_cache[i] = p.ranks[i];
     }
   }
   if (p.cache_sorted) {
-    for (int i = static_cast<int>(threadIdx.x); i < p.num_tokens; i += kTcThreads) {
+    for (int i = helper; i >= 0 && i < p.num_tokens; i += kTcThreads - 32) {
       sorted_cache[i] = p.meta.sorted_token_indices[i];
     }
   }
