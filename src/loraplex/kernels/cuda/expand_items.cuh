@@ -83,6 +83,13 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
   return it;
 }
 
+/// The first of CTA `cta`'s contiguous run of `items` work items (its run ends where CTA cta + 1's
+/// begins): runs differ by at most one item. Runs of ceil(items / grid) left the last CTAs
+/// idle instead (2048 items on 528 CTAs: 512 CTAs with 4, 16 with none, 16 SMs a CTA short).
+__device__ __forceinline__ int64_t run_begin(int64_t items, int64_t cta) {
+  return items * cta / gridDim.x;
+}
+
 /// The sorted position of the first token of this CTA's first item if every active slot filled
 /// whole tiles (then the run is ceil(num_tokens / 64) tiles x the column tiles, split evenly
 /// over the grid). The expands load that item's token indices on this guess together with the
@@ -91,8 +98,7 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
 __device__ __forceinline__ int64_t first_item_start_guess(const ExpandTileParams& p) {
   const int64_t total_nt = p.ntile_begin[p.num_slices];
   const int64_t items = (p.num_tokens + kExpandTileRows - 1) / kExpandTileRows * total_nt;
-  const int64_t per_cta = (items + gridDim.x - 1) / gridDim.x;
-  return static_cast<int64_t>(blockIdx.x) * per_cta / total_nt * kExpandTileRows;
+  return run_begin(items, blockIdx.x) / total_nt * kExpandTileRows;
 }
 
 /// A warp's 16 x 128 sums (mma accumulator layout) plus the old y (add_inputs), rounded to T,

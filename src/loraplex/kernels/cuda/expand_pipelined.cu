@@ -196,9 +196,8 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   t.entries = entries;
   t.rank_cache = rank_cache;
   const int64_t items = static_cast<int64_t>(prefix[t.n]) * p.ntile_begin[p.num_slices];
-  const int64_t per_cta = ceil_div(items, static_cast<int64_t>(gridDim.x));
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * per_cta;
-  const int64_t last = min(items, first + per_cta);
+  const int64_t first = run_begin(items, blockIdx.x);
+  const int64_t last = run_begin(items, blockIdx.x + 1);
 
   Item cur = next_item(p, t, first, last);
   if (cur.index >= last) return;  // the same in the whole CTA
