@@ -35,6 +35,7 @@ struct ExpandTileParams {
   bool cache_ranks;   // the rank table goes to shared memory (num_slices x max_loras small)
   bool cache_sorted;  // the sorted token indices go to shared memory (small batches)
   uint64_t* trace;    // per-CTA timeline (kernel_trace.h) or nullptr
+  bool balanced;      // run_begin's split of the items over the CTAs
 };
 
 /// Everything from the arguments; the caches on where the tables are small.
@@ -84,9 +85,13 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
 }
 
 /// The first of CTA `cta`'s contiguous run of `items` work items (its run ends where CTA cta + 1's
-/// begins): runs differ by at most one item. Runs of ceil(items / grid) left the last CTAs
-/// idle instead (2048 items on 528 CTAs: 512 CTAs with 4, 16 with none, 16 SMs a CTA short).
-__device__ __forceinline__ int64_t run_begin(int64_t items, int64_t cta) {
+/// begins). Balanced: runs differ by at most one item; else ceil(items / grid) each, which
+/// leaves the last CTAs idle (2048 items on 528 CTAs: 512 CTAs with 4, 16 with none). The
+/// pipelined expand is 1-3% faster balanced at 4096 tokens; the one-item-at-a-time expand,
+/// which reuses the token rows and intermediate of consecutive items, up to 5% slower
+/// (rank 64, q/k/v), so it keeps ceil-sized runs (H200, BENCHMARKS.md 2026-11-24).
+__device__ __forceinline__ int64_t run_begin(int64_t items, int64_t cta, bool balanced) {
+  if (!balanced) return min(items, cta * ((items + gridDim.x - 1) / gridDim.x));
   return items * cta / gridDim.x;
 }
 
@@ -98,7 +103,7 @@ __device__ __forceinline__ int64_t run_begin(int64_t items, int64_t cta) {
 __device__ __forceinline__ int64_t first_item_start_guess(const ExpandTileParams& p) {
   const int64_t total_nt = p.ntile_begin[p.num_slices];
   const int64_t items = (p.num_tokens + kExpandTileRows - 1) / kExpandTileRows * total_nt;
-  return run_begin(items, blockIdx.x) / total_nt * kExpandTileRows;
+  return run_begin(items, blockIdx.x, p.balanced) / total_nt * kExpandTileRows;
 }
 
 /// A warp's 16 x 128 sums (mma accumulator layout) plus the old y (add_inputs), rounded to T,

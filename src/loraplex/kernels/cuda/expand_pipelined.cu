@@ -196,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   t.entries = entries;
   t.rank_cache = rank_cache;
   const int64_t items = static_cast<int64_t>(prefix[t.n]) * p.ntile_begin[p.num_slices];
-  const int64_t first = run_begin(items, blockIdx.x);
-  const int64_t last = run_begin(items, blockIdx.x + 1);
+  const int64_t first = run_begin(items, blockIdx.x, p.balanced);
+  const int64_t last = run_begin(items, blockIdx.x + 1, p.balanced);
 
   Item cur = next_item(p, t, first, last);
   if (cur.index >= last) return;  // the same in the whole CTA
@@ -277,6 +277,7 @@ Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   LORAPLEX_ENSURE(expand_pipelined_applies(a), "expand_pipelined: arguments not supported");
   ExpandTileParams p = expand_tile_params(a, meta);
   p.cache_sorted = false;  // the token indices are loaded an item ahead
+  p.balanced = true;
   const int smem = kFixedBytes + expand_table_bytes(p);
   const int grid = static_cast<int>(std::min<int64_t>(
       expand_tile_items(p), int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));

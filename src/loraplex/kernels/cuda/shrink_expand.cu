@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
 
   // Each CTA takes a contiguous run of items: consecutive column tiles of one token tile
   // reuse the gathered token rows and, within a slice, the staged intermediate.
-  const int64_t first = run_begin(items, blockIdx.x);
-  const int64_t last = run_begin(items, blockIdx.x + 1);
+  const int64_t first = run_begin(items, blockIdx.x, p.balanced);
+  const int64_t last = run_begin(items, blockIdx.x + 1, p.balanced);
   int prev_tile = -1;
   int prev_s = -1;
   for (int64_t item = first; item < last; ++item) {
