@@ -67,8 +67,8 @@ class LoraBatchMeta {
   Tensor counts_;        // [max_loras + 1]
   Tensor start_loc_;     // [max_loras + 2]
   Tensor num_active_;    // [1]
-  Tensor scratch_;       // float32 [min(max_num_tokens, kScratchTokens) * per token], CUDA only
-  Tensor counters_;      // int32 [(max_loras + 1) * kMaxSlices], zero between ops, CUDA only
+  Tensor scratch_;       // float32, sized as described at kScratchFloatsPerToken; CUDA only
+  Tensor counters_;      // int32, zero between ops (see above), CUDA only
   Tensor host_staging_;  // [max_num_tokens] pinned host memory for the mapping upload
 };
 

@@ -42,7 +42,7 @@ constexpr int kSmemReserved = 1024;  // the system's share per CTA
 // Bytes a CTA keeps in flight at most (stages beyond the one being multiplied) when the ring
 // depth is automatic. Deeper rings measured slower, not faster, at 4096 tokens on the H200:
 // rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
-// rank 16 one slice 18.7 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
+// rank 16 one slice 18.6 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
 constexpr int kMaxInFlightBytes = 36 * 1024;
 // stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
 // the row sources that always follow the stage region cover them.
@@ -569,8 +569,9 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   // The split-K partial sums meet in a cluster's shared memory, or in global memory (the
   // metadata's scratch, where it holds them) when the batch's full tiles alone bring more than
   // one CTA per SM of the small variant (prefill_reduce 0), or always (2). Clusters of 4 landed
-  // on 124 of the H200's 132 SMs with 3 CTAs on 8 of them (or a second wave) at 4096 tokens, so
-  // the global reduction, ~1-3 us slower per CTA, wins only there (BENCHMARKS.md, 2026-11-24).
+  // on 124 of the H200's 132 SMs with 3 CTAs on 8 of them (or a second wave) at 4096 tokens;
+  // the global reduction (a fence, a counter, L2 round trips) measured slower at 256-1024
+  // tokens and for the large variant (BENCHMARKS.md, 2026-11-24).
   p.k_split = k_split;
   p.part_pitch = plan.a_rows;
   const bool many = small && ceil_div(s.num_tokens, kM) * k_split > sm_count();
