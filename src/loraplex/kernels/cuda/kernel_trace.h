@@ -1,5 +1,5 @@
 #pragma once
-// Per-CTA timelines of the prefill kernels, for `loraplex bench kernels --trace`: where a CTA's
+// Per-CTA timelines of the prefill kernels (shrink, both tensor-core expands), for `loraplex bench kernels --trace`: where a CTA's
 // time goes (launch, metadata, setup, streaming, reduction) and how CTAs land on SMs. Plain C++
 // (the CLI includes it); the launchers read the buffer pointer, the kernels write to it.
 
@@ -9,11 +9,11 @@ namespace loraplex::kernels::cuda {
 
 /// Values per CTA: the SM id, then the global timer (ns) at seven points, 0 where a CTA returned
 /// before that point. Prefill shrink: entry, metadata read, setup done (row tables), first
-/// stage landed, K loop done, reduction done, exit. Pipelined expand: entry, metadata read,
+/// stage landed, K loop done, reduction done, exit. Tensor-core expands: entry, metadata read,
 /// first item's token indices, first item's data landed, (unused), last item stored, exit.
 inline constexpr int kTraceSlots = 8;
 
-/// While set, every prefill shrink and pipelined expand launch writes CTA b's values at
+/// While set, every prefill shrink and tensor-core expand launch writes CTA b's values at
 /// buffer[b * kTraceSlots] (a device buffer of grid x kTraceSlots values); nullptr stops. Not
 /// thread-safe against launches.
 void set_kernel_trace(uint64_t* device_buffer);

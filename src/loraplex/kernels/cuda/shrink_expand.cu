@@ -229,6 +229,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   // in the first round trip, so a work item needs no other load before its data.
   // The first item's token indices on a guess (expand_items.cuh), by the threads that write
   // them below (warp 0 scans the metadata); small batches have them all cached instead.
+  trace_at(p.trace, 0);
+  trace_at(p.trace, 1);
   const int64_t guess = first_item_start_guess(p);
   int spec = 0;
   if (!p.cache_sorted && threadIdx.x >= kTcBM && guess + (threadIdx.x - kTcBM) < p.num_tokens) {
@@ -247,6 +249,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
     }
   }
   const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix, entries);
+  trace_at(p.trace, 2);
   const int total_nt = p.ntile_begin[p.num_slices];
   const int64_t items = static_cast<int64_t>(prefix[n_entries]) * total_nt;
   const int tid = static_cast<int>(threadIdx.x);
@@ -285,6 +288,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
                                   : p.meta.sorted_token_indices[start + m];
       }
       __syncthreads();
+      if (item == first) trace_at(p.trace, 3);
     }
     const int64_t ycol = p.y_col[s] + n0;
     if (p.add_inputs) {
@@ -346,6 +350,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
+      if (item == first && kb == 0) trace_at(p.trace, 4);
       if (warp_has_rows) {
         const T* a_rows = ins + warp * 16 * kTcPitch;
         if (ncols == kExpandBN) {
@@ -369,6 +374,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
       }
     }
   }
+  trace_at(p.trace, 6);
+  trace_at(p.trace, 7);
 }
 
 bool tc_expand_ok(const ExpandArgs& a) {
