@@ -30,7 +30,7 @@ struct KernelTuning {
   /// Prefill shrink: where the split-K partial sums meet. 1: in a thread-block cluster's shared
   /// memory; 2: in global memory (the metadata's scratch, the last CTA of a tile adds them)
   /// wherever the scratch holds them, so that the CTAs need no co-scheduling; 0: global memory
-  /// where the full tiles alone bring more than one CTA per SM (small variant), else clusters.
+  /// where the grid's bound brings more than one CTA per SM (small variant), else clusters.
   int prefill_reduce = 0;
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.

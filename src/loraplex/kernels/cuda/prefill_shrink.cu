@@ -567,14 +567,15 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
   const int clusters = static_cast<int>(tiles);
   // The split-K partial sums meet in a cluster's shared memory, or in global memory (the
-  // metadata's scratch, where it holds them) when the batch's full tiles alone bring more than
-  // one CTA per SM of the small variant (prefill_reduce 0), or always (2). Clusters of 4 landed
-  // on 124 of the H200's 132 SMs with 3 CTAs on 8 of them (or a second wave) at 4096 tokens;
-  // the global reduction (a fence, a counter, L2 round trips) measured slower at 256-1024
-  // tokens and for the large variant (BENCHMARKS.md, 2026-11-24).
+  // metadata's scratch, where it holds them) when the grid's bound brings more than one CTA per
+  // SM of the small variant (prefill_reduce 0), or always (2). Clusters of 4 landed on 124 of
+  // the H200's 132 SMs: with more CTAs than SMs some SMs ran 3 of them, or a second wave ran
+  // (4096 tokens; 32 adapters at 256-1024 tokens: global 9-10% faster). With fewer, and for the
+  // large variant, the cluster reduction (no fence, counter or L2 round trips) measured faster
+  // (BENCHMARKS.md, 2026-11-24).
   p.k_split = k_split;
   p.part_pitch = plan.a_rows;
-  const bool many = small && ceil_div(s.num_tokens, kM) * k_split > sm_count();
+  const bool many = small && tiles * k_split > sm_count();
   p.global_reduce = (tuning.prefill_reduce == 2 || (tuning.prefill_reduce == 0 && many)) &&
                     k_split > 1 && meta.scratch != nullptr &&
                     tiles * k_split * kM * plan.a_rows <= meta.scratch_floats &&
