@@ -11,6 +11,7 @@
 
 #include "cuda_test_util.h"
 #include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/punica/op_dispatch.h"
@@ -196,6 +197,89 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
   }
   kernels::cuda::set_fused_linear_max_tokens(-1);
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
+}
+
+// The per-CTA timelines of `loraplex bench kernels --trace` come from separate kernel
+// instantiations: with a trace buffer set, the prefill shrink and both tensor-core expands must
+// still match the CPU, and each CTA that ran to its end must have recorded its SM and
+// timestamps that never go backwards. The buffer is zeroed before each op, so a row holds one
+// launch's values.
+TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(404);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  // 300 tokens over 8 slots (the prefill shrink, clusters; the pipelined expand at rank 16) and
+  // 1100 tokens at rank 64 over 3 slices (the one-item-at-a-time expand).
+  const std::vector<LayerCase> cases = {
+      {DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false},
+      {DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0, false},
+  };
+  constexpr int64_t kRows = 4096;
+  const int sms = kernels::cuda::device_info(test::gpu().index).sm_count;
+  for (const LayerCase& c : cases) {
+    const LayerData d = make_layer(c, rng);
+    const int slices = static_cast<int>(c.widths.size());
+    auto run = [&](Device device, const Stream& st, bool trace, Tensor& mid_out, Tensor& y_out,
+                   std::vector<int64_t>* rows_seen) {
+      PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
+      wrapper.update_metadata(d.slots, {}, st);
+      const SlotRanks ranks = make_ranks(c, d, device, st);
+      const auto a = to_device(d.a, device, st);
+      const auto b = to_device(d.b, device, st);
+      const Tensor x = d.x.to(device, st);
+      Tensor mid = Tensor::zeros({slices, c.tokens, c.max_rank}, DType::kF32, device, st);
+      Tensor y = d.y0.clone().to(device, st);
+      Tensor buf;
+      auto check_rows = [&]() {
+        const Tensor host = buf.to(Device::cpu(), st);
+        st.synchronize();
+        const auto* v = static_cast<const int64_t*>(host.data_ptr());
+        int64_t complete = 0;
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int64_t* row = v + r * kernels::cuda::kTraceSlots;
+          if (row[7] == 0) continue;
+          ++complete;
+          EXPECT_LT(row[0], sms) << case_name(c) << " CTA " << r;
+          int64_t last = 0;
+          for (int k = 1; k < kernels::cuda::kTraceSlots; ++k) {
+            if (row[k] == 0) continue;
+            EXPECT_GE(row[k], last) << case_name(c) << " CTA " << r << " slot " << k;
+            last = row[k];
+          }
+        }
+        rows_seen->push_back(complete);
+      };
+      auto start_trace = [&]() {
+        if (!trace) return;
+        buf = Tensor::zeros({kRows * kernels::cuda::kTraceSlots}, DType::kI64, device, st);
+        kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
+      };
+      auto stop_trace = [&]() {
+        if (!trace) return;
+        kernels::cuda::set_kernel_trace(nullptr);
+        check_rows();
+      };
+      start_trace();
+      wrapper.add_shrink(mid, x, a, ranks, 0.5f, st);
+      stop_trace();
+      start_trace();
+      wrapper.add_expand(y, mid, b, ranks, 0, true, st);
+      stop_trace();
+      mid_out = device.is_cpu() ? mid : test::on_cpu(mid, st);
+      y_out = device.is_cpu() ? y : test::on_cpu(y, st);
+    };
+    Tensor mid_gpu, y_gpu, mid_cpu, y_cpu;
+    std::vector<int64_t> rows;
+    run(test::gpu(), stream, true, mid_gpu, y_gpu, &rows);
+    run(Device::cpu(), cpu, false, mid_cpu, y_cpu, nullptr);
+    const double rtol = test::default_rtol(c.dtype);
+    test::expect_matches(mid_gpu, mid_cpu, stream, rtol, rtol * 2, case_name(c) + " shrink");
+    test::expect_matches(y_gpu, y_cpu, stream, rtol, rtol * 2, case_name(c) + " expand");
+    ASSERT_EQ(rows.size(), 2u);
+    EXPECT_GT(rows[0], 0) << case_name(c) << ": no shrink CTA recorded a timeline";
+    EXPECT_GT(rows[1], 0) << case_name(c) << ": no expand CTA recorded a timeline";
+  }
 }
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with

@@ -150,11 +150,14 @@ __device__ __forceinline__ uint32_t sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
 }
-/// Slot k of this CTA's timeline (kernel_trace.h) when tracing: the SM id for slot 0, else the
-/// global timer; written by thread 0.
+/// Slot k of this CTA's timeline (kernel_trace.h): the SM id for slot 0, else the global timer;
+/// written by thread 0. Only in the kTrace instantiations that the launchers pick while a trace
+/// buffer is set: compiled into every launch, the checks alone cost ~1 us per prefill shrink
+/// (H200, BENCHMARKS.md 2026-11-24).
+template <bool kTrace>
 __device__ __forceinline__ void trace_at(uint64_t* trace, int k) {
-  if (trace != nullptr && threadIdx.x == 0) {
-    trace[blockIdx.x * kTraceSlots + k] = k == 0 ? sm_id() : global_ns();
+  if constexpr (kTrace) {
+    if (threadIdx.x == 0) trace[blockIdx.x * kTraceSlots + k] = k == 0 ? sm_id() : global_ns();
   }
 }
 

@@ -18,6 +18,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_trace.h"
@@ -191,7 +192,7 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
 // The split-K reduction through global memory (PrefillParams::global_reduce): no cluster, so
 // the CTAs land on any SM (clusters of 4 used 124 of the H200's 132 SMs and put 3 CTAs on 8
 // of them).
-template <typename T, int kTilesPerWarp>
+template <typename T, int kTilesPerWarp, bool kTrace>
 __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
                                                       const float (&acc)[kTilesPerWarp][4],
                                                       int item, int ks, int crank, int ntiles,
@@ -224,8 +225,8 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   }
   __syncthreads();
   if (!last) {
-    trace_at(p.trace, 6);
-    trace_at(p.trace, 7);
+    trace_at<kTrace>(p.trace, 6);
+    trace_at<kTrace>(p.trace, 7);
     return;
   }
   __threadfence();  // the other parts, stored before their arrivals, are read after ours
@@ -237,14 +238,14 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
             reinterpret_cast<const float4*>(base + (static_cast<int64_t>(q) * kM + m) * pp + c));
       });
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
-  trace_at(p.trace, 6);
-  trace_at(p.trace, 7);
+  trace_at<kTrace>(p.trace, 6);
+  trace_at<kTrace>(p.trace, 7);
 }
 
 // kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
 // x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles. kStages: the
 // cp.async ring's depth (kStages - 1 stages in flight while one is multiplied).
-template <typename T, int kTilesPerWarp, int kStages>
+template <typename T, int kTilesPerWarp, int kStages, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   cg::cluster_group cluster = cg::this_cluster();
@@ -267,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   int* entries = ntiles_s + 1;                                // [3 (max_loras + 1)]
   int* rank_tab = entries + 3 * (p.max_loras + 1);            // [S max_loras] when cache_ranks
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
-  trace_at(p.trace, 0);
-  trace_at(p.trace, 1);
+  trace_at<kTrace>(p.trace, 0);
+  trace_at<kTrace>(p.trace, 1);
   // Tile `item` starts at sorted position item * kM when the slots before it fill whole tiles
   // (one slot; counts that are multiples of 64): its token indices are loaded on that guess
   // with the metadata, and kept only if the metadata confirms it, so a right guess takes one
@@ -289,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     }
   }
   const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
-  trace_at(p.trace, 2);
+  trace_at<kTrace>(p.trace, 2);
   if (item >= prefix[ne]) return;  // the same in every CTA of the cluster: no barrier waits
   const int e = find_tile_entry(prefix, ne, item);
   const int slot = entries[e];
@@ -334,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
                                      : nullptr;
   }
   __syncthreads();
-  trace_at(p.trace, 3);
+  trace_at<kTrace>(p.trace, 3);
   const int rows = kM + ntiles * 8;
   const int64_t k_lo = static_cast<int64_t>(crank) * p.k_chunk;
   const int64_t k_hi = min(K, k_lo + p.k_chunk);
@@ -399,16 +400,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     const uint32_t buf = stage0 + rd * stage_bytes;
     rd = rd + 1 == kStages ? 0 : rd + 1;
     wr = wr + 1 == kStages ? 0 : wr + 1;
-    if (kt == 0) trace_at(p.trace, 4);
+    if (kt == 0) trace_at<kTrace>(p.trace, 4);
     stage_mma<T, kTilesPerWarp>(pairs, acc, buf + a_off, buf + b_off);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: the region holds the partial tile
-  trace_at(p.trace, 5);
+  trace_at<kTrace>(p.trace, 5);
 
   if (p.global_reduce) {
-    reduce_through_global<T, kTilesPerWarp>(p, acc, item, ks, crank, ntiles, mrows, tok, tile_slice,
-                                            tile_r0, srank);
+    reduce_through_global<T, kTilesPerWarp, kTrace>(p, acc, item, ks, crank, ntiles, mrows, tok,
+                                                    tile_slice, tile_r0, srank);
     return;
   }
   float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
@@ -434,11 +435,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
         return *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + m * p.red_pitch +
                                                 c);
       });
-  trace_at(p.trace, 6);
+  trace_at<kTrace>(p.trace, 6);
   // No CTA reads another's partial tile any more (the loaded values are already stored).
   cluster_arrive_relaxed();
   cluster_wait();
-  trace_at(p.trace, 7);
+  trace_at<kTrace>(p.trace, 7);
 }
 
 bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
@@ -475,7 +476,11 @@ Plan make_plan(const ShrinkArgs& s) {
 template <typename T, int kTilesPerWarp, int kStages>
 Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
                      StreamHandle stream) {
-  auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages>;
+  // The traced instantiation only for bf16 (the benchmark's dtype) while tracing.
+  auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages, false>;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (p.trace != nullptr) kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages, true>;
+  }
   // prefill_max_ctas_per_sm: shared memory padded so that no more CTAs than that share an SM.
   int smem = plan.smem;
   const int cap = kernel_tuning().prefill_max_ctas_per_sm;

@@ -212,7 +212,7 @@ constexpr int expand_smem_bytes(int bk) {
 // 45 KB of shared memory and ~125 registers. kBK = 16 (max_rank <= 16): 27 KB, and a quarter of
 // the staging work. Five CTAs per SM of the kBK = 16 variant (registers capped at 102) measured
 // slower at 4096 tokens (BENCHMARKS.md, 2026-11-24).
-template <typename T, int kBK>
+template <typename T, int kBK, bool kTrace>
 __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTileParams p) {
   constexpr int kTcPitch = kBK + 8;  // padded rows: fragment loads are bank-conflict free
   constexpr int kChunks = kBK / 8;   // 16-byte chunks per staged row
@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   // in the first round trip, so a work item needs no other load before its data.
   // The first item's token indices on a guess (expand_items.cuh), by the threads that write
   // them below (warp 0 scans the metadata); small batches have them all cached instead.
-  trace_at(p.trace, 0);
-  trace_at(p.trace, 1);
+  trace_at<kTrace>(p.trace, 0);
+  trace_at<kTrace>(p.trace, 1);
   const int64_t guess = first_item_start_guess(p);
   int spec = 0;
   if (!p.cache_sorted && threadIdx.x >= kTcBM && guess + (threadIdx.x - kTcBM) < p.num_tokens) {
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
     }
   }
   const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix, entries);
-  trace_at(p.trace, 2);
+  trace_at<kTrace>(p.trace, 2);
   const int total_nt = p.ntile_begin[p.num_slices];
   const int64_t items = static_cast<int64_t>(prefix[n_entries]) * total_nt;
   const int tid = static_cast<int>(threadIdx.x);
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
                                   : p.meta.sorted_token_indices[start + m];
       }
       __syncthreads();
-      if (item == first) trace_at(p.trace, 3);
+      if (item == first) trace_at<kTrace>(p.trace, 3);
     }
     const int64_t ycol = p.y_col[s] + n0;
     if (p.add_inputs) {
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
-      if (item == first && kb == 0) trace_at(p.trace, 4);
+      if (item == first && kb == 0) trace_at<kTrace>(p.trace, 4);
       if (warp_has_rows) {
         const T* a_rows = ins + warp * 16 * kTcPitch;
         if (ncols == kExpandBN) {
@@ -374,8 +374,8 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
       }
     }
   }
-  trace_at(p.trace, 6);
-  trace_at(p.trace, 7);
+  trace_at<kTrace>(p.trace, 6);
+  trace_at<kTrace>(p.trace, 7);
 }
 
 bool tc_expand_ok(const ExpandArgs& a) {
@@ -447,12 +447,16 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
     return Status();
   };
   const bool small = a.max_rank <= 16;
-  if (a.dtype == DType::kBF16) {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16>, 16)
-                                   : run(&expand_tc_kernel<bf16, kTcBK>, kTcBK));
+  // The traced instantiations only for bf16 (the benchmark's dtype) while tracing.
+  if (a.dtype == DType::kBF16 && p.trace != nullptr) {
+    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16, true>, 16)
+                                   : run(&expand_tc_kernel<bf16, kTcBK, true>, kTcBK));
+  } else if (a.dtype == DType::kBF16) {
+    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16, false>, 16)
+                                   : run(&expand_tc_kernel<bf16, kTcBK, false>, kTcBK));
   } else {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<f16, 16>, 16)
-                                   : run(&expand_tc_kernel<f16, kTcBK>, kTcBK));
+    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<f16, 16, false>, 16)
+                                   : run(&expand_tc_kernel<f16, kTcBK, false>, kTcBK));
   }
   return launch_status("expand_tc_kernel");
 }
