@@ -33,7 +33,7 @@ for line in open(sys.argv[1]):
           f"{c['slices']}: {len(rows)} CTAs ({len(full)} worked), span {span / 1e3:.2f} us, "
           f"entry spread {(max(r[1] for r in rows) - t0) / 1e3:.2f} us")
     for name, a, b in PHASES[c["op"]]:
-        d = [(r[b] - r[a]) / 1e3 for r in full]
+        d = [(r[b] - r[a]) / 1e3 for r in full if r[a] and r[b]]  # 0: point not reached
         if d:
             print(f"  {name:12s} median {statistics.median(d):6.2f} us  p90 {pct(d, 0.9):6.2f}  "
                   f"max {max(d):6.2f}")
