@@ -3,16 +3,18 @@
 // A work item is one tile of up to 64 tokens of one active slot (rows gathered through the
 // sorted token indices) against the A rows of EVERY slice of that slot at once (slices
 // concatenated, each cut at its own rank rounded up to 8), so x is read once per layer, not
-// once per slice. A cluster of k_split CTAs takes one item; each CTA streams its share of K
-// through a cp.async pipeline of 3-4 stages (the next stages' loads are in flight while the
-// tensor cores work on the current one), multiplies with mma.sync m16n8k16 (fragments through
-// ldmatrix) and leaves its fp32 partial tile in shared memory; after a cluster barrier each
-// CTA adds a share of the tile over the cluster's CTAs (distributed shared memory, fixed order:
-// deterministic) and writes the intermediate. The split over K gives the grid enough CTAs
-// when a batch has few tiles, without a second pass or atomics.
+// once per slice. k_split CTAs take one item; each streams its share of K through a cp.async
+// pipeline of 3-4 stages (the next stages' loads are in flight while the tensor cores work on
+// the current one) and multiplies with mma.sync m16n8k16 (fragments through ldmatrix). The
+// split over K gives the grid enough CTAs when a batch has few tiles. The fp32 partial tiles
+// meet either in a cluster (the item's CTAs form one: after a cluster barrier each adds a share
+// of the tile over the cluster's shared memory) or, for grids larger than the SM count, in
+// global memory (the last CTA of the item to arrive on its counter adds them): clusters of 4
+// could not use every SM. Both add the parts in the same fixed order: deterministic, and the
+// same bits either way.
 //
-// The grid is the host's upper bound of tiles times k_split; clusters whose tile does not
-// exist in this batch (counted on the device from the metadata) return at once, so the launch
+// The grid is the host's upper bound of tiles times k_split; CTAs whose tile does not exist in
+// this batch (counted on the device from the metadata) return at once, so the launch
 // configuration depends only on host-known sizes and the launch is capturable.
 
 #include <cooperative_groups.h>
