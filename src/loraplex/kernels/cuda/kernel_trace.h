@@ -1,7 +1,8 @@
 #pragma once
-// Per-CTA timelines of the prefill kernels (shrink, both tensor-core expands), for `loraplex bench kernels --trace`: where a CTA's
-// time goes (launch, metadata, setup, streaming, reduction) and how CTAs land on SMs. Plain C++
-// (the CLI includes it); the launchers read the buffer pointer, the kernels write to it.
+// Per-CTA timelines of the prefill kernels (shrink, both tensor-core expands), for `loraplex bench
+// kernels --trace`: where a CTA's time goes (launch, metadata, setup, streaming, reduction) and how
+// CTAs land on SMs. Plain C++ (the CLI includes it); the launchers read the buffer pointer, the
+// kernels write to it.
 
 #include <cstdint>
 
