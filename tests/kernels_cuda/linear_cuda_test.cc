@@ -96,22 +96,34 @@ std::vector<Tensor> to_device(const std::vector<Tensor>& ts, Device device, cons
   return out;
 }
 
+// A layer case on `device`: the wrapper with the case's metadata, the ranks, the weights, x and
+// a fresh copy of y0.
+struct LayerOnDevice {
+  LayerOnDevice(const LayerCase& c, const LayerData& d, Device device, const Stream& stream)
+      : wrapper(c.max_loras, c.tokens, 1, device),
+        ranks(make_ranks(c, d, device, stream)),
+        a(to_device(d.a, device, stream)),
+        b(to_device(d.b, device, stream)),
+        x(d.x.to(device, stream)),
+        y(d.y0.clone().to(device, stream)) {
+    wrapper.update_metadata(d.slots, {}, stream);
+  }
+  PunicaWrapper wrapper;
+  SlotRanks ranks;
+  std::vector<Tensor> a, b;
+  Tensor x, y;
+};
+
 // y0 + LoRA(x) for the whole layer through PunicaWrapper::add_lora_linear on `device`.
 Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const Stream& stream,
                   std::string* path = nullptr, float scale = 0.5f) {
   const int slices = static_cast<int>(c.widths.size());
-  PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
-  wrapper.update_metadata(d.slots, {}, stream);
-  const SlotRanks ranks = make_ranks(c, d, device, stream);
-  const auto a = to_device(d.a, device, stream);
-  const auto b = to_device(d.b, device, stream);
-  const Tensor x = d.x.to(device, stream);
-  Tensor y = d.y0.clone().to(device, stream);
+  LayerOnDevice l(c, d, device, stream);
   Tensor ws =
       Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32, device);
-  if (path != nullptr) *path = wrapper.lora_linear_path(y, x, a, b, ranks, ws);
-  wrapper.add_lora_linear(y, x, a, b, ranks, scale, ws, stream);
-  return device.is_cpu() ? y : test::on_cpu(y, stream);
+  if (path != nullptr) *path = l.wrapper.lora_linear_path(l.y, l.x, l.a, l.b, l.ranks, ws);
+  l.wrapper.add_lora_linear(l.y, l.x, l.a, l.b, l.ranks, scale, ws, stream);
+  return device.is_cpu() ? l.y : test::on_cpu(l.y, stream);
 }
 
 const std::vector<LayerCase>& linear_cases() {
@@ -222,14 +234,8 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
     const int slices = static_cast<int>(c.widths.size());
     auto run = [&](Device device, const Stream& st, bool trace, Tensor& mid_out, Tensor& y_out,
                    std::vector<int64_t>* rows_seen) {
-      PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
-      wrapper.update_metadata(d.slots, {}, st);
-      const SlotRanks ranks = make_ranks(c, d, device, st);
-      const auto a = to_device(d.a, device, st);
-      const auto b = to_device(d.b, device, st);
-      const Tensor x = d.x.to(device, st);
+      LayerOnDevice l(c, d, device, st);
       Tensor mid = Tensor::zeros({slices, c.tokens, c.max_rank}, DType::kF32, device, st);
-      Tensor y = d.y0.clone().to(device, st);
       Tensor buf;
       auto check_rows = [&]() {
         const Tensor host = buf.to(Device::cpu(), st);
@@ -261,13 +267,13 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
         check_rows();
       };
       start_trace();
-      wrapper.add_shrink(mid, x, a, ranks, 0.5f, st);
+      l.wrapper.add_shrink(mid, l.x, l.a, l.ranks, 0.5f, st);
       stop_trace();
       start_trace();
-      wrapper.add_expand(y, mid, b, ranks, 0, true, st);
+      l.wrapper.add_expand(l.y, mid, l.b, l.ranks, 0, true, st);
       stop_trace();
       mid_out = device.is_cpu() ? mid : test::on_cpu(mid, st);
-      y_out = device.is_cpu() ? y : test::on_cpu(y, st);
+      y_out = device.is_cpu() ? l.y : test::on_cpu(l.y, st);
     };
     Tensor mid_gpu, y_gpu, mid_cpu, y_cpu;
     std::vector<int64_t> rows;
