@@ -47,58 +47,45 @@ constexpr int kSmemReserved = 1024;  // the system's share per CTA
 // rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
 // rank 16 one slice 18.6 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
 constexpr int kMaxInFlightBytes = 36 * 1024;
-// How a variant's 8 warps share a tile: kRowFrags 16-row A fragments per warp, kColSets warps
-// per row group taking every kColSets-th column tile, kTiles column tiles per warp at most. Both
-// variants: 4 row groups x 2 column sets. Two row groups of 32 rows x 4 column sets (each B
-// fragment load feeding two MMAs) measured 2% faster for the large variant at 4096 tokens but
-// up to 33% slower at 256-1024 tokens with 32 adapters (q/k/v, rank 64; ptxas spilled ~90
-// bytes), so kWide is off (BENCHMARKS.md, 2026-11-24).
-template <int kTilesPerWarp>
-struct WarpLayout {
-  static constexpr bool kWide = false;
-  static constexpr int kRowFrags = kWide ? 2 : 1;
-  static constexpr int kColSets = kWide ? 4 : 2;
-  static constexpr int kTiles = kTilesPerWarp / kRowFrags;
-  static_assert(kTiles * kColSets * 8 >= (kWide ? kMaxRows : kSmallRows), "every A row has a warp");
-  // Rows past a stage that the second tile of a warp's last pair may read (never stored).
-  static constexpr int kSpareBytes = kColSets * 8 * kPitch * 2;
-};
+// The 8 warps share a tile as 4 row groups of 16 rows x 2 column sets: warp w takes rows
+// (w % 4) * 16 .. + 16 and the column tiles w / 4, w / 4 + 2, ... (kTilesPerWarp at most). Two
+// row groups of 32 rows x 4 column sets (each B fragment load feeding two MMAs) measured 2%
+// faster for the large variant at 4096 tokens but up to 33% slower at 256-1024 tokens with 32
+// adapters (q/k/v, rank 64; ptxas spilled ~90 bytes) (BENCHMARKS.md, 2026-11-24).
+constexpr int kColSets = 2;
+// stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
+// the row sources that always follow the stage region cover them.
+static_assert((kM + kMaxRows) * 8 >= kColSets * 8 * kPitch * 2,
+              "a pair's spare rows stay in shared memory");
 
-// One stage of this warp's MMAs: kPairs pairs of its column tiles (an x4 load each) against its
-// kRowFrags A fragments, as straight-line code. The second tile of the last pair may lie past
-// the item's tiles (inside the CTA's shared memory: WarpLayout::kSpareBytes); its sums are
-// never stored. Branching per tile instead (x4 or x2 load, MMA or not) cost ~5 instructions per
-// MMA: a warp-synchronising barrier and a branch around every .aligned instruction, and B
-// fragments moved into common registers.
+// One stage of this warp's MMAs: kPairs pairs of its column tiles (an x4 load each), as
+// straight-line code. The second tile of the last pair may lie past the item's tiles (its rows:
+// at most 16 past the stage, still inside the CTA's shared memory); its sums are never stored.
+// Branching per tile instead (x4 or x2 load, MMA or not) cost ~5 instructions per MMA: a
+// warp-synchronising barrier and a branch around every .aligned instruction, and B fragments
+// moved into common registers.
 template <typename T, int kTilesPerWarp, int kPairs>
 __device__ __forceinline__ void stage_pairs(float (&acc)[kTilesPerWarp][4], uint32_t a_at,
                                             uint32_t b_at) {
-  using L = WarpLayout<kTilesPerWarp>;
-  constexpr uint32_t kPairBytes = 2 * L::kColSets * 8 * kPitch * 2;  // the warp's next two tiles
-  constexpr uint32_t kFragBytes = 16 * kPitch * 2;                   // the next 16 A rows
+  constexpr uint32_t kPairBytes = 2 * kColSets * 8 * kPitch * 2;  // the warp's next two tiles
 #pragma unroll
   for (int kk = 0; kk < kBK; kk += 16) {
-    uint32_t af[L::kRowFrags][4];
-#pragma unroll
-    for (int rf = 0; rf < L::kRowFrags; ++rf)
-      ldmatrix_x4_at(af[rf], a_at + rf * kFragBytes + kk * 2);
+    uint32_t af[4];
+    ldmatrix_x4_at(af, a_at + kk * 2);
 #pragma unroll
     for (int q = 0; q < kPairs; ++q) {
       uint32_t bf[4];
       ldmatrix_x4_at(bf, b_at + q * kPairBytes + kk * 2);
       const uint32_t b0[2] = {bf[0], bf[1]};
       const uint32_t b1[2] = {bf[2], bf[3]};
-#pragma unroll
-      for (int rf = 0; rf < L::kRowFrags; ++rf) {
-        mma_16816<T>(acc[rf * L::kTiles + 2 * q], af[rf], b0);
-        mma_16816<T>(acc[rf * L::kTiles + 2 * q + 1], af[rf], b1);
-      }
+      mma_16816<T>(acc[2 * q], af, b0);
+      mma_16816<T>(acc[2 * q + 1], af, b1);
     }
   }
 }
 
 // Picks the pair count once per stage.
-template <typename T, int kTilesPerWarp, int kPairs = WarpLayout<kTilesPerWarp>::kTiles / 2>
+template <typename T, int kTilesPerWarp, int kPairs = kTilesPerWarp / 2>
 __device__ __forceinline__ void stage_mma(int pairs, float (&acc)[kTilesPerWarp][4], uint32_t a_at,
                                           uint32_t b_at) {
   if constexpr (kPairs > 0) {
@@ -111,28 +98,22 @@ __device__ __forceinline__ void stage_mma(int pairs, float (&acc)[kTilesPerWarp]
 }
 
 // Calls f(row, column, v0, v1) for each pair of this warp's accumulators that lies in one of the
-// item's ntiles column tiles (mma accumulator layout: rows g and g + 8 of each 16-row fragment).
+// item's ntiles column tiles (mma accumulator layout: rows g and g + 8 of the warp's 16 rows).
 template <int kTilesPerWarp, typename F>
 __device__ __forceinline__ void for_each_acc(const float (&acc)[kTilesPerWarp][4], int ntiles,
                                              F f) {
-  using L = WarpLayout<kTilesPerWarp>;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int rg = warp % (8 / L::kColSets);
-  const int cset = warp / (8 / L::kColSets);
-  const int g = lane >> 2;
+  const int rg = warp % (8 / kColSets);
+  const int cset = warp / (8 / kColSets);
+  const int row = rg * 16 + (lane >> 2);
   const int tq = (lane & 3) * 2;
 #pragma unroll
-  for (int rf = 0; rf < L::kRowFrags; ++rf) {
-#pragma unroll
-    for (int i = 0; i < L::kTiles; ++i) {
-      const int j = cset + L::kColSets * i;
-      if (j < ntiles) {
-        const int row = (rg * L::kRowFrags + rf) * 16 + g;
-        const float(&a)[4] = acc[rf * L::kTiles + i];
-        f(row, j * 8 + tq, a[0], a[1]);
-        f(row + 8, j * 8 + tq, a[2], a[3]);
-      }
+  for (int i = 0; i < kTilesPerWarp; ++i) {
+    const int j = cset + kColSets * i;
+    if (j < ntiles) {
+      f(row, j * 8 + tq, acc[i][0], acc[i][1]);
+      f(row + 8, j * 8 + tq, acc[i][2], acc[i][3]);
     }
   }
 }
@@ -406,21 +387,20 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
     }
   };
 
-  using L = WarpLayout<kTilesPerWarp>;
-  const int rg = warp % (8 / L::kColSets);    // rows rg * 16 * kRowFrags .. of the tile
-  const int cset = warp / (8 / L::kColSets);  // column tiles cset, cset + kColSets, ...
-  const uint32_t a_off = static_cast<uint32_t>(
-      ((rg * 16 * L::kRowFrags + (lane & 15)) * kPitch + (lane >> 4) * 8) * 2);
+  const int rg = warp % (8 / kColSets);    // rows rg * 16 .. + 16 of the tile
+  const int cset = warp / (8 / kColSets);  // column tiles cset, cset + kColSets, ...
+  const uint32_t a_off =
+      static_cast<uint32_t>(((rg * 16 + (lane & 15)) * kPitch + (lane >> 4) * 8) * 2);
   // Column tiles j0 = cset + 2 kColSets q (lanes 0-15) and j0 + kColSets (lanes 16-31) of pair
   // q for ldmatrix_x4.
   const uint32_t b_off =
       static_cast<uint32_t>(((kM + cset * 8 + (lane & 7)) * kPitch + ((lane >> 3) & 1) * 8) * 2 +
-                            (lane < 16 ? 0 : L::kColSets * 8 * kPitch * 2));
+                            (lane < 16 ? 0 : kColSets * 8 * kPitch * 2));
   float acc[kTilesPerWarp][4];
 #pragma unroll
   for (int i = 0; i < kTilesPerWarp; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   // This warp's column tiles below ntiles, in pairs.
-  const int warp_tiles = ntiles > cset ? (ntiles - cset + L::kColSets - 1) / L::kColSets : 0;
+  const int warp_tiles = ntiles > cset ? (ntiles - cset + kColSets - 1) / kColSets : 0;
   const int pairs = (warp_tiles + 1) / 2;
 
 #pragma unroll
@@ -495,11 +475,7 @@ Plan make_plan(const ShrinkArgs& s) {
     plan.region =
         static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
     plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
-    // The row sources follow the stage region; past them, room for the spare rows a warp's
-    // last pair may read beyond the last stage (WarpLayout::kSpareBytes).
-    const int spare = plan.a_rows <= kSmallRows ? WarpLayout<kSmallRows / 16>::kSpareBytes
-                                                : WarpLayout<kMaxRows / 16>::kSpareBytes;
-    plan.smem = plan.off_rows + std::max((kM + kMaxRows) * 8, spare);
+    plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
     if (plan.smem <= kSmemPerSm || plan.stages == 3) return plan;
   }
 }
