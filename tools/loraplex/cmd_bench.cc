@@ -54,7 +54,7 @@ const char* kHelp =
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
     "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
     "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
-    "expand case that ran the prefill shrink or the pipelined expand, one cold call's per-CTA\n"
+    "expand case that ran the prefill shrink or a tensor-core expand, one cold call's per-CTA\n"
     "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines.\n"
     "Needs a CUDA device; --help does not.\n";
 
