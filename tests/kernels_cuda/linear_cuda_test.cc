@@ -222,14 +222,29 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
   // 300 tokens over 8 slots (the prefill shrink, clusters; the pipelined expand at rank 16) and
-  // 1100 tokens at rank 64 over 3 slices (the one-item-at-a-time expand).
-  const std::vector<LayerCase> cases = {
-      {DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false},
-      {DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0, false},
+  // 1100 tokens at rank 64 over 3 slices, pipelined (expand_pipelined 0) and one item at a time
+  // (1).
+  struct TraceCase {
+    LayerCase c;
+    int expand_pipelined;
+  };
+  const std::vector<TraceCase> cases = {
+      {{DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false}, 0},
+      {{DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0,
+        false},
+       0},
+      {{DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0,
+        false},
+       1},
   };
   constexpr int64_t kRows = 4096;
   const int sms = kernels::cuda::device_info(test::gpu().index).sm_count;
-  for (const LayerCase& c : cases) {
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+  for (const TraceCase& tc : cases) {
+    const LayerCase& c = tc.c;
+    kernels::cuda::KernelTuning tuning = defaults;
+    tuning.expand_pipelined = tc.expand_pipelined;
+    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
     const LayerData d = make_layer(c, rng);
     const int slices = static_cast<int>(c.widths.size());
     auto run = [&](Device device, const Stream& st, bool trace, Tensor& mid_out, Tensor& y_out,
@@ -286,11 +301,12 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
     EXPECT_GT(rows[0], 0) << case_name(c) << ": no shrink CTA recorded a timeline";
     EXPECT_GT(rows[1], 0) << case_name(c) << ": no expand CTA recorded a timeline";
   }
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
-// the expand up to rank 16 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
+// the expand up to rank 64 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
 // deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, the pair's
 // shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster layer with
 // clusters of 1, 2 and 16.

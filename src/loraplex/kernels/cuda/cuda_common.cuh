@@ -181,6 +181,21 @@ __device__ __forceinline__ int ld_early(const int32_t* p) {
   return v;
 }
 
+/// 16- and 8-byte read-only loads issued where they are written (volatile asm, as ld_early):
+/// neither repeated nor moved past the mma asm or the barriers after them.
+__device__ __forceinline__ uint4 ldg16_now(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg8_now(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }

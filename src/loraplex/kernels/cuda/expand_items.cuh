@@ -45,6 +45,9 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
 /// the column tiles of all slices.
 int64_t expand_tile_items(const ExpandTileParams& p);
 
+/// An error naming the count when the items do not fit the kernels' 32-bit item index.
+Status check_expand_items(const ExpandTileParams& p);
+
 /// Shared-memory bytes of the item tables: the tile prefix, the metadata entries and the caches.
 int expand_table_bytes(const ExpandTileParams& p);
 
@@ -64,11 +67,11 @@ struct ExpandItem {
 /// global one; kept as two loads so the shared one stays a shared-memory load).
 __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, const int* prefix,
                                                   const int* entries, int n, const int* rank_cache,
-                                                  int64_t index) {
+                                                  int index) {
   const int total_nt = p.ntile_begin[p.num_slices];
   ExpandItem it;
-  it.tile = static_cast<int>(index / total_nt);
-  const int u = static_cast<int>(index % total_nt);
+  it.tile = index / total_nt;
+  const int u = index - it.tile * total_nt;
   int s = 0;
   while (u >= p.ntile_begin[s + 1]) ++s;
   const int e = find_tile_entry(prefix, n, it.tile);
@@ -85,14 +88,19 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
 }
 
 /// The first of CTA `cta`'s contiguous run of `items` work items (its run ends where CTA cta + 1's
-/// begins). Balanced: runs differ by at most one item; else ceil(items / grid) each, which
-/// leaves the last CTAs idle (2048 items on 528 CTAs: 512 CTAs with 4, 16 with none). The
-/// pipelined expand is 1-3% faster balanced at 4096 tokens; the one-item-at-a-time expand,
-/// which reuses the token rows and intermediate of consecutive items, up to 5% slower
-/// (rank 64, q/k/v), so it keeps ceil-sized runs (H200, BENCHMARKS.md 2026-11-24).
-__device__ __forceinline__ int64_t run_begin(int64_t items, int64_t cta, bool balanced) {
-  if (!balanced) return min(items, cta * ((items + gridDim.x - 1) / gridDim.x));
-  return items * cta / gridDim.x;
+/// begins). Balanced: runs differ by at most one item (the first items % grid CTAs take one
+/// more); else ceil(items / grid) each, which leaves the last CTAs idle (2048 items on 528 CTAs:
+/// 512 CTAs with 4, 16 with none). The pipelined expand is 1-3% faster balanced at 4096 tokens;
+/// the one-item-at-a-time expand, which reuses the token rows and intermediate of consecutive
+/// items, up to 5% slower (rank 64, q/k/v), so it keeps ceil-sized runs (H200, BENCHMARKS.md
+/// 2026-11-24). 32-bit (the launchers check that the items fit): a 64-bit division is a call to
+/// a subroutine at the end of the kernel's code, one more instruction-cache miss in the cold
+/// chain before the first load.
+__device__ __forceinline__ int run_begin(int items, int cta, bool balanced) {
+  const int grid = static_cast<int>(gridDim.x);
+  if (!balanced) return min(items, cta * ((items + grid - 1) / grid));
+  const int q = items / grid;
+  return cta * q + min(cta, items - q * grid);
 }
 
 /// The sorted position of the first token of this CTA's first item if every active slot filled
@@ -100,10 +108,11 @@ __device__ __forceinline__ int64_t run_begin(int64_t items, int64_t cta, bool ba
 /// over the grid). The expands load that item's token indices on this guess together with the
 /// metadata and keep them when the item's real start equals it (one round trip less in the
 /// first item's chain metadata -> token indices -> y rows).
-__device__ __forceinline__ int64_t first_item_start_guess(const ExpandTileParams& p) {
-  const int64_t total_nt = p.ntile_begin[p.num_slices];
-  const int64_t items = (p.num_tokens + kExpandTileRows - 1) / kExpandTileRows * total_nt;
-  return run_begin(items, blockIdx.x, p.balanced) / total_nt * kExpandTileRows;
+__device__ __forceinline__ int first_item_start_guess(const ExpandTileParams& p) {
+  const int total_nt = p.ntile_begin[p.num_slices];
+  const int items =
+      static_cast<int>((p.num_tokens + kExpandTileRows - 1) / kExpandTileRows) * total_nt;
+  return run_begin(items, static_cast<int>(blockIdx.x), p.balanced) / total_nt * kExpandTileRows;
 }
 
 /// A warp's 16 x 128 sums (mma accumulator layout) plus the old y (add_inputs), rounded to T,

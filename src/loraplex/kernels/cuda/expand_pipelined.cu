@@ -1,4 +1,4 @@
-// Expand on tensor cores for max_rank <= 16, software-pipelined over a CTA's work items.
+// Expand on tensor cores for max_rank <= 64, software-pipelined over a CTA's work items.
 //
 // The work items are the tensor-core expand's (shrink_expand.cu): one 64-token tile of one
 // active slot (rows gathered through the sorted token indices) x one 128-column tile of one
@@ -6,11 +6,21 @@
 // and the intermediate, wait, multiply, add, store; every item pays a full memory round trip
 // plus its arithmetic, and the expand ran ~6 us above what its memory pattern alone reaches.
 // Here two y tiles alternate: the next item's y rows are in flight while this item waits for
-// its operands, multiplies, adds and stores, and the next item's B rows and intermediate rows
-// are issued as soon as this item's MMAs are done. Rank 16 keeps the B and intermediate tiles
-// small enough (shared memory ~47 KB) for four CTAs per SM with the second y tile. An fp32
-// intermediate is staged as fp32 and rounded to the weight dtype when the fragments are built,
-// as vLLM rounds it before its expand.
+// its operands, multiplies, adds and stores, and the next item's B rows are issued as soon as
+// this item's MMAs are done.
+//
+// The intermediate goes straight from global memory into each warp's mma A fragments (its 16
+// rows x the rank) and stays there while consecutive items share the token tile and the slice
+// (a run's items are consecutive column tiles of one tile: mostly the same rows). Shared
+// memory then holds only the two y tiles and B, ~52 KB at rank 64, so four CTAs per SM still
+// fit with the second y tile (with a staged intermediate the rank-64 kernel could not pipeline
+// at four CTAs per SM). The fragments use a permuted rank order (the K-order trick: an MMA's sum
+// does not depend on which k sits in which fragment slot as long as A and B agree): lane q of a
+// row group holds ranks 4q..4q+3 of each 16-rank step, so it reads them with one 16-byte load
+// (fp32) from global memory and B with one 8-byte shared load. Those global loads are issued
+// with the item's y and B copies and converted only after the copies are waited for, so they
+// add no round trip. An fp32 intermediate is rounded to the weight dtype when the fragments are
+// built, as vLLM rounds it before its expand.
 
 #include <algorithm>
 
@@ -26,19 +36,25 @@ constexpr int kThreads = 128;         // 4 warps, 16 token rows each (2 x kBM: s
 constexpr int kBM = kExpandTileRows;  // tokens per tile
 constexpr int kBN = kExpandTileCols;  // output columns per item
 constexpr int kYPitch = kExpandYPitch;
-constexpr int kRank = 16;                    // max_rank this kernel takes
-constexpr int kBPitch = kRank + 8;           // 16-bit rows: fragment loads conflict-free
-constexpr int kFPitch = kRank + 8;           // fp32 intermediate rows
-constexpr int kYBytes = kBM * kYPitch * 2;   // one y tile
-constexpr int kBBytes = kBN * kBPitch * 2;   // the B tile
-constexpr int kInBytes = kBM * kFPitch * 4;  // the intermediate tile (fp32 or 16-bit)
-constexpr int kTokSets = 3;                  // token-index sets in rotation (see the loop)
+constexpr int kMaxRank = 64;                // max_rank this kernel takes
+constexpr int kYBytes = kBM * kYPitch * 2;  // one y tile
+constexpr int kTokSets = 3;                 // token-index sets in rotation (see the loop)
 static_assert(kThreads == 2 * kBM, "threads kBM.. write the first item's token indices");
-constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kInBytes + kTokSets * kBM * 4;
+
+// kSteps 16-deep rank steps (1: max_rank <= 16, 4: <= 64). B rows hold kSteps x 16 elements,
+// padded so that a row is 8 or 24 banks after the previous one: the 8-byte fragment loads of a
+// half-warp (4 rows x 4 lanes) then hit 32 distinct banks.
+template <int kSteps>
+struct Shape {
+  static constexpr int kBPitch = kSteps == 1 ? 16 : kSteps == 2 ? 48 : 80;
+  static_assert(kBPitch >= kSteps * 16 && (kBPitch / 2) % 16 == 8, "bank spread of B rows");
+  static constexpr int kBBytes = kBN * kBPitch * 2;
+  static constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kTokSets * kBM * 4;
+};
 
 // An item of the run with its index (== the run's end: none).
 struct Item : ExpandItem {
-  int64_t index;
+  int index;
 };
 
 // The shared-memory tables every item decode reads.
@@ -50,8 +66,8 @@ struct Tables {
 };
 
 // The first item at or after `index` that changes y (rank 0 with add_inputs adds nothing).
-__device__ __forceinline__ Item next_item(const ExpandTileParams& p, const Tables& t, int64_t index,
-                                          int64_t last) {
+__device__ __forceinline__ Item next_item(const ExpandTileParams& p, const Tables& t, int index,
+                                          int last) {
   Item it{};
   for (; index < last; ++index) {
     static_cast<ExpandItem&>(it) = expand_item(p, t.prefix, t.entries, t.n, t.rank_cache, index);
@@ -73,73 +89,113 @@ __device__ __forceinline__ void issue_y(const ExpandTileParams& p, const Item& i
   }
 }
 
-// B rows (2 chunks of 8 per column) and intermediate rows, zero-filled past the rank and past
-// the tile's rows and columns.
-template <typename T>
-__device__ __forceinline__ void issue_operands(const ExpandTileParams& p, const Item& it, T* bs,
-                                               unsigned char* in_raw, const int* tok, int tid) {
+// B rows: the rank steps the item multiplies (ceil(rank / 16) x 16 elements per column),
+// zero-filled past the rank and past the tile's columns; the steps past them are never read.
+template <typename T, int kSteps>
+__device__ __forceinline__ void issue_b(const ExpandTileParams& p, const Item& it, T* bs, int tid) {
+  constexpr int kPitch = Shape<kSteps>::kBPitch;
+  constexpr int kChunks = kSteps * 2;  // 16-byte chunks per column
   const T* bg = static_cast<const T*>(p.b[it.s]) +
                 (static_cast<int64_t>(it.slot) * p.width[it.s] + it.n0) * p.max_rank;
+  const int used_chunks = (it.rank + 15) / 16 * 2;
 #pragma unroll
-  for (int k = 0; k < kBN * 2 / kThreads; ++k) {
+  for (int k = 0; k < kBN * kChunks / kThreads; ++k) {
     const int i = tid + k * kThreads;
-    const int n = i >> 1;
-    const int ch = i & 1;
-    const int kvalid = it.rank - ch * 8;
-    const int bytes = (n < it.ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
-    cp_async16(bs + n * kBPitch + ch * 8, bytes ? bg + n * p.max_rank + ch * 8 : bg, bytes);
-  }
-  if (p.in_f32) {
-    const float* ing = static_cast<const float*>(p.in);
-    float* inf = reinterpret_cast<float*>(in_raw);
-#pragma unroll
-    for (int k = 0; k < kBM * 4 / kThreads; ++k) {
-      const int i = tid + k * kThreads;
-      const int row = i >> 2;
-      const int ch = i & 3;
-      const int kvalid = row < it.mrows ? it.rank - ch * 4 : 0;
-      const int bytes = kvalid >= 4 ? 16 : max(kvalid, 0) * 4;
-      const float* src = ing + (it.s * p.num_tokens + tok[row]) * p.max_rank + ch * 4;
-      cp_async16(inf + row * kFPitch + ch * 4, bytes ? src : ing, bytes);
+    const int n = i / kChunks;
+    const int ch = i % kChunks;
+    if (ch < used_chunks) {
+      const int kvalid = it.rank - ch * 8;
+      const int bytes = (n < it.ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
+      cp_async16(bs + n * kPitch + ch * 8, bytes ? bg + n * p.max_rank + ch * 8 : bg, bytes);
     }
-  } else {
-    const T* ing = static_cast<const T*>(p.in);
-    T* ins = reinterpret_cast<T*>(in_raw);
-    const int row = tid >> 1;
-    const int ch = tid & 1;
-    const int kvalid = row < it.mrows ? it.rank - ch * 8 : 0;
-    const int bytes = kvalid > 0 ? min(kvalid, 8) * 2 : 0;
-    const T* src = ing + (it.s * p.num_tokens + tok[row]) * p.max_rank + ch * 8;
-    cp_async16(ins + row * kBPitch + ch * 8, bytes ? src : ing, bytes);
   }
 }
 
-// This warp's 16 rows x 128 columns of the product (one 16-deep K step: rank <= 16).
-template <typename T, bool kFull>
-__device__ __forceinline__ void multiply(const ExpandTileParams& p, const Item& it, const T* bs,
-                                         const unsigned char* in_raw, float (&acc)[16][4], int warp,
-                                         int lane) {
-  uint32_t af[4];
-  if (p.in_f32) {
-    const float* f = reinterpret_cast<const float*>(in_raw) + (warp * 16 + (lane >> 2)) * kFPitch +
-                     (lane & 3) * 2;
-    const float2 v0 = *reinterpret_cast<const float2*>(f);
-    const float2 v1 = *reinterpret_cast<const float2*>(f + 8 * kFPitch);
-    const float2 v2 = *reinterpret_cast<const float2*>(f + 8);
-    const float2 v3 = *reinterpret_cast<const float2*>(f + 8 * kFPitch + 8);
-    af[0] = pack2<T>(v0.x, v0.y);
-    af[1] = pack2<T>(v1.x, v1.y);
-    af[2] = pack2<T>(v2.x, v2.y);
-    af[3] = pack2<T>(v3.x, v3.y);
-  } else {
-    load_a_frag(af, reinterpret_cast<const T*>(in_raw) + warp * 16 * kBPitch, kBPitch, lane);
-  }
+// This warp's share of the item's intermediate as loaded: rows warp * 16 + g and + 8, ranks
+// ks * 16 + 4q .. + 3 of every step (16 bytes of fp32, or 8 of T in .x and .y); zero from the
+// first step past the rank. Converted into A fragments by in_frags once they are needed.
+template <int kSteps>
+struct InRaw {
+  uint4 v[kSteps][2];
+};
+
+template <int kSteps>
+__device__ __forceinline__ void issue_in(const ExpandTileParams& p, const Item& it, const int* tok,
+                                         int warp, int lane, InRaw<kSteps>& raw) {
+  const int g = lane >> 2;
+  const int q = lane & 3;
+  const int64_t base = static_cast<int64_t>(it.s) * p.num_tokens;
+  const int64_t off[2] = {(base + tok[warp * 16 + g]) * p.max_rank + 4 * q,
+                          (base + tok[warp * 16 + g + 8]) * p.max_rank + 4 * q};
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if (kFull || j * 8 < it.ncols) {
-      uint32_t bfr[2];
-      load_b_frag(bfr, bs + j * 8 * kBPitch, kBPitch, lane);
-      mma_16816<T>(acc[j], af, bfr);
+  for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // 4q + 3 < max_rank (a multiple of 8) wherever ks * 16 + 4q < rank: inside the row.
+      if (ks * 16 + 4 * q < it.rank) {
+        if (p.in_f32) {
+          raw.v[ks][h] = ldg16_now(static_cast<const float*>(p.in) + off[h] + ks * 16);
+        } else {
+          const uint2 v = ldg8_now(static_cast<const uint16_t*>(p.in) + off[h] + ks * 16);
+          raw.v[ks][h] = make_uint4(v.x, v.y, 0, 0);
+        }
+      } else {
+        raw.v[ks][h] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
+// The A fragments (permuted order: slot pairs tq, tq + 1 and tq + 8, tq + 9 hold ranks 4q, 4q + 1
+// and 4q + 2, 4q + 3), ranks at or past the item's rank zeroed: the intermediate holds anything
+// there, and B is only zero-filled up to the next multiple of 16.
+template <typename T, int kSteps>
+__device__ __forceinline__ void in_frags(const ExpandTileParams& p, const InRaw<kSteps>& raw,
+                                         int rank, int lane, uint32_t (&af)[kSteps][4]) {
+  const int q = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    const int k = ks * 16 + 4 * q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 v = raw.v[ks][h];
+      uint32_t lo;
+      uint32_t hi;
+      if (p.in_f32) {
+        const float f0 = k < rank ? __uint_as_float(v.x) : 0.0f;
+        const float f1 = k + 1 < rank ? __uint_as_float(v.y) : 0.0f;
+        const float f2 = k + 2 < rank ? __uint_as_float(v.z) : 0.0f;
+        const float f3 = k + 3 < rank ? __uint_as_float(v.w) : 0.0f;
+        lo = pack2<T>(f0, f1);
+        hi = pack2<T>(f2, f3);
+      } else {
+        lo = v.x & ((k < rank ? 0xffffu : 0u) | (k + 1 < rank ? 0xffff0000u : 0u));
+        hi = v.y & ((k + 2 < rank ? 0xffffu : 0u) | (k + 3 < rank ? 0xffff0000u : 0u));
+      }
+      af[ks][h] = lo;      // row g (h 0) or g + 8 (h 1), slots tq, tq + 1
+      af[ks][h + 2] = hi;  // slots tq + 8, tq + 9
+    }
+  }
+}
+
+// This warp's 16 rows x 128 columns of the product, the rank steps up to the item's rank; B
+// in the fragments' permuted rank order (one 8-byte load per fragment).
+template <typename T, int kSteps, bool kFull>
+__device__ __forceinline__ void multiply(const Item& it, const T* bs,
+                                         const uint32_t (&af)[kSteps][4], float (&acc)[16][4],
+                                         int lane) {
+  constexpr int kPitch = Shape<kSteps>::kBPitch;
+  const T* b_lane = bs + (lane >> 2) * kPitch + 4 * (lane & 3);
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    if (ks * 16 >= it.rank) break;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (kFull || j * 8 < it.ncols) {
+        const uint2 b = *reinterpret_cast<const uint2*>(b_lane + j * 8 * kPitch + ks * 16);
+        const uint32_t bfr[2] = {b.x, b.y};
+        mma_16816<T>(acc[j], af[ks], bfr);
+      }
     }
   }
 }
@@ -161,13 +217,13 @@ __device__ __forceinline__ void load_tokens(const ExpandTileParams& p, const Ite
   if (tid < kBM) tok[tid] = tid < it.mrows ? p.meta.sorted_token_indices[it.start + tid] : 0;
 }
 
-template <typename T, bool kTrace>
+template <typename T, int kSteps, bool kTrace>
 __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTileParams p) {
+  using S = Shape<kSteps>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ybuf = reinterpret_cast<T*>(smem_raw);  // [2][kBM][kYPitch]
   T* bs = reinterpret_cast<T*>(smem_raw + 2 * kYBytes);
-  unsigned char* in_raw = smem_raw + 2 * kYBytes + kBBytes;
-  int* tokbuf = reinterpret_cast<int*>(in_raw + kInBytes);  // [kTokSets][kBM]
+  int* tokbuf = reinterpret_cast<int*>(smem_raw + 2 * kYBytes + S::kBBytes);  // [kTokSets][kBM]
   int* prefix = tokbuf + kTokSets * kBM;
   int* entries = prefix + p.max_loras + 2;
   int* rank_cache = entries + 3 * (p.max_loras + 1);
@@ -178,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   trace_at<kTrace>(p.trace, 1);
   // The first item's token indices on a guess (expand_items.cuh), by the threads that write
   // them below (warp 0 scans the metadata).
-  const int64_t guess = first_item_start_guess(p);
+  const int guess = first_item_start_guess(p);
   int spec = 0;
   if (tid >= kBM && guess + (tid - kBM) < p.num_tokens) {
     spec = ld_early(p.meta.sorted_token_indices + guess + (tid - kBM));
@@ -195,9 +251,9 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   t.prefix = prefix;
   t.entries = entries;
   t.rank_cache = rank_cache;
-  const int64_t items = static_cast<int64_t>(prefix[t.n]) * p.ntile_begin[p.num_slices];
-  const int64_t first = run_begin(items, blockIdx.x, p.balanced);
-  const int64_t last = run_begin(items, blockIdx.x + 1, p.balanced);
+  const int items = prefix[t.n] * p.ntile_begin[p.num_slices];
+  const int first = run_begin(items, static_cast<int>(blockIdx.x), p.balanced);
+  const int last = run_begin(items, static_cast<int>(blockIdx.x) + 1, p.balanced);
 
   Item cur = next_item(p, t, first, last);
   if (cur.index >= last) return;  // the same in the whole CTA
@@ -210,8 +266,12 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   __syncthreads();
   trace_at<kTrace>(p.trace, 3);
   issue_y(p, cur, ybuf, tokbuf, tid);
-  issue_operands(p, cur, bs, in_raw, tokbuf, tid);
+  issue_b<T, kSteps>(p, cur, bs, tid);
   cp_async_commit();
+  // The A fragments and the (tile, slice) they hold (none yet).
+  uint32_t af[kSteps][4];
+  int af_tile = -1;
+  int af_s = -1;
   // Item k of the run uses y tile k % 2 and token set k % 3: the set written for item k + 1 was
   // last read by item k - 2's stores, which every thread finished before item k - 1's first
   // barrier.
@@ -230,8 +290,21 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
     __syncthreads();  // the next item's token indices; the other y tile's stores are done
     if (has_next) issue_y(p, nxt, ys_next, tok_next, tid);
     cp_async_commit();
-    cp_async_wait<1>();  // this item's y, B and intermediate (the next y may still fly)
-    __syncthreads();
+    // This item's y and B (the next y may still fly). New rows or slice (uniform over the
+    // CTA): the intermediate's loads fly with the copies. The wait is written in both branches
+    // so that the old fragments and the new loads are never live together (they spilled).
+    if (cur.tile != af_tile || cur.s != af_s) {
+      InRaw<kSteps> raw;
+      issue_in(p, cur, tok, warp, lane, raw);
+      cp_async_wait<1>();
+      __syncthreads();
+      in_frags<T, kSteps>(p, raw, cur.rank, lane, af);
+      af_tile = cur.tile;
+      af_s = cur.s;
+    } else {
+      cp_async_wait<1>();
+      __syncthreads();
+    }
     if (first_item) trace_at<kTrace>(p.trace, 4);
     first_item = false;
     float acc[16][4];
@@ -240,13 +313,13 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
     const bool warp_has_rows = warp * 16 < cur.mrows;
     if (warp_has_rows && cur.rank > 0) {
       if (cur.ncols == kBN) {
-        multiply<T, true>(p, cur, bs, in_raw, acc, warp, lane);
+        multiply<T, kSteps, true>(cur, bs, af, acc, lane);
       } else {
-        multiply<T, false>(p, cur, bs, in_raw, acc, warp, lane);
+        multiply<T, kSteps, false>(cur, bs, af, acc, lane);
       }
     }
-    __syncthreads();  // every warp is done with B and the intermediate
-    if (has_next) issue_operands(p, nxt, bs, in_raw, tok_next, tid);
+    __syncthreads();  // every warp is done with B
+    if (has_next) issue_b<T, kSteps>(p, nxt, bs, tid);
     cp_async_commit();
     if (warp_has_rows) add_into_y_tile(ys, acc, warp, lane, cur.ncols, p.add_inputs);
     __syncthreads();  // the tile's sums are complete
@@ -263,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
 }  // namespace
 
 bool expand_pipelined_applies(const ExpandArgs& a) {
-  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.max_rank > kRank) return false;
+  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.max_rank > kMaxRank) return false;
   if (kernel_tuning().expand_pipelined == 1) return false;
   if (a.y_row_stride % 8 != 0 || a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
     return false;
@@ -276,21 +349,33 @@ bool expand_pipelined_applies(const ExpandArgs& a) {
 Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
   LORAPLEX_ENSURE(expand_pipelined_applies(a), "expand_pipelined: arguments not supported");
   ExpandTileParams p = expand_tile_params(a, meta);
+  LORAPLEX_RETURN_IF_ERROR(check_expand_items(p));
   p.cache_sorted = false;  // the token indices are loaded an item ahead
   p.balanced = true;
-  const int smem = kFixedBytes + expand_table_bytes(p);
   const int grid = static_cast<int>(std::min<int64_t>(
       expand_tile_items(p), int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
   auto s = static_cast<cudaStream_t>(stream);
-  auto run = [&](auto kernel) -> Status {
+  auto run = [&](auto kernel, int fixed_bytes) -> Status {
+    const int smem = fixed_bytes + expand_table_bytes(p);
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
     kernel<<<grid, kThreads, smem, s>>>(p);
     return launch_status("expand_pipe_kernel");
   };
-  if (a.dtype != DType::kBF16) return run(&expand_pipe_kernel<f16, false>);
-  // The traced instantiation only for bf16 (the benchmark's dtype) while tracing.
-  return p.trace != nullptr ? run(&expand_pipe_kernel<bf16, true>)
-                            : run(&expand_pipe_kernel<bf16, false>);
+  // Two shapes: rank <= 16 (one rank step, 39 KB of shared memory) and <= 64 (four, 52 KB).
+  const bool small = a.max_rank <= 16;
+  const int small_bytes = Shape<1>::kFixedBytes;
+  const int large_bytes = Shape<4>::kFixedBytes;
+  if (a.dtype != DType::kBF16) {
+    return small ? run(&expand_pipe_kernel<f16, 1, false>, small_bytes)
+                 : run(&expand_pipe_kernel<f16, 4, false>, large_bytes);
+  }
+  // The traced instantiations only for bf16 (the benchmark's dtype) while tracing.
+  if (p.trace != nullptr) {
+    return small ? run(&expand_pipe_kernel<bf16, 1, true>, small_bytes)
+                 : run(&expand_pipe_kernel<bf16, 4, true>, large_bytes);
+  }
+  return small ? run(&expand_pipe_kernel<bf16, 1, false>, small_bytes)
+               : run(&expand_pipe_kernel<bf16, 4, false>, large_bytes);
 }
 
 }  // namespace loraplex::kernels::cuda

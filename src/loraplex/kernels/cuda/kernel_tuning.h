@@ -35,7 +35,7 @@ struct KernelTuning {
   /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items.
   int expand_ctas_per_sm = 4;
-  /// Expand up to max_rank 16: 1 runs the tensor-core expand one item at a time; 0 (default)
+  /// Expand up to max_rank 64: 1 runs the tensor-core expand one item at a time; 0 (default)
   /// and 2 the software-pipelined one (expand_pipelined.cu).
   int expand_pipelined = 0;
   /// Decode kernel: CTAs per SM at most (1..4); 0: every CTA that fits (one wave).

@@ -25,8 +25,9 @@ Status decode_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHan
 bool prefill_shrink_applies(const ShrinkArgs& args);
 Status prefill_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
 
-/// The software-pipelined expand (expand_pipelined.cu) runs this expand: bf16/f16, max_rank 8
-/// or 16, aligned rows, slice widths multiples of 8, unless the expand_pipelined knob is 1.
+/// The software-pipelined expand (expand_pipelined.cu) runs this expand: bf16/f16, max_rank a
+/// multiple of 8 up to 64, aligned rows, slice widths multiples of 8, unless the
+/// expand_pipelined knob is 1.
 bool expand_pipelined_applies(const ExpandArgs& args);
 Status expand_pipelined(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream);
 

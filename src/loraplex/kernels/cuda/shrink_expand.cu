@@ -2,7 +2,7 @@
 //
 // Expand on tensor cores (bf16/f16, 16-byte aligned rows), one work item at a time: a
 // persistent grid over the items of expand_items.cuh (one 64-token tile of one active slot x
-// one 128-column tile of one slice, all slices in one launch). Up to max_rank 16 lora_expand
+// one 128-column tile of one slice, all slices in one launch). Up to max_rank 64 lora_expand
 // runs the pipelined expand (expand_pipelined.cu) unless told not to. Each slot costs its own rank:
 // B columns and MMA steps past a slot's rank are never loaded or computed. Operands are staged with
 // cp.async (zero-filled past the valid bytes), multiplied with mma.sync m16n8k16 into fp32 (the
@@ -14,6 +14,7 @@
 // strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
+#include <limits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/expand_items.cuh"
@@ -235,7 +236,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   // them below (warp 0 scans the metadata); small batches have them all cached instead.
   trace_at<kTrace>(p.trace, 0);
   trace_at<kTrace>(p.trace, 1);
-  const int64_t guess = first_item_start_guess(p);
+  const int guess = first_item_start_guess(p);
   int spec = 0;
   if (!p.cache_sorted && threadIdx.x >= kTcBM && guess + (threadIdx.x - kTcBM) < p.num_tokens) {
     spec = ld_early(p.meta.sorted_token_indices + guess + (threadIdx.x - kTcBM));
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   const int n_entries = build_tile_prefix(p.meta, kTcBM, prefix, entries);
   trace_at<kTrace>(p.trace, 2);
   const int total_nt = p.ntile_begin[p.num_slices];
-  const int64_t items = static_cast<int64_t>(prefix[n_entries]) * total_nt;
+  const int items = prefix[n_entries] * total_nt;
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -280,11 +281,11 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
 
   // Each CTA takes a contiguous run of items: consecutive column tiles of one token tile
   // reuse the gathered token rows and, within a slice, the staged intermediate.
-  const int64_t first = run_begin(items, blockIdx.x, p.balanced);
-  const int64_t last = run_begin(items, blockIdx.x + 1, p.balanced);
+  const int first = run_begin(items, static_cast<int>(blockIdx.x), p.balanced);
+  const int last = run_begin(items, static_cast<int>(blockIdx.x) + 1, p.balanced);
   int prev_tile = -1;
   int prev_s = -1;
-  for (int64_t item = first; item < last; ++item) {
+  for (int item = first; item < last; ++item) {
     const ExpandItem it = expand_item(p, prefix, entries, n_entries, rank_cache, item);
     const int tile = it.tile;
     const int s = it.s;
@@ -446,6 +447,15 @@ int64_t expand_tile_items(const ExpandTileParams& p) {
   return tiles * p.ntile_begin[p.num_slices];
 }
 
+Status check_expand_items(const ExpandTileParams& p) {
+  const int64_t items = expand_tile_items(p);
+  LORAPLEX_ENSURE(items <= std::numeric_limits<int>::max(), "lora_expand: ", items,
+                  " work items (64-token tiles x 128-column tiles) exceed the kernels' 32-bit "
+                  "item index (at most ",
+                  std::numeric_limits<int>::max(), ")");
+  return Status();
+}
+
 int expand_table_bytes(const ExpandTileParams& p) {
   return (p.max_loras + 2) * 4 + 3 * (p.max_loras + 1) * 4 +
          (p.cache_ranks ? p.num_slices * p.max_loras * 4 : 0) +
@@ -456,6 +466,7 @@ namespace {
 
 Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
   const ExpandTileParams p = expand_tile_params(a, meta);
+  LORAPLEX_RETURN_IF_ERROR(check_expand_items(p));
   const int tables = expand_table_bytes(p);
   const int64_t items = expand_tile_items(p);
   auto s = static_cast<cudaStream_t>(stream);
