@@ -61,7 +61,7 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.prefill_reduce = 3; }, "prefill_reduce = 3"},
       {[](KernelTuning& t) { t.prefill_stages = 2; }, "prefill_stages = 2"},
       {[](KernelTuning& t) { t.prefill_stages = 7; }, "prefill_stages = 7"},
-      {[](KernelTuning& t) { t.expand_ctas_per_sm = 0; }, "expand_ctas_per_sm = 0"},
+      {[](KernelTuning& t) { t.expand_ctas_per_sm = 17; }, "expand_ctas_per_sm = 17"},
       {[](KernelTuning& t) { t.expand_pipelined = 3; }, "expand_pipelined = 3"},
       {[](KernelTuning& t) { t.decode_ctas_per_sm = 5; }, "decode_ctas_per_sm = 5"},
       {[](KernelTuning& t) { t.decode_persistent = 2; }, "decode_persistent = 2"},

@@ -48,6 +48,9 @@ int64_t expand_tile_items(const ExpandTileParams& p);
 /// An error naming the count when the items do not fit the kernels' 32-bit item index.
 Status check_expand_items(const ExpandTileParams& p);
 
+/// The expands' grid bound per SM: the expand_ctas_per_sm knob where set, else `auto_value`.
+int expand_ctas_per_sm(int auto_value);
+
 /// Shared-memory bytes of the item tables: the tile prefix, the metadata entries and the caches.
 int expand_table_bytes(const ExpandTileParams& p);
 

@@ -217,8 +217,10 @@ __device__ __forceinline__ void load_tokens(const ExpandTileParams& p, const Ite
   if (tid < kBM) tok[tid] = tid < it.mrows ? p.meta.sorted_token_indices[it.start + tid] : 0;
 }
 
+// Registers for five CTAs per SM up to rank 16 (93-95, no spills), four above (125-127).
 template <typename T, int kSteps, bool kTrace>
-__global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTileParams p) {
+__global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
+    expand_pipe_kernel(ExpandTileParams p) {
   using S = Shape<kSteps>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ybuf = reinterpret_cast<T*>(smem_raw);  // [2][kBM][kYPitch]
@@ -272,21 +274,24 @@ __global__ void __launch_bounds__(kThreads, 4) expand_pipe_kernel(ExpandTilePara
   uint32_t af[kSteps][4];
   int af_tile = -1;
   int af_s = -1;
-  // Item k of the run uses y tile k % 2 and token set k % 3: the set written for item k + 1 was
-  // last read by item k - 2's stores, which every thread finished before item k - 1's first
-  // barrier.
+  // Item k of the run uses y tile k % 2. Token sets: consecutive items of one tile (most of a
+  // run: consecutive column tiles) share theirs, loaded once; a new tile takes the next of
+  // kTokSets sets. The set written for item k + 1 was last read by an item at most k - 2 (the
+  // sets in between belong to item k's tile and the one before), whose stores every thread
+  // finished before item k - 1's first barrier.
   int yb = 0;
   int ts = 0;
   bool first_item = true;
   while (cur.index < last) {
     const Item nxt = next_item(p, t, cur.index + 1, last);
     const bool has_next = nxt.index < last;
-    const int ts_next = ts + 1 == kTokSets ? 0 : ts + 1;
+    const bool new_rows = has_next && nxt.tile != cur.tile;
+    const int ts_next = !new_rows ? ts : ts + 1 == kTokSets ? 0 : ts + 1;
     T* ys = ybuf + yb * kBM * kYPitch;
     T* ys_next = ybuf + (yb ^ 1) * kBM * kYPitch;
     const int* tok = tokbuf + ts * kBM;
     int* tok_next = tokbuf + ts_next * kBM;
-    if (has_next) load_tokens(p, nxt, tok_next, tid);
+    if (new_rows) load_tokens(p, nxt, tok_next, tid);
     __syncthreads();  // the next item's token indices; the other y tile's stores are done
     if (has_next) issue_y(p, nxt, ys_next, tok_next, tid);
     cp_async_commit();
@@ -352,8 +357,13 @@ Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   LORAPLEX_RETURN_IF_ERROR(check_expand_items(p));
   p.cache_sorted = false;  // the token indices are loaded an item ahead
   p.balanced = true;
-  const int grid = static_cast<int>(std::min<int64_t>(
-      expand_tile_items(p), int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
+  // Up to rank 16 five CTAs fit beside each other (40 KB of shared memory, <= 102 registers)
+  // and are faster where each gets two items or more: H200, 4096 tokens, 3-6% against four
+  // (BENCHMARKS.md, 2026-11-24); with fewer items per CTA four were as fast or faster.
+  const bool small = a.max_rank <= 16;
+  const int64_t items = expand_tile_items(p);
+  const int per_sm = expand_ctas_per_sm(small && items >= 10 * sm_count() ? 5 : 4);
+  const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sm_count()));
   auto s = static_cast<cudaStream_t>(stream);
   auto run = [&](auto kernel, int fixed_bytes) -> Status {
     const int smem = fixed_bytes + expand_table_bytes(p);
@@ -362,7 +372,6 @@ Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
     return launch_status("expand_pipe_kernel");
   };
   // Two shapes: rank <= 16 (one rank step, 39 KB of shared memory) and <= 64 (four, 52 KB).
-  const bool small = a.max_rank <= 16;
   const int small_bytes = Shape<1>::kFixedBytes;
   const int large_bytes = Shape<4>::kFixedBytes;
   if (a.dtype != DType::kBF16) {

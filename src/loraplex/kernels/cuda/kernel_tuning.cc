@@ -27,7 +27,7 @@ constexpr Field kFields[] = {
     {"prefill_max_ctas_per_sm", &KernelTuning::prefill_max_ctas_per_sm, 1, 4, false, true},
     {"prefill_reduce", &KernelTuning::prefill_reduce, 1, 2, false, true},
     {"prefill_stages", &KernelTuning::prefill_stages, 3, 6, false, true},
-    {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, false},
+    {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, true},
     {"expand_pipelined", &KernelTuning::expand_pipelined, 1, 2, false, true},
     {"decode_ctas_per_sm", &KernelTuning::decode_ctas_per_sm, 1, 4, false, true},
     {"decode_persistent", &KernelTuning::decode_persistent, 0, 1, false, false},

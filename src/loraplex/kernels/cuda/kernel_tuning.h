@@ -32,9 +32,10 @@ struct KernelTuning {
   /// wherever the scratch holds them, so that the CTAs need no co-scheduling; 0: global memory
   /// where the grid's bound brings more than one CTA per SM (small variant), else clusters.
   int prefill_reduce = 0;
-  /// Tensor-core expand: grid of this many CTAs per SM at most (1..16), each taking a
-  /// contiguous run of work items.
-  int expand_ctas_per_sm = 4;
+  /// Tensor-core expands: grid of this many CTAs per SM at most (1..16), each taking a
+  /// contiguous run of work items; 0: four, and five for the pipelined expand up to rank 16 where
+  /// the items are at least ten per SM (expand_pipelined.cu).
+  int expand_ctas_per_sm = 0;
   /// Expand up to max_rank 64: 1 runs the tensor-core expand one item at a time; 0 (default)
   /// and 2 the software-pipelined one (expand_pipelined.cu).
   int expand_pipelined = 0;

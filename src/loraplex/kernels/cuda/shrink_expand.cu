@@ -209,7 +209,7 @@ constexpr int expand_smem_bytes(int bk) {
   return (kTcBM * kYPitch + kTcBM * (bk + 8) + kExpandBN * (bk + 8)) * 2 + kTcBM * 4;
 }
 
-// Four CTAs per SM, the default grid (expand_ctas_per_sm). kBK = 64 (any rank, in chunks):
+// Four CTAs per SM, the default grid (expand_ctas_per_sm 0). kBK = 64 (any rank, in chunks):
 // 45 KB of shared memory and ~125 registers. kBK = 16 (max_rank <= 16): 27 KB, and a quarter of
 // the staging work. Five CTAs per SM of the kBK = 16 variant (registers capped at 102) measured
 // slower at 4096 tokens (BENCHMARKS.md, 2026-11-24).
@@ -447,6 +447,11 @@ int64_t expand_tile_items(const ExpandTileParams& p) {
   return tiles * p.ntile_begin[p.num_slices];
 }
 
+int expand_ctas_per_sm(int auto_value) {
+  const int knob = kernel_tuning().expand_ctas_per_sm;
+  return knob > 0 ? knob : auto_value;
+}
+
 Status check_expand_items(const ExpandTileParams& p) {
   const int64_t items = expand_tile_items(p);
   LORAPLEX_ENSURE(items <= std::numeric_limits<int>::max(), "lora_expand: ", items,
@@ -470,8 +475,8 @@ Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   const int tables = expand_table_bytes(p);
   const int64_t items = expand_tile_items(p);
   auto s = static_cast<cudaStream_t>(stream);
-  const int grid = static_cast<int>(
-      std::min<int64_t>(items, int64_t{kernel_tuning().expand_ctas_per_sm} * sm_count()));
+  const int grid =
+      static_cast<int>(std::min<int64_t>(items, int64_t{expand_ctas_per_sm(4)} * sm_count()));
   auto run = [&](auto kernel, int bk) -> Status {
     const int smem = expand_smem_bytes(bk) + tables;
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
