@@ -228,29 +228,11 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
     LayerCase c;
     int expand_pipelined;
   };
-  const std::vector<TraceCase> cases = {
-      {{DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false}, 0},
-      {{DType::kBF16,
-        1100,
-        4,
-        64,
-        1024,
-        {512, 128, 128},
-        test::SlotDistribution::kZipf,
-        0.0,
-        false},
-       0},
-      {{DType::kBF16,
-        1100,
-        4,
-        64,
-        1024,
-        {512, 128, 128},
-        test::SlotDistribution::kZipf,
-        0.0,
-        false},
-       1},
-  };
+  const LayerCase rank16 = {
+      DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false};
+  const LayerCase rank64 = {
+      DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0, false};
+  const std::vector<TraceCase> cases = {{rank16, 0}, {rank64, 0}, {rank64, 1}};
   constexpr int64_t kRows = 4096;
   const int sms = kernels::cuda::device_info(test::gpu().index).sm_count;
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
