@@ -28,7 +28,6 @@
 #include "loraplex/kernels/cuda/expand_items.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
-#include "loraplex/kernels/cuda/wgmma.cuh"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -47,10 +46,9 @@ static_assert(kThreads == 2 * kBM, "threads kBM.. write the first item's token i
 // half-warp (4 rows x 4 lanes) then hit 32 distinct banks.
 template <int kSteps>
 struct Shape {
-  // B as wgmma reads it: 8 columns x 8 ranks core matrices of 128 contiguous bytes, the rank
-  // chunks of 8 columns next to each other (kChunks x 128 bytes), then the next 8 columns.
-  static constexpr int kChunks = kSteps * 2;  // 16-byte rank chunks per column
-  static constexpr int kBBytes = kBN * kChunks * 16;
+  static constexpr int kBPitch = kSteps == 1 ? 16 : kSteps == 2 ? 48 : 80;
+  static_assert(kBPitch >= kSteps * 16 && (kBPitch / 2) % 16 == 8, "bank spread of B rows");
+  static constexpr int kBBytes = kBN * kBPitch * 2;
   static constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kTokSets * kBM * 4;
 };
 
@@ -95,7 +93,8 @@ __device__ __forceinline__ void issue_y(const ExpandTileParams& p, const Item& i
 // zero-filled past the rank and past the tile's columns; the steps past them are never read.
 template <typename T, int kSteps>
 __device__ __forceinline__ void issue_b(const ExpandTileParams& p, const Item& it, T* bs, int tid) {
-  constexpr int kChunks = Shape<kSteps>::kChunks;
+  constexpr int kPitch = Shape<kSteps>::kBPitch;
+  constexpr int kChunks = kSteps * 2;  // 16-byte chunks per column
   const T* bg = static_cast<const T*>(p.b[it.s]) +
                 (static_cast<int64_t>(it.slot) * p.width[it.s] + it.n0) * p.max_rank;
   const int used_chunks = (it.rank + 15) / 16 * 2;
@@ -107,8 +106,7 @@ __device__ __forceinline__ void issue_b(const ExpandTileParams& p, const Item& i
     if (ch < used_chunks) {
       const int kvalid = it.rank - ch * 8;
       const int bytes = (n < it.ncols && kvalid > 0) ? min(kvalid, 8) * 2 : 0;
-      cp_async16(bs + ((n >> 3) * kChunks + ch) * 64 + (n & 7) * 8,
-                 bytes ? bg + n * p.max_rank + ch * 8 : bg, bytes);
+      cp_async16(bs + n * kPitch + ch * 8, bytes ? bg + n * p.max_rank + ch * 8 : bg, bytes);
     }
   }
 }
@@ -148,24 +146,21 @@ __device__ __forceinline__ void issue_in(const ExpandTileParams& p, const Item& 
   }
 }
 
-// The A fragments (mma order: slot pairs tq, tq + 1 and tq + 8, tq + 9 hold ranks 2q, 2q + 1
-// and 2q + 8, 2q + 9), ranks at or past the item's rank zeroed: the intermediate holds anything
-// there, and B is only zero-filled up to the next multiple of 16. Lane q loaded ranks 4q..4q+3
-// (one 16-byte load); each pair goes to its lane with two shuffles.
+// The A fragments (permuted order: slot pairs tq, tq + 1 and tq + 8, tq + 9 hold ranks 4q, 4q + 1
+// and 4q + 2, 4q + 3), ranks at or past the item's rank zeroed: the intermediate holds anything
+// there, and B is only zero-filled up to the next multiple of 16.
 template <typename T, int kSteps>
 __device__ __forceinline__ void in_frags(const ExpandTileParams& p, const InRaw<kSteps>& raw,
                                          int rank, int lane, uint32_t (&af)[kSteps][4]) {
   const int q = lane & 3;
-  const int src = (lane & ~3) | (q >> 1);  // holds ranks 2q, 2q + 1; src + 2 holds 2q + 8, + 9
-  const bool odd = (q & 1) != 0;
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
     const int k = ks * 16 + 4 * q;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4 v = raw.v[ks][h];
-      uint32_t lo;  // ranks k, k + 1
-      uint32_t hi;  // ranks k + 2, k + 3
+      uint32_t lo;
+      uint32_t hi;
       if (p.in_f32) {
         const float f0 = k < rank ? __uint_as_float(v.x) : 0.0f;
         const float f1 = k + 1 < rank ? __uint_as_float(v.y) : 0.0f;
@@ -177,54 +172,32 @@ __device__ __forceinline__ void in_frags(const ExpandTileParams& p, const InRaw<
         lo = v.x & ((k < rank ? 0xffffu : 0u) | (k + 1 < rank ? 0xffff0000u : 0u));
         hi = v.y & ((k + 2 < rank ? 0xffffu : 0u) | (k + 3 < rank ? 0xffff0000u : 0u));
       }
-      const uint32_t a_lo = __shfl_sync(kFullMask, lo, src);
-      const uint32_t a_hi = __shfl_sync(kFullMask, hi, src);
-      const uint32_t b_lo = __shfl_sync(kFullMask, lo, src + 2);
-      const uint32_t b_hi = __shfl_sync(kFullMask, hi, src + 2);
-      af[ks][h] = odd ? a_hi : a_lo;      // row g (h 0) or g + 8 (h 1), ranks 2q, 2q + 1
-      af[ks][h + 2] = odd ? b_hi : b_lo;  // ranks 2q + 8, 2q + 9
+      af[ks][h] = lo;      // row g (h 0) or g + 8 (h 1), slots tq, tq + 1
+      af[ks][h + 2] = hi;  // slots tq + 8, tq + 9
     }
   }
 }
 
-// kN rank steps of wgmma back to back after the fence (no branch in between: ptxas would add a
-// warpgroup arrive before each).
-template <typename T, int kSteps, int kN>
-__device__ __forceinline__ void wgmma_steps(const uint32_t (&af)[kSteps][4], uint64_t desc,
-                                            float (&acc)[16][4]) {
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < kN; ++ks) {
-    // Two core matrices (256 bytes, 16 in the descriptor's 16-byte units) per 16 ranks.
-    wgmma_m64n128k16<T>(acc, af[ks], desc + ks * 16);
-  }
-}
-
-// The CTA's 64 rows x 128 columns of the product on wgmma (every warp takes part), the rank
-// steps up to the item's rank (> 0); complete when it returns.
-template <typename T, int kSteps>
+// This warp's 16 rows x 128 columns of the product, the rank steps up to the item's rank; B
+// in the fragments' permuted rank order (one 8-byte load per fragment).
+template <typename T, int kSteps, bool kFull>
 __device__ __forceinline__ void multiply(const Item& it, const T* bs,
-                                         const uint32_t (&af)[kSteps][4], float (&acc)[16][4]) {
-  constexpr uint32_t kLbo = 128;                           // next 8 ranks
-  constexpr uint32_t kSbo = Shape<kSteps>::kChunks * 128;  // next 8 columns
-  const uint64_t desc = wgmma_desc(bs, kLbo, kSbo);
-  const int steps = (it.rank + 15) / 16;
-  if constexpr (kSteps == 1) {
-    wgmma_steps<T, kSteps, 1>(af, desc, acc);
-  } else {
-    static_assert(kSteps == 4, "rank steps: 1 or 4");
-    if (steps >= 4) {
-      wgmma_steps<T, kSteps, 4>(af, desc, acc);
-    } else if (steps == 3) {
-      wgmma_steps<T, kSteps, 3>(af, desc, acc);
-    } else if (steps == 2) {
-      wgmma_steps<T, kSteps, 2>(af, desc, acc);
-    } else {
-      wgmma_steps<T, kSteps, 1>(af, desc, acc);
+                                         const uint32_t (&af)[kSteps][4], float (&acc)[16][4],
+                                         int lane) {
+  constexpr int kPitch = Shape<kSteps>::kBPitch;
+  const T* b_lane = bs + (lane >> 2) * kPitch + 4 * (lane & 3);
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    if (ks * 16 >= it.rank) break;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (kFull || j * 8 < it.ncols) {
+        const uint2 b = *reinterpret_cast<const uint2*>(b_lane + j * 8 * kPitch + ks * 16);
+        const uint32_t bfr[2] = {b.x, b.y};
+        mma_16816<T>(acc[j], af[ks], bfr);
+      }
     }
   }
-  wgmma_commit();
-  wgmma_wait_all();
 }
 
 template <typename T>
@@ -329,14 +302,12 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
       InRaw<kSteps> raw;
       issue_in(p, cur, tok, warp, lane, raw);
       cp_async_wait<1>();
-      fence_proxy_async_smem();  // B, copied through the generic proxy, is read by wgmma
       __syncthreads();
       in_frags<T, kSteps>(p, raw, cur.rank, lane, af);
       af_tile = cur.tile;
       af_s = cur.s;
     } else {
       cp_async_wait<1>();
-      fence_proxy_async_smem();
       __syncthreads();
     }
     if (first_item) trace_at<kTrace>(p.trace, 4);
@@ -345,8 +316,14 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     const bool warp_has_rows = warp * 16 < cur.mrows;
-    if (cur.rank > 0) multiply<T, kSteps>(cur, bs, af, acc);  // uniform over the CTA
-    __syncthreads();                                          // every warp is done with B
+    if (warp_has_rows && cur.rank > 0) {
+      if (cur.ncols == kBN) {
+        multiply<T, kSteps, true>(cur, bs, af, acc, lane);
+      } else {
+        multiply<T, kSteps, false>(cur, bs, af, acc, lane);
+      }
+    }
+    __syncthreads();  // every warp is done with B
     if (has_next) issue_b<T, kSteps>(p, nxt, bs, tid);
     cp_async_commit();
     if (warp_has_rows) add_into_y_tile(ys, acc, warp, lane, cur.ncols, p.add_inputs);
