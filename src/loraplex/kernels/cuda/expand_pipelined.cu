@@ -46,7 +46,8 @@ static_assert(kThreads == 2 * kBM, "threads kBM.. write the first item's token i
 // half-warp (4 rows x 4 lanes) then hit 32 distinct banks.
 template <int kSteps>
 struct Shape {
-  static constexpr int kBPitch = kSteps == 1 ? 16 : kSteps == 2 ? 48 : 80;
+  static_assert(kSteps == 1 || kSteps == 4, "the launcher instantiates rank steps 1 and 4");
+  static constexpr int kBPitch = kSteps == 1 ? 16 : 80;
   static_assert(kBPitch >= kSteps * 16 && (kBPitch / 2) % 16 == 8, "bank spread of B rows");
   static constexpr int kBBytes = kBN * kBPitch * 2;
   static constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kTokSets * kBM * 4;
