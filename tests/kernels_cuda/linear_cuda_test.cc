@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -344,11 +345,13 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
       {.gather_group = 2,
        .gather_max_token_ranks = 1 << 30,
        .gather_shrink = 1,
-       .decode_cluster = 0},
+       .decode_cluster = 0,
+       .layer_pdl = 2},
       {.gather_group = 2,
        .gather_max_token_ranks = 1 << 30,
        .gather_shrink = 2,
-       .decode_cluster = 0},
+       .decode_cluster = 0,
+       .layer_pdl = 0},
       {.decode_k_chunks = 8,
        .decode_cols = 8,
        .prefill_k_split = 2,
@@ -360,7 +363,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .decode_cluster = 0},
       {.decode_cluster = 2, .cluster_size = 1},
       {.decode_cluster = 2, .cluster_size = 2},
-      {.decode_cluster = 2, .cluster_size = 16}};
+      {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {
@@ -377,8 +380,9 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 std::to_string(t.decode_cols) + " k_split " + std::to_string(t.prefill_k_split) +
                 " group " + std::to_string(t.gather_group) + " cluster " +
                 std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
-                " shrink " + std::to_string(t.gather_shrink) + " pipelined " +
-                std::to_string(t.expand_pipelined) + " stages " + std::to_string(t.prefill_stages));
+                " shrink " + std::to_string(t.gather_shrink) + " pdl " +
+                std::to_string(t.layer_pdl) + " pipelined " + std::to_string(t.expand_pipelined) +
+                " stages " + std::to_string(t.prefill_stages));
       }
     }
   }
@@ -618,6 +622,116 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
                            case_name(c) + " graph replay, decode mode " + std::to_string(mode));
     }
   }
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
+}
+
+// Layers back to back in one stream, as in a model: with layer_pdl each layer's first kernel is
+// resident before the kernel ahead of it has finished and waits in-kernel. A ping-pong chain in
+// which every layer's x is the y the layer before it wrote, the metadata rebuilt between two
+// layers (its kernel then directly precedes a layer), and the path switched from layer to layer
+// (the per-token pair, the cluster layer, the split path's plain launches): run eagerly and as
+// one graph replay, compared with the CPU applying the same layers in order. A layer that read
+// x, y, its scratch or the metadata before the kernel ahead of it finished would see old values.
+TEST(CudaLoraLinear, ChainedLayersWithProgrammaticLaunchMatchCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(808);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  using D = test::SlotDistribution;
+  constexpr int kLayers = 8;
+  constexpr int64_t kHidden = 1024;  // x and y rows alike: each layer's y is the next one's x
+  const LayerCase c{DType::kBF16, 16, 8, 16, kHidden, {kHidden}, D::kUniform, 0.1, true};
+  std::vector<LayerData> layers;  // weights and ranks per layer; layer 0's slots, x and y0
+  for (int i = 0; i < kLayers; ++i) layers.push_back(make_layer(c, rng));
+  const std::vector<int32_t> slots2 = test::make_slots(D::kZipf, c.tokens, c.max_loras, rng, 0.2);
+  struct PathConfig {
+    int cluster;  // decode_cluster
+    int limit;    // set_fused_linear_max_tokens
+    const char* name;
+  };
+  // Every pair of neighbours: pair -> pair, pair -> cluster, cluster -> pair, metadata ->
+  // cluster, cluster -> cluster, split -> pair (the split path's plain launches).
+  const PathConfig configs[kLayers] = {{0, 1 << 20, "gather"},  {0, 1 << 20, "gather"},
+                                       {2, 1 << 20, "cluster"}, {0, 1 << 20, "gather"},
+                                       {2, 1 << 20, "cluster"}, {2, 1 << 20, "cluster"},
+                                       {0, 0, "split"},         {0, 1 << 20, "gather"}};
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+
+  struct Chain {
+    PunicaWrapper wrapper;
+    std::vector<SlotRanks> ranks;
+    std::vector<std::vector<Tensor>> a, b;
+    Tensor buf[2];
+    Tensor ws;
+  };
+  auto make_chain = [&](Device device, const Stream& s) {
+    Chain ch{PunicaWrapper(c.max_loras, c.tokens, 1, device), {}, {}, {}, {}, {}};
+    for (const LayerData& l : layers) {
+      ch.ranks.push_back(make_ranks(c, l, device, s));
+      ch.a.push_back(to_device(l.a, device, s));
+      ch.b.push_back(to_device(l.b, device, s));
+    }
+    ch.buf[0] = layers[0].x.clone().to(device, s);  // to() on the CPU would alias x
+    ch.buf[1] = layers[0].y0.clone().to(device, s);
+    ch.ws = Tensor::empty({int64_t{c.tokens} * c.max_rank}, DType::kF32, device);
+    return ch;
+  };
+  // Layer i adds LoRA_i(buf[i % 2]) into buf[(i + 1) % 2]; the mapping changes before layer 4.
+  auto run_layers = [&](Chain& ch, const Stream& s, const std::function<void(int)>& set_mapping) {
+    for (int i = 0; i < kLayers; ++i) {
+      if (i == 0 || i == 4) set_mapping(i);
+      kernels::cuda::KernelTuning t = defaults;
+      t.decode_cluster = configs[i].cluster;
+      t.layer_pdl = 2;  // every layer's first kernel with PDL, whatever its size
+      ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
+      kernels::cuda::set_fused_linear_max_tokens(configs[i].limit);
+      if (s.device().is_cuda()) {
+        EXPECT_EQ(ch.wrapper.lora_linear_path(ch.buf[(i + 1) % 2], ch.buf[i % 2], ch.a[i], ch.b[i],
+                                              ch.ranks[i], ch.ws),
+                  configs[i].name)
+            << "layer " << i;
+      }
+      ch.wrapper.add_lora_linear(ch.buf[(i + 1) % 2], ch.buf[i % 2], ch.a[i], ch.b[i], ch.ranks[i],
+                                 0.5f, ch.ws, s);
+    }
+  };
+
+  Chain ref = make_chain(Device::cpu(), cpu);
+  run_layers(ref, cpu, [&](int i) {
+    ref.wrapper.update_metadata(i == 0 ? layers[0].slots : slots2, {}, cpu);
+  });
+
+  Chain gpu = make_chain(test::gpu(), stream);
+  const Tensor map1 = test::int_tensor(layers[0].slots).to(test::gpu(), stream);
+  const Tensor map2 = test::int_tensor(slots2).to(test::gpu(), stream);
+  LoraBatchMeta& meta = gpu.wrapper.token_meta();
+  Tensor mapping_view = meta.mapping_buffer().narrow(0, 0, c.tokens);
+  auto set_mapping = [&](int i) {
+    mapping_view.copy_from(i == 0 ? map1 : map2, stream);  // device to device: capturable
+    meta.prepare_from_buffer(c.tokens, false, stream);
+  };
+  const Tensor start[2] = {gpu.buf[0].clone(stream), gpu.buf[1].clone(stream)};
+  auto check = [&](const std::string& what) {
+    for (int k = 0; k < 2; ++k) {
+      test::expect_matches(test::on_cpu(gpu.buf[k], stream), ref.buf[k], stream, 2.4e-2, 4.8e-2,
+                           what + " buffer " + std::to_string(k));
+    }
+  };
+  run_layers(gpu, stream, set_mapping);
+  check("eager");
+  // Replays launch the kernels back to back (no host gaps between layers): several of them,
+  // each from the starting values.
+  kernels::cuda::Graph g;
+  g.begin_capture(stream.handle());
+  run_layers(gpu, stream, set_mapping);
+  g.end_capture();
+  for (int r = 0; r < 5; ++r) {
+    gpu.buf[0].copy_from(start[0], stream);
+    gpu.buf[1].copy_from(start[1], stream);
+    g.replay(stream.handle());
+    check("graph replay " + std::to_string(r));
+  }
+  kernels::cuda::set_fused_linear_max_tokens(-1);
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 

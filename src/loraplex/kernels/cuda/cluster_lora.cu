@@ -245,6 +245,11 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   }
   __syncthreads();
   cluster_arrive_relaxed();  // waited for just before the first store into another CTA
+  // Launched with PDL (layer_pdl): the kernel before it may still run until this wait, and
+  // nothing global is read before it; the next layer's kernel may launch from here on (it
+  // waits the same way).
+  pdl_wait();
+  pdl_launch_dependents();
   if (warp == 0) read_unit(p, static_cast<int>(blockIdx.y), lane, info);
   __syncthreads();
   const int n = info.n;
@@ -553,13 +558,18 @@ Status launch(const ClusterParams& p, const Shape& sh, int units, StreamHandle s
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(sh.smem);
   cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(sh.cluster);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  // PDL (layer_pdl 1) up to 64 tokens: on the H200 (BENCHMARKS.md, 2026-11-24) 4-7% faster in
+  // a graph at 64 tokens; at 256 tokens from 4% faster (32 adapters) to 13% slower (1 and 8).
+  const int pdl = kernel_tuning().layer_pdl;
+  cfg.numAttrs = pdl == 2 || (pdl == 1 && p.num_tokens <= 64) ? 2 : 1;
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, cluster_lora_kernel<T>, p), "cluster_lora"));
   return launch_status("cluster_lora_kernel");

@@ -172,6 +172,16 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
+/// Programmatic dependent launch (PDL). A kernel launched with the programmatic-serialization
+/// attribute may start while the kernel before it in the stream still runs, once every CTA of
+/// that one has called pdl_launch_dependents (or exited); pdl_wait then blocks until that
+/// kernel has completed and its writes are visible. Nothing written by an earlier kernel may be
+/// read before the wait, unless the kernel before it triggered only after its own wait.
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 /// An int load from read-only global memory issued here: the compiler may sink a plain load to
 /// its first use, past the barriers in between, which puts it back on the critical path (the
 /// speculative token-index loads of the prefill kernels). Volatile asm keeps its place.

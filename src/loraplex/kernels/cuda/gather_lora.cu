@@ -66,11 +66,6 @@ struct GatherParams {
   int64_t y_stride;
 };
 
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 __device__ __forceinline__ uint4 ldg16(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
@@ -227,7 +222,10 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
 template <typename T, int kGroup, bool kMma>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
-  // The expand may start now: everything it reads before its wait is ready.
+  // Launched with PDL (layer_pdl): the kernel before it may still run; nothing is read before
+  // this wait (without PDL it returns at once). Only then may the expand start: it reads y and
+  // the weights before its own wait, which must be final by then.
+  pdl_wait();
   pdl_launch_dependents();
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
@@ -290,6 +288,9 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
   constexpr int kColsPerCta = kThreads * kColsPerThread;
   __shared__ float inter[kMaxRank];
+  // The next layer's first kernel (layer_pdl) may launch now: it waits for this grid before
+  // it reads anything.
+  pdl_launch_dependents();
   const int t = static_cast<int>(blockIdx.x);
   const int u = static_cast<int>(blockIdx.y);
   const int slot = p.mapping[t];
@@ -385,10 +386,16 @@ bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
   return group >= 2 && tokens >= 2 * std::min<int64_t>(tokens, max_loras);
 }
 
+// The shrink with PDL where shrink_pdl, the expand always (it waits for the shrink's sums).
 template <typename T, int kGroup, bool kMma>
-Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg) {
-  shrink_grid.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
-  gather_shrink_kernel<T, kGroup, kMma><<<shrink_grid, kThreads, 0, cfg.stream>>>(p);
+Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg,
+                   bool shrink_pdl) {
+  cudaLaunchConfig_t shrink_cfg = cfg;
+  shrink_cfg.gridDim = shrink_grid;
+  shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
+  if (!shrink_pdl) shrink_cfg.numAttrs = 0;
+  LORAPLEX_RETURN_IF_ERROR(cuda_status(
+      cudaLaunchKernelEx(&shrink_cfg, gather_shrink_kernel<T, kGroup, kMma>, p), "gather_shrink"));
   LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T>, p), "gather_expand"));
@@ -396,17 +403,18 @@ Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t c
 }
 
 template <typename T, bool kMma>
-Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group) {
-  if (group == 1) return launch_pair<T, 1, kMma>(p, grid, cfg);
-  if (group == 4) return launch_pair<T, 4, kMma>(p, grid, cfg);
-  return launch_pair<T, 2, kMma>(p, grid, cfg);
+Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group,
+                    bool shrink_pdl) {
+  if (group == 1) return launch_pair<T, 1, kMma>(p, grid, cfg, shrink_pdl);
+  if (group == 4) return launch_pair<T, 4, kMma>(p, grid, cfg, shrink_pdl);
+  return launch_pair<T, 2, kMma>(p, grid, cfg, shrink_pdl);
 }
 
 template <typename T>
 Status launch_shrink_kind(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                          int group, bool mma) {
-  return mma ? launch_group<T, true>(p, grid, cfg, group)
-             : launch_group<T, false>(p, grid, cfg, group);
+                          int group, bool mma, bool shrink_pdl) {
+  return mma ? launch_group<T, true>(p, grid, cfg, group, shrink_pdl)
+             : launch_group<T, false>(p, grid, cfg, group, shrink_pdl);
 }
 
 }  // namespace
@@ -440,13 +448,13 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   p.max_rank = s.max_rank;
   p.num_slices = s.num_slices;
   p.num_tokens = static_cast<int>(s.num_tokens);
+  const KernelTuning tuning = kernel_tuning();
   p.k_chunks = static_cast<int>(k_chunks_of(s.hidden));
   p.partial = meta.scratch;
   p.scale = s.scale;
   p.x = s.x;
   p.x_stride = s.x_row_stride;
   p.hidden = s.hidden;
-  const KernelTuning tuning = kernel_tuning();
   const int64_t cols_per_cta = int64_t{kThreads} * kColsPerThread;
   int64_t col = e.offset_start;
   p.chunk_begin[0] = 0;
@@ -478,8 +486,18 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   cfg.numAttrs = 1;
   const int group = group_for(tuning, s.max_rank);
   const bool mma = mma_for(tuning, group, s.num_tokens, s.max_loras);
-  if (s.dtype == DType::kBF16) return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma);
-  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma);
+  // PDL for the shrink (layer_pdl 1): where its grid is under three quarters of the SMs. On the
+  // H200 (BENCHMARKS.md, 2026-11-24) 3-11% faster in a graph up to 96 CTAs (1 token, 16
+  // tokens at rank 16), 10-64% slower from 128 CTAs (64 tokens over 32 adapters, rank 64 x 16
+  // tokens), for reasons not measured further.
+  const int64_t shrink_ctas =
+      ceil_div(s.num_tokens, int64_t{group}) * shrink_grid.y * shrink_grid.z;
+  const bool shrink_pdl =
+      tuning.layer_pdl == 2 || (tuning.layer_pdl == 1 && 4 * shrink_ctas < 3 * int64_t{sm_count()});
+  if (s.dtype == DType::kBF16) {
+    return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, shrink_pdl);
+  }
+  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma, shrink_pdl);
 }
 
 }  // namespace loraplex::kernels::cuda

@@ -35,6 +35,7 @@ constexpr Field kFields[] = {
     {"gather_max_token_ranks", &KernelTuning::gather_max_token_ranks, 1, 1 << 30, false, false},
     {"gather_shrink", &KernelTuning::gather_shrink, 1, 2, false, true},
     {"decode_cluster", &KernelTuning::decode_cluster, 0, 2, false, false},
+    {"layer_pdl", &KernelTuning::layer_pdl, 0, 2, false, false},
     {"cluster_size", &KernelTuning::cluster_size, 1, 16, true, true},
 };
 

@@ -58,6 +58,12 @@ struct KernelTuning {
   /// it measured faster than the other paths (decode_lora.cu, use_cluster); 2: wherever it
   /// applies (for tests and comparisons).
   int decode_cluster = 1;
+  /// Decode-sized layers (the per-token pair, the cluster path): the layer's first kernel with
+  /// programmatic dependent launch, so that it is resident and waits in-kernel
+  /// (griddepcontrol.wait, before it reads anything) while the kernel before it finishes (the
+  /// layer's last kernel lets its dependents launch at its start). 0: never; 1: where it
+  /// measured faster (small grids: gather_lora.cu, cluster_lora.cu); 2: always.
+  int layer_pdl = 1;
   /// Cluster path: CTAs per cluster (1..16, a power of two), which split K for the shrink and
   /// the output columns for the expand; 0: about 256 of K per CTA.
   int cluster_size = 0;
