@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <random>
 #include <string>
@@ -299,6 +301,62 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
     EXPECT_GT(rows[1], 0) << case_name(c) << ": no expand CTA recorded a timeline";
   }
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
+}
+
+// The decode pair's traced instantiations (`loraplex bench kernels --trace`): the same result as
+// the CPU, and timelines that show the PDL contract: every expand CTA's wait returns after the
+// last shrink CTA has finished.
+TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(405);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  const LayerCase c = {
+      DType::kBF16, 16,  8, 16, 4096, {4096, 1024, 1024}, test::SlotDistribution::kUniform,
+      0.1,          true};
+  const LayerData d = make_layer(c, rng);
+  constexpr int64_t kRows = 4096;
+  Tensor buf =
+      Tensor::zeros({kRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
+  kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
+  std::string path;
+  const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
+  kernels::cuda::set_kernel_trace(nullptr);
+  ASSERT_EQ(path, "gather");
+  const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
+  const double rtol = test::default_rtol(c.dtype);
+  test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " traced pair");
+
+  const Tensor host = buf.to(Device::cpu(), stream);
+  stream.synchronize();
+  const auto* v = static_cast<const int64_t*>(host.data_ptr());
+  int64_t shrink_rows = 0;
+  int64_t expand_rows = 0;
+  int64_t last_shrink_exit = 0;
+  int64_t first_expand_wait = INT64_MAX;
+  auto ordered = [&](const int64_t* row, int from, int to, int64_t r) {
+    for (int k = from + 1; k <= to; ++k) {
+      if (row[k] != 0) {
+        EXPECT_GE(row[k], row[k - 1]) << "CTA row " << r << " slot " << k;
+      }
+    }
+  };
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t* row = v + r * kernels::cuda::kTraceSlots;
+    if (row[1] != 0) {  // a shrink CTA: entry, wait returned, loads landed, exit
+      ++shrink_rows;
+      ordered(row, 1, 4, r);
+      last_shrink_exit = std::max(last_shrink_exit, row[4]);
+    } else if (row[5] != 0) {  // an expand CTA: entry, wait returned, exit
+      ++expand_rows;
+      if (row[6] != 0) first_expand_wait = std::min(first_expand_wait, row[6]);
+    }
+  }
+  EXPECT_GT(shrink_rows, 0);
+  EXPECT_GT(expand_rows, 0);
+  ASSERT_NE(first_expand_wait, INT64_MAX) << "no expand CTA passed its wait";
+  EXPECT_GE(first_expand_wait, last_shrink_exit)
+      << "an expand CTA's PDL wait returned before the last shrink CTA's exit";
 }
 
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with

@@ -55,7 +55,9 @@ const char* kHelp =
     "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
     "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
     "expand case that ran the prefill shrink or a tensor-core expand, one cold call's per-CTA\n"
-    "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines.\n"
+    "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines, and per\n"
+    "linear case on the decode pair four consecutive calls of a graph replay with rotating\n"
+    "weights.\n"
     "Needs a CUDA device; --help does not.\n";
 
 struct Options {
@@ -169,6 +171,44 @@ class Bench {
       rows.push_back(json(std::vector<int64_t>(r, r + kc::kTraceSlots)));
     }
     return rows;
+  }
+
+  // The per-CTA timelines (kernel_trace.h) of four consecutive calls from the middle of a graph
+  // replay with rotating weights, as in the graph-rotating figure: each captured call writes
+  // its own part of the buffer. For the decode pair, whose shrink waits for the kernel before it
+  // (PDL): where one call's time goes and how calls overlap. [call][CTA row].
+  json trace_graph(const std::function<void(int)>& fn, int sets) {
+    constexpr int64_t kRowsPerCall = 4096;
+    const int calls = std::max(kGraphCalls, sets);
+    const int64_t per_call = kRowsPerCall * kc::kTraceSlots;
+    Tensor buf = Tensor::zeros({calls * per_call}, DType::kI64, o_.device, stream_);
+    auto* base = reinterpret_cast<uint64_t*>(buf.data_ptr());
+    kc::set_kernel_trace(base);  // a first traced launch outside the capture
+    fn(0);
+    stream_.synchronize();
+    kc::Graph graph;
+    graph.begin_capture(stream_.handle());
+    for (int i = 0; i < calls; ++i) {
+      kc::set_kernel_trace(base + i * per_call);
+      fn(i % sets);
+    }
+    kc::set_kernel_trace(nullptr);
+    graph.end_capture();
+    for (int r = 0; r < 3; ++r) graph.replay(stream_.handle());
+    const Tensor host = buf.to(Device::cpu(), stream_);
+    stream_.synchronize();
+    const auto* v = static_cast<const int64_t*>(host.data_ptr());
+    json out = json::array();
+    for (int i = calls / 2; i < calls / 2 + 4; ++i) {
+      json rows = json::array();
+      for (int64_t b = 0; b < kRowsPerCall; ++b) {
+        const int64_t* r = v + i * per_call + b * kc::kTraceSlots;
+        if (std::all_of(r + 1, r + kc::kTraceSlots, [](int64_t x) { return x == 0; })) continue;
+        rows.push_back(json(std::vector<int64_t>(r, r + kc::kTraceSlots)));
+      }
+      out.push_back(rows);
+    }
+    return out;
   }
 
   // fn(set) issues one call using weight set `set`.
@@ -403,6 +443,18 @@ int run_kernels(const Options& o) {
       json j = entry(op.name, c, op_path, op.bytes, t, copy_gbs);
       j["weight_sets"] = d.sets;
       results.push_back(j);
+      if (trace_out.is_open() && std::string(op.name) == "linear" && path == "gather") {
+        trace_out << json{{"op", op.name},
+                          {"rank", c.rank},
+                          {"adapters", c.adapters},
+                          {"tokens", c.tokens},
+                          {"slices", c.slices},
+                          {"path", path},
+                          {"rotating_us", t.rotating_us},
+                          {"calls", bench.trace_graph(op.fn, d.sets)}}
+                         .dump()
+                  << "\n";
+      }
       if (trace_out.is_open() && std::string(op.name) != "linear") {
         trace_out << json{{"op", op.name},      {"rank", c.rank},     {"adapters", c.adapters},
                           {"tokens", c.tokens}, {"slices", c.slices}, {"ctas", bench.trace(op.fn)}}

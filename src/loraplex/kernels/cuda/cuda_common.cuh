@@ -161,6 +161,17 @@ __device__ __forceinline__ void trace_at(uint64_t* trace, int k) {
   }
 }
 
+/// trace_at for a 2-D or 3-D grid: the row is the CTA's linear index.
+template <bool kTrace>
+__device__ __forceinline__ void trace_at_linear(uint64_t* trace, int k) {
+  if constexpr (kTrace) {
+    if (threadIdx.x == 0) {
+      const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      trace[b * kTraceSlots + k] = k == 0 ? sm_id() : global_ns();
+    }
+  }
+}
+
 /// A cluster barrier without release semantics (cluster.sync()'s release compiles to
 /// MEMBAR.ALL.GPU): for barriers that order nothing but the barrier itself, e.g. the one that
 /// publishes initialised mbarriers (with their own fence) or keeps a CTA's shared memory alive

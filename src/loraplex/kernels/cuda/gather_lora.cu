@@ -25,6 +25,7 @@
 // Ranks past a slot's rank are never loaded or are masked (their values may be anything).
 
 #include <algorithm>
+#include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
@@ -64,6 +65,8 @@ struct GatherParams {
   int chunk_begin[kMaxSlices + 1];  // prefix of 512-column chunks per slice
   void* y;
   int64_t y_stride;
+  uint64_t* trace_shrink;  // per-CTA timelines (kernel_trace.h) in the kTrace instantiations
+  uint64_t* trace_expand;
 };
 
 __device__ __forceinline__ uint4 ldg16(const void* p) {
@@ -220,13 +223,16 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
 // sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
 // shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
-template <typename T, int kGroup, bool kMma>
+template <typename T, int kGroup, bool kMma, bool kTrace>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
+  trace_at_linear<kTrace>(p.trace_shrink, 0);
+  trace_at_linear<kTrace>(p.trace_shrink, 1);
   // Launched with PDL (layer_pdl): the kernel before it may still run; nothing is read before
   // this wait (without PDL it returns at once). Only then may the expand start: it reads y and
   // the weights before its own wait, which must be final by then.
   pdl_wait();
   pdl_launch_dependents();
+  trace_at_linear<kTrace>(p.trace_shrink, 2);
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
   const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
@@ -266,6 +272,7 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
       shrink_fma<T, kGroup>(p, arow, rows, mine, tok, kc, red);
     }
     __syncthreads();
+    trace_at_linear<kTrace>(p.trace_shrink, 3);
     if (tid < kGroup * kRowGroup) {
       const int j = tid / kRowGroup;
       const int r = tid % kRowGroup;
@@ -280,12 +287,15 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     }
     __syncthreads();  // `red` is free for the next slot of the group
   }
+  trace_at_linear<kTrace>(p.trace_shrink, 4);
 }
 
 // One token per CTA: grouping tokens here measured slower (a group that straddles two slots
 // serialises its second slot's B loads behind the first one's work). 4 columns per thread.
-template <typename T>
+template <typename T, bool kTrace>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
+  trace_at_linear<kTrace>(p.trace_expand, 0);
+  trace_at_linear<kTrace>(p.trace_expand, 5);
   constexpr int kColsPerCta = kThreads * kColsPerThread;
   __shared__ float inter[kMaxRank];
   // The next layer's first kernel (layer_pdl) may launch now: it waits for this grid before
@@ -319,6 +329,7 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
     }
   }
   pdl_wait();  // the shrink grid has finished and its partial sums are visible
+  trace_at_linear<kTrace>(p.trace_expand, 6);
   const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
   const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
   for (int r = tid; r < rank; r += kThreads) {
@@ -364,6 +375,7 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   const float2 y23 = unpack2<T>(yv.y);
   *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[0], y01.y + acc[1]),
                                              pack2<T>(y23.x + acc[2], y23.y + acc[3]));
+  trace_at_linear<kTrace>(p.trace_expand, 7);
 }
 
 int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
@@ -387,19 +399,30 @@ bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
 }
 
 // The shrink with PDL where shrink_pdl, the expand always (it waits for the shrink's sums).
+// While a trace buffer is set (bf16 only, the benchmark's dtype), the kTrace instantiations:
+// the shrink's CTAs first, then the expand's.
 template <typename T, int kGroup, bool kMma>
-Status launch_pair(const GatherParams& p, dim3 shrink_grid, cudaLaunchConfig_t cfg,
-                   bool shrink_pdl) {
+Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, bool shrink_pdl) {
   cudaLaunchConfig_t shrink_cfg = cfg;
   shrink_cfg.gridDim = shrink_grid;
   shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
   if (!shrink_pdl) shrink_cfg.numAttrs = 0;
-  LORAPLEX_RETURN_IF_ERROR(cuda_status(
-      cudaLaunchKernelEx(&shrink_cfg, gather_shrink_kernel<T, kGroup, kMma>, p), "gather_shrink"));
-  LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
-  LORAPLEX_RETURN_IF_ERROR(
-      cuda_status(cudaLaunchKernelEx(&cfg, gather_expand_kernel<T>, p), "gather_expand"));
-  return launch_status("gather_expand_kernel");
+  auto run = [&](auto shrink, auto expand) -> Status {
+    LORAPLEX_RETURN_IF_ERROR(
+        cuda_status(cudaLaunchKernelEx(&shrink_cfg, shrink, p), "gather_shrink"));
+    LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
+    LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, expand, p), "gather_expand"));
+    return launch_status("gather_expand_kernel");
+  };
+  p.trace_shrink = kernel_trace();
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (p.trace_shrink != nullptr) {
+      const dim3& g = shrink_cfg.gridDim;
+      p.trace_expand = p.trace_shrink + int64_t{g.x} * g.y * g.z * kTraceSlots;
+      return run(gather_shrink_kernel<T, kGroup, kMma, true>, gather_expand_kernel<T, true>);
+    }
+  }
+  return run(gather_shrink_kernel<T, kGroup, kMma, false>, gather_expand_kernel<T, false>);
 }
 
 template <typename T, bool kMma>
