@@ -223,7 +223,7 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
 // sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
 // shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
-template <typename T, int kGroup, bool kMma, bool kTrace>
+template <typename T, int kGroup, bool kMma, bool kTrace, bool kEarly>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
   trace_at_linear<kTrace>(p.trace_shrink, 0);
   trace_at_linear<kTrace>(p.trace_shrink, 1);
@@ -261,18 +261,25 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) mine |= slot_of[j] == slot ? 1u << j : 0u;
     done |= mine;
+    // Up to max_rank 16 the A rows are loaded before the slot's rank arrives, one round trip
+    // less in the chain (a row's sums depend on that row only; rows past the rank are not
+    // written): on the H200 3-6% faster at rank 16, and 1-4% slower at rank 64, which waits
+    // (BENCHMARKS.md, 2026-11-24).
     const int rank = p.ranks[s * p.max_loras + slot];
-    if (r0 >= rank) continue;
-    const int rows = min(kRowGroup, rank - r0);
+    if (!kEarly && r0 >= rank) continue;
+    const int rows_ld = kEarly ? p.max_rank - r0 : min(kRowGroup, rank - r0);
     const T* arow =
         static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
     if constexpr (kMma) {
-      shrink_mma<T, kGroup>(p, arow, rows, mine, tok, kc, red);
+      shrink_mma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red);
     } else {
-      shrink_fma<T, kGroup>(p, arow, rows, mine, tok, kc, red);
+      shrink_fma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red);
     }
     __syncthreads();
     trace_at_linear<kTrace>(p.trace_shrink, 3);
+    if (kEarly && r0 >= rank) continue;  // uniform; nothing reads `red` before the next slot's sums
+    trace_at_linear<kTrace>(p.trace_shrink, 5);
+    const int rows = min(kRowGroup, rank - r0);
     if (tid < kGroup * kRowGroup) {
       const int j = tid / kRowGroup;
       const int r = tid % kRowGroup;
@@ -292,12 +299,18 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 
 // One token per CTA: grouping tokens here measured slower (a group that straddles two slots
 // serialises its second slot's B loads behind the first one's work). 4 columns per thread.
-template <typename T, bool kTrace>
+// kSmall (max_rank <= kPreRanks): every rank of B is unpacked to fp32 before the wait, so that
+// after it only the sums, the FMAs and the store are left (one warp's instructions after the
+// wait are on the layer's critical path: kernel timelines, bench/NOTES.md); 8-13% faster on the
+// H200 at rank 16. Above, B's first ranks stay packed until after the wait and the rest are
+// loaded then: the extra registers of the unpacked form cost the rank-64 shrink CTAs that share
+// the SMs 1-7% (BENCHMARKS.md, 2026-11-24).
+template <typename T, bool kTrace, bool kSmall>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
   trace_at_linear<kTrace>(p.trace_expand, 0);
   trace_at_linear<kTrace>(p.trace_expand, 5);
   constexpr int kColsPerCta = kThreads * kColsPerThread;
-  __shared__ float inter[kMaxRank];
+  __shared__ __align__(16) float inter[kMaxRank];
   // The next layer's first kernel (layer_pdl) may launch now: it waits for this grid before
   // it reads anything.
   pdl_launch_dependents();
@@ -328,6 +341,41 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
       }
     }
   }
+  // kSmall: B as fp32 [rank][column], ranks past the slot's rank zeroed (B may hold anything
+  // there, NaN included), and y, unpacked here before the wait; empty asm that takes the values
+  // keeps them here (left alone, the compiler moves the unpacking next to the FMAs).
+  float bf[kSmall ? kPreRanks : 1][kColsPerThread];
+  float yf[kColsPerThread];
+  auto unpack_y = [&]() {
+    const float2 y01 = unpack2<T>(yv.x);
+    const float2 y23 = unpack2<T>(yv.y);
+    yf[0] = y01.x;
+    yf[1] = y01.y;
+    yf[2] = y23.x;
+    yf[3] = y23.y;
+  };
+  if constexpr (kSmall) {
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) {
+#pragma unroll
+      for (int q = 0; q < kPreRanks / 8; ++q) {
+        float v[8];
+        unpack8<T>(bv[j][q], v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bf[q * 8 + i][j] = q * 8 + i < pre ? v[i] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kPreRanks; ++r) {
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) asm volatile("" : "+f"(bf[r][j]));
+    }
+  }
+  if constexpr (kSmall) {
+    unpack_y();
+#pragma unroll
+    for (int j = 0; j < kColsPerThread; ++j) asm volatile("" : "+f"(yf[j]));
+  }
   pdl_wait();  // the shrink grid has finished and its partial sums are visible
   trace_at_linear<kTrace>(p.trace_expand, 6);
   const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
@@ -338,43 +386,56 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
     for (int kc = 0; kc < p.k_chunks; ++kc) v += __ldcg(part + kc * kstride + r);
     inter[r] = to_float(from_float<T>(p.scale * v));  // rounded as the other paths round it
   }
+  if (kSmall && tid >= rank && tid < kPreRanks) inter[tid] = 0.0f;  // times the zeroed B ranks
   __syncthreads();
   if (!active) return;
   float acc[kColsPerThread] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // Ranks 0..15 from the registers loaded before the wait; ranks past the slot's rank are
-  // masked (the B values there may be anything, NaN included).
+  if constexpr (kSmall) {
+    // Every rank from the registers, four at a time from shared memory.
 #pragma unroll
-  for (int q = 0; q < kPreRanks / 8; ++q) {
+    for (int q = 0; q < kPreRanks / 4; ++q) {
+      const float4 iv = reinterpret_cast<const float4*>(inter)[q];
 #pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      float bf[8];
-      unpack8<T>(bv[j][q], bf);
+      for (int j = 0; j < kColsPerThread; ++j) {
+        acc[j] = fmaf(iv.x, bf[4 * q][j], acc[j]);
+        acc[j] = fmaf(iv.y, bf[4 * q + 1][j], acc[j]);
+        acc[j] = fmaf(iv.z, bf[4 * q + 2][j], acc[j]);
+        acc[j] = fmaf(iv.w, bf[4 * q + 3][j], acc[j]);
+      }
+    }
+  } else {
+    // Ranks 0..15 from the registers loaded before the wait, masked past the slot's rank; then
+    // the higher ranks, 8 at a time for all four columns.
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = q * 8 + i;
-        if (r < pre) acc[j] = fmaf(inter[r], bf[i], acc[j]);
+    for (int q = 0; q < kPreRanks / 8; ++q) {
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) {
+        float v[8];
+        unpack8<T>(bv[j][q], v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (q * 8 + i < pre) acc[j] = fmaf(inter[q * 8 + i], v[i], acc[j]);
+        }
+      }
+    }
+    for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
+      uint4 hv[kColsPerThread];
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) hv[j] = ldg16(bp + j * p.max_rank + r0);
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) {
+        float v[8];
+        unpack8<T>(hv[j], v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (r0 + i < rank) acc[j] = fmaf(inter[r0 + i], v[i], acc[j]);
+        }
       }
     }
   }
-  // Higher ranks (rank > 16), 8 at a time for all four columns.
-  for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
-    uint4 hv[kColsPerThread];
-#pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) hv[j] = ldg16(bp + j * p.max_rank + r0);
-#pragma unroll
-    for (int j = 0; j < kColsPerThread; ++j) {
-      float bf[8];
-      unpack8<T>(hv[j], bf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (r0 + i < rank) acc[j] = fmaf(inter[r0 + i], bf[i], acc[j]);
-      }
-    }
-  }
-  const float2 y01 = unpack2<T>(yv.x);
-  const float2 y23 = unpack2<T>(yv.y);
-  *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(y01.x + acc[0], y01.y + acc[1]),
-                                             pack2<T>(y23.x + acc[2], y23.y + acc[3]));
+  if constexpr (!kSmall) unpack_y();
+  *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(yf[0] + acc[0], yf[1] + acc[1]),
+                                             pack2<T>(yf[2] + acc[2], yf[3] + acc[3]));
   trace_at_linear<kTrace>(p.trace_expand, 7);
 }
 
@@ -414,15 +475,22 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
     LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, expand, p), "gather_expand"));
     return launch_status("gather_expand_kernel");
   };
+  const bool small = p.max_rank <= kPreRanks;
   p.trace_shrink = kernel_trace();
   if constexpr (std::is_same_v<T, bf16>) {
     if (p.trace_shrink != nullptr) {
       const dim3& g = shrink_cfg.gridDim;
       p.trace_expand = p.trace_shrink + int64_t{g.x} * g.y * g.z * kTraceSlots;
-      return run(gather_shrink_kernel<T, kGroup, kMma, true>, gather_expand_kernel<T, true>);
+      return small ? run(gather_shrink_kernel<T, kGroup, kMma, true, true>,
+                         gather_expand_kernel<T, true, true>)
+                   : run(gather_shrink_kernel<T, kGroup, kMma, true, false>,
+                         gather_expand_kernel<T, true, false>);
     }
   }
-  return run(gather_shrink_kernel<T, kGroup, kMma, false>, gather_expand_kernel<T, false>);
+  return small ? run(gather_shrink_kernel<T, kGroup, kMma, false, true>,
+                     gather_expand_kernel<T, false, true>)
+               : run(gather_shrink_kernel<T, kGroup, kMma, false, false>,
+                     gather_expand_kernel<T, false, false>);
 }
 
 template <typename T, bool kMma>

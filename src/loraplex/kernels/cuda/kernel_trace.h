@@ -13,8 +13,9 @@ namespace loraplex::kernels::cuda {
 /// stage landed, K loop done, reduction done, exit. Tensor-core expands: entry, metadata read,
 /// first item's token indices, first item's data landed, (unused), last item stored, exit.
 /// Decode pair (gather_lora.cu; one row per CTA of the shrink, then of the expand): the shrink
-/// writes slots 1-4 (entry, its PDL wait returned, its loads landed, exit), the expand slots 5-7
-/// (entry, its PDL wait returned, exit).
+/// writes slots 1-5 (entry, its PDL wait returned, its loads landed, exit; 5: its tokens' slot
+/// and rank known), the expand slots 5-7 (entry, its PDL wait returned, exit): a row with slot 1
+/// set is the shrink's.
 inline constexpr int kTraceSlots = 8;
 
 /// While set, every prefill shrink and tensor-core expand launch writes CTA b's values at
