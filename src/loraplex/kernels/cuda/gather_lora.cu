@@ -299,14 +299,24 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 
 // One token per CTA: grouping tokens here measured slower (a group that straddles two slots
 // serialises its second slot's B loads behind the first one's work). 4 columns per thread.
-// kSmall (max_rank <= kPreRanks): every rank of B is unpacked to fp32 before the wait, so that
-// after it only the sums, the FMAs and the store are left (one warp's instructions after the
-// wait are on the layer's critical path: kernel timelines, bench/NOTES.md); 8-13% faster on the
-// H200 at rank 16. Above, B's first ranks stay packed until after the wait and the rest are
-// loaded then: the extra registers of the unpacked form cost the rank-64 shrink CTAs that share
-// the SMs 1-7% (BENCHMARKS.md, 2026-11-24).
-template <typename T, bool kTrace, bool kSmall>
+// How the expand holds B's ranks before its wait (kPreRanks in registers in every mode):
+// kRegs (max_rank <= kPreRanks) unpacks them all to fp32 before the wait, so that after it
+// only the sums, the FMAs and the store are left (one warp's instructions after the wait are
+// on the layer's critical path: kernel timelines, bench/NOTES.md): 8-13% faster on the H200 at
+// rank 16; the extra registers of the unpacked form cost rank 64 (its shrink CTAs share the
+// SMs). kStaged (max_rank <= kStagedRanks, where each CTA of the pair gets an SM of its own: the
+// launcher says why) copies ranks kPreRanks.. into shared memory with cp.async before the wait;
+// kLoop loads them after the wait, 8 ranks at a time, one dependent round trip each.
+enum ExpandMode { kLoop = 0, kRegs = 1, kStaged = 2 };
+constexpr int kStagedRanks = 64;
+constexpr int kStagedChunks = (kStagedRanks - kPreRanks) / 8;  // 16-byte chunks per column
+constexpr int kStagedBytes = kStagedChunks * kColsPerThread * kThreads * 16;
+
+template <typename T, bool kTrace, int kMode>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
+  constexpr bool kSmall = kMode == kRegs;
+  // kStaged: [chunk][column of the thread][thread], 16 bytes each (conflict-free reads).
+  extern __shared__ __align__(16) uint4 staged[];
   trace_at_linear<kTrace>(p.trace_expand, 0);
   trace_at_linear<kTrace>(p.trace_expand, 5);
   constexpr int kColsPerCta = kThreads * kColsPerThread;
@@ -340,6 +350,21 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
         bv[j][q] = q * 8 < pre ? ldg16(bp + j * p.max_rank + q * 8) : make_uint4(0, 0, 0, 0);
       }
     }
+  }
+  if constexpr (kMode == kStaged) {
+    if (active) {
+#pragma unroll
+      for (int q = 0; q < kStagedChunks; ++q) {
+        const int r0 = kPreRanks + 8 * q;
+#pragma unroll
+        for (int j = 0; j < kColsPerThread; ++j) {
+          const int bytes = 2 * max(0, min(8, rank - r0));  // zero-filled past the rank
+          cp_async16(&staged[(q * kColsPerThread + j) * kThreads + tid],
+                     bp + j * p.max_rank + (bytes > 0 ? r0 : 0), bytes);
+        }
+      }
+    }
+    cp_async_commit();
   }
   // kSmall: B as fp32 [rank][column], ranks past the slot's rank zeroed (B may hold anything
   // there, NaN included), and y, unpacked here before the wait; empty asm that takes the values
@@ -418,10 +443,15 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
         }
       }
     }
+    if constexpr (kMode == kStaged) cp_async_wait<0>();  // this thread's own copies
     for (int r0 = kPreRanks; r0 < rank; r0 += 8) {
       uint4 hv[kColsPerThread];
 #pragma unroll
-      for (int j = 0; j < kColsPerThread; ++j) hv[j] = ldg16(bp + j * p.max_rank + r0);
+      for (int j = 0; j < kColsPerThread; ++j) {
+        hv[j] = kMode == kStaged
+                    ? staged[((r0 - kPreRanks) / 8 * kColsPerThread + j) * kThreads + tid]
+                    : ldg16(bp + j * p.max_rank + r0);
+      }
 #pragma unroll
       for (int j = 0; j < kColsPerThread; ++j) {
         float v[8];
@@ -468,29 +498,50 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
   shrink_cfg.gridDim = shrink_grid;
   shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
   if (!shrink_pdl) shrink_cfg.numAttrs = 0;
-  auto run = [&](auto shrink, auto expand) -> Status {
+  auto run = [&](auto shrink, auto expand, int expand_smem) -> Status {
+    // The static `inter` counts toward the opt-in above 48 KB.
+    LORAPLEX_RETURN_IF_ERROR(
+        allow_dynamic_smem(reinterpret_cast<const void*>(expand), expand_smem + kMaxRank * 4));
+    cudaLaunchConfig_t expand_cfg = cfg;
+    expand_cfg.dynamicSmemBytes = static_cast<size_t>(expand_smem);
     LORAPLEX_RETURN_IF_ERROR(
         cuda_status(cudaLaunchKernelEx(&shrink_cfg, shrink, p), "gather_shrink"));
     LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
-    LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, expand, p), "gather_expand"));
+    LORAPLEX_RETURN_IF_ERROR(
+        cuda_status(cudaLaunchKernelEx(&expand_cfg, expand, p), "gather_expand"));
     return launch_status("gather_expand_kernel");
   };
-  const bool small = p.max_rank <= kPreRanks;
+  // The shrink's early A loads and the expand's mode, by max_rank.
+  auto pick = [&](auto trace) -> Status {
+    constexpr bool kT = decltype(trace)::value;
+    if (p.max_rank <= kPreRanks) {
+      return run(gather_shrink_kernel<T, kGroup, kMma, kT, true>,
+                 gather_expand_kernel<T, kT, kRegs>, 0);
+    }
+    // Staged where every CTA of the pair can have an SM of its own: on the H200 (BENCHMARKS.md,
+    // 2026-11-24) 14-22% faster at one token (rank 64); at 16 tokens, with shrink CTAs on every
+    // SM, the expand CTAs' 49 KB waited for SMs the shrink had configured for less shared
+    // memory (2x slower; asking both kernels for the largest carveout fixed that but slowed
+    // the kLoop layers that ran the same shrink afterwards by up to 30%).
+    const int64_t ctas =
+        int64_t{shrink_cfg.gridDim.x} * shrink_cfg.gridDim.y * shrink_cfg.gridDim.z +
+        int64_t{cfg.gridDim.x} * cfg.gridDim.y;
+    if (p.max_rank <= kStagedRanks && ctas <= sm_count()) {
+      return run(gather_shrink_kernel<T, kGroup, kMma, kT, false>,
+                 gather_expand_kernel<T, kT, kStaged>, kStagedBytes);
+    }
+    return run(gather_shrink_kernel<T, kGroup, kMma, kT, false>, gather_expand_kernel<T, kT, kLoop>,
+               0);
+  };
   p.trace_shrink = kernel_trace();
   if constexpr (std::is_same_v<T, bf16>) {
     if (p.trace_shrink != nullptr) {
       const dim3& g = shrink_cfg.gridDim;
       p.trace_expand = p.trace_shrink + int64_t{g.x} * g.y * g.z * kTraceSlots;
-      return small ? run(gather_shrink_kernel<T, kGroup, kMma, true, true>,
-                         gather_expand_kernel<T, true, true>)
-                   : run(gather_shrink_kernel<T, kGroup, kMma, true, false>,
-                         gather_expand_kernel<T, true, false>);
+      return pick(std::true_type{});
     }
   }
-  return small ? run(gather_shrink_kernel<T, kGroup, kMma, false, true>,
-                     gather_expand_kernel<T, false, true>)
-               : run(gather_shrink_kernel<T, kGroup, kMma, false, false>,
-                     gather_expand_kernel<T, false, false>);
+  return pick(std::false_type{});
 }
 
 template <typename T, bool kMma>
