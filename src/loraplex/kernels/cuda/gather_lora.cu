@@ -17,10 +17,16 @@
 //     through shared memory and the K-chunk partial sums go to the metadata's scratch
 //     [k_chunk][slice][token][rank].
 //   gather_expand: CTA (token, 512 columns of one slice), launched with PDL so that it starts
-//     while the shrink runs: its slot, rank, y values and the first 16 ranks of its B columns
-//     are loaded BEFORE griddepcontrol.wait; after it, the partial sums are added (fixed
-//     order), scaled and rounded to the weight dtype (as the other paths and vLLM do), and
-//     each thread adds the dot products of its 4 columns to y.
+//     while the shrink runs: its slot, rank, y values and B columns (the first 16 ranks in
+//     registers, up to 64 in shared memory where the SMs allow: ExpandMode) are loaded BEFORE
+//     griddepcontrol.wait; after it, the partial sums are added (fixed order), scaled and
+//     rounded to the weight dtype (as the other paths and vLLM do), and each thread adds the
+//     dot products of its 4 columns to y.
+// Across layers (layer_pdl): the shrink may itself be launched with PDL. It then waits before
+// it reads anything and only then lets the expand launch, so everything before the layer is
+// complete when the expand reads y and the weights before its own wait; the expand lets the
+// next layer's first kernel launch at its start. Per-CTA timelines of both kernels in the kTrace
+// instantiations (`loraplex bench kernels --trace`).
 // A token with slot -1, and a slice whose rank is 0 for the token's slot, leave y untouched.
 // Ranks past a slot's rank are never loaded or are masked (their values may be anything).
 
