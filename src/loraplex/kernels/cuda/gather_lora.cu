@@ -487,12 +487,14 @@ int group_for(const KernelTuning& t, int max_rank) {
 
 // The shrink's arithmetic: the tuning's gather_shrink (1 FMA, 2 tensor cores), or (0) tensor
 // cores when groups of tokens share a slot (group >= 2 and at least 2 tokens per slot that can
-// be active). Measured on the H200 (BENCHMARKS.md, 2026-11-23): tensor cores 5-15% faster
-// there (q/k/v, 32 adapters, 64 tokens: 13.97 -> 12.56 us), 8-10% slower with one token per
-// slot and at rank 64 (one token per CTA), where the extra barrier is not paid back.
+// be active) from 32 tokens. Measured on the H200: tensor cores 5-15% faster there at
+// e2ab2a5 (BENCHMARKS.md, 2026-11-23; q/k/v, 32 adapters, 64 tokens: 13.97 -> 12.56 us), 8-10%
+// slower with one token per slot and at rank 64 (one token per CTA), where the extra barrier is
+// not paid back; since the shrink's early A loads (2026-11-24) FMA is 3-5% faster at 16 tokens
+// and tensor cores 1-4% faster at 64.
 bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
   if (t.gather_shrink > 0) return t.gather_shrink == 2;
-  return group >= 2 && tokens >= 2 * std::min<int64_t>(tokens, max_loras);
+  return group >= 2 && tokens >= 32 && tokens >= 2 * std::min<int64_t>(tokens, max_loras);
 }
 
 // The shrink with PDL where shrink_pdl, the expand always (it waits for the shrink's sums).
