@@ -687,8 +687,8 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
 // resident before the kernel ahead of it has finished and waits in-kernel. A ping-pong chain in
 // which every layer's x is the y the layer before it wrote, the metadata rebuilt between two
 // layers (its kernel then directly precedes a layer), and the path switched from layer to layer
-// (the per-token pair, the cluster layer, the split path's plain launches): run eagerly and as
-// one graph replay, compared with the CPU applying the same layers in order. A layer that read
+// (the per-token pair, the cluster layer, the split path's plain launches): run eagerly and in
+// five graph replays, compared with the CPU applying the same layers in order. A layer that read
 // x, y, its scratch or the metadata before the kernel ahead of it finished would see old values.
 TEST(CudaLoraLinear, ChainedLayersWithProgrammaticLaunchMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
