@@ -309,9 +309,9 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 // kRegs (max_rank <= kPreRanks) unpacks them all to fp32 before the wait, so that after it
 // only the sums, the FMAs and the store are left (one warp's instructions after the wait are
 // on the layer's critical path: kernel timelines, bench/NOTES.md): 8-13% faster on the H200 at
-// rank 16; the extra registers of the unpacked form cost rank 64 (its shrink CTAs share the
-// SMs). kStaged (max_rank <= kStagedRanks, where each CTA of the pair gets an SM of its own: the
-// launcher says why) copies ranks kPreRanks.. into shared memory with cp.async before the wait;
+// rank 16 (above it the unpacked form was not measured on its own: BENCHMARKS.md, 2026-11-24,
+// run 6-7). kStaged (max_rank <= kStagedRanks, where each CTA of the pair gets an SM of its own:
+// the launcher says why) copies ranks kPreRanks.. into shared memory with cp.async before the wait;
 // kLoop loads them after the wait, 8 ranks at a time, one dependent round trip each.
 enum ExpandMode { kLoop = 0, kRegs = 1, kStaged = 2 };
 constexpr int kStagedRanks = 64;
@@ -401,8 +401,6 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
 #pragma unroll
       for (int j = 0; j < kColsPerThread; ++j) asm volatile("" : "+f"(bf[r][j]));
     }
-  }
-  if constexpr (kSmall) {
     unpack_y();
 #pragma unroll
     for (int j = 0; j < kColsPerThread; ++j) asm volatile("" : "+f"(yf[j]));
