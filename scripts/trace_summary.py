@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Summarises `loraplex bench kernels --trace` output: per case, the kernel's span, when CTAs
-started, the median / 90th-percentile time of each phase of a CTA, and how CTAs landed on SMs
-(CTAs per SM against the time their SM finished)."""
+"""Summarises `loraplex bench kernels --trace` output: per prefill case, the kernel's span, when
+CTAs started, the median / 90th-percentile time of each phase of a CTA, and how CTAs landed on SMs
+(CTAs per SM against the time their SM finished); per decode-pair linear case (four consecutive
+calls of a graph replay), the medians over calls of the steps of one call."""
 import collections
 import json
 import statistics
@@ -21,8 +22,39 @@ def pct(v, q):
     return v[min(len(v) - 1, int(q * len(v)))]
 
 
+# One call of the decode pair (gather_lora.cu): shrink rows have slot 1 set (1 entry, 2 wait
+# returned, 3 loads landed, 4 exit), expand rows slots 5-7 (entry, wait returned, exit).
+PAIR_STEPS = ["previous exit -> shrink wait", "shrink loads landed", "shrink last exit",
+              "expand wait", "expand last exit", "period"]
+
+
+def pair_steps(prev, rows):
+    prev_exit = max(r[7] for r in prev if not r[1] and r[7])
+    shrink = [r for r in rows if r[1]]
+    expand = [r for r in rows if not r[1] and r[5]]
+    wait = min(r[2] for r in shrink)
+    landed = statistics.median([r[3] for r in shrink if r[3]])
+    shrink_exit = max(r[4] for r in shrink)
+    expand_wait = min(r[6] for r in expand if r[6])
+    expand_exit = max(r[7] for r in expand if r[7])
+    points = [prev_exit, wait, landed, shrink_exit, expand_wait, expand_exit]
+    return [(b - a) / 1e3 for a, b in zip(points, points[1:])] + [(expand_exit - prev_exit) / 1e3]
+
+
+def summarise_pair(c):
+    steps = [pair_steps(p, r) for p, r in zip(c["calls"], c["calls"][1:])]
+    print(f"linear rank {c['rank']} adapters {c['adapters']} tokens {c['tokens']} slices "
+          f"{c['slices']}: {c['rotating_us']:.2f} us per call untraced; medians over "
+          f"{len(steps)} traced calls:")
+    for k, name in enumerate(PAIR_STEPS):
+        print(f"  {name:30s} {statistics.median(s[k] for s in steps):6.2f} us")
+
+
 for line in open(sys.argv[1]):
     c = json.loads(line)
+    if "calls" in c:
+        summarise_pair(c)
+        continue
     rows = c["ctas"]
     if not rows:  # the case ran another shrink path
         continue
