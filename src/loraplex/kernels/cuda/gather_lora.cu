@@ -505,9 +505,10 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
   shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
   if (!shrink_pdl) shrink_cfg.numAttrs = 0;
   auto run = [&](auto shrink, auto expand, int expand_smem) -> Status {
-    // The static `inter` counts toward the opt-in above 48 KB.
-    LORAPLEX_RETURN_IF_ERROR(
-        allow_dynamic_smem(reinterpret_cast<const void*>(expand), expand_smem + kMaxRank * 4));
+    if (expand_smem > 0) {  // the static `inter` counts toward the opt-in above 48 KB
+      LORAPLEX_RETURN_IF_ERROR(
+          allow_dynamic_smem(reinterpret_cast<const void*>(expand), expand_smem + kMaxRank * 4));
+    }
     cudaLaunchConfig_t expand_cfg = cfg;
     expand_cfg.dynamicSmemBytes = static_cast<size_t>(expand_smem);
     LORAPLEX_RETURN_IF_ERROR(
