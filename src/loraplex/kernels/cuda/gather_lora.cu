@@ -526,7 +526,7 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
                  gather_expand_kernel<T, kT, kRegs>, 0);
     }
     // Staged where every CTA of the pair can have an SM of its own: on the H200 (BENCHMARKS.md,
-    // 2026-11-24) 14-22% faster at one token (rank 64); at 16 tokens, with shrink CTAs on every
+    // 2026-11-24) 15-23% faster at one token (rank 64); at 16 tokens, with shrink CTAs on every
     // SM, the expand CTAs' 49 KB waited for SMs the shrink had configured for less shared
     // memory (2x slower; asking both kernels for the largest carveout fixed that but slowed
     // the kLoop layers that ran the same shrink afterwards by up to 30%).
