@@ -150,20 +150,12 @@ __device__ __forceinline__ uint32_t sm_id() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
   return s;
 }
-/// Slot k of this CTA's timeline (kernel_trace.h): the SM id for slot 0, else the global timer;
-/// written by thread 0. Only in the kTrace instantiations that the launchers pick while a trace
-/// buffer is set: compiled into every launch, the checks alone cost ~1 us per prefill shrink
-/// (H200, BENCHMARKS.md 2026-11-24).
+/// Slot k of this CTA's timeline (kernel_trace.h), in the row of its linear index (blockIdx.x in a
+/// 1-D grid): the SM id for slot 0, else the global timer; written by thread 0. Only in the
+/// kTrace instantiations that the launchers pick while a trace buffer is set: compiled into every
+/// launch, the checks alone cost ~1 us per prefill shrink (H200, BENCHMARKS.md 2026-11-24).
 template <bool kTrace>
 __device__ __forceinline__ void trace_at(uint64_t* trace, int k) {
-  if constexpr (kTrace) {
-    if (threadIdx.x == 0) trace[blockIdx.x * kTraceSlots + k] = k == 0 ? sm_id() : global_ns();
-  }
-}
-
-/// trace_at for a 2-D or 3-D grid: the row is the CTA's linear index.
-template <bool kTrace>
-__device__ __forceinline__ void trace_at_linear(uint64_t* trace, int k) {
   if constexpr (kTrace) {
     if (threadIdx.x == 0) {
       const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);

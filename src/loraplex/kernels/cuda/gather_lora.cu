@@ -231,14 +231,14 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
 template <typename T, int kGroup, bool kMma, bool kTrace, bool kEarly>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
-  trace_at_linear<kTrace>(p.trace_shrink, 0);
-  trace_at_linear<kTrace>(p.trace_shrink, 1);
+  trace_at<kTrace>(p.trace_shrink, 0);
+  trace_at<kTrace>(p.trace_shrink, 1);
   // Launched with PDL (layer_pdl): the kernel before it may still run; nothing is read before
   // this wait (without PDL it returns at once). Only then may the expand start: it reads y and
   // the weights before its own wait, which must be final by then.
   pdl_wait();
   pdl_launch_dependents();
-  trace_at_linear<kTrace>(p.trace_shrink, 2);
+  trace_at<kTrace>(p.trace_shrink, 2);
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
   const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
@@ -282,9 +282,9 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
       shrink_fma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red);
     }
     __syncthreads();
-    trace_at_linear<kTrace>(p.trace_shrink, 3);
+    trace_at<kTrace>(p.trace_shrink, 3);
     if (kEarly && r0 >= rank) continue;  // uniform; nothing reads `red` before the next slot's sums
-    trace_at_linear<kTrace>(p.trace_shrink, 5);
+    trace_at<kTrace>(p.trace_shrink, 5);
     const int rows = min(kRowGroup, rank - r0);
     if (tid < kGroup * kRowGroup) {
       const int j = tid / kRowGroup;
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     }
     __syncthreads();  // `red` is free for the next slot of the group
   }
-  trace_at_linear<kTrace>(p.trace_shrink, 4);
+  trace_at<kTrace>(p.trace_shrink, 4);
 }
 
 // One token per CTA: grouping tokens here measured slower (a group that straddles two slots
@@ -323,8 +323,8 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   constexpr bool kSmall = kMode == kRegs;
   // kStaged: [chunk][column of the thread][thread], 16 bytes each (conflict-free reads).
   extern __shared__ __align__(16) uint4 staged[];
-  trace_at_linear<kTrace>(p.trace_expand, 0);
-  trace_at_linear<kTrace>(p.trace_expand, 5);
+  trace_at<kTrace>(p.trace_expand, 0);
+  trace_at<kTrace>(p.trace_expand, 5);
   constexpr int kColsPerCta = kThreads * kColsPerThread;
   __shared__ __align__(16) float inter[kMaxRank];
   // The next layer's first kernel (layer_pdl) may launch now: it waits for this grid before
@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
     for (int j = 0; j < kColsPerThread; ++j) asm volatile("" : "+f"(yf[j]));
   }
   pdl_wait();  // the shrink grid has finished and its partial sums are visible
-  trace_at_linear<kTrace>(p.trace_expand, 6);
+  trace_at<kTrace>(p.trace_expand, 6);
   const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
   const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
   for (int r = tid; r < rank; r += kThreads) {
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   if constexpr (!kSmall) unpack_y();
   *reinterpret_cast<uint2*>(yp) = make_uint2(pack2<T>(yf[0] + acc[0], yf[1] + acc[1]),
                                              pack2<T>(yf[2] + acc[2], yf[3] + acc[3]));
-  trace_at_linear<kTrace>(p.trace_expand, 7);
+  trace_at<kTrace>(p.trace_expand, 7);
 }
 
 int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
