@@ -495,15 +495,22 @@ bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
   return group >= 2 && tokens >= 32 && tokens >= 2 * std::min<int64_t>(tokens, max_loras);
 }
 
-// The shrink with PDL where shrink_pdl, the expand always (it waits for the shrink's sums).
+// The shrink with PDL by layer_pdl, the expand always (it waits for the shrink's sums).
 // While a trace buffer is set (bf16 only, the benchmark's dtype), the kTrace instantiations:
 // the shrink's CTAs first, then the expand's.
 template <typename T, int kGroup, bool kMma>
-Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, bool shrink_pdl) {
+Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int layer_pdl) {
   cudaLaunchConfig_t shrink_cfg = cfg;
   shrink_cfg.gridDim = shrink_grid;
   shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
-  if (!shrink_pdl) shrink_cfg.numAttrs = 0;
+  const dim3& g = shrink_cfg.gridDim;
+  const int64_t shrink_ctas = int64_t{g.x} * g.y * g.z;
+  // PDL for the shrink (layer_pdl 1): where its grid is under three quarters of the SMs. On the
+  // H200 (BENCHMARKS.md, 2026-11-24) 3-11% faster in a graph up to 96 CTAs (1 token, 16
+  // tokens at rank 16), 10-64% slower from 128 CTAs (64 tokens over 32 adapters, rank 64 x 16
+  // tokens), for reasons not measured further.
+  const bool pdl = layer_pdl == 2 || (layer_pdl == 1 && 4 * shrink_ctas < 3 * int64_t{sm_count()});
+  if (!pdl) shrink_cfg.numAttrs = 0;
   auto run = [&](auto shrink, auto expand, int expand_smem) -> Status {
     if (expand_smem > 0) {  // the static `inter` counts toward the opt-in above 48 KB
       LORAPLEX_RETURN_IF_ERROR(
@@ -530,9 +537,7 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
     // SM, the expand CTAs' 49 KB waited for SMs the shrink had configured for less shared
     // memory (2x slower; asking both kernels for the largest carveout fixed that but slowed
     // the kLoop layers that ran the same shrink afterwards by up to 30%).
-    const int64_t ctas =
-        int64_t{shrink_cfg.gridDim.x} * shrink_cfg.gridDim.y * shrink_cfg.gridDim.z +
-        int64_t{cfg.gridDim.x} * cfg.gridDim.y;
+    const int64_t ctas = shrink_ctas + int64_t{cfg.gridDim.x} * cfg.gridDim.y;
     if (p.max_rank <= kStagedRanks && ctas <= sm_count()) {
       return run(gather_shrink_kernel<T, kGroup, kMma, kT, false>,
                  gather_expand_kernel<T, kT, kStaged>, kStagedBytes);
@@ -543,8 +548,7 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
   p.trace_shrink = kernel_trace();
   if constexpr (std::is_same_v<T, bf16>) {
     if (p.trace_shrink != nullptr) {
-      const dim3& g = shrink_cfg.gridDim;
-      p.trace_expand = p.trace_shrink + int64_t{g.x} * g.y * g.z * kTraceSlots;
+      p.trace_expand = p.trace_shrink + shrink_ctas * kTraceSlots;
       return pick(std::true_type{});
     }
   }
@@ -553,17 +557,17 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, boo
 
 template <typename T, bool kMma>
 Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group,
-                    bool shrink_pdl) {
-  if (group == 1) return launch_pair<T, 1, kMma>(p, grid, cfg, shrink_pdl);
-  if (group == 4) return launch_pair<T, 4, kMma>(p, grid, cfg, shrink_pdl);
-  return launch_pair<T, 2, kMma>(p, grid, cfg, shrink_pdl);
+                    int layer_pdl) {
+  if (group == 1) return launch_pair<T, 1, kMma>(p, grid, cfg, layer_pdl);
+  if (group == 4) return launch_pair<T, 4, kMma>(p, grid, cfg, layer_pdl);
+  return launch_pair<T, 2, kMma>(p, grid, cfg, layer_pdl);
 }
 
 template <typename T>
 Status launch_shrink_kind(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                          int group, bool mma, bool shrink_pdl) {
-  return mma ? launch_group<T, true>(p, grid, cfg, group, shrink_pdl)
-             : launch_group<T, false>(p, grid, cfg, group, shrink_pdl);
+                          int group, bool mma, int layer_pdl) {
+  return mma ? launch_group<T, true>(p, grid, cfg, group, layer_pdl)
+             : launch_group<T, false>(p, grid, cfg, group, layer_pdl);
 }
 
 }  // namespace
@@ -635,18 +639,10 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   cfg.numAttrs = 1;
   const int group = group_for(tuning, s.max_rank);
   const bool mma = mma_for(tuning, group, s.num_tokens, s.max_loras);
-  // PDL for the shrink (layer_pdl 1): where its grid is under three quarters of the SMs. On the
-  // H200 (BENCHMARKS.md, 2026-11-24) 3-11% faster in a graph up to 96 CTAs (1 token, 16
-  // tokens at rank 16), 10-64% slower from 128 CTAs (64 tokens over 32 adapters, rank 64 x 16
-  // tokens), for reasons not measured further.
-  const int64_t shrink_ctas =
-      ceil_div(s.num_tokens, int64_t{group}) * shrink_grid.y * shrink_grid.z;
-  const bool shrink_pdl =
-      tuning.layer_pdl == 2 || (tuning.layer_pdl == 1 && 4 * shrink_ctas < 3 * int64_t{sm_count()});
   if (s.dtype == DType::kBF16) {
-    return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, shrink_pdl);
+    return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, tuning.layer_pdl);
   }
-  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma, shrink_pdl);
+  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma, tuning.layer_pdl);
 }
 
 }  // namespace loraplex::kernels::cuda
