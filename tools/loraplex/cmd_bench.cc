@@ -163,14 +163,7 @@ class Bench {
     kc::set_kernel_trace(nullptr);
     const Tensor host = buf.to(Device::cpu(), stream_);
     stream_.synchronize();
-    const auto* v = static_cast<const int64_t*>(host.data_ptr());
-    json rows = json::array();
-    for (int64_t b = 0; b < kMaxCtas; ++b) {
-      const int64_t* r = v + b * kc::kTraceSlots;
-      if (r[1] == 0) continue;
-      rows.push_back(json(std::vector<int64_t>(r, r + kc::kTraceSlots)));
-    }
-    return rows;
+    return written_rows(static_cast<const int64_t*>(host.data_ptr()), kMaxCtas);
   }
 
   // The per-CTA timelines (kernel_trace.h) of four consecutive calls from the middle of a graph
@@ -200,13 +193,7 @@ class Bench {
     const auto* v = static_cast<const int64_t*>(host.data_ptr());
     json out = json::array();
     for (int i = calls / 2; i < calls / 2 + 4; ++i) {
-      json rows = json::array();
-      for (int64_t b = 0; b < kRowsPerCall; ++b) {
-        const int64_t* r = v + i * per_call + b * kc::kTraceSlots;
-        if (std::all_of(r + 1, r + kc::kTraceSlots, [](int64_t x) { return x == 0; })) continue;
-        rows.push_back(json(std::vector<int64_t>(r, r + kc::kTraceSlots)));
-      }
-      out.push_back(rows);
+      out.push_back(written_rows(v + i * per_call, kRowsPerCall));
     }
     return out;
   }
@@ -250,6 +237,17 @@ class Bench {
       us.push_back(timer.elapsed_ms() * 1e3 / calls);
     }
     return median(us);
+  }
+
+  // The rows of a trace buffer that a CTA wrote (any timestamp set; slot 0, the SM, may be 0).
+  static json written_rows(const int64_t* v, int64_t rows) {
+    json out = json::array();
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t* r = v + b * kc::kTraceSlots;
+      if (std::all_of(r + 1, r + kc::kTraceSlots, [](int64_t x) { return x == 0; })) continue;
+      out.push_back(json(std::vector<int64_t>(r, r + kc::kTraceSlots)));
+    }
+    return out;
   }
 
   const Options& o_;
