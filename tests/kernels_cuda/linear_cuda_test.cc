@@ -125,8 +125,19 @@ Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const S
   Tensor ws =
       Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32, device);
   if (path != nullptr) *path = l.wrapper.lora_linear_path(l.y, l.x, l.a, l.b, l.ranks, ws);
+  if (device.is_cpu()) {
+    l.wrapper.add_lora_linear(l.y, l.x, l.a, l.b, l.ranks, scale, ws, stream);
+    return l.y;
+  }
+  // Twice: the first op after the metadata build reads nothing before its PDL wait, the
+  // second one reads the settled metadata (and A rows) early; the same bits either way.
+  Tensor first = l.y.clone(stream);
+  l.wrapper.add_lora_linear(first, l.x, l.a, l.b, l.ranks, scale, ws, stream);
+  EXPECT_TRUE(l.wrapper.token_meta().view().settled);
   l.wrapper.add_lora_linear(l.y, l.x, l.a, l.b, l.ranks, scale, ws, stream);
-  return device.is_cpu() ? l.y : test::on_cpu(l.y, stream);
+  test::expect_identical(test::on_cpu(l.y, stream), test::on_cpu(first, stream), stream,
+                         case_name(c) + ": settled metadata against the first op");
+  return test::on_cpu(l.y, stream);
 }
 
 const std::vector<LayerCase>& linear_cases() {
@@ -683,14 +694,50 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
+// The wrapper marks its metadata settled (LoraMetaView::settled: kernels may read it before
+// their griddepcontrol.wait) only once an op has been enqueued on the stream it was built on:
+// an op on another stream orders nothing on the build's stream.
+TEST(CudaLoraLinear, MetadataSettlesOnlyOnTheBuildStream) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(809);
+  const Stream build = Stream::create(test::gpu());
+  const Stream other = Stream::create(test::gpu());
+  const LayerCase c{DType::kBF16, 16,  8, 16, 256, {256}, test::SlotDistribution::kUniform,
+                    0.1,          true};
+  const LayerData l = make_layer(c, rng);
+  PunicaWrapper wrapper(c.max_loras, c.tokens, 1, test::gpu());
+  const SlotRanks ranks = make_ranks(c, l, test::gpu(), build);
+  const std::vector<Tensor> a = to_device(l.a, test::gpu(), build);
+  const std::vector<Tensor> b = to_device(l.b, test::gpu(), build);
+  const Tensor x = l.x.to(test::gpu(), build);
+  Tensor y = l.y0.clone().to(test::gpu(), build);
+  Tensor ws = Tensor::empty({int64_t{c.tokens} * c.max_rank}, DType::kF32, test::gpu());
+  build.synchronize();
+  wrapper.update_metadata(l.slots, {}, build);
+  EXPECT_FALSE(wrapper.token_meta().view().settled);
+  build.synchronize();
+  wrapper.add_lora_linear(y, x, a, b, ranks, 1.0f, ws, other);
+  EXPECT_FALSE(wrapper.token_meta().view().settled);
+  other.synchronize();
+  wrapper.add_lora_linear(y, x, a, b, ranks, 1.0f, ws, build);
+  EXPECT_TRUE(wrapper.token_meta().view().settled);
+  wrapper.update_metadata(l.slots, {}, build);
+  EXPECT_FALSE(wrapper.token_meta().view().settled);
+  build.synchronize();
+}
+
 // Layers back to back in one stream, as in a model: with layer_pdl each layer's first kernel is
 // resident before the kernel ahead of it has finished and waits in-kernel. A ping-pong chain in
 // which every layer's x is the y the layer before it wrote, the metadata rebuilt between two
 // layers (its kernel then directly precedes a layer), and the path switched from layer to layer
 // (the per-token pair, the cluster layer, the split path's plain launches): run eagerly and in
 // five graph replays, compared with the CPU applying the same layers in order. A layer that read
-// x, y, its scratch or the metadata before the kernel ahead of it finished would see old values.
-TEST(CudaLoraLinear, ChainedLayersWithProgrammaticLaunchMatchCpu) {
+// x, y, its scratch or the metadata before the kernel ahead of it finished would see old values;
+// from the second layer after each build the layers read the (settled) metadata and weights
+// before their wait. 16 tokens (the pair's FMA shrink) and 64 (its tensor-core shrink).
+class ChainedLayers : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(CudaLoraLinear, ChainedLayers, ::testing::Values(16, 64));
+TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(808);
   Stream stream = Stream::create(test::gpu());
@@ -698,7 +745,7 @@ TEST(CudaLoraLinear, ChainedLayersWithProgrammaticLaunchMatchCpu) {
   using D = test::SlotDistribution;
   constexpr int kLayers = 8;
   constexpr int64_t kHidden = 1024;  // x and y rows alike: each layer's y is the next one's x
-  const LayerCase c{DType::kBF16, 16, 8, 16, kHidden, {kHidden}, D::kUniform, 0.1, true};
+  const LayerCase c{DType::kBF16, GetParam(), 8, 16, kHidden, {kHidden}, D::kUniform, 0.1, true};
   std::vector<LayerData> layers;  // weights and ranks per layer; layer 0's slots, x and y0
   for (int i = 0; i < kLayers; ++i) layers.push_back(make_layer(c, rng));
   const std::vector<int32_t> slots2 = test::make_slots(D::kZipf, c.tokens, c.max_loras, rng, 0.2);

@@ -169,5 +169,27 @@ TEST(BatchMeta, PrepareFromBufferMatchesPrepare) {
   EXPECT_THROW(b.prepare_from_buffer(129, false, cpu), Error);
 }
 
+// LoraMetaView::settled: false from each build until an op using the metadata is enqueued on
+// the build's stream (the first op after a build must not read the metadata early), and an
+// empty batch never settles (its ops launch nothing).
+TEST(BatchMeta, SettledFromTheSecondOpAfterEachBuild) {
+  Stream cpu;
+  LoraBatchMeta meta(4, 16, Device::cpu());
+  EXPECT_FALSE(meta.view().settled);
+  meta.prepare(std::vector<int32_t>{0, 3, -1, 0, 2}, cpu);
+  EXPECT_FALSE(meta.view().settled);
+  meta.note_op_enqueued(cpu);
+  EXPECT_TRUE(meta.view().settled);
+  meta.note_op_enqueued(cpu);
+  EXPECT_TRUE(meta.view().settled);
+  meta.prepare(std::vector<int32_t>{1, 1}, cpu);
+  EXPECT_FALSE(meta.view().settled);
+  meta.note_op_enqueued(cpu);
+  EXPECT_TRUE(meta.view().settled);
+  meta.prepare(std::vector<int32_t>{}, cpu);
+  meta.note_op_enqueued(cpu);
+  EXPECT_FALSE(meta.view().settled);
+}
+
 }  // namespace
 }  // namespace loraplex

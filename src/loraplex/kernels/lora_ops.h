@@ -41,6 +41,14 @@ struct LoraMetaView {
   int64_t scratch_floats = 0;
   int32_t* counters = nullptr;  // [num_counters] in/out, zero between ops
   int64_t num_counters = 0;
+  // True when the metadata above was complete before the kernel that precedes this op on its
+  // stream was launched: the op is not the first since the build on the build's stream (every
+  // LoRA op's first kernel lets later kernels launch only after its own griddepcontrol.wait,
+  // and other kernels are launched without PDL). A kernel launched with PDL may then read the
+  // metadata, and the ranks and A / B rows of the slots it names, before its wait: the rank and
+  // weights of a slot that a batch uses are written before the batch's metadata is built and
+  // stay until its last op. False is always safe.
+  bool settled = false;
 };
 
 /// Shrink: out[s, t, :rank] = scale * x[t, :] @ A_s[slot(t)][:rank, :]^T.

@@ -66,6 +66,8 @@ void LoraBatchMeta::prepare_from_buffer(int num_tokens, bool no_lora, const Stre
                  " prepared on a stream of ", stream.device());
   num_tokens_ = num_tokens;
   no_lora_ = no_lora;
+  build_stream_ = stream.handle();
+  settled_ = false;
   kernels::cpu::LoraMetaBuffers buffers;
   buffers.token_lora_mapping = mapping_.data<int32_t>();
   buffers.sorted_token_indices = sorted_.data<int32_t>();
@@ -92,7 +94,16 @@ kernels::LoraMetaView LoraBatchMeta::view() const {
     v.counters = counters_.data<int32_t>();
     v.num_counters = counters_.numel();
   }
+  v.settled = settled_;
   return v;
+}
+
+void LoraBatchMeta::note_op_enqueued(const Stream& stream) const {
+  // Only an op on the build's stream orders the build before later kernels (its first kernel
+  // starts after the build, or waits for it before letting anything after it launch).
+  if (stream.handle() == build_stream_ && stream.device() == device_ && num_tokens_ > 0) {
+    settled_ = true;
+  }
 }
 
 namespace {

@@ -43,6 +43,10 @@ class LoraBatchMeta {
   int max_num_tokens() const { return max_num_tokens_; }
   Device device() const { return device_; }
   kernels::LoraMetaView view() const;
+  /// Records that an op using this metadata has been enqueued on `stream`: from then on the
+  /// views say the metadata is settled (LoraMetaView::settled) if `stream` is the one it was
+  /// built on, until the next build. A host-side record of launch order, hence const.
+  void note_op_enqueued(const Stream& stream) const;
 
   /// The metadata copied to the host (synchronises the stream), for tests and debugging.
   struct HostCopy {
@@ -61,12 +65,14 @@ class LoraBatchMeta {
   Device device_;
   int num_tokens_ = 0;
   bool no_lora_ = true;
-  Tensor mapping_;       // [max_num_tokens]
-  Tensor sorted_;        // [max_num_tokens]
-  Tensor active_ids_;    // [max_loras + 1]
-  Tensor counts_;        // [max_loras + 1]
-  Tensor start_loc_;     // [max_loras + 2]
-  Tensor num_active_;    // [1]
+  cuda_rt::StreamHandle build_stream_ = nullptr;  // the stream of the last build
+  mutable bool settled_ = false;  // an op has been enqueued on build_stream_ since the build
+  Tensor mapping_;                // [max_num_tokens]
+  Tensor sorted_;                 // [max_num_tokens]
+  Tensor active_ids_;             // [max_loras + 1]
+  Tensor counts_;                 // [max_loras + 1]
+  Tensor start_loc_;              // [max_loras + 2]
+  Tensor num_active_;             // [1]
   Tensor scratch_;       // float32, sized as described at kScratchFloatsPerToken; CUDA only
   Tensor counters_;      // int32, zero between ops (see above), CUDA only
   Tensor host_staging_;  // [max_num_tokens] pinned host memory for the mapping upload

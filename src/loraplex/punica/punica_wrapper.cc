@@ -199,6 +199,7 @@ void PunicaWrapper::add_shrink(Tensor& y, const Tensor& x, std::span<const Tenso
   const kernels::ShrinkArgs a = make_shrink(y, x, lora_a, ranks, scale, token_meta_, "add_shrink");
   if (token_meta_.no_lora()) return;
   throw_if_error(dispatch_lora_shrink(a, token_meta_.view(), stream));
+  token_meta_.note_op_enqueued(stream);
 }
 
 void PunicaWrapper::add_expand(Tensor& y, const Tensor& x, std::span<const Tensor> lora_b,
@@ -208,6 +209,7 @@ void PunicaWrapper::add_expand(Tensor& y, const Tensor& x, std::span<const Tenso
       make_expand(y, x, lora_b, ranks, offset_start, add_inputs, token_meta_, "add_expand");
   if (token_meta_.no_lora()) return;
   throw_if_error(dispatch_lora_expand(a, token_meta_.view(), stream));
+  token_meta_.note_op_enqueued(stream);
 }
 
 std::pair<kernels::ShrinkArgs, kernels::ExpandArgs> PunicaWrapper::linear_args(
@@ -234,6 +236,7 @@ void PunicaWrapper::lora_linear_with_meta(Tensor& y, const Tensor& x,
   const auto [s, e] = linear_args(y, x, lora_a, lora_b, ranks, scale, workspace, meta);
   if (meta.no_lora()) return;
   throw_if_error(dispatch_lora_linear(s, e, meta.view(), stream));
+  meta.note_op_enqueued(stream);
 }
 
 std::string PunicaWrapper::lora_linear_path(const Tensor& y, const Tensor& x,

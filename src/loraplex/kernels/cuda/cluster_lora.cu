@@ -65,6 +65,7 @@ struct ClusterParams {
   int64_t x_stride;
   int hidden;
   int k_chunk;  // K per CTA, a multiple of 16
+  bool early;   // the metadata and the weights are read before the PDL wait (see there)
   const void* a[kMaxSlices];
   const void* b[kMaxSlices];
   int64_t width[kMaxSlices];  // output columns of each slice
@@ -245,17 +246,28 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   }
   __syncthreads();
   cluster_arrive_relaxed();  // waited for just before the first store into another CTA
-  // Launched with PDL (layer_pdl): the kernel before it may still run until this wait, and
-  // nothing global is read before it; the next layer's kernel may launch from here on (it
-  // waits the same way).
-  pdl_wait();
-  pdl_launch_dependents();
+  // Launched with PDL (layer_pdl): the kernel before it may still run until this wait; the
+  // next layer's kernel may launch from here on (it waits the same way). Nothing global is
+  // read before it, except with p.early (settled metadata: LoraMetaView::settled) the
+  // metadata, the ranks and the slot's A and B rows: the wait then comes after their copies
+  // are issued, and the chain after it is x and y alone. Every CTA waits before it exits, so
+  // that the next kernel launches only once the one before this has finished.
+  if (!p.early) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   if (warp == 0) read_unit(p, static_cast<int>(blockIdx.y), lane, info);
   __syncthreads();
   const int n = info.n;
   const int rows_a = info.row_off[p.num_slices];
   // The same decision in every CTA of the cluster, so nothing below waits for an exited CTA.
-  if (n == 0 || rows_a == 0) return;
+  if (n == 0 || rows_a == 0) {
+    if (p.early) {
+      pdl_wait();
+      pdl_launch_dependents();
+    }
+    return;
+  }
   const int slot = info.slot;
   // The partial sums [n][rows_a] as elements e: CTA q owns [q * chunk, (q + 1) * chunk), an
   // even count, so that the rounded sums travel in pairs (rows_a is a multiple of 16).
@@ -310,6 +322,10 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
         cp_async16(dst + (ers & ~15) + 8, col, 0);
       }
     }
+  }
+  if (p.early) {
+    pdl_wait();
+    pdl_launch_dependents();
   }
   for (int row = warp; row < n; row += kWarps) {
     const T* src = static_cast<const T*>(p.x) + info.tok[row] * p.x_stride + k0;
@@ -619,6 +635,7 @@ Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVi
   p.x_stride = s.x_row_stride;
   p.hidden = static_cast<int>(s.hidden);
   p.k_chunk = sh.k_chunk;
+  p.early = meta.settled && kernel_tuning().meta_early == 1;
   int64_t col = e.offset_start;
   for (int i = 0; i < s.num_slices; ++i) {
     p.a[i] = s.lora_a[i];

@@ -203,6 +203,19 @@ __device__ __forceinline__ uint4 ldg16_now(const void* p) {
                : "l"(p));
   return v;
 }
+/// A 16-byte load through L2 (ld.global.cg) issued where it is written, for data that the
+/// kernel before may still write when this kernel starts (PDL): the read-only path
+/// (ld.global.nc) is only for memory that stays unchanged for the kernel's whole lifetime, and a
+/// PDL secondary's inputs do not. With the non-coherent x loads of gather_lora.cu's shrink after
+/// griddepcontrol.wait, layers chained in a CUDA graph read stale x on the H200 (2026-11-24).
+__device__ __forceinline__ uint4 ldcg16_now(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
 __device__ __forceinline__ uint2 ldg8_now(const void* p) {
   uint2 v;
   asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));

@@ -57,6 +57,10 @@ struct GatherParams {
   int num_slices;
   int num_tokens;
   int k_chunks;
+  bool early;  // the shrink's metadata and A rows are read before its wait (see there)
+  // With early: the shrink lets the expand launch at its start, the expand reads y after its
+  // wait and lets the next kernel launch only then (see the expand).
+  bool launch_first;
   float* partial;  // [k_chunks][num_slices][num_tokens][max_rank]
   float scale;
   // shrink
@@ -120,10 +124,12 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
 // thread takes 8 consecutive K of the group's 16 A rows and of the tokens' x rows, and a
 // butterfly leaves lane l with row l / 2 of each token; red[warp][token][row] gets the warp's
 // sums.
-template <typename T, int kGroup>
+// kPinned: the A loads in volatile asm, so that they are issued before before_x (a plain
+// read-only load may be sunk past it to its use).
+template <typename T, int kGroup, bool kPinned, typename BeforeX>
 __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow, int rows,
                                            unsigned mine, const int (&tok)[kGroup], int kc,
-                                           float (*red)[kGroup][kRowGroup]) {
+                                           float (*red)[kGroup][kRowGroup], BeforeX before_x) {
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -138,12 +144,14 @@ __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow,
     uint4 av[kRowGroup];
 #pragma unroll
     for (int i = 0; i < kRowGroup; ++i) {
-      av[i] = i < rows ? ldg16(arow + i * p.hidden + k) : make_uint4(0, 0, 0, 0);
+      const T* src = arow + i * p.hidden + k;
+      av[i] = i >= rows ? make_uint4(0, 0, 0, 0) : kPinned ? ldg16_now(src) : ldg16(src);
     }
+    before_x();  // a thread past K waits at the kernel's end
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
       if ((mine >> j) & 1u) {
-        const uint4 xv = ldg16(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k);
+        const uint4 xv = ldcg16_now(static_cast<const T*>(p.x) + tok[j] * p.x_stride + k);
         float xf[8];
         unpack8<T>(xv, xf);
 #pragma unroll
@@ -167,10 +175,10 @@ __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow,
 // every load is a plain 16-byte load into registers, and the 4 lanes of a row read 64
 // contiguous bytes per load. Fewer instructions and registers than shrink_fma, one extra
 // barrier.
-template <typename T, int kGroup>
+template <typename T, int kGroup, typename BeforeX>
 __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow, int rows,
                                            unsigned mine, const int (&tok)[kGroup], int kc,
-                                           float (*red)[kGroup][kRowGroup]) {
+                                           float (*red)[kGroup][kRowGroup], BeforeX before_x) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2;  // mma group: A rows g and g + 8, token g of the group
@@ -191,12 +199,13 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
       av[h][m] = in ? ldg16_now(row + 32 * m) : make_uint4(0, 0, 0, 0);
     }
   }
+  before_x();
   uint4 xv[8];  // token g of the group when it has this slot, else zero
   const bool has_x = warp_in && g < kGroup && ((mine >> g) & 1u) != 0;
   const T* xrow = static_cast<const T*>(p.x) + (has_x ? my_tok : 0) * p.x_stride + k;
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
-    xv[m] = has_x && k + 32 * m < p.hidden ? ldg16_now(xrow + 32 * m) : make_uint4(0, 0, 0, 0);
+    xv[m] = has_x && k + 32 * m < p.hidden ? ldcg16_now(xrow + 32 * m) : make_uint4(0, 0, 0, 0);
   }
   // A scheduling fence: every load above is issued before the first mma waits for one (left
   // alone, ptxas sinks each load next to its mma to save registers: a round trip per step).
@@ -233,12 +242,27 @@ template <typename T, int kGroup, bool kMma, bool kTrace, bool kEarly>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
   trace_at<kTrace>(p.trace_shrink, 0);
   trace_at<kTrace>(p.trace_shrink, 1);
-  // Launched with PDL (layer_pdl): the kernel before it may still run; nothing is read before
-  // this wait (without PDL it returns at once). Only then may the expand start: it reads y and
-  // the weights before its own wait, which must be final by then.
-  pdl_wait();
-  pdl_launch_dependents();
-  trace_at<kTrace>(p.trace_shrink, 2);
+  // Launched with PDL (layer_pdl): the kernel before it may still run until pdl_wait returns
+  // (without PDL it returns at once). Only then may the expand start: it reads y and the
+  // weights before its own wait, which must be final by then. Nothing is read before the wait,
+  // except with p.early (settled metadata: LoraMetaView::settled) the token indices and the
+  // slots, and up to rank 16 (kEarly) the slots' ranks and A rows: the wait then sits between
+  // the A and the x loads (before_x), and the chain after it is the x rows alone.
+  if (p.launch_first) pdl_launch_dependents();
+  bool waited = !p.early;
+  auto wait_once = [&]() {
+    if (!waited) {
+      pdl_wait();
+      pdl_launch_dependents();
+      trace_at<kTrace>(p.trace_shrink, 2);
+      waited = true;
+    }
+  };
+  if (!p.early) {
+    pdl_wait();
+    pdl_launch_dependents();
+    trace_at<kTrace>(p.trace_shrink, 2);
+  }
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
   const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
@@ -271,15 +295,22 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     // less in the chain (a row's sums depend on that row only; rows past the rank are not
     // written): on the H200 3-6% faster at rank 16, and 1-4% slower at rank 64, which waits
     // (BENCHMARKS.md, 2026-11-24).
+    // Above rank 16 the wait comes before the rank (only the metadata is read before it): an
+    // empty before_x keeps the compiler's own load order there (one token per CTA: 48 registers,
+    // against 163 with every A load issued before a wait).
+    if constexpr (!kEarly) wait_once();
     const int rank = p.ranks[s * p.max_loras + slot];
     if (!kEarly && r0 >= rank) continue;
     const int rows_ld = kEarly ? p.max_rank - r0 : min(kRowGroup, rank - r0);
     const T* arow =
         static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
+    auto before_x = [&]() {
+      if constexpr (kEarly) wait_once();
+    };
     if constexpr (kMma) {
-      shrink_mma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red);
+      shrink_mma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red, before_x);
     } else {
-      shrink_fma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red);
+      shrink_fma<T, kGroup, kEarly>(p, arow, rows_ld, mine, tok, kc, red, before_x);
     }
     __syncthreads();
     trace_at<kTrace>(p.trace_shrink, 3);
@@ -300,6 +331,9 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     }
     __syncthreads();  // `red` is free for the next slot of the group
   }
+  // Every CTA waits before it exits: the expand may launch only once the kernel before this
+  // one has finished.
+  wait_once();
   trace_at<kTrace>(p.trace_shrink, 4);
 }
 
@@ -328,16 +362,22 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   constexpr int kColsPerCta = kThreads * kColsPerThread;
   __shared__ __align__(16) float inter[kMaxRank];
   // The next layer's first kernel (layer_pdl) may launch now: it waits for this grid before
-  // it reads anything.
-  pdl_launch_dependents();
+  // it reads anything. With launch_first this grid may have started before the kernel ahead
+  // of the layer finished: then it reads only the metadata and B before its wait, lets the next
+  // kernel launch after it, and waits before it exits in any case (a grid that completed
+  // without waiting would let the next kernel's wait return too early).
+  if (!p.launch_first) pdl_launch_dependents();
+  auto leave = [&]() {
+    if (p.launch_first) pdl_wait();
+  };
   const int t = static_cast<int>(blockIdx.x);
   const int u = static_cast<int>(blockIdx.y);
   const int slot = p.mapping[t];
-  if (!valid_slot(slot, p.max_loras)) return;
+  if (!valid_slot(slot, p.max_loras)) return leave();
   int s = 0;
   while (u >= p.chunk_begin[s + 1]) ++s;
   const int rank = p.ranks[s * p.max_loras + slot];
-  if (rank == 0) return;
+  if (rank == 0) return leave();
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t c = static_cast<int64_t>(u - p.chunk_begin[s]) * kColsPerCta + tid * kColsPerThread;
   const bool active = c < p.width[s];  // widths are multiples of kColsPerThread
@@ -348,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   uint4 bv[kColsPerThread][kPreRanks / 8];
   const int pre = min(rank, kPreRanks);
   if (active) {
-    yv = *reinterpret_cast<const uint2*>(yp);
+    if (!p.launch_first) yv = *reinterpret_cast<const uint2*>(yp);
 #pragma unroll
     for (int j = 0; j < kColsPerThread; ++j) {
 #pragma unroll
@@ -407,6 +447,11 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   }
   pdl_wait();  // the shrink grid has finished and its partial sums are visible
   trace_at<kTrace>(p.trace_expand, 6);
+  if (p.launch_first) {
+    pdl_launch_dependents();
+    if (active) yv = *reinterpret_cast<const uint2*>(yp);
+    if constexpr (kSmall) unpack_y();
+  }
   const int64_t kstride = static_cast<int64_t>(p.num_slices) * p.num_tokens * p.max_rank;
   const float* part = p.partial + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
   for (int r = tid; r < rank; r += kThreads) {
@@ -511,6 +556,11 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
   // tokens), for reasons not measured further.
   const bool pdl = layer_pdl == 2 || (layer_pdl == 1 && 4 * shrink_ctas < 3 * int64_t{sm_count()});
   if (!pdl) shrink_cfg.numAttrs = 0;
+  // Without PDL nothing runs before the shrink's wait returns, and reading early would only move
+  // its trigger later (the expand's early part after the A loads: 11% slower at 64 tokens over
+  // 32 adapters on the H200, BENCHMARKS.md, 2026-11-24).
+  p.early = p.early && pdl;
+  p.launch_first = p.early && kernel_tuning().pair_launch_first == 1;
   auto run = [&](auto shrink, auto expand, int expand_smem) -> Status {
     if (expand_smem > 0) {  // the static `inter` counts toward the opt-in above 48 KB
       LORAPLEX_RETURN_IF_ERROR(
@@ -603,6 +653,7 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   p.num_tokens = static_cast<int>(s.num_tokens);
   const KernelTuning tuning = kernel_tuning();
   p.k_chunks = static_cast<int>(k_chunks_of(s.hidden));
+  p.early = meta.settled && tuning.meta_early == 1;
   p.partial = meta.scratch;
   p.scale = s.scale;
   p.x = s.x;

@@ -36,6 +36,8 @@ constexpr Field kFields[] = {
     {"gather_shrink", &KernelTuning::gather_shrink, 1, 2, false, true},
     {"decode_cluster", &KernelTuning::decode_cluster, 0, 2, false, false},
     {"layer_pdl", &KernelTuning::layer_pdl, 0, 2, false, false},
+    {"meta_early", &KernelTuning::meta_early, 0, 1, false, false},
+    {"pair_launch_first", &KernelTuning::pair_launch_first, 0, 1, false, false},
     {"cluster_size", &KernelTuning::cluster_size, 1, 16, true, true},
 };
 

@@ -64,6 +64,13 @@ struct KernelTuning {
   /// layer's last kernel lets its dependents launch at its start). 0: never; 1: where it
   /// measured faster (small grids: gather_lora.cu, cluster_lora.cu); 2: always.
   int layer_pdl = 1;
+  /// Where a layer's first kernel is launched with PDL and the metadata is settled
+  /// (LoraMetaView::settled): 1 reads the metadata and the slots' A rows before its
+  /// griddepcontrol.wait, 0 reads nothing before it.
+  int meta_early = 1;
+  /// The decode pair with early reads: 1 lets the shrink start the expand at its own start (the
+  /// expand then reads y after its wait and starts the next kernel only then), 0 after its wait.
+  int pair_launch_first = 1;
   /// Cluster path: CTAs per cluster (1..16, a power of two), which split K for the shrink and
   /// the output columns for the expand; 0: about 256 of K per CTA.
   int cluster_size = 0;
