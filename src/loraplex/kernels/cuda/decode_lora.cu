@@ -619,12 +619,18 @@ bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMe
 }
 
 // The one-kernel cluster layer (cluster_lora.cu) with decode_cluster 2: wherever it applies.
-// With 1 (the default): only where it measured faster than the other paths on the H200
-// (BENCHMARKS.md, 2026-11-23): 64 to 256 tokens with at least 8 per slot that can be active
-// (one cluster of 16 CTAs per 16 tokens of a slot: with fewer tokens per slot the clusters
-// repeat the per-CTA fixed cost for little work) and the slices' A rows (ranks rounded to 16)
-// at most 64. It then replaces the pair at 64 tokens (rank 16: 15-24% faster), the persistent
-// kernel at rank 64 x 64 tokens (45-48%) and the split path at 65-256 tokens (9-49%).
+// With 1 (the default): only where it measured faster than the other paths on the H200, with
+// `units` = tokens / 16 + the slots that can be active (its clusters of up to 16 CTAs, one per
+// 16 tokens of a slot) and `rows` = the slices' A rows (ranks rounded to 16):
+// * up to 64 tokens (BENCHMARKS.md, 2026-11-24, eighth session: since the cluster layer reads
+//   the settled metadata and weights before its PDL wait), rows <= 64: at most 16 units, and at
+//   least 2 tokens per slot or rank above 16 (rank 64, one slice, 1-16 tokens: 12-53% faster
+//   than the pair; rank 16 at 16 tokens: 3-5%, one case 6% slower; the pair stays faster with
+//   16-32 slots, and at one token of rank 16); more rows (q/k/v at rank 64): at least 8 tokens
+//   per slot and 16 tokens (37-49% faster than the pair or the persistent kernel with one slot
+//   at 16-64 tokens, 20% with 8 slots at 64);
+// * 65 to 256 tokens (2026-11-23): at least 8 tokens per slot and rows <= 64 (the split path
+//   9-49% slower).
 bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
   const int mode = kernel_tuning().decode_cluster;
   const int64_t t = shrink.num_tokens;
@@ -632,7 +638,11 @@ bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraM
   if (mode == 1) {
     const int64_t rows = shrink.num_slices * ((shrink.max_rank + 15) / 16 * 16);
     const int64_t slots = std::min<int64_t>(t, shrink.max_loras);
-    if (t < 64 || t > 256 || rows > 64 || t < 8 * slots) return false;
+    if (t > 256) return false;
+    if (t > 64 && (rows > 64 || t < 8 * slots)) return false;
+    if (t <= 64 && rows <= 64 && (t / 16 + slots > 16 || (shrink.max_rank <= 16 && t < 2 * slots)))
+      return false;
+    if (t <= 64 && rows > 64 && (t < 16 || t < 8 * slots)) return false;
   }
   return cluster_linear_applies(shrink, expand, meta);
 }
