@@ -329,10 +329,16 @@ TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
   constexpr int64_t kRows = 4096;
   Tensor buf =
       Tensor::zeros({kRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+  kernels::cuda::KernelTuning pair = defaults;
+  pair.decode_cluster = 0;  // the pair, not the cluster layer the rule picks at this size
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(pair).ok());
   kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
   std::string path;
+  // run_linear runs the layer twice; the second call (settled metadata) writes the timelines.
   const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
   kernels::cuda::set_kernel_trace(nullptr);
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
   ASSERT_EQ(path, "gather");
   const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
   const double rtol = test::default_rtol(c.dtype);

@@ -550,7 +550,7 @@ Shape choose_shape(const ShrinkArgs& s, const ExpandArgs& e) {
 }
 
 template <typename T>
-Status launch(const ClusterParams& p, const Shape& sh, int units, StreamHandle stream) {
+Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) {
   const void* kernel = reinterpret_cast<const void*>(&cluster_lora_kernel<T>);
   LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(kernel, sh.smem));
   if (sh.cluster > 8) {
@@ -585,7 +585,11 @@ Status launch(const ClusterParams& p, const Shape& sh, int units, StreamHandle s
   // PDL (layer_pdl 1) up to 64 tokens: on the H200 (BENCHMARKS.md, 2026-11-24) 4-7% faster in
   // a graph at 64 tokens; at 256 tokens from 4% faster (32 adapters) to 13% slower (1 and 8).
   const int pdl = kernel_tuning().layer_pdl;
-  cfg.numAttrs = pdl == 2 || (pdl == 1 && p.num_tokens <= 64) ? 2 : 1;
+  const bool with_pdl = pdl == 2 || (pdl == 1 && p.num_tokens <= 64);
+  cfg.numAttrs = with_pdl ? 2 : 1;
+  // Without PDL nothing runs before the wait returns: early reads would only move the next
+  // layer's launch later.
+  p.early = p.early && with_pdl;
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, cluster_lora_kernel<T>, p), "cluster_lora"));
   return launch_status("cluster_lora_kernel");
