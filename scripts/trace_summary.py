@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Summarises `loraplex bench kernels --trace` output: per prefill case, the kernel's span, when
 CTAs started, the median / 90th-percentile time of each phase of a CTA, and how CTAs landed on SMs
-(CTAs per SM against the time their SM finished); per decode-pair linear case (four consecutive
-calls of a graph replay), the medians over calls of the steps of one call."""
+(CTAs per SM against the time their SM finished); per decode-pair or cluster-layer linear case
+(four consecutive calls of a graph replay), the medians over calls of the steps of one call."""
 import collections
 import json
 import statistics
@@ -41,12 +41,30 @@ def pair_steps(prev, rows):
     return [(b - a) / 1e3 for a, b in zip(points, points[1:])] + [(expand_exit - prev_exit) / 1e3]
 
 
+# One call of the cluster layer (cluster_lora.cu): slots 1 entry, 2 PDL wait returned, 3 loads
+# landed, 4 partial sums sent, 5 partial sums received, 6 rounded sums received, 7 exit.
+CLUSTER_STEPS = ["previous exit -> first wait", "loads landed", "partials sent",
+                 "partials received", "sums received", "last exit", "period"]
+
+
+def cluster_steps(prev, rows):
+    prev_exit = max(r[7] for r in prev if r[7])
+    wait = min(r[2] for r in rows if r[2])
+    points = [prev_exit, wait]
+    for k in (3, 4, 5, 6):
+        points.append(statistics.median([r[k] for r in rows if r[k]]))
+    points.append(max(r[7] for r in rows if r[7]))
+    return [(b - a) / 1e3 for a, b in zip(points, points[1:])] + [(points[-1] - prev_exit) / 1e3]
+
+
 def summarise_pair(c):
-    steps = [pair_steps(p, r) for p, r in zip(c["calls"], c["calls"][1:])]
+    cluster = c.get("path") == "cluster"
+    step_of = cluster_steps if cluster else pair_steps
+    steps = [step_of(p, r) for p, r in zip(c["calls"], c["calls"][1:])]
     print(f"linear rank {c['rank']} adapters {c['adapters']} tokens {c['tokens']} slices "
-          f"{c['slices']}: {c['rotating_us']:.2f} us per call untraced; medians over "
-          f"{len(steps)} traced calls:")
-    for k, name in enumerate(PAIR_STEPS):
+          f"{c['slices']} ({c.get('path', 'gather')}): {c['rotating_us']:.2f} us per call "
+          f"untraced; medians over {len(steps)} traced calls:")
+    for k, name in enumerate(CLUSTER_STEPS if cluster else PAIR_STEPS):
         print(f"  {name:30s} {statistics.median(s[k] for s in steps):6.2f} us")
 
 

@@ -376,6 +376,51 @@ TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
       << "an expand CTA's PDL wait returned before the last shrink CTA's exit";
 }
 
+// The cluster layer's traced instantiation: the same result as the CPU (q/k/v, ranks from 0 to
+// 16, tokens without LoRA), and every CTA's timeline in order (entry, PDL wait, loads landed,
+// partial sums sent, received, rounded sums received, exit).
+TEST(CudaKernelTrace, TracedClusterLayerMatchesCpuAndRecordsOrderedTimelines) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(406);
+  Stream stream = Stream::create(test::gpu());
+  Stream cpu;
+  const LayerCase c = {
+      DType::kBF16, 16,  8, 16, 4096, {4096, 1024, 1024}, test::SlotDistribution::kUniform,
+      0.1,          true};
+  const LayerData d = make_layer(c, rng);
+  constexpr int64_t kRows = 4096;
+  Tensor buf =
+      Tensor::zeros({kRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
+  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
+  kernels::cuda::KernelTuning cluster = defaults;
+  cluster.decode_cluster = 2;
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(cluster).ok());
+  kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
+  std::string path;
+  const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
+  kernels::cuda::set_kernel_trace(nullptr);
+  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
+  ASSERT_EQ(path, "cluster");
+  const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
+  const double rtol = test::default_rtol(c.dtype);
+  test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " traced cluster layer");
+
+  const Tensor host = buf.to(Device::cpu(), stream);
+  stream.synchronize();
+  const auto* v = static_cast<const int64_t*>(host.data_ptr());
+  int64_t finished = 0;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t* row = v + r * kernels::cuda::kTraceSlots;
+    if (row[7] == 0) continue;  // no CTA, or one that had no unit or no columns
+    ++finished;
+    for (int k = 2; k <= 7; ++k) {
+      ASSERT_NE(row[k], 0) << "CTA row " << r << " slot " << k;
+      EXPECT_GE(row[k], row[k - 1]) << "CTA row " << r << " slot " << k;
+    }
+  }
+  EXPECT_GT(finished, 0);
+}
+
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
 // the expand up to rank 64 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages

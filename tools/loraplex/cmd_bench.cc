@@ -56,8 +56,8 @@ const char* kHelp =
     "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
     "expand case that ran the prefill shrink or a tensor-core expand, one cold call's per-CTA\n"
     "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines, and per\n"
-    "linear case on the decode pair four consecutive calls of a graph replay with rotating\n"
-    "weights.\n"
+    "linear case on the decode pair or the cluster layer four consecutive calls of a graph\n"
+    "replay with rotating weights.\n"
     "Needs a CUDA device; --help does not.\n";
 
 struct Options {
@@ -441,7 +441,8 @@ int run_kernels(const Options& o) {
       json j = entry(op.name, c, op_path, op.bytes, t, copy_gbs);
       j["weight_sets"] = d.sets;
       results.push_back(j);
-      if (trace_out.is_open() && std::string(op.name) == "linear" && path == "gather") {
+      if (trace_out.is_open() && std::string(op.name) == "linear" &&
+          (path == "gather" || path == "cluster")) {
         trace_out << json{{"op", op.name},
                           {"rank", c.rank},
                           {"adapters", c.adapters},

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
@@ -84,7 +85,8 @@ struct ClusterParams {
   int off_a;
   int off_b;
   int off_inter;
-  int off_recv;  // the partial sums this CTA owns, one row per CTA of the cluster
+  int off_recv;     // the partial sums this CTA owns, one row per CTA of the cluster
+  uint64_t* trace;  // per-CTA timelines (kernel_trace.h) in the kTrace instantiation
 };
 
 // What warp 0 reads from the metadata for the CTA's unit.
@@ -228,8 +230,10 @@ __device__ void read_unit(const ClusterParams& p, int unit, int lane, UnitInfo& 
   }
 }
 
-template <typename T>
+template <typename T, bool kTrace>
 __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p) {
+  trace_at<kTrace>(p.trace, 0);
+  trace_at<kTrace>(p.trace, 1);
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ UnitInfo info;
   __shared__ __align__(8) uint64_t bars[2];  // the two exchanges: partial sums, rounded sums
@@ -255,6 +259,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   if (!p.early) {
     pdl_wait();
     pdl_launch_dependents();
+    trace_at<kTrace>(p.trace, 2);
   }
   if (warp == 0) read_unit(p, static_cast<int>(blockIdx.y), lane, info);
   __syncthreads();
@@ -326,6 +331,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   if (p.early) {
     pdl_wait();
     pdl_launch_dependents();
+    trace_at<kTrace>(p.trace, 2);
   }
   for (int row = warp; row < n; row += kWarps) {
     const T* src = static_cast<const T*>(p.x) + info.tok[row] * p.x_stride + k0;
@@ -353,6 +359,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   }
   cp_async_wait<0>();
   __syncthreads();
+  trace_at<kTrace>(p.trace, 3);
 
   // ---- Shrink: [16 tokens] x [rows_a] over this CTA's K chunk. Warp items are (16-row tile of
   // A, part of the K steps); the parts are summed in shared memory, in a fixed order.
@@ -415,7 +422,9 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   }
   // ---- Exchange 2: the owner adds its elements' C partial sums (in CTA order), scales and
   // rounds them, and sends each pair to every CTA's intermediate.
+  trace_at<kTrace>(p.trace, 4);
   mbar_wait(bar_part);
+  trace_at<kTrace>(p.trace, 5);
   const uint32_t inter_base = smem_addr(inter);
   for (int j = tid * 2; j < own; j += kThreads * 2) {
     const int e = crank * chunk + j;
@@ -435,6 +444,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
     for (int q = 0; q < csize; ++q) st_async(map_to_rank(at, q), word, map_to_rank(bar_sum, q));
   }
   mbar_wait(bar_sum);
+  trace_at<kTrace>(p.trace, 6);
 
   // ---- Expand: this warp's tiles of 8 columns of slice `es`; the y values start the sums.
   if (ncols == 0) return;
@@ -463,6 +473,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
     if (yrow0 != nullptr) *reinterpret_cast<uint32_t*>(yrow0 + tile * 8) = pack2<T>(out[0], out[1]);
     if (yrow1 != nullptr) *reinterpret_cast<uint32_t*>(yrow1 + tile * 8) = pack2<T>(out[2], out[3]);
   }
+  trace_at<kTrace>(p.trace, 7);
 }
 
 struct Shape {
@@ -551,7 +562,12 @@ Shape choose_shape(const ShrinkArgs& s, const ExpandArgs& e) {
 
 template <typename T>
 Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) {
-  const void* kernel = reinterpret_cast<const void*>(&cluster_lora_kernel<T>);
+  // The traced instantiation only for bf16 (the benchmark's dtype) while tracing.
+  auto kernel_fn = &cluster_lora_kernel<T, false>;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (p.trace != nullptr) kernel_fn = &cluster_lora_kernel<T, true>;
+  }
+  const void* kernel = reinterpret_cast<const void*>(kernel_fn);
   LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(kernel, sh.smem));
   if (sh.cluster > 8) {
     // A function attribute, set once (the first call of every op is a warm-up outside any
@@ -590,8 +606,7 @@ Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) 
   // Without PDL nothing runs before the wait returns: early reads would only move the next
   // layer's launch later.
   p.early = p.early && with_pdl;
-  LORAPLEX_RETURN_IF_ERROR(
-      cuda_status(cudaLaunchKernelEx(&cfg, cluster_lora_kernel<T>, p), "cluster_lora"));
+  LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, kernel_fn, p), "cluster_lora"));
   return launch_status("cluster_lora_kernel");
 }
 
@@ -640,6 +655,7 @@ Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVi
   p.hidden = static_cast<int>(s.hidden);
   p.k_chunk = sh.k_chunk;
   p.early = meta.settled && kernel_tuning().meta_early == 1;
+  p.trace = kernel_trace();
   int64_t col = e.offset_start;
   for (int i = 0; i < s.num_slices; ++i) {
     p.a[i] = s.lora_a[i];

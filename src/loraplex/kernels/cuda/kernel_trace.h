@@ -15,7 +15,9 @@ namespace loraplex::kernels::cuda {
 /// Decode pair (gather_lora.cu; one row per CTA of the shrink, then of the expand): the shrink
 /// writes slots 1-5 (entry, its PDL wait returned, its loads landed, exit; 5: its tokens' slot
 /// and rank known), the expand slots 5-7 (entry, its PDL wait returned, exit): a row with slot 1
-/// set is the shrink's.
+/// set is the shrink's. Cluster layer (cluster_lora.cu, one row per CTA): entry, its PDL wait
+/// returned, its loads landed, its partial sums sent, its owned partial sums received, the
+/// rounded sums received, exit.
 inline constexpr int kTraceSlots = 8;
 
 /// While set, every prefill shrink and tensor-core expand launch writes CTA b's values at
