@@ -619,30 +619,38 @@ bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMe
 }
 
 // The one-kernel cluster layer (cluster_lora.cu) with decode_cluster 2: wherever it applies.
-// With 1 (the default): only where it measured faster than the other paths on the H200, with
-// `units` = tokens / 16 + the slots that can be active (its clusters of up to 16 CTAs, one per
-// 16 tokens of a slot) and `rows` = the slices' A rows (ranks rounded to 16):
-// * up to 64 tokens (BENCHMARKS.md, 2026-11-24, eighth session: since the cluster layer reads
-//   the settled metadata and weights before its PDL wait), rows <= 64: at most 16 units, and at
-//   least 2 tokens per slot or rank above 16 (rank 64, one slice, 1-16 tokens: 12-53% faster
-//   than the pair; rank 16 at 16 tokens: 3-5%, one case 6% slower; the pair stays faster with
-//   16-32 slots, and at one token of rank 16); more rows (q/k/v at rank 64): at least 8 tokens
-//   per slot and 16 tokens (37-49% faster than the pair or the persistent kernel with one slot
-//   at 16-64 tokens, 20% with 8 slots at 64);
-// * 65 to 256 tokens (2026-11-23): at least 8 tokens per slot and rows <= 64 (the split path
-//   9-49% slower).
+// With 1 (the default): only where it measured faster than the other paths on the H200 both
+// with the layers back to back (its PDL launch overlaps the kernel before it, which the
+// bench's graphs measure) and without PDL (as after a GEMM in a model), BENCHMARKS.md,
+// 2026-11-24, eighth session; `units` = tokens / 16 + the slots that can be active (its
+// clusters of up to 16 CTAs, one per 16 tokens of a slot), `rows` = the slices' A rows (ranks
+// rounded to 16):
+// * 64 to 256 tokens, at least 8 per slot, rows <= 64 (at most 48 above 64 tokens): the other
+//   paths up to 48% slower without PDL (the pair 3% faster at 8 slots x 64 tokens x rank 16)
+//   and 19-64% with it; above 64 tokens at rank 64 the split path is 8-19% faster;
+// * 16 to 63 tokens above rank 16 with rows <= 64 and at most 16 units: 12-15% faster than the
+//   pair without PDL, 35-53% with it (rank 16 at 16 tokens: 3-6% faster with PDL but 38-60%
+//   slower without; one token at rank 64: up to 27% slower without);
+// * 33 to 64 tokens with more rows (q/k/v at rank 64) and at least 16 tokens per slot: one slot
+//   at 64 tokens 32-49% faster than the persistent kernel (8 slots: 7% slower without PDL;
+//   16 tokens of one slot: 18% slower without).
 bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
   const int mode = kernel_tuning().decode_cluster;
   const int64_t t = shrink.num_tokens;
   if (mode == 0 || t <= 0) return false;
   if (mode == 1) {
+    if (t > 256) return false;
     const int64_t rows = shrink.num_slices * ((shrink.max_rank + 15) / 16 * 16);
     const int64_t slots = std::min<int64_t>(t, shrink.max_loras);
-    if (t > 256) return false;
-    if (t > 64 && (rows > 64 || t < 8 * slots)) return false;
-    if (t <= 64 && rows <= 64 && (t / 16 + slots > 16 || (shrink.max_rank <= 16 && t < 2 * slots)))
-      return false;
-    if (t <= 64 && rows > 64 && (t < 16 || t < 8 * slots)) return false;
+    bool faster = false;
+    if (rows <= 64 && t >= 64 && t <= 256) {
+      faster = t >= 8 * slots && (t == 64 || rows <= 48);
+    } else if (rows <= 64 && t >= 16) {
+      faster = shrink.max_rank > 16 && t / 16 + slots <= 16;
+    } else if (rows > 64) {
+      faster = t > 32 && t <= 64 && t >= 16 * slots;
+    }
+    if (!faster) return false;
   }
   return cluster_linear_applies(shrink, expand, meta);
 }
