@@ -626,13 +626,13 @@ bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMe
 // clusters of up to 16 CTAs, one per 16 tokens of a slot), `rows` = the slices' A rows (ranks
 // rounded to 16):
 // * 64 to 256 tokens, at least 8 per slot, rows <= 64 (at most 48 above 64 tokens): the other
-//   paths up to 48% slower without PDL (the pair 3% faster at 8 slots x 64 tokens x rank 16)
-//   and 19-64% with it; above 64 tokens at rank 64 the split path is 8-19% faster;
-// * 16 to 63 tokens above rank 16 with rows <= 64 and at most 16 units: 12-15% faster than the
-//   pair without PDL, 35-53% with it (rank 16 at 16 tokens: 3-6% faster with PDL but 38-60%
+//   paths up to 48% slower without PDL (the pair 2-3% faster at 8 slots x 64 tokens x rank 16)
+//   and 13-64% with it; above 64 tokens at rank 64 the split path is 8-19% faster;
+// * 16 to 63 tokens above rank 16 with rows <= 64 and at most 16 units: 10-16% faster than the
+//   pair without PDL, 35-53% with it (rank 16 at 16 tokens: -6% to +7% with PDL but 38-60%
 //   slower without; one token at rank 64: up to 27% slower without);
 // * 33 to 64 tokens with more rows (q/k/v at rank 64) and at least 16 tokens per slot: one slot
-//   at 64 tokens 32-49% faster than the persistent kernel (8 slots: 7% slower without PDL;
+//   at 64 tokens 33-49% faster than the persistent kernel (8 slots: 7% slower without PDL;
 //   16 tokens of one slot: 18% slower without).
 bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
   const int mode = kernel_tuning().decode_cluster;
