@@ -314,38 +314,47 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
   ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
-// The decode pair's traced instantiations (`loraplex bench kernels --trace`): the same result as
-// the CPU, and timelines that show the PDL contract: every expand CTA's wait returns after the
-// last shrink CTA has finished.
-TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
-  LORAPLEX_REQUIRE_GPU();
-  std::mt19937_64 rng(405);
+// The q/k/v decode case both traced-layer tests run (ranks 0-16, tokens without LoRA), through
+// run_linear with decode_cluster = `cluster` and the kernel trace on: the path taken must be
+// `expected_path` and the result the CPU's; returns the trace buffer on the host, kTraceRows rows
+// of kTraceSlots values (run_linear runs the layer twice; the second call, with settled
+// metadata, writes the timelines).
+constexpr int64_t kTraceRows = 4096;
+Tensor traced_decode_layer(uint64_t seed, int cluster, const std::string& expected_path) {
+  std::mt19937_64 rng(seed);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
   const LayerCase c = {
       DType::kBF16, 16,  8, 16, 4096, {4096, 1024, 1024}, test::SlotDistribution::kUniform,
       0.1,          true};
   const LayerData d = make_layer(c, rng);
-  constexpr int64_t kRows = 4096;
   Tensor buf =
-      Tensor::zeros({kRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
+      Tensor::zeros({kTraceRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  kernels::cuda::KernelTuning pair = defaults;
-  pair.decode_cluster = 0;  // the pair, not the cluster layer the rule picks at this size
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(pair).ok());
+  kernels::cuda::KernelTuning tuning = defaults;
+  tuning.decode_cluster = cluster;
+  EXPECT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
   kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
   std::string path;
-  // run_linear runs the layer twice; the second call (settled metadata) writes the timelines.
   const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
   kernels::cuda::set_kernel_trace(nullptr);
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
-  ASSERT_EQ(path, "gather");
+  EXPECT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
+  EXPECT_EQ(path, expected_path);
   const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
   const double rtol = test::default_rtol(c.dtype);
-  test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " traced pair");
-
-  const Tensor host = buf.to(Device::cpu(), stream);
+  test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " traced " + path);
+  Tensor host = buf.to(Device::cpu(), stream);
   stream.synchronize();
+  return host;
+}
+
+// The decode pair's traced instantiations (`loraplex bench kernels --trace`): the same result as
+// the CPU, and timelines that show the PDL contract: every expand CTA's wait returns after the
+// last shrink CTA has finished.
+TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
+  LORAPLEX_REQUIRE_GPU();
+  // The pair, not the cluster layer the rule picks at this size.
+  const Tensor host = traced_decode_layer(405, 0, "gather");
   const auto* v = static_cast<const int64_t*>(host.data_ptr());
   int64_t shrink_rows = 0;
   int64_t expand_rows = 0;
@@ -358,7 +367,7 @@ TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
       }
     }
   };
-  for (int64_t r = 0; r < kRows; ++r) {
+  for (int64_t r = 0; r < kTraceRows; ++r) {
     const int64_t* row = v + r * kernels::cuda::kTraceSlots;
     if (row[1] != 0) {  // a shrink CTA: entry, wait returned, loads landed, exit
       ++shrink_rows;
@@ -381,35 +390,10 @@ TEST(CudaKernelTrace, TracedDecodePairMatchesCpuAndWaitsForTheShrink) {
 // partial sums sent, received, rounded sums received, exit).
 TEST(CudaKernelTrace, TracedClusterLayerMatchesCpuAndRecordsOrderedTimelines) {
   LORAPLEX_REQUIRE_GPU();
-  std::mt19937_64 rng(406);
-  Stream stream = Stream::create(test::gpu());
-  Stream cpu;
-  const LayerCase c = {
-      DType::kBF16, 16,  8, 16, 4096, {4096, 1024, 1024}, test::SlotDistribution::kUniform,
-      0.1,          true};
-  const LayerData d = make_layer(c, rng);
-  constexpr int64_t kRows = 4096;
-  Tensor buf =
-      Tensor::zeros({kRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  kernels::cuda::KernelTuning cluster = defaults;
-  cluster.decode_cluster = 2;
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(cluster).ok());
-  kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
-  std::string path;
-  const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
-  kernels::cuda::set_kernel_trace(nullptr);
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
-  ASSERT_EQ(path, "cluster");
-  const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
-  const double rtol = test::default_rtol(c.dtype);
-  test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + " traced cluster layer");
-
-  const Tensor host = buf.to(Device::cpu(), stream);
-  stream.synchronize();
+  const Tensor host = traced_decode_layer(406, 2, "cluster");
   const auto* v = static_cast<const int64_t*>(host.data_ptr());
   int64_t finished = 0;
-  for (int64_t r = 0; r < kRows; ++r) {
+  for (int64_t r = 0; r < kTraceRows; ++r) {
     const int64_t* row = v + r * kernels::cuda::kTraceSlots;
     if (row[7] == 0) continue;  // no CTA, or one that had no unit or no columns
     ++finished;
