@@ -243,11 +243,12 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
   trace_at<kTrace>(p.trace_shrink, 0);
   trace_at<kTrace>(p.trace_shrink, 1);
   // Launched with PDL (layer_pdl): the kernel before it may still run until pdl_wait returns
-  // (without PDL it returns at once). Only then may the expand start: it reads y and the
-  // weights before its own wait, which must be final by then. Nothing is read before the wait,
-  // except with p.early (settled metadata: LoraMetaView::settled) the token indices and the
-  // slots, and up to rank 16 (kEarly) the slots' ranks and A rows: the wait then sits between
-  // the A and the x loads (before_x), and the chain after it is the x rows alone.
+  // (without PDL it returns at once). Nothing is read before the wait, except with p.early
+  // (settled metadata: LoraMetaView::settled) the token indices and the slots, and up to rank 16
+  // (kEarly) the slots' ranks and A rows: the wait then sits between the A and the x loads
+  // (before_x), and the chain after it is the x rows alone. The expand may start after the
+  // wait (it reads y and the weights before its own wait, which must be final by then), or with
+  // launch_first at once (it then reads only the metadata and B before its wait).
   if (p.launch_first) pdl_launch_dependents();
   bool waited = !p.early;
   auto wait_once = [&]() {
@@ -331,8 +332,8 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     }
     __syncthreads();  // `red` is free for the next slot of the group
   }
-  // Every CTA waits before it exits: the expand may launch only once the kernel before this
-  // one has finished.
+  // Every CTA waits before it exits: this grid's completion, which the expand's wait (and so
+  // the next layer) relies on, must imply that the kernel before it has finished.
   wait_once();
   trace_at<kTrace>(p.trace_shrink, 4);
 }
