@@ -598,10 +598,12 @@ Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) 
   attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  // PDL (layer_pdl 1) up to 64 tokens: on the H200 (BENCHMARKS.md, 2026-11-24) 4-7% faster in
-  // a graph at 64 tokens; at 256 tokens from 4% faster (32 adapters) to 13% slower (1 and 8).
+  // PDL (layer_pdl 1) up to 64 tokens, and at any size with the early reads (settled
+  // metadata). On the H200 (BENCHMARKS.md, 2026-11-24) without them 4-7% faster in a graph at 64
+  // tokens, at 256 tokens from 4% faster (32 adapters) to 13% slower (1 and 8) (seventh
+  // session); with them 19-29% faster at 256 tokens (eighth session, run 14).
   const int pdl = kernel_tuning().layer_pdl;
-  const bool with_pdl = pdl == 2 || (pdl == 1 && p.num_tokens <= 64);
+  const bool with_pdl = pdl == 2 || (pdl == 1 && (p.num_tokens <= 64 || p.early));
   cfg.numAttrs = with_pdl ? 2 : 1;
   // Without PDL nothing runs before the wait returns: early reads would only move the next
   // layer's launch later.

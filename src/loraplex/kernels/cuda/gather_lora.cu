@@ -561,11 +561,15 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
   shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
   const dim3& g = shrink_cfg.gridDim;
   const int64_t shrink_ctas = int64_t{g.x} * g.y * g.z;
-  // PDL for the shrink (layer_pdl 1): where its grid is under three quarters of the SMs. On the
-  // H200 (BENCHMARKS.md, 2026-11-24) 3-11% faster in a graph up to 96 CTAs (1 token, 16
-  // tokens at rank 16), 10-64% slower from 128 CTAs (64 tokens over 32 adapters, rank 64 x 16
-  // tokens), for reasons not measured further.
-  const bool pdl = layer_pdl == 2 || (layer_pdl == 1 && 4 * shrink_ctas < 3 * int64_t{sm_count()});
+  // PDL for the shrink (layer_pdl 1): where its grid is under three quarters of the SMs, and
+  // at any size where it reads its A rows before its wait (settled metadata, up to rank 16). On
+  // the H200 (BENCHMARKS.md, 2026-11-24): without the early reads 3-11% faster in a graph up to
+  // 96 CTAs, 10-64% slower from 128 CTAs (seventh session); with them, at 192 and 128 CTAs
+  // (q/k/v at 16 tokens, 64 tokens over 32 adapters) 4-15% faster (eighth session, run 14),
+  // while rank 64 q/k/v at 16 tokens (early metadata only) stayed 2-5% slower.
+  const bool small = 4 * shrink_ctas < 3 * int64_t{sm_count()};
+  const bool early_rows = p.early && p.max_rank <= kPreRanks;
+  const bool pdl = layer_pdl == 2 || (layer_pdl == 1 && (small || early_rows));
   if (!pdl) shrink_cfg.numAttrs = 0;
   // Without PDL nothing runs before the shrink's wait returns, and reading early would only move
   // its trigger later (the expand's early part after the A loads: 11% slower at 64 tokens over
