@@ -522,21 +522,16 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
 int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
 
 // Tokens per shrink CTA: the tuning's gather_group, or (0) 1 above rank 16, and up to rank 16
-// 2 (pairs of a slot's tokens share their A rows) except at 2-16 tokens where one token per CTA
-// keeps the shrink's grid small enough for PDL or the tokens are spread over many slots (a
-// pair straddling two slots loads their A rows one after the other). Measured on the H200 at
-// 16 tokens (BENCHMARKS.md, 2026-11-24, eighth session), with the layers back to back / without
-// PDL: one slice 12-25% / 0-24% faster; q/k/v with 16 slots 10% / 19%, with 8 slots 2% slower /
-// 7% faster; q/k/v with one slot (its single-token grid too large for PDL) 8% slower / 1%
-// faster, so it keeps pairs. At one token and at 64 tokens single tokens measured 1-16% slower.
-int group_for(const KernelTuning& t, const ShrinkArgs& s, int64_t k_chunks) {
+// 2 (pairs of a slot's tokens share their A rows) except at 2-16 tokens, where one token per CTA
+// is faster now that the A rows are loaded before the PDL wait (a pair straddling two slots
+// loads theirs one after the other). Measured on the H200 at 16 tokens (BENCHMARKS.md,
+// 2026-11-24, eighth session, runs 13 and 16), with the layers back to back / without PDL: one
+// slice 11-25% / -3% to 21% faster, q/k/v 0-13% / -1% to 20%. At one token single tokens were
+// 2-16% slower, at 64 tokens 5-22%.
+int group_for(const KernelTuning& t, const ShrinkArgs& s) {
   if (t.gather_group > 0) return t.gather_group;
   if (s.max_rank > 16) return 1;
-  const int64_t slots = std::min<int64_t>(s.num_tokens, s.max_loras);
-  const int64_t single_ctas = s.num_tokens * s.num_slices * k_chunks;
-  const bool pdl_sized = 4 * single_ctas < 3 * int64_t{sm_count()};
-  return s.num_tokens >= 2 && s.num_tokens <= 16 && (pdl_sized || s.num_tokens <= 2 * slots) ? 1
-                                                                                             : 2;
+  return s.num_tokens >= 2 && s.num_tokens <= 16 ? 1 : 2;
 }
 
 // The shrink's arithmetic: the tuning's gather_shrink (1 FMA, 2 tensor cores), or (0) tensor
@@ -703,7 +698,7 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  const int group = group_for(tuning, s, p.k_chunks);
+  const int group = group_for(tuning, s);
   const bool mma = mma_for(tuning, group, s.num_tokens, s.max_loras);
   if (s.dtype == DType::kBF16) {
     return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, tuning.layer_pdl);
