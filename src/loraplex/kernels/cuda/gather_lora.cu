@@ -526,7 +526,7 @@ int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
 // is faster now that the A rows are loaded before the PDL wait (a pair straddling two slots
 // loads theirs one after the other). Measured on the H200 at 16 tokens (BENCHMARKS.md,
 // 2026-11-24, eighth session, runs 13 and 16), with the layers back to back / without PDL: one
-// slice 11-25% / -3% to 21% faster, q/k/v 0-13% / -1% to 20%. At one token single tokens were
+// slice 11-25% / -4% to 21% faster, q/k/v 0-13% / 1-20%. At one token single tokens were
 // 2-16% slower, at 64 tokens 5-22%.
 int group_for(const KernelTuning& t, const ShrinkArgs& s) {
   if (t.gather_group > 0) return t.gather_group;
