@@ -257,8 +257,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   // are issued, and the chain after it is x and y alone. Every CTA waits before it exits, so
   // that the next kernel launches only once the one before this has finished.
   if (!p.early) {
-    pdl_wait();
-    pdl_launch_dependents();
+    pdl_wait_then_launch_dependents();
     trace_at<kTrace>(p.trace, 2);
   }
   if (warp == 0) read_unit(p, static_cast<int>(blockIdx.y), lane, info);
@@ -268,8 +267,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   // The same decision in every CTA of the cluster, so nothing below waits for an exited CTA.
   if (n == 0 || rows_a == 0) {
     if (p.early) {
-      pdl_wait();
-      pdl_launch_dependents();
+      pdl_wait_then_launch_dependents();
     }
     return;
   }
@@ -329,8 +327,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
     }
   }
   if (p.early) {
-    pdl_wait();
-    pdl_launch_dependents();
+    pdl_wait_then_launch_dependents();
     trace_at<kTrace>(p.trace, 2);
   }
   for (int row = warp; row < n; row += kWarps) {

@@ -184,6 +184,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+/// The order a layer's first kernel keeps: it lets its dependents launch only after its own
+/// wait, so that a kernel launched after it starts only once the kernel before it has finished
+/// (what LoraMetaView::settled relies on).
+__device__ __forceinline__ void pdl_wait_then_launch_dependents() {
+  pdl_wait();
+  pdl_launch_dependents();
+}
 
 /// An int load from read-only global memory issued here: the compiler may sink a plain load to
 /// its first use, past the barriers in between, which puts it back on the critical path (the

@@ -250,20 +250,15 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
   // wait (it reads y and the weights before its own wait, which must be final by then), or with
   // launch_first at once (it then reads only the metadata and B before its wait).
   if (p.launch_first) pdl_launch_dependents();
-  bool waited = !p.early;
+  bool waited = false;
   auto wait_once = [&]() {
     if (!waited) {
-      pdl_wait();
-      pdl_launch_dependents();
+      pdl_wait_then_launch_dependents();
       trace_at<kTrace>(p.trace_shrink, 2);
       waited = true;
     }
   };
-  if (!p.early) {
-    pdl_wait();
-    pdl_launch_dependents();
-    trace_at<kTrace>(p.trace_shrink, 2);
-  }
+  if (!p.early) wait_once();
   const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
   const int s = static_cast<int>(blockIdx.y) / groups;
   const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
