@@ -408,7 +408,8 @@ TEST(CudaKernelTrace, TracedClusterLayerMatchesCpuAndRecordsOrderedTimelines) {
 // Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
 // the expand up to rank 64 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
-// deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, the pair's
+// deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, its MMA on
+// mma.sync and on wgmma (clusters of 8, or 8 parts through global memory), the pair's
 // shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster layer with
 // clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
@@ -438,6 +439,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_stages = 5,
        .prefill_max_ctas_per_sm = 2,
        .prefill_reduce = 1,
+       .prefill_mma = 1,
        .expand_ctas_per_sm = 16,
        .expand_pipelined = 2,
        .decode_ctas_per_sm = 2,
@@ -461,10 +463,18 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_k_split = 2,
        .prefill_ctas_per_sm = 4,
        .prefill_stages = 6,
+       .prefill_mma = 1,
        .expand_ctas_per_sm = 2,
        .decode_ctas_per_sm = 0,
        .decode_persistent = 1,
        .decode_cluster = 0},
+      {.prefill_k_split = 8, .prefill_ctas_per_sm = 8, .prefill_reduce = 1, .prefill_mma = 2},
+      {.prefill_k_split = 8,
+       .prefill_ctas_per_sm = 8,
+       .prefill_stages = 3,
+       .prefill_reduce = 2,
+       .prefill_mma = 2},
+      {.prefill_mma = 1},
       {.decode_cluster = 2, .cluster_size = 1},
       {.decode_cluster = 2, .cluster_size = 2},
       {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16}};
@@ -486,7 +496,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
                 " shrink " + std::to_string(t.gather_shrink) + " pdl " +
                 std::to_string(t.layer_pdl) + " pipelined " + std::to_string(t.expand_pipelined) +
-                " stages " + std::to_string(t.prefill_stages));
+                " stages " + std::to_string(t.prefill_stages) + " reduce " +
+                std::to_string(t.prefill_reduce) + " mma " + std::to_string(t.prefill_mma));
       }
     }
   }

@@ -19,7 +19,8 @@ class LoraBatchMeta {
   /// Scratch the GPU ops of a step may use for partial sums (LoraMetaView::scratch): this
   /// many floats per token for up to kScratchTokens tokens (the decode kernels' split-K, 4 MB),
   /// or kPrefillScratchFloatsPerToken per token of max_num_tokens where that is more (the
-  /// prefill shrink's split-K partial tiles: 2 MB per 1024 tokens). Arrival counters: one per
+  /// prefill shrink's split-K partial sums, k_split x A rows per token: 8 x 64 fit; 2 MB per
+  /// 1024 tokens; larger products meet in clusters instead). Arrival counters: one per
   /// (entry, slice) and one per 64-token tile of the largest batch (plus one per slot).
   static constexpr int64_t kScratchFloatsPerToken = 16 * 1024;
   static constexpr int64_t kScratchTokens = 64;

@@ -22,10 +22,11 @@ struct Field {
 constexpr Field kFields[] = {
     {"decode_k_chunks", &KernelTuning::decode_k_chunks, 1, 16, true, false},
     {"decode_cols", &KernelTuning::decode_cols, 8, 256, true, false},
-    {"prefill_k_split", &KernelTuning::prefill_k_split, 1, 8, true, false},
+    {"prefill_k_split", &KernelTuning::prefill_k_split, 1, 8, true, true},
     {"prefill_ctas_per_sm", &KernelTuning::prefill_ctas_per_sm, 1, 8, false, false},
     {"prefill_max_ctas_per_sm", &KernelTuning::prefill_max_ctas_per_sm, 1, 4, false, true},
     {"prefill_reduce", &KernelTuning::prefill_reduce, 1, 2, false, true},
+    {"prefill_mma", &KernelTuning::prefill_mma, 1, 2, false, true},
     {"prefill_stages", &KernelTuning::prefill_stages, 3, 6, false, true},
     {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, true},
     {"expand_pipelined", &KernelTuning::expand_pipelined, 1, 2, false, true},

@@ -17,8 +17,8 @@ struct KernelTuning {
   int decode_k_chunks = 16;
   /// Decode kernel: output columns per consumer item, at most (a power of two, 8..256).
   int decode_cols = 128;
-  /// Prefill shrink: CTAs of a cluster that split K, at most (1, 2, 4 or 8).
-  int prefill_k_split = 4;
+  /// Prefill shrink: CTAs that split K, at most (1, 2, 4 or 8); 0: 4 for mma.sync, 8 for wgmma.
+  int prefill_k_split = 0;
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
   /// Prefill shrink: cp.async ring depth (3..6); 0: 4 where three stages hold at most 36 KB
@@ -32,6 +32,10 @@ struct KernelTuning {
   /// wherever the scratch holds them, so that the CTAs need no co-scheduling; 0: global memory
   /// where the grid's bound brings more than one CTA per SM (small variant), else clusters.
   int prefill_reduce = 0;
+  /// Prefill shrink: the MMA. 1: mma.sync on 64-token tiles; 2: wgmma (sm_90a) on 128-token
+  /// tiles up to 256 A rows; 0: wgmma where it measured faster (prefill_shrink.cu,
+  /// choose_plan), else mma.sync.
+  int prefill_mma = 0;
   /// Tensor-core expands: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items; 0: four, and five for the pipelined expand up to rank 16 where
   /// the items are at least ten per SM (expand_pipelined.cu).

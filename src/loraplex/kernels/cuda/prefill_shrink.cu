@@ -1,17 +1,26 @@
 // Shrink on tensor cores for batches larger than the decode kernel's (prefill).
 //
-// A work item is one tile of up to 64 tokens of one active slot (rows gathered through the
-// sorted token indices) against the A rows of EVERY slice of that slot at once (slices
+// A work item is one tile of up to 64 (128) tokens of one active slot (rows gathered through
+// the sorted token indices) against the A rows of EVERY slice of that slot at once (slices
 // concatenated, each cut at its own rank rounded up to 8), so x is read once per layer, not
 // once per slice. k_split CTAs take one item; each streams its share of K through a cp.async
 // pipeline of 3-4 stages (the next stages' loads are in flight while the tensor cores work on
-// the current one) and multiplies with mma.sync m16n8k16 (fragments through ldmatrix). The
+// the current one) and multiplies it in one of the two forms below. The
 // split over K gives the grid enough CTAs when a batch has few tiles. The fp32 partial tiles
 // meet either in a cluster (the item's CTAs form one: after a cluster barrier each adds a share
 // of the tile over the cluster's shared memory) or, for grids larger than the SM count, in
 // global memory (the last CTA of the item to arrive on its counter adds them): clusters of 4
 // could not use every SM. Both add the parts in the same fixed order: deterministic, and the
 // same bits either way.
+//
+// Two forms of the MMA (tuning knob prefill_mma): mma.sync m16n8k16 on 64-token tiles (8 warps as
+// 4 row groups x 2 column sets, fragments through ldmatrix from padded rows), and wgmma (sm_90a)
+// on 128-token tiles (2 warpgroups of 64 rows, every column, both operands read by the tensor
+// cores from 128-byte-swizzled shared memory). The wgmma form reads each A row from shared memory
+// once per 64 tokens instead of once per 16 and each slot's A rows from L2 once per 128 tokens
+// instead of once per 64: its K loop measured 1.8x faster at rank 64 (one slice and q/k/v, 4096
+// tokens). Its longer tiles make fewer items, hence longer reductions and grids that fit the SMs
+// differently, so choose_plan picks the form per shape.
 //
 // The grid is the host's upper bound of tiles times k_split; CTAs whose tile does not exist in
 // this batch (counted on the device from the metadata) return at once, so the launch
@@ -26,6 +35,7 @@
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_paths.h"
+#include "loraplex/kernels/cuda/wgmma_ops.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -33,8 +43,12 @@ namespace loraplex::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kM = 64;           // tokens per tile: 4 MMA row groups
-constexpr int kBK = 64;          // K elements per stage
+// Tokens per tile: 4 mma.sync row groups of 16, or 2 warpgroups of 64.
+template <bool kWg>
+constexpr int kTileM = kWg ? 128 : 64;
+constexpr int kBK = 64;  // K elements per stage (one 128-byte row of the wgmma form)
+constexpr int kWgRowBytes = kBK * 2;
+constexpr int kWgAlign = 1024;   // the 128-byte swizzle repeats every 8 rows (1024 bytes)
 constexpr int kPitch = kBK + 8;  // padded rows: ldmatrix rows hit distinct banks
 constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
 constexpr int kMaxTiles = kMaxRows / 8;
@@ -47,6 +61,11 @@ constexpr int kSmemReserved = 1024;  // the system's share per CTA
 // rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
 // rank 16 one slice 18.6 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
 constexpr int kMaxInFlightBytes = 36 * 1024;
+// The same bound for the wgmma form (128-token stages: rank 16 one slice 18 KB a stage).
+constexpr int kMaxInFlightBytesWg = 56 * 1024;
+// The wgmma form's column counts (N of m64nNk16), each instantiated: an item's A rows are padded
+// up to the plan's N (rows past the item's columns are never copied; their sums are never stored).
+constexpr int kWgCols[] = {16, 32, 64, 128, 192, 256};
 // The 8 warps share a tile as 4 row groups of 16 rows x 2 column sets: warp w takes rows
 // (w % 4) * 16 .. + 16 and the column tiles w / 4, w / 4 + 2, ... (kTilesPerWarp at most). Two
 // row groups of 32 rows x 4 column sets (each B fragment load feeding two MMAs) measured 2%
@@ -55,7 +74,7 @@ constexpr int kMaxInFlightBytes = 36 * 1024;
 constexpr int kColSets = 2;
 // stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
 // the row sources that always follow the stage region cover them.
-static_assert((kM + kMaxRows) * 8 >= kColSets * 8 * kPitch * 2,
+static_assert((kTileM<false> + kMaxRows) * 8 >= kColSets * 8 * kPitch * 2,
               "a pair's spare rows stay in shared memory");
 
 // One stage of this warp's MMAs: kPairs pairs of its column tiles (an x4 load each), as
@@ -65,7 +84,7 @@ static_assert((kM + kMaxRows) * 8 >= kColSets * 8 * kPitch * 2,
 // warp-synchronising barrier and a branch around every .aligned instruction, and B fragments
 // moved into common registers.
 template <typename T, int kTilesPerWarp, int kPairs>
-__device__ __forceinline__ void stage_pairs(float (&acc)[kTilesPerWarp][4], uint32_t a_at,
+__device__ __forceinline__ void stage_pairs(float (&acc)[kTilesPerWarp * 4], uint32_t a_at,
                                             uint32_t b_at) {
   constexpr uint32_t kPairBytes = 2 * kColSets * 8 * kPitch * 2;  // the warp's next two tiles
 #pragma unroll
@@ -78,15 +97,15 @@ __device__ __forceinline__ void stage_pairs(float (&acc)[kTilesPerWarp][4], uint
       ldmatrix_x4_at(bf, b_at + q * kPairBytes + kk * 2);
       const uint32_t b0[2] = {bf[0], bf[1]};
       const uint32_t b1[2] = {bf[2], bf[3]};
-      mma_16816<T>(acc[2 * q], af, b0);
-      mma_16816<T>(acc[2 * q + 1], af, b1);
+      mma_16816<T>(*reinterpret_cast<float(*)[4]>(acc + 8 * q), af, b0);
+      mma_16816<T>(*reinterpret_cast<float(*)[4]>(acc + 8 * q + 4), af, b1);
     }
   }
 }
 
 // Picks the pair count once per stage.
 template <typename T, int kTilesPerWarp, int kPairs = kTilesPerWarp / 2>
-__device__ __forceinline__ void stage_mma(int pairs, float (&acc)[kTilesPerWarp][4], uint32_t a_at,
+__device__ __forceinline__ void stage_mma(int pairs, float (&acc)[kTilesPerWarp * 4], uint32_t a_at,
                                           uint32_t b_at) {
   if constexpr (kPairs > 0) {
     if (pairs == kPairs) {
@@ -97,23 +116,25 @@ __device__ __forceinline__ void stage_mma(int pairs, float (&acc)[kTilesPerWarp]
   }
 }
 
-// Calls f(row, column, v0, v1) for each pair of this warp's accumulators that lies in one of the
-// item's ntiles column tiles (mma accumulator layout: rows g and g + 8 of the warp's 16 rows).
-template <int kTilesPerWarp, typename F>
-__device__ __forceinline__ void for_each_acc(const float (&acc)[kTilesPerWarp][4], int ntiles,
-                                             F f) {
+// Calls f(row, column, v0, v1) for each pair of this thread's accumulators that lies in one of
+// the item's ntiles column tiles. Both forms keep 8-column blocks in the m16n8 accumulator layout
+// (rows g and g + 8 of a warp's 16 rows): mma.sync tile i of this warp is column tile
+// cset + kColSets i; in the wgmma form block i is column tile i, and warp w holds rows
+// 64 (w / 4) + 16 (w % 4) .. + 16.
+template <bool kWg, int kAccTiles, typename F>
+__device__ __forceinline__ void for_each_acc(const float (&acc)[kAccTiles * 4], int ntiles, F f) {
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int rg = warp % (8 / kColSets);
-  const int cset = warp / (8 / kColSets);
+  const int rg = kWg ? warp : warp % (8 / kColSets);
+  const int cset = kWg ? 0 : warp / (8 / kColSets);
   const int row = rg * 16 + (lane >> 2);
   const int tq = (lane & 3) * 2;
 #pragma unroll
-  for (int i = 0; i < kTilesPerWarp; ++i) {
-    const int j = cset + kColSets * i;
+  for (int i = 0; i < kAccTiles; ++i) {
+    const int j = kWg ? i : cset + kColSets * i;
     if (j < ntiles) {
-      f(row, j * 8 + tq, acc[i][0], acc[i][1]);
-      f(row + 8, j * 8 + tq, acc[i][2], acc[i][3]);
+      f(row, j * 8 + tq, acc[4 * i], acc[4 * i + 1]);
+      f(row + 8, j * 8 + tq, acc[4 * i + 2], acc[4 * i + 3]);
     }
   }
 }
@@ -131,9 +152,10 @@ struct PrefillParams {
   LoraMetaView meta;
   void* out;
   bool out_f32;
+  bool out_vec;  // out aligned for one store per quad (16 bytes fp32, 8 bytes 16-bit)
   int64_t num_tokens;
   int k_chunk;       // K per CTA of a cluster, a multiple of kBK
-  int stage_elems;   // (kM + a_rows) * kPitch
+  int stage_bytes;   // (kM + a_rows) * kPitch * 2; (kM + N) * 128 in the wgmma form
   int red_pitch;     // floats per row of the partial tile
   bool cache_ranks;  // the rank table is copied to shared memory (num_slices x max_loras small)
   int region;        // bytes of the stages (later the partial tile); the tables follow
@@ -147,53 +169,73 @@ struct PrefillParams {
   int part_pitch;
 };
 
-// Stores element (m, c) of the shrink's output: scaled, in the output dtype.
+// Stores the quad of columns c .. c + 3 (c a multiple of 4) of row m of the shrink's output:
+// scaled, in the output dtype, past the slice's rank dropped. A quad inside the rank is one 16-
+// (fp32) or 8-byte store where the output is aligned for it (ranks and their tiles are multiples
+// of 8, so it never straddles two slices): four scalar stores with their index arithmetic each
+// made the rank-64 q/k/v reduction ~7 us of a 45 us shrink at 4096 tokens.
 template <typename T>
-__device__ __forceinline__ void store_out(const PrefillParams& p, const int* tok,
-                                          const int* tile_slice, const int* tile_r0,
-                                          const int* srank, int m, int c, float v) {
+__device__ __forceinline__ void store_quad(const PrefillParams& p, const int* tok,
+                                           const int* tile_slice, const int* tile_r0,
+                                           const int* srank, int m, int c, float4 v) {
   const int s = tile_slice[c >> 3];
   const int r = tile_r0[c >> 3] + (c & 7);
-  if (r >= srank[s]) return;
+  const int rank = srank[s];
+  if (r >= rank) return;
   const int64_t o = (static_cast<int64_t>(s) * p.num_tokens + tok[m]) * p.max_rank + r;
-  if (p.out_f32) {
-    static_cast<float*>(p.out)[o] = p.scale * v;
-  } else {
-    static_cast<T*>(p.out)[o] = from_float<T>(p.scale * v);
+  const float e[4] = {p.scale * v.x, p.scale * v.y, p.scale * v.z, p.scale * v.w};
+  if (r + 4 <= rank && p.out_vec) {
+    if (p.out_f32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.out) + o) =
+          make_float4(e[0], e[1], e[2], e[3]);
+    } else {
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + o) =
+          make_uint2(pack2<T>(e[0], e[1]), pack2<T>(e[2], e[3]));
+    }
+    return;
+  }
+  for (int j = 0; j < 4 && r + j < rank; ++j) {
+    if (p.out_f32) {
+      static_cast<float*>(p.out)[o + j] = e[j];
+    } else {
+      static_cast<T*>(p.out)[o + j] = from_float<T>(e[j]);
+    }
   }
 }
 
 // Sums the ks partial tiles of an item and stores the output: the quads (four columns) first,
 // first + step, ... of the mrows x ntiles * 8 tile, load(q, m, c) giving part q's four values at
 // row m from column c. kQuads quads per thread at a time (4 in the large variant; 2 in the small
-// one, which keeps it at 94 registers instead of 128) and four parts' loads issued before
-// their sums (one round trip per four parts and kQuads quads, not one per part and value);
+// one, which keeps it at 94 registers instead of 128) and kGroup parts' loads issued before
+// their sums (one round trip per kGroup parts and kQuads quads, not one per part and value:
+// eight parts with two quads, so that the wgmma form's 8-part split costs one round trip);
 // parts added in order 0..ks-1 wherever they come from, so both reductions give the same bits.
 template <typename T, int kQuads, typename Load>
 __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, int step, int mrows,
                                              int ntiles, int ks, const int* tok,
                                              const int* tile_slice, const int* tile_r0,
                                              const int* srank, Load load) {
+  constexpr int kGroup = kQuads <= 2 ? 8 : 4;
   const int quads = ntiles * 2;
   const int n = mrows * quads;
   for (int i0 = first; i0 < n; i0 += kQuads * step) {
     float4 sum[kQuads];
-    for (int q0 = 0; q0 < ks; q0 += 4) {
-      float4 v[kQuads][4];
+    for (int q0 = 0; q0 < ks; q0 += kGroup) {
+      float4 v[kQuads][kGroup];
 #pragma unroll
       for (int u = 0; u < kQuads; ++u) {
         const int i = i0 + u * step;
         const int m = i / quads;
         const int c = (i - m * quads) * 4;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q < kGroup; ++q) {
           if (q0 + q < ks && i < n) v[u][q] = load(q0 + q, m, c);
         }
       }
 #pragma unroll
       for (int u = 0; u < kQuads; ++u) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q < kGroup; ++q) {
           if (q0 + q == 0) {
             sum[u] = v[u][0];
           } else if (q0 + q < ks) {
@@ -211,29 +253,30 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
       if (i >= n) break;
       const int m = i / quads;
       const int c = (i - m * quads) * 4;
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c, sum[u].x);
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 1, sum[u].y);
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 2, sum[u].z);
-      store_out<T>(p, tok, tile_slice, tile_r0, srank, m, c + 3, sum[u].w);
+      store_quad<T>(p, tok, tile_slice, tile_r0, srank, m, c, sum[u]);
     }
   }
 }
 
 // The split-K reduction through global memory (PrefillParams::global_reduce): no cluster, so
 // the CTAs land on any SM (clusters of 4 used 124 of the H200's 132 SMs and put 3 CTAs on 8
-// of them).
-template <typename T, int kTilesPerWarp, bool kTrace>
+// of them). Part q of the item's row m lives at scratch row q * num_tokens + start + m (start:
+// the item's first sorted position), so the scratch holds k_split x num_tokens rows whatever the
+// tiles: a bound of (tiles + slots) x 128 rows per part overflowed it at 32 adapters x 256
+// tokens (q/k/v, rank 16) and sent the reduction to clusters of 8 (two waves: +34%).
+template <typename T, bool kWg, int kAccTiles, int kQuads, bool kTrace>
 __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
-                                                      const float (&acc)[kTilesPerWarp][4],
-                                                      int item, int ks, int crank, int ntiles,
+                                                      const float (&acc)[kAccTiles * 4], int item,
+                                                      int ks, int crank, int start, int ntiles,
                                                       int mrows, const int* tok,
                                                       const int* tile_slice, const int* tile_r0,
                                                       const int* srank) {
   const int tid = static_cast<int>(threadIdx.x);
   const int pp = p.part_pitch;
-  float* part = p.meta.scratch + static_cast<int64_t>(item * ks + crank) * kM * pp;
-  for_each_acc(acc, ntiles, [&](int row, int col, float v0, float v1) {
-    *reinterpret_cast<float2*>(part + row * pp + col) = make_float2(v0, v1);
+  float* part = p.meta.scratch + (static_cast<int64_t>(crank) * p.num_tokens + start) * pp;
+  // Rows past the item's tokens belong to the next item (or past the batch).
+  for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
+    if (row < mrows) *reinterpret_cast<float2*>(part + row * pp + col) = make_float2(v0, v1);
   });
   __shared__ int last;
   __syncthreads();  // the CTA's partial tile is stored ...
@@ -248,24 +291,36 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
     return;
   }
   __threadfence();  // the other parts, stored before their arrivals, are read after ours
-  const float* base = p.meta.scratch + static_cast<int64_t>(item * ks) * kM * pp;
-  reduce_parts<T, kTilesPerWarp >= 16 ? 4 : 2>(
-      p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
-      [&](int q, int m, int c) {
-        return __ldcg(
-            reinterpret_cast<const float4*>(base + (static_cast<int64_t>(q) * kM + m) * pp + c));
-      });
+  const float* base = p.meta.scratch + static_cast<int64_t>(start) * pp;
+  reduce_parts<T, kQuads>(p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
+                          [&](int q, int m, int c) {
+                            return __ldcg(reinterpret_cast<const float4*>(
+                                base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
+                          });
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
   trace_at<kTrace>(p.trace, 6);
   trace_at<kTrace>(p.trace, 7);
 }
 
-// kTilesPerWarp: MMA column tiles (8 A rows) per warp at most; the 8 warps are 4 row groups
-// x 2 column sets, so a work item has at most 2 * kTilesPerWarp column tiles. kStages: the
-// cp.async ring's depth (kStages - 1 stages in flight while one is multiplied).
-template <typename T, int kTilesPerWarp, int kStages, bool kTrace>
-__global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+// kCols: in the mma.sync form (kWg false) MMA column tiles (8 A rows) per warp at most (the 8
+// warps are 4 row groups x 2 column sets, so a work item has at most 2 * kCols column tiles); in
+// the wgmma form the N of each warpgroup's m64nNk16 (a work item has at most kCols / 8 column
+// tiles). kStages: the cp.async ring's depth (kStages - 1 stages in flight while one is
+// multiplied).
+template <typename T, int kCols, int kStages, bool kTrace, bool kWg>
+__global__ void __launch_bounds__(kThreads, kWg&& kCols > 64 ? 1 : 2)
+    prefill_shrink_kernel(PrefillParams p) {
+  constexpr int kM = kTileM<kWg>;
+  constexpr int kAccTiles = kWg ? kCols / 8 : kCols;  // 8-column accumulator blocks per thread
+  constexpr int kQuads = kAccTiles >= 16 ? 4 : 2;
+  constexpr int kRowBytes = kWg ? kWgRowBytes : kPitch * 2;
+  extern __shared__ __align__(16) unsigned char smem_dyn[];
+  // The wgmma form's stages start 1024-byte aligned (the host allocates the slack).
+  unsigned char* smem_raw = smem_dyn;
+  if constexpr (kWg) {
+    const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dyn));
+    smem_raw += (kWgAlign - (at & (kWgAlign - 1))) & (kWgAlign - 1);
+  }
   cg::cluster_group cluster = cg::this_cluster();
   const int ks = p.global_reduce ? p.k_split : static_cast<int>(cluster.num_blocks());
   const int crank =
@@ -341,8 +396,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   if (ntiles == 0) return;  // every slice of this slot has rank 0 (same in the whole cluster)
   const T* xg = static_cast<const T*>(p.x);
   const int64_t K = p.hidden;
-  // Rows staged per stage: the tile's x rows (rows past the batch zero-filled), then the A
-  // rows of the column tiles (rows past a slice's rank zero-filled, never read).
+  // Rows staged per stage: the tile's x rows, then the A rows of the column tiles (rows past a
+  // slice's rank zero-filled, never read).
   if (tid < kM)
     row_src[tid] = tok[tid] >= 0 ? xg + static_cast<int64_t>(tok[tid]) * p.x_stride : nullptr;
   if (tid < ntiles * 8) {
@@ -361,26 +416,38 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
 
   // This thread's copies, the same in every stage: 16-byte column ch of rows tid / 8 + 32 i.
   // Their sources are looked up once, so a stage costs a few instructions per copy.
-  constexpr int kSlots = (kM + 16 * kTilesPerWarp) * 8 / kThreads;
+  constexpr int kStagedRows = kM + (kWg ? kCols : 16 * kCols);
+  constexpr int kSlots = (kStagedRows * 8 + kThreads - 1) / kThreads;
   const int ch = tid & 7;
+  // x rows past the item's tokens are not staged at all: row m of the product depends only on
+  // x row m, and rows m >= mrows are never stored, so whatever their shared memory holds (an
+  // earlier stage's bytes) stays in them. Zero-filling them cost a 128-token tile of a slot with
+  // 8 tokens 120 of its 128 x copies per stage (32 adapters x 256 tokens, q/k/v: +45% against
+  // the 64-token mma.sync tiles). Rows past K's end and A rows past a slice's rank are still
+  // zero-filled: they meet live rows.
   const T* src[kSlots];
+  uint32_t live = 0;
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
     const int row = (tid >> 3) + i * (kThreads / 8);
     src[i] = row < rows ? row_src[row] : nullptr;
+    if (row < rows && (row < mrows || row >= kM)) live |= 1u << i;
   }
   // Shared-memory addresses in bytes, computed once: a stage costs a few instructions per
   // copy and per fragment.
   const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stage_base));
-  const uint32_t stage_bytes = static_cast<uint32_t>(p.stage_elems) * 2;
-  const uint32_t copy_off = static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
-  constexpr uint32_t kSlotBytes = (kThreads / 8) * kPitch * 2;
+  const uint32_t stage_bytes = static_cast<uint32_t>(p.stage_bytes);
+  // Row tid / 8 + 32 i keeps tid / 8 % 8, so the swizzled chunk is the same in every slot.
+  const uint32_t copy_off =
+      kWg ? static_cast<uint32_t>((tid >> 3) * kRowBytes + ((ch ^ ((tid >> 3) & 7)) << 4))
+          : static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
+  constexpr uint32_t kSlotBytes = (kThreads / 8) * kRowBytes;
   auto load_stage = [&](int kt, uint32_t stage) {
     const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
     const bool k_ok = k < k_hi;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
-      if ((tid >> 3) + i * (kThreads / 8) < rows) {
+      if (live & (1u << i)) {
         const bool ok = k_ok && src[i] != nullptr;
         cp_async16_at(stage + copy_off + i * kSlotBytes, ok ? src[i] + k : xg, ok ? 16 : 0);
       }
@@ -389,19 +456,22 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
 
   const int rg = warp % (8 / kColSets);    // rows rg * 16 .. + 16 of the tile
   const int cset = warp / (8 / kColSets);  // column tiles cset, cset + kColSets, ...
-  const uint32_t a_off =
+  [[maybe_unused]] const uint32_t a_off =
       static_cast<uint32_t>(((rg * 16 + (lane & 15)) * kPitch + (lane >> 4) * 8) * 2);
   // Column tiles j0 = cset + 2 kColSets q (lanes 0-15) and j0 + kColSets (lanes 16-31) of pair
   // q for ldmatrix_x4.
-  const uint32_t b_off =
+  [[maybe_unused]] const uint32_t b_off =
       static_cast<uint32_t>(((kM + cset * 8 + (lane & 7)) * kPitch + ((lane >> 3) & 1) * 8) * 2 +
                             (lane < 16 ? 0 : kColSets * 8 * kPitch * 2));
-  float acc[kTilesPerWarp][4];
+  float acc[kAccTiles * 4];
 #pragma unroll
-  for (int i = 0; i < kTilesPerWarp; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int i = 0; i < kAccTiles * 4; ++i) acc[i] = 0.0f;
+  // wgmma: warpgroup wg multiplies tile rows 64 wg .. + 64 with every staged A row.
+  [[maybe_unused]] const uint32_t wg_a_off = static_cast<uint32_t>((warp >> 2) * 64 * kRowBytes);
+  [[maybe_unused]] const uint32_t wg_b_off = static_cast<uint32_t>(kM * kRowBytes);
   // This warp's column tiles below ntiles, in pairs.
   const int warp_tiles = ntiles > cset ? (ntiles - cset + kColSets - 1) / kColSets : 0;
-  const int pairs = (warp_tiles + 1) / 2;
+  [[maybe_unused]] const int pairs = (warp_tiles + 1) / 2;
 
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
@@ -411,37 +481,52 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
   int rd = 0;            // stage read in this iteration
   int wr = kStages - 1;  // stage written in this iteration
   for (int kt = 0; kt < nk; ++kt) {
-    cp_async_wait<kStages - 2>();  // stage kt has landed (this thread's copies)
-    __syncthreads();               // ... every thread's; the stage written below is consumed
+    cp_async_wait<kStages - 2>();                   // stage kt has landed (this thread's copies)
+    if constexpr (kWg) fence_proxy_async_shared();  // ... visible to wgmma's reads
+    __syncthreads();  // ... every thread's; the stage written below is consumed
     if (kt + kStages - 1 < nk) load_stage(kt + kStages - 1, stage0 + wr * stage_bytes);
     cp_async_commit();
     const uint32_t buf = stage0 + rd * stage_bytes;
     rd = rd + 1 == kStages ? 0 : rd + 1;
     wr = wr + 1 == kStages ? 0 : wr + 1;
     if (kt == 0) trace_at<kTrace>(p.trace, 4);
-    stage_mma<T, kTilesPerWarp>(pairs, acc, buf + a_off, buf + b_off);
+    if constexpr (kWg) {
+      const uint64_t da = wgmma_desc(buf + wg_a_off);
+      const uint64_t db = wgmma_desc(buf + wg_b_off);
+      wgmma_fence_operands(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        // 16 K elements are 32 bytes further along each row: 2 in the descriptor's 16-byte units.
+        Wgmma<T, kCols>::mma(acc, da + 2 * kk, db + 2 * kk);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();  // the ring's next write goes to a stage this group reads
+      wgmma_fence_operands(acc);
+    } else {
+      stage_mma<T, kCols>(pairs, acc, buf + a_off, buf + b_off);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: the region holds the partial tile
   trace_at<kTrace>(p.trace, 5);
 
   if (p.global_reduce) {
-    reduce_through_global<T, kTilesPerWarp, kTrace>(p, acc, item, ks, crank, ntiles, mrows, tok,
-                                                    tile_slice, tile_r0, srank);
+    reduce_through_global<T, kWg, kAccTiles, kQuads, kTrace>(
+        p, acc, item, ks, crank, start, ntiles, mrows, tok, tile_slice, tile_r0, srank);
     return;
   }
   float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
-  for_each_acc(acc, ntiles, [&](int row, int col, float v0, float v1) {
+  for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
     red[row * p.red_pitch + col] = v0;
     red[row * p.red_pitch + col + 1] = v1;
   });
   cluster.sync();  // every CTA's partial tile is complete
-  reduce_parts<T, kTilesPerWarp >= 16 ? 4 : 2>(
-      p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
-      [&](int q, int m, int c) {
-        return *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + m * p.red_pitch +
-                                                c);
-      });
+  reduce_parts<T, kQuads>(p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok,
+                          tile_slice, tile_r0, srank, [&](int q, int m, int c) {
+                            return *reinterpret_cast<const float4*>(
+                                cluster.map_shared_rank(red, q) + m * p.red_pitch + c);
+                          });
   trace_at<kTrace>(p.trace, 6);
   // No CTA reads another's partial tile any more (the loaded values are already stored).
   cluster_arrive_relaxed();
@@ -451,42 +536,71 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_shrink_kernel(PrefillPara
 
 bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
 
+// Whether the wgmma form may run this shrink (prefill_mma 0 or 2, up to 256 A rows); the
+// automatic choice (prefill_mma 0) also looks at the grid (prefill_shrink below).
+bool wgmma_allowed(const ShrinkArgs& s) {
+  return kernel_tuning().prefill_mma != 1 &&
+         s.num_slices * s.max_rank <= kWgCols[std::size(kWgCols) - 1];
+}
+
+// The wgmma form's N for an item of a_rows A rows: the smallest instantiated width that holds it.
+int wg_cols(int a_rows) {
+  for (const int n : kWgCols) {
+    if (a_rows <= n) return n;
+  }
+  return kWgCols[std::size(kWgCols) - 1];
+}
+
 struct Plan {
+  bool wg = false;
+  int m = 0;     // tokens per tile
+  int cols = 0;  // wgmma: N; mma.sync: column tiles per warp at most
   int stages = 0;
+  int stage_bytes = 0;
   int smem = 0;
   int a_rows = 0;
   int region = 0;
   int off_rows = 0;
 };
 
-Plan make_plan(const ShrinkArgs& s) {
+Plan make_plan(const ShrinkArgs& s, bool wg) {
   Plan plan;
+  plan.wg = wg;
+  plan.m = plan.wg ? kTileM<true> : kTileM<false>;
   plan.a_rows = s.num_slices * s.max_rank;
-  const int stage_elems = (kM + plan.a_rows) * kPitch;
-  const int red_bytes = kM * (plan.a_rows + 4) * 4;
-  const int ints = s.max_loras + 2 + kM + kMaxSlices + 2 * kMaxTiles + 1 + 3 * (s.max_loras + 1) +
-                   (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
+  plan.cols =
+      plan.wg ? wg_cols(plan.a_rows) : (plan.a_rows <= kSmallRows ? kSmallRows : kMaxRows) / 16;
+  plan.stage_bytes =
+      plan.wg ? (plan.m + plan.cols) * kWgRowBytes : (plan.m + plan.a_rows) * kPitch * 2;
+  const int red_bytes = plan.m * (plan.a_rows + 4) * 4;
+  const int ints = s.max_loras + 2 + plan.m + kMaxSlices + 2 * kMaxTiles + 1 +
+                   3 * (s.max_loras + 1) + (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
   // Ring depth (the kernel's kStages): four stages while three of them in flight stay within
-  // kMaxInFlightBytes (rank 16, one slice), else three, unless prefill_stages says otherwise. A
-  // tuned depth that does not fit in shared memory is lowered until it does (down to 3).
+  // kMaxInFlightBytes (kMaxInFlightBytesWg for wgmma), else three, unless prefill_stages says
+  // otherwise (the wgmma form is instantiated for 3 and 4). A tuned depth that does not fit in
+  // shared memory is lowered until it does (down to 3).
   const int tuned = kernel_tuning().prefill_stages;
-  const int auto_stages = 3 * stage_elems * 2 <= kMaxInFlightBytes ? 4 : 3;
-  for (plan.stages = tuned != 0 ? tuned : auto_stages;; --plan.stages) {
+  const int in_flight = plan.wg ? kMaxInFlightBytesWg : kMaxInFlightBytes;
+  const int auto_stages = 3 * plan.stage_bytes <= in_flight ? 4 : 3;
+  plan.stages = tuned != 0 ? tuned : auto_stages;
+  if (plan.wg) plan.stages = std::min(plan.stages, 4);
+  const int slack = plan.wg ? kWgAlign - 16 : 0;  // the kernel aligns its stages to 1024 bytes
+  for (;; --plan.stages) {
     plan.region =
-        static_cast<int>(ceil_div(std::max(plan.stages * stage_elems * 2, red_bytes), 16) * 16);
+        static_cast<int>(ceil_div(std::max(plan.stages * plan.stage_bytes, red_bytes), 16) * 16);
     plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
-    plan.smem = plan.off_rows + (kM + kMaxRows) * 8;
+    plan.smem = plan.off_rows + (plan.m + kMaxRows) * 8 + slack;
     if (plan.smem <= kSmemPerSm || plan.stages == 3) return plan;
   }
 }
 
-template <typename T, int kTilesPerWarp, int kStages>
+template <typename T, int kCols, int kStages, bool kWg>
 Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
                      StreamHandle stream) {
   // The traced instantiation only for bf16 (the benchmark's dtype) while tracing.
-  auto kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages, false>;
+  auto kernel = &prefill_shrink_kernel<T, kCols, kStages, false, kWg>;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (p.trace != nullptr) kernel = &prefill_shrink_kernel<T, kTilesPerWarp, kStages, true>;
+    if (p.trace != nullptr) kernel = &prefill_shrink_kernel<T, kCols, kStages, true, kWg>;
   }
   // prefill_max_ctas_per_sm: shared memory padded so that no more CTAs than that share an SM.
   int smem = plan.smem;
@@ -510,19 +624,97 @@ Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int 
   return launch_status("prefill_shrink_kernel");
 }
 
-template <typename T, int kTilesPerWarp>
+template <typename T, int kCols, bool kWg>
+Status launch_cols(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
+                   StreamHandle stream) {
+  if constexpr (kWg) {
+    if (plan.stages == 3)
+      return launch_staged<T, kCols, 3, true>(p, plan, k_split, clusters, stream);
+    return launch_staged<T, kCols, 4, true>(p, plan, k_split, clusters, stream);
+  } else {
+    switch (plan.stages) {
+      case 3:
+        return launch_staged<T, kCols, 3, false>(p, plan, k_split, clusters, stream);
+      case 4:
+        return launch_staged<T, kCols, 4, false>(p, plan, k_split, clusters, stream);
+      case 5:
+        return launch_staged<T, kCols, 5, false>(p, plan, k_split, clusters, stream);
+      default:
+        return launch_staged<T, kCols, 6, false>(p, plan, k_split, clusters, stream);
+    }
+  }
+}
+
+template <typename T>
 Status launch(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
               StreamHandle stream) {
-  switch (plan.stages) {
-    case 3:
-      return launch_staged<T, kTilesPerWarp, 3>(p, plan, k_split, clusters, stream);
-    case 4:
-      return launch_staged<T, kTilesPerWarp, 4>(p, plan, k_split, clusters, stream);
-    case 5:
-      return launch_staged<T, kTilesPerWarp, 5>(p, plan, k_split, clusters, stream);
-    default:
-      return launch_staged<T, kTilesPerWarp, 6>(p, plan, k_split, clusters, stream);
+  if (!plan.wg) {
+    return plan.cols == kSmallRows / 16
+               ? launch_cols<T, kSmallRows / 16, false>(p, plan, k_split, clusters, stream)
+               : launch_cols<T, kMaxRows / 16, false>(p, plan, k_split, clusters, stream);
   }
+  switch (plan.cols) {
+    case 16:
+      return launch_cols<T, 16, true>(p, plan, k_split, clusters, stream);
+    case 32:
+      return launch_cols<T, 32, true>(p, plan, k_split, clusters, stream);
+    case 64:
+      return launch_cols<T, 64, true>(p, plan, k_split, clusters, stream);
+    case 128:
+      return launch_cols<T, 128, true>(p, plan, k_split, clusters, stream);
+    case 192:
+      return launch_cols<T, 192, true>(p, plan, k_split, clusters, stream);
+    default:
+      return launch_cols<T, 256, true>(p, plan, k_split, clusters, stream);
+  }
+}
+
+struct Grid {
+  int64_t tiles = 0;  // work tiles at most
+  int k_split = 1;
+};
+
+// Tiles at most: one per kM tokens plus each active slot's last partial tile. Split K until the
+// grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least 512 K elements
+// per CTA. The large variants (more than 64 A rows: their MMAs, not their loads, set their time)
+// split only while the full tiles fill one CTA per SM: at 4096 tokens and rank 64 a split of 2
+// measured 18-26% faster than 4 for mma.sync (BENCHMARKS.md, 2026-11-24). The wgmma form's tiles
+// are twice as long, so it splits up to 8 by default (4096 tokens, rank 16, one slice: 8 parts
+// 15% faster than 4).
+Grid choose_grid(const ShrinkArgs& s, const Plan& plan) {
+  const KernelTuning tuning = kernel_tuning();
+  Grid g;
+  g.tiles = ceil_div(s.num_tokens, plan.m) + std::min<int64_t>(s.num_tokens, s.max_loras);
+  const bool small = plan.a_rows <= kSmallRows;
+  const int max_split = tuning.prefill_k_split != 0 ? tuning.prefill_k_split : plan.wg ? 8 : 4;
+  while (g.k_split < max_split && g.tiles * g.k_split < tuning.prefill_ctas_per_sm * sm_count() &&
+         (small || ceil_div(s.num_tokens, plan.m) * g.k_split * 2 <= sm_count()) &&
+         s.hidden >= int64_t{g.k_split} * 2 * 512) {
+    g.k_split *= 2;
+  }
+  return g;
+}
+
+// The form (prefill_mma 0), as measured on the H200 at 256-4096 tokens (BENCHMARKS.md,
+// 2026-11-24, ninth session):
+// * up to 32 A rows: wgmma (rank 16 one slice: 9-22% faster everywhere);
+// * 33-64 A rows: wgmma below kWgFullTokens tokens (rank 64 one slice, rank 16 q/k/v: 3-25%
+//   faster at 256-1024 tokens; 7-23% slower at 4096, where 32 full tiles each end with one CTA
+//   summing 8 parts of 128 x 64 floats: a 10 us tail);
+// * above 64 A rows: wgmma where its grid of one CTA per SM stays within kWgOneWave CTAs. That
+//   CTA holds 128 x N accumulators and three 40 KB stages (rank 64 q/k/v): at 4096 tokens its K
+//   loop took 20 us against mma.sync's 35, but 132 CTAs in clusters of 4 found only 120 SMs at
+//   launch and ran as two waves (35-40% slower); with 1-8 adapters up to 1024 tokens on grids
+//   within 120 CTAs it was 10-25% faster.
+constexpr int64_t kWgOneWave = 120;
+constexpr int64_t kWgFullTokens = 2048;
+Plan choose_plan(const ShrinkArgs& s) {
+  if (!wgmma_allowed(s)) return make_plan(s, false);
+  const Plan wg = make_plan(s, true);
+  if (kernel_tuning().prefill_mma == 2 || wg.a_rows <= 32) return wg;
+  if (wg.a_rows <= kSmallRows) return s.num_tokens < kWgFullTokens ? wg : make_plan(s, false);
+  const Grid g = choose_grid(s, wg);
+  return g.tiles * g.k_split <= kWgOneWave ? wg : make_plan(s, false);
 }
 
 }  // namespace
@@ -535,12 +727,13 @@ bool prefill_shrink_applies(const ShrinkArgs& s) {
   for (int i = 0; i < s.num_slices; ++i) {
     if (!aligned16(s.lora_a[i])) return false;
   }
-  return make_plan(s).smem <= kSmemPerSm;
+  return make_plan(s, false).smem <= kSmemPerSm &&
+         (!wgmma_allowed(s) || make_plan(s, true).smem <= kSmemPerSm);
 }
 
 Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandle stream) {
   LORAPLEX_ENSURE(prefill_shrink_applies(s), "prefill_shrink: arguments not supported");
-  const Plan plan = make_plan(s);
+  const Plan plan = choose_plan(s);
   PrefillParams p{};
   p.x = s.x;
   p.x_stride = s.x_row_stride;
@@ -554,28 +747,19 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.meta = meta;
   p.out = s.out;
   p.out_f32 = s.out_dtype == DType::kF32;
+  p.out_vec = (reinterpret_cast<uintptr_t>(s.out) & (p.out_f32 ? 15u : 7u)) == 0;
   p.num_tokens = s.num_tokens;
-  p.stage_elems = (kM + plan.a_rows) * kPitch;
+  p.stage_bytes = plan.stage_bytes;
   p.red_pitch = plan.a_rows + 4;
   p.cache_ranks = cache_ranks(s);
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   p.trace = kernel_trace();
-  // Tiles at most: one per 64 tokens plus each active slot's last partial tile. Split K
-  // until the grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least
-  // 512 K elements per CTA. The large variant (more than 64 A rows: its MMAs, not its loads,
-  // set its time) splits only while the full tiles fill one CTA per SM: at 4096 tokens and
-  // rank 64 a split of 2 measured 18-26% faster than 4 (BENCHMARKS.md, 2026-11-24).
   const KernelTuning tuning = kernel_tuning();
-  const int64_t tiles = ceil_div(s.num_tokens, kM) + std::min<int64_t>(s.num_tokens, s.max_loras);
+  const Grid grid = choose_grid(s, plan);
+  const int64_t tiles = grid.tiles;
+  const int k_split = grid.k_split;
   const bool small = plan.a_rows <= kSmallRows;
-  int k_split = 1;
-  while (k_split < tuning.prefill_k_split &&
-         tiles * k_split < tuning.prefill_ctas_per_sm * sm_count() &&
-         (small || ceil_div(s.num_tokens, kM) * k_split * 2 <= sm_count()) &&
-         s.hidden >= int64_t{k_split} * 2 * 512) {
-    k_split *= 2;
-  }
   p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
   const int clusters = static_cast<int>(tiles);
   // The split-K partial sums meet in a cluster's shared memory, or in global memory (the
@@ -590,14 +774,10 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   const bool many = small && tiles * k_split > sm_count();
   p.global_reduce = (tuning.prefill_reduce == 2 || (tuning.prefill_reduce == 0 && many)) &&
                     k_split > 1 && meta.scratch != nullptr &&
-                    tiles * k_split * kM * plan.a_rows <= meta.scratch_floats &&
+                    k_split * s.num_tokens * plan.a_rows <= meta.scratch_floats &&
                     tiles <= meta.num_counters;
-  if (s.dtype == DType::kBF16) {
-    return small ? launch<bf16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
-                 : launch<bf16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
-  }
-  return small ? launch<f16, kSmallRows / 16>(p, plan, k_split, clusters, stream)
-               : launch<f16, kMaxRows / 16>(p, plan, k_split, clusters, stream);
+  if (s.dtype == DType::kBF16) return launch<bf16>(p, plan, k_split, clusters, stream);
+  return launch<f16>(p, plan, k_split, clusters, stream);
 }
 
 }  // namespace loraplex::kernels::cuda
