@@ -153,6 +153,8 @@ const std::vector<LayerCase>& linear_cases() {
       {DType::kBF16, 300, 8, 64, 2048, {1024, 256, 256}, D::kUniform, 0.1, false},
       {DType::kF16, 1100, 32, 16, 1024, {1024}, D::kZipf, 0.05, true},
       {DType::kBF16, 200, 2, 128, 512, {384}, D::kSkewed, 0.0, true},
+      // Prefill with K = 4096 (split into 4-8 parts) over full 128-token tiles and partial ones.
+      {DType::kBF16, 333, 3, 16, 4096, {1024, 256, 256}, D::kZipf, 0.05, true},
       // Decode sizes for the cluster path: one slot over several 16-token units (clusters of
       // 16); K = 8 x 199 split unevenly over a cluster of 4, ranks not multiples of 8.
       {DType::kBF16, 64, 2, 16, 4096, {4096, 1024, 1024}, D::kOneAdapter, 0.0, false},
