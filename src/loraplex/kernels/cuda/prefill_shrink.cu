@@ -705,8 +705,8 @@ Grid choose_grid(const ShrinkArgs& s, const Plan& plan) {
 //   CTA holds 128 x N accumulators and three 40 KB stages (rank 64 q/k/v): at 4096 tokens its K
 //   loop took 20 us against mma.sync's 35, but 132 CTAs in clusters of 4 found only 120 SMs at
 //   launch and ran as two waves (35-40% slower); with 1-8 adapters up to 1024 tokens on grids
-//   within 120 CTAs it was 10-25% faster.
-constexpr int64_t kWgOneWave = 120;
+//   of up to 128 CTAs it was 10-25% faster (128: 8 adapters x 1024 tokens, q/k/v rank 64).
+constexpr int64_t kWgOneWave = 128;
 constexpr int64_t kWgFullTokens = 2048;
 Plan choose_plan(const ShrinkArgs& s) {
   if (!wgmma_allowed(s)) return make_plan(s, false);
