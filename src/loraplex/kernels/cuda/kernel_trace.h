@@ -10,7 +10,9 @@ namespace loraplex::kernels::cuda {
 
 /// Values per CTA: the SM id, then the global timer (ns) at seven points, 0 where a CTA returned
 /// before that point. Prefill shrink: entry, metadata read, setup done (row tables), first
-/// stage landed, K loop done, reduction done, exit. Tensor-core expands: entry, metadata read,
+/// stage landed, K loop done, reduction done (split-K through global memory: the CTA's part
+/// stored and its arrival counted), exit (there: after the last CTA's sum of the parts).
+/// Tensor-core expands: entry, metadata read,
 /// first item's token indices, first item's data landed, (unused), last item stored, exit.
 /// Decode pair (gather_lora.cu; one row per CTA of the shrink, then of the expand): the shrink
 /// writes slots 1-5 (entry, its PDL wait returned, its loads landed, exit; 5: its tokens' slot

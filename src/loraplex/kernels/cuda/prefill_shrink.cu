@@ -285,8 +285,8 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
     last = atomicAdd(p.meta.counters + item, 1) == ks - 1;
   }
   __syncthreads();
+  trace_at<kTrace>(p.trace, 6);
   if (!last) {
-    trace_at<kTrace>(p.trace, 6);
     trace_at<kTrace>(p.trace, 7);
     return;
   }
@@ -298,7 +298,6 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
                                 base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
                           });
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
-  trace_at<kTrace>(p.trace, 6);
   trace_at<kTrace>(p.trace, 7);
 }
 
