@@ -155,6 +155,8 @@ const std::vector<LayerCase>& linear_cases() {
       {DType::kBF16, 200, 2, 128, 512, {384}, D::kSkewed, 0.0, true},
       // Prefill with K = 4096 (split into 4-8 parts) over full 128-token tiles and partial ones.
       {DType::kBF16, 333, 3, 16, 4096, {1024, 256, 256}, D::kZipf, 0.05, true},
+      // ... and 192 A rows over 37 tiles: the wgmma form's K split in 3 to stay in one wave.
+      {DType::kBF16, 600, 32, 64, 4096, {1024, 256, 256}, D::kUniform, 0.0, false},
       // Decode sizes for the cluster path: one slot over several 16-token units (clusters of
       // 16); K = 8 x 199 split unevenly over a cluster of 4, ranks not multiples of 8.
       {DType::kBF16, 64, 2, 16, 4096, {4096, 1024, 1024}, D::kOneAdapter, 0.0, false},

@@ -673,6 +673,11 @@ struct Grid {
   int k_split = 1;
 };
 
+// The wgmma form above 64 A rows runs one CTA per SM (128 x N accumulators, 40 KB stages): its
+// grid stays within this many CTAs, where one wave measured to fit (132 CTAs in clusters of 4
+// found only ~120 SMs at launch and ran as two waves: 35-40% slower).
+constexpr int64_t kWgOneWave = 128;
+
 // Tiles at most: one per kM tokens plus each active slot's last partial tile. Split K until the
 // grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least 512 K elements
 // per CTA. The large variants (more than 64 A rows: their MMAs, not their loads, set their time)
@@ -691,6 +696,11 @@ Grid choose_grid(const ShrinkArgs& s, const Plan& plan) {
          s.hidden >= int64_t{g.k_split} * 2 * 512) {
     g.k_split *= 2;
   }
+  // The wgmma form above 64 A rows: fewer parts, of any count, rather than a second wave (4096
+  // tokens, one slot: 33 tiles x 3 parts).
+  if (plan.wg && !small && tuning.prefill_k_split == 0 && g.tiles * g.k_split > kWgOneWave) {
+    g.k_split = static_cast<int>(std::max<int64_t>(1, kWgOneWave / g.tiles));
+  }
   return g;
 }
 
@@ -700,12 +710,10 @@ Grid choose_grid(const ShrinkArgs& s, const Plan& plan) {
 // * 33-64 A rows: wgmma below kWgFullTokens tokens (rank 64 one slice, rank 16 q/k/v: 3-25%
 //   faster at 256-1024 tokens; 7-23% slower at 4096, where 32 full tiles each end with one CTA
 //   summing 8 parts of 128 x 64 floats: a 10 us tail);
-// * above 64 A rows: wgmma where its grid of one CTA per SM stays within kWgOneWave CTAs. That
-//   CTA holds 128 x N accumulators and three 40 KB stages (rank 64 q/k/v): at 4096 tokens its K
-//   loop took 20 us against mma.sync's 35, but 132 CTAs in clusters of 4 found only 120 SMs at
-//   launch and ran as two waves (35-40% slower); with 1-8 adapters up to 1024 tokens on grids
-//   of up to 128 CTAs it was 10-25% faster (128: 8 adapters x 1024 tokens, q/k/v rank 64).
-constexpr int64_t kWgOneWave = 128;
+// * above 64 A rows: wgmma where its grid of one CTA per SM fits kWgOneWave CTAs with K split in
+//   at least three (choose_grid). With 1-8 adapters up to 1024 tokens (grids of up to 128 CTAs)
+//   it was 10-26% faster (rank 64 q/k/v); at 4096 tokens with 1-8 adapters (K in 3 parts, 99-120
+//   CTAs) 5-8%; with 32 adapters at 4096 tokens (64 tiles: K in 2) 26% slower.
 constexpr int64_t kWgFullTokens = 2048;
 Plan choose_plan(const ShrinkArgs& s) {
   if (!wgmma_allowed(s)) return make_plan(s, false);
@@ -713,7 +721,7 @@ Plan choose_plan(const ShrinkArgs& s) {
   if (kernel_tuning().prefill_mma == 2 || wg.a_rows <= 32) return wg;
   if (wg.a_rows <= kSmallRows) return s.num_tokens < kWgFullTokens ? wg : make_plan(s, false);
   const Grid g = choose_grid(s, wg);
-  return g.tiles * g.k_split <= kWgOneWave ? wg : make_plan(s, false);
+  return g.tiles * g.k_split <= kWgOneWave && g.k_split >= 3 ? wg : make_plan(s, false);
 }
 
 }  // namespace
