@@ -17,7 +17,8 @@ struct KernelTuning {
   int decode_k_chunks = 16;
   /// Decode kernel: output columns per consumer item, at most (a power of two, 8..256).
   int decode_cols = 128;
-  /// Prefill shrink: CTAs that split K, at most (1, 2, 4 or 8); 0: 4 for mma.sync, 8 for wgmma.
+  /// Prefill shrink: CTAs that split K, at most (1, 2, 4 or 8); 0: 4 for mma.sync, 8 for wgmma
+  /// (above 64 A rows fewer, of any count, so that its one-per-SM grid stays within 128 CTAs).
   int prefill_k_split = 0;
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
