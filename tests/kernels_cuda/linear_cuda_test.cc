@@ -413,7 +413,8 @@ TEST(CudaKernelTrace, TracedClusterLayerMatchesCpuAndRecordsOrderedTimelines) {
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
 // the expand up to rank 64 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
 // deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, its MMA on
-// mma.sync and on wgmma (clusters of 8, or 8 parts through global memory), the pair's
+// mma.sync and on wgmma (clusters of 8, or 8 parts through global memory, summed in the last
+// CTA or by a second kernel), the pair's
 // shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster layer with
 // clusters of 1, 2 and 16.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
@@ -479,6 +480,12 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_reduce = 2,
        .prefill_mma = 2},
       {.prefill_mma = 1},
+      {.prefill_k_split = 8, .prefill_ctas_per_sm = 8, .prefill_reduce = 2, .prefill_sum = 2},
+      {.prefill_k_split = 4,
+       .prefill_ctas_per_sm = 8,
+       .prefill_reduce = 2,
+       .prefill_mma = 1,
+       .prefill_sum = 2},
       {.decode_cluster = 2, .cluster_size = 1},
       {.decode_cluster = 2, .cluster_size = 2},
       {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16}};

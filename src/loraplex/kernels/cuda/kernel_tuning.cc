@@ -27,6 +27,7 @@ constexpr Field kFields[] = {
     {"prefill_max_ctas_per_sm", &KernelTuning::prefill_max_ctas_per_sm, 1, 4, false, true},
     {"prefill_reduce", &KernelTuning::prefill_reduce, 1, 2, false, true},
     {"prefill_mma", &KernelTuning::prefill_mma, 1, 2, false, true},
+    {"prefill_sum", &KernelTuning::prefill_sum, 1, 2, false, true},
     {"prefill_stages", &KernelTuning::prefill_stages, 3, 6, false, true},
     {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, true},
     {"expand_pipelined", &KernelTuning::expand_pipelined, 1, 2, false, true},

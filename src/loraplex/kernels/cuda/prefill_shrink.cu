@@ -72,6 +72,9 @@ constexpr int kWgCols[] = {16, 32, 64, 128, 192, 256};
 // faster for the large variant at 4096 tokens but up to 33% slower at 256-1024 tokens with 32
 // adapters (q/k/v, rank 64; ptxas spilled ~90 bytes) (BENCHMARKS.md, 2026-11-24).
 constexpr int kColSets = 2;
+// The deferred sum kernel keeps the metadata entries in static shared memory: up to this many
+// slots (larger pools sum in the shrink's last CTA).
+constexpr int kMaxLorasForSum = 512;
 // stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
 // the row sources that always follow the stage region cover them.
 static_assert((kTileM<false> + kMaxRows) * 8 >= kColSets * 8 * kPitch * 2,
@@ -165,6 +168,9 @@ struct PrefillParams {
   // the metadata's scratch ([item][k part][kM][part_pitch]), the last of a tile's CTAs to
   // arrive (the metadata's counter per tile) adds them in part order and resets the counter.
   bool global_reduce;
+  // With global_reduce: every CTA only stores its part; prefill_sum_kernel, launched next with
+  // PDL, adds the parts (many CTAs per item instead of the item's last CTA alone).
+  bool defer_sum;
   int k_split;
   int part_pitch;
 };
@@ -278,6 +284,11 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
     if (row < mrows) *reinterpret_cast<float2*>(part + row * pp + col) = make_float2(v0, v1);
   });
+  if (p.defer_sum) {
+    trace_at<kTrace>(p.trace, 6);
+    trace_at<kTrace>(p.trace, 7);
+    return;
+  }
   __shared__ int last;
   __syncthreads();  // the CTA's partial tile is stored ...
   if (tid == 0) {
@@ -342,6 +353,9 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
   trace_at<kTrace>(p.trace, 0);
   trace_at<kTrace>(p.trace, 1);
+  // The sum kernel may become resident as this grid's CTAs leave (its pdl_wait still waits for
+  // the whole grid). This kernel is launched without PDL, after the metadata build finished.
+  if (p.defer_sum) pdl_launch_dependents();
   // Tile `item` starts at sorted position item * kM when the slots before it fill whole tiles
   // (one slot; counts that are multiples of 64): its token indices are loaded on that guess
   // with the metadata, and kept only if the metadata confirms it, so a right guess takes one
@@ -533,6 +547,87 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   trace_at<kTrace>(p.trace, 7);
 }
 
+// The deferred split-K sum (PrefillParams::defer_sum): CTA b adds the parts of rows
+// kSumRows (b % blocks) .. + kSumRows of item b / blocks. Its metadata reads (the tile prefix,
+// the item's token indices, the slot's ranks) come before pdl_wait: the metadata build finished
+// before the shrink started, and the shrink writes none of it. At 4096 tokens the shrink's last
+// CTA per 128-token tile summing 8 parts of 128 x 64 floats alone took 7-9 us (four
+// latency-bound round trips); here each CTA reads one round trip's worth.
+constexpr int kSumThreads = 128;
+constexpr int kSumRows = 16;
+template <typename T, int kM>
+__global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams p) {
+  __shared__ int prefix[kMaxLorasForSum + 2];
+  __shared__ int entries[3 * (kMaxLorasForSum + 1)];
+  __shared__ int tok[kSumRows];
+  __shared__ int srank[kMaxSlices];
+  __shared__ int tile_slice[kMaxTiles];
+  __shared__ int tile_r0[kMaxTiles];
+  __shared__ int ntiles_s;
+  constexpr int kBlocks = kM / kSumRows;
+  const int item = static_cast<int>(blockIdx.x) / kBlocks;
+  const int r0 = (static_cast<int>(blockIdx.x) % kBlocks) * kSumRows;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
+  // Every CTA waits before it leaves, so that this grid's completion implies the shrink's.
+  if (item >= prefix[ne]) {
+    pdl_wait();
+    return;
+  }
+  const int e = find_tile_entry(prefix, ne, item);
+  const int slot = entries[e];
+  const int m0 = (item - prefix[e]) * kM;
+  const int mrows = min(kM, entries[ne + e] - m0);
+  if (r0 >= mrows) {
+    pdl_wait();
+    return;
+  }
+  const int rows = min(kSumRows, mrows - r0);
+  const int start = entries[2 * ne + e] + m0 + r0;
+  if (tid < rows) tok[tid] = p.meta.sorted_token_indices[start + tid];
+  if (tid >= 32 && tid - 32 < p.num_slices) {
+    srank[tid - 32] = p.ranks[(tid - 32) * p.max_loras + slot];
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n = 0;
+    for (int s = 0; s < p.num_slices; ++s) {
+      for (int r = 0; r < srank[s]; r += 8) {
+        tile_slice[n] = s;
+        tile_r0[n] = r;
+        ++n;
+      }
+    }
+    ntiles_s = n;
+  }
+  __syncthreads();
+  const int ntiles = ntiles_s;
+  pdl_wait();  // every part is stored and visible
+  const int pp = p.part_pitch;
+  const float* base = p.meta.scratch + static_cast<int64_t>(start) * pp;
+  reduce_parts<T, 2>(p, tid, kSumThreads, rows, ntiles, p.k_split, tok, tile_slice, tile_r0, srank,
+                     [&](int q, int m, int c) {
+                       return __ldcg(reinterpret_cast<const float4*>(
+                           base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
+                     });
+}
+
+template <typename T, int kM>
+Status launch_sum(const PrefillParams& p, int64_t tiles, StreamHandle stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles * (kM / kSumRows)));
+  cfg.blockDim = dim3(kSumThreads);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, &prefill_sum_kernel<T, kM>, p),
+                                       "prefill_sum_kernel launch"));
+  return launch_status("prefill_sum_kernel");
+}
+
 bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
 
 // Whether the wgmma form may run this shrink (prefill_mma 0 or 2, up to 256 A rows); the
@@ -706,10 +801,10 @@ Grid choose_grid(const ShrinkArgs& s, const Plan& plan) {
 
 // The form (prefill_mma 0), as measured on the H200 at 256-4096 tokens (BENCHMARKS.md,
 // 2026-11-24, ninth session):
-// * up to 32 A rows: wgmma (rank 16 one slice: 9-22% faster everywhere);
-// * 33-64 A rows: wgmma below kWgFullTokens tokens (rank 64 one slice, rank 16 q/k/v: 3-25%
-//   faster at 256-1024 tokens; 7-23% slower at 4096, where 32 full tiles each end with one CTA
-//   summing 8 parts of 128 x 64 floats: a 10 us tail);
+// * up to 64 A rows: wgmma (rank 16 one slice 9-22% faster everywhere; rank 64 one slice and
+//   rank 16 q/k/v 3-25% at 256-1024 tokens and, with the deferred sum from 2048 tokens, 7-20% at
+//   4096, where the last CTA of each full 128-token tile summing 8 parts alone had been a 7-9 us
+//   tail and made it 7-23% slower);
 // * above 64 A rows: wgmma where its grid of one CTA per SM fits kWgOneWave CTAs with K split in
 //   at least three (choose_grid). With 1-8 adapters up to 1024 tokens (grids of up to 128 CTAs)
 //   it was 10-26% faster (rank 64 q/k/v); at 4096 tokens with 1-8 adapters (K in 3 parts, 99-120
@@ -718,8 +813,7 @@ constexpr int64_t kWgFullTokens = 2048;
 Plan choose_plan(const ShrinkArgs& s) {
   if (!wgmma_allowed(s)) return make_plan(s, false);
   const Plan wg = make_plan(s, true);
-  if (kernel_tuning().prefill_mma == 2 || wg.a_rows <= 32) return wg;
-  if (wg.a_rows <= kSmallRows) return s.num_tokens < kWgFullTokens ? wg : make_plan(s, false);
+  if (kernel_tuning().prefill_mma == 2 || wg.a_rows <= kSmallRows) return wg;
   const Grid g = choose_grid(s, wg);
   return g.tiles * g.k_split <= kWgOneWave && g.k_split >= 3 ? wg : make_plan(s, false);
 }
@@ -783,8 +877,24 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
                     k_split > 1 && meta.scratch != nullptr &&
                     k_split * s.num_tokens * plan.a_rows <= meta.scratch_floats &&
                     tiles <= meta.num_counters;
-  if (s.dtype == DType::kBF16) return launch<bf16>(p, plan, k_split, clusters, stream);
-  return launch<f16>(p, plan, k_split, clusters, stream);
+  // The deferred sum (prefill_sum 2: wherever the parts meet in global memory; 0: the wgmma form
+  // from 33 A rows and kWgFullTokens tokens, where full 128-row tiles make the last CTA's sum
+  // long: 4096 tokens 8-19% faster; below, its launch cost more than it saved: 3-7% slower at 32
+  // adapters x 256-1024 tokens).
+  const int sum_mode = tuning.prefill_sum;
+  p.defer_sum = p.global_reduce && s.max_loras <= kMaxLorasForSum &&
+                (sum_mode == 2 ||
+                 (sum_mode == 0 && plan.wg && plan.a_rows > 32 && s.num_tokens >= kWgFullTokens));
+  const bool bf = s.dtype == DType::kBF16;
+  LORAPLEX_RETURN_IF_ERROR(bf ? launch<bf16>(p, plan, k_split, clusters, stream)
+                              : launch<f16>(p, plan, k_split, clusters, stream));
+  if (!p.defer_sum) return Status();
+  if (plan.wg) {
+    return bf ? launch_sum<bf16, kTileM<true>>(p, tiles, stream)
+              : launch_sum<f16, kTileM<true>>(p, tiles, stream);
+  }
+  return bf ? launch_sum<bf16, kTileM<false>>(p, tiles, stream)
+            : launch_sum<f16, kTileM<false>>(p, tiles, stream);
 }
 
 }  // namespace loraplex::kernels::cuda
