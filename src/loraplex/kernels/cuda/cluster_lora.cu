@@ -592,8 +592,7 @@ Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) 
   attr[0].val.clusterDim.x = static_cast<unsigned>(sh.cluster);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  attr[1] = pdl_launch_attribute();
   cfg.attrs = attr;
   // PDL (layer_pdl 1) up to 64 tokens, and at any size with the early reads (settled
   // metadata). On the H200 (BENCHMARKS.md, 2026-11-24) without them 4-7% faster in a graph at 64

@@ -184,6 +184,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+/// The launch attribute that lets a kernel start under PDL (see pdl_wait).
+inline cudaLaunchAttribute pdl_launch_attribute() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
 /// The order a layer's first kernel keeps: it lets its dependents launch only after its own
 /// wait, so that a kernel launched after it starts only once the kernel before it has finished
 /// (what LoraMetaView::settled relies on).

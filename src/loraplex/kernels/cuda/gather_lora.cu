@@ -688,9 +688,7 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
       dim3(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>(p.chunk_begin[s.num_slices]));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   const int group = group_for(tuning, s);

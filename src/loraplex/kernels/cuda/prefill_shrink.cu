@@ -618,9 +618,7 @@ Status launch_sum(const PrefillParams& p, int64_t tiles, StreamHandle stream) {
   cfg.gridDim = dim3(static_cast<unsigned>(tiles * (kM / kSumRows)));
   cfg.blockDim = dim3(kSumThreads);
   cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, &prefill_sum_kernel<T, kM>, p),
