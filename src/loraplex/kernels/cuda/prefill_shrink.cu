@@ -264,6 +264,35 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
   }
 }
 
+// Work item `item` of tiles of kM tokens (build_tile_prefix's prefix and entries over ne
+// entries): its slot, its token count and the sorted position of its first token.
+struct TileItem {
+  int slot;
+  int mrows;
+  int start;
+};
+__device__ __forceinline__ TileItem tile_item(const int* prefix, const int* entries, int ne,
+                                              int item, int kM) {
+  const int e = find_tile_entry(prefix, ne, item);
+  const int m0 = (item - prefix[e]) * kM;
+  return {entries[e], min(kM, entries[ne + e] - m0), entries[2 * ne + e] + m0};
+}
+
+// Column tiles: 8 A rows of one slice each, up to that slice's rank rounded up to 8. Run by one
+// thread; returns the tile count.
+__device__ __forceinline__ int column_tiles(const int* srank, int num_slices, int* tile_slice,
+                                            int* tile_r0) {
+  int n = 0;
+  for (int s = 0; s < num_slices; ++s) {
+    for (int r = 0; r < srank[s]; r += 8) {
+      tile_slice[n] = s;
+      tile_r0[n] = r;
+      ++n;
+    }
+  }
+  return n;
+}
+
 // The split-K reduction through global memory (PrefillParams::global_reduce): no cluster, so
 // the CTAs land on any SM (clusters of 4 used 124 of the H200's 132 SMs and put 3 CTAs on 8
 // of them). Part q of the item's row m lives at scratch row q * num_tokens + start + m (start:
@@ -378,11 +407,10 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
   trace_at<kTrace>(p.trace, 2);
   if (item >= prefix[ne]) return;  // the same in every CTA of the cluster: no barrier waits
-  const int e = find_tile_entry(prefix, ne, item);
-  const int slot = entries[e];
-  const int m0 = (item - prefix[e]) * kM;
-  const int mrows = min(kM, entries[ne + e] - m0);
-  const int start = entries[2 * ne + e] + m0;
+  const TileItem it = tile_item(prefix, entries, ne, item, kM);
+  const int slot = it.slot;
+  const int mrows = it.mrows;
+  const int start = it.start;
   if (tid >= kM && tid < 2 * kM) {
     const int m = tid - kM;
     tok[m] = m >= mrows ? -1 : start == guess ? spec : p.meta.sorted_token_indices[start + m];
@@ -392,18 +420,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
         p.cache_ranks ? rank_tab[tid * p.max_loras + slot] : p.ranks[tid * p.max_loras + slot];
   }
   __syncthreads();
-  if (tid == 0) {
-    // Column tiles: 8 A rows of one slice each, up to that slice's rank rounded up to 8.
-    int n = 0;
-    for (int s = 0; s < S; ++s) {
-      for (int r = 0; r < srank[s]; r += 8) {
-        tile_slice[n] = s;
-        tile_r0[n] = r;
-        ++n;
-      }
-    }
-    *ntiles_s = n;
-  }
+  if (tid == 0) *ntiles_s = column_tiles(srank, S, tile_slice, tile_r0);
   __syncthreads();
   const int ntiles = *ntiles_s;
   if (ntiles == 0) return;  // every slice of this slot has rank 0 (same in the whole cluster)
@@ -574,32 +591,20 @@ __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams 
     pdl_wait();
     return;
   }
-  const int e = find_tile_entry(prefix, ne, item);
-  const int slot = entries[e];
-  const int m0 = (item - prefix[e]) * kM;
-  const int mrows = min(kM, entries[ne + e] - m0);
-  if (r0 >= mrows) {
+  const TileItem it = tile_item(prefix, entries, ne, item, kM);
+  const int slot = it.slot;
+  if (r0 >= it.mrows) {
     pdl_wait();
     return;
   }
-  const int rows = min(kSumRows, mrows - r0);
-  const int start = entries[2 * ne + e] + m0 + r0;
+  const int rows = min(kSumRows, it.mrows - r0);
+  const int start = it.start + r0;
   if (tid < rows) tok[tid] = p.meta.sorted_token_indices[start + tid];
   if (tid >= 32 && tid - 32 < p.num_slices) {
     srank[tid - 32] = p.ranks[(tid - 32) * p.max_loras + slot];
   }
   __syncthreads();
-  if (tid == 0) {
-    int n = 0;
-    for (int s = 0; s < p.num_slices; ++s) {
-      for (int r = 0; r < srank[s]; r += 8) {
-        tile_slice[n] = s;
-        tile_r0[n] = r;
-        ++n;
-      }
-    }
-    ntiles_s = n;
-  }
+  if (tid == 0) ntiles_s = column_tiles(srank, p.num_slices, tile_slice, tile_r0);
   __syncthreads();
   const int ntiles = ntiles_s;
   pdl_wait();  // every part is stored and visible
