@@ -68,6 +68,7 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.gather_group = 3; }, "gather_group = 3"},
       {[](KernelTuning& t) { t.gather_max_token_ranks = 0; }, "gather_max_token_ranks = 0"},
       {[](KernelTuning& t) { t.gather_shrink = 3; }, "gather_shrink = 3"},
+      {[](KernelTuning& t) { t.gather_rows = 12; }, "gather_rows = 12"},
       {[](KernelTuning& t) { t.decode_cluster = 3; }, "decode_cluster = 3"},
       {[](KernelTuning& t) { t.layer_pdl = 3; }, "layer_pdl = 3"},
       {[](KernelTuning& t) { t.cluster_size = 3; }, "cluster_size = 3"},

@@ -436,6 +436,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .gather_group = 1,
        .gather_max_token_ranks = 1 << 30,
        .gather_shrink = 2,
+       .gather_rows = 8,
        .decode_cluster = 0},
       {.decode_k_chunks = 4,
        .decode_cols = 64,
@@ -452,10 +453,12 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .gather_group = 4,
        .gather_max_token_ranks = 1 << 30,
        .gather_shrink = 2,
+       .gather_rows = 8,
        .decode_cluster = 0},
       {.gather_group = 2,
        .gather_max_token_ranks = 1 << 30,
        .gather_shrink = 1,
+       .gather_rows = 8,
        .decode_cluster = 0,
        .layer_pdl = 2},
       {.gather_group = 2,
@@ -505,10 +508,11 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 std::to_string(t.decode_cols) + " k_split " + std::to_string(t.prefill_k_split) +
                 " group " + std::to_string(t.gather_group) + " cluster " +
                 std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
-                " shrink " + std::to_string(t.gather_shrink) + " pdl " +
-                std::to_string(t.layer_pdl) + " pipelined " + std::to_string(t.expand_pipelined) +
-                " stages " + std::to_string(t.prefill_stages) + " reduce " +
-                std::to_string(t.prefill_reduce) + " mma " + std::to_string(t.prefill_mma));
+                " shrink " + std::to_string(t.gather_shrink) + " rows " +
+                std::to_string(t.gather_rows) + " pdl " + std::to_string(t.layer_pdl) +
+                " pipelined " + std::to_string(t.expand_pipelined) + " stages " +
+                std::to_string(t.prefill_stages) + " reduce " + std::to_string(t.prefill_reduce) +
+                " mma " + std::to_string(t.prefill_mma));
       }
     }
   }

@@ -8,10 +8,10 @@
 // chain as short as it can be: a CTA reads its tokens' slots, the slot's rank, and then issues
 // every load of its weights at once; no work lists, no barriers across CTAs.
 //
-//   gather_shrink: CTA (group of consecutive tokens of the sorted order, slice x 16-row rank
-//     group, 1024-wide K chunk). Tokens of one slot are adjacent in the sorted order, so a
-//     group usually shares one slot and loads its A rows once. The arithmetic is FMA (each
-//     thread 8 consecutive K of every row, a butterfly reduction) or, where tokens share
+//   gather_shrink: CTA (group of consecutive tokens of the sorted order, slice x 16- or 8-row
+//     rank group (rows_for), 1024-wide K chunk). Tokens of one slot are adjacent in the sorted
+//     order, so a group usually shares one slot and loads its A rows once. The arithmetic is FMA
+//     (each thread 8 consecutive K of every row, a butterfly reduction) or, where tokens share
 //     slots, tensor cores (lane (g, t) loads 64 of its K of A rows g and g + 8 and of token
 //     g's x row straight into mma fragments: the K-order trick); the four warps are summed
 //     through shared memory and the K-chunk partial sums go to the metadata's scratch
@@ -43,7 +43,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kKChunk = kThreads * 8;  // K per shrink CTA: 8 per thread
-constexpr int kRowGroup = 16;          // A rows per shrink CTA
+constexpr int kRowsMax = 16;           // A rows per shrink CTA at most: kRows, 16 or 8 (rows_for)
 constexpr int kColsPerThread = 4;      // expand: y columns per thread
 constexpr int kPreRanks = 16;          // expand: B ranks loaded before the wait
 constexpr int kMaxRank = 256;          // expand: the intermediate row in shared memory
@@ -116,34 +116,43 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
   return v[0] + __shfl_xor_sync(kFullMask, v[0], 1);
 }
 
+/// The same over 8 values: afterwards lanes 4i .. 4i + 3 hold the warp sum of value i.
+__device__ __forceinline__ float transpose_reduce8(float (&v)[16], int lane) {
+  butterfly_step<4, 16>(v, lane);
+  butterfly_step<2, 8>(v, lane);
+  butterfly_step<1, 4>(v, lane);
+  const float s = v[0] + __shfl_xor_sync(kFullMask, v[0], 2);
+  return s + __shfl_xor_sync(kFullMask, s, 1);
+}
+
 // kGroup: consecutive tokens of the sorted order per CTA (1: token blockIdx.x itself, no
 // sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
 // shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
 // The K-chunk partial sums of one slot's tokens (`mine`, a mask over the group) with FMA: each
-// thread takes 8 consecutive K of the group's 16 A rows and of the tokens' x rows, and a
-// butterfly leaves lane l with row l / 2 of each token; red[warp][token][row] gets the warp's
-// sums.
+// thread takes 8 consecutive K of the group's kRows A rows and of the tokens' x rows, and a
+// butterfly leaves lane l with row l / 2 of each token (l / 4 with 8 rows); red[warp][token][row]
+// gets the warp's sums.
 // kPinned: the A loads in volatile asm, so that they are issued before before_x (a plain
 // read-only load may be sunk past it to its use).
-template <typename T, int kGroup, bool kPinned, typename BeforeX>
+template <typename T, int kGroup, int kRows, bool kPinned, typename BeforeX>
 __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow, int rows,
                                            unsigned mine, const int (&tok)[kGroup], int kc,
-                                           float (*red)[kGroup][kRowGroup], BeforeX before_x) {
+                                           float (*red)[kGroup][kRows], BeforeX before_x) {
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
-  float acc[kGroup][kRowGroup];
+  float acc[kGroup][16];  // the butterflies take 16 values; with 8 rows the upper 8 stay zero
 #pragma unroll
   for (int j = 0; j < kGroup; ++j) {
 #pragma unroll
-    for (int i = 0; i < kRowGroup; ++i) acc[j][i] = 0.0f;
+    for (int i = 0; i < 16; ++i) acc[j][i] = 0.0f;
   }
   if (k < p.hidden) {
-    uint4 av[kRowGroup];
+    uint4 av[kRows];
 #pragma unroll
-    for (int i = 0; i < kRowGroup; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       const T* src = arow + i * p.hidden + k;
       av[i] = i >= rows ? make_uint4(0, 0, 0, 0) : kPinned ? ldg16_now(src) : ldg16(src);
     }
@@ -155,15 +164,20 @@ __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow,
         float xf[8];
         unpack8<T>(xv, xf);
 #pragma unroll
-        for (int i = 0; i < kRowGroup; ++i) acc[j][i] = dot8<T>(av[i], xf);
+        for (int i = 0; i < kRows; ++i) acc[j][i] = dot8<T>(av[i], xf);
       }
     }
   }
 #pragma unroll
   for (int j = 0; j < kGroup; ++j) {
     if ((mine >> j) & 1u) {  // the same in every thread: the shuffles stay converged
-      const float sum = transpose_reduce16(acc[j], lane);
-      if ((lane & 1) == 0) red[warp][j][lane >> 1] = sum;
+      if constexpr (kRows == 16) {
+        const float sum = transpose_reduce16(acc[j], lane);
+        if ((lane & 1) == 0) red[warp][j][lane >> 1] = sum;
+      } else {
+        const float sum = transpose_reduce8(acc[j], lane);
+        if ((lane & 3) == 0) red[warp][j][lane >> 2] = sum;
+      }
     }
   }
 }
@@ -175,10 +189,10 @@ __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow,
 // every load is a plain 16-byte load into registers, and the 4 lanes of a row read 64
 // contiguous bytes per load. Fewer instructions and registers than shrink_fma, one extra
 // barrier.
-template <typename T, int kGroup, typename BeforeX>
+template <typename T, int kGroup, int kRows, typename BeforeX>
 __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow, int rows,
                                            unsigned mine, const int (&tok)[kGroup], int kc,
-                                           float (*red)[kGroup][kRowGroup], BeforeX before_x) {
+                                           float (*red)[kGroup][kRows], BeforeX before_x) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2;  // mma group: A rows g and g + 8, token g of the group
@@ -189,9 +203,10 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
   for (int j = 1; j < kGroup; ++j) my_tok = g == j ? tok[j] : my_tok;
   // The same in the whole warp (mma.sync needs every lane): this warp's K is in range.
   const bool warp_in = k - t * 8 < p.hidden;
-  uint4 av[2][8];  // A rows g and g + 8 (zero past the rank)
+  constexpr int kHalves = kRows / 8;
+  uint4 av[kHalves][8];  // A rows g and g + 8 (zero past the rank)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < kHalves; ++h) {
     const T* row = arow + (g + 8 * h) * p.hidden + k;
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -217,17 +232,17 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
       const uint4& x4 = xv[q >> 1];
       const uint32_t xa[4] = {(q & 1) ? x4.z : x4.x, 0u, (q & 1) ? x4.w : x4.y, 0u};
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < kHalves; ++h) {
         const uint4& a4 = av[h][q >> 1];
         const uint32_t bf[2] = {(q & 1) ? a4.z : a4.x, (q & 1) ? a4.w : a4.y};
         mma_16816<T>(acc[h], xa, bf);
       }
     }
   }
-  // acc[h][0..1]: token g, rows 8h + 2t and 8h + 2t + 1 of the group's 16.
+  // acc[h][0..1]: token g, rows 8h + 2t and 8h + 2t + 1 of the group's kRows.
   if (g < kGroup && ((mine >> g) & 1u) != 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       red[warp][g][8 * h + 2 * t] = acc[h][0];
       red[warp][g][8 * h + 2 * t + 1] = acc[h][1];
     }
@@ -238,7 +253,7 @@ __device__ __forceinline__ void shrink_mma(const GatherParams& p, const T* arow,
 // sorted lookup). The tokens of one slot are adjacent in the sorted order, so a group usually
 // shares one slot and its A rows are loaded once for all of its tokens (the A traffic through
 // L2 shrinks by kGroup); a group that straddles slots is processed one slot at a time.
-template <typename T, int kGroup, bool kMma, bool kTrace, bool kEarly>
+template <typename T, int kGroup, bool kMma, bool kTrace, bool kEarly, int kRows>
 __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p) {
   trace_at<kTrace>(p.trace_shrink, 0);
   trace_at<kTrace>(p.trace_shrink, 1);
@@ -259,9 +274,9 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     }
   };
   if (!p.early) wait_once();
-  const int groups = (p.max_rank + kRowGroup - 1) / kRowGroup;
+  const int groups = (p.max_rank + kRows - 1) / kRows;
   const int s = static_cast<int>(blockIdx.y) / groups;
-  const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRowGroup;
+  const int r0 = (static_cast<int>(blockIdx.y) % groups) * kRows;
   const int kc = static_cast<int>(blockIdx.z);
   const int first = static_cast<int>(blockIdx.x) * kGroup;
   int tok[kGroup];
@@ -277,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     slot_of[j] = valid_slot(slot, p.max_loras) ? slot : -1;
   }
   const int tid = static_cast<int>(threadIdx.x);
-  __shared__ float red[kWarps][kGroup][kRowGroup];
+  __shared__ float red[kWarps][kGroup][kRows];
   unsigned done = 0;  // tokens of the group already processed (the same in every thread)
 #pragma unroll
   for (int j0 = 0; j0 < kGroup; ++j0) {
@@ -297,25 +312,25 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     if constexpr (!kEarly) wait_once();
     const int rank = p.ranks[s * p.max_loras + slot];
     if (!kEarly && r0 >= rank) continue;
-    const int rows_ld = kEarly ? p.max_rank - r0 : min(kRowGroup, rank - r0);
+    const int rows_ld = min(kRows, (kEarly ? p.max_rank : rank) - r0);
     const T* arow =
         static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
     auto before_x = [&]() {
       if constexpr (kEarly) wait_once();
     };
     if constexpr (kMma) {
-      shrink_mma<T, kGroup>(p, arow, rows_ld, mine, tok, kc, red, before_x);
+      shrink_mma<T, kGroup, kRows>(p, arow, rows_ld, mine, tok, kc, red, before_x);
     } else {
-      shrink_fma<T, kGroup, kEarly>(p, arow, rows_ld, mine, tok, kc, red, before_x);
+      shrink_fma<T, kGroup, kRows, kEarly>(p, arow, rows_ld, mine, tok, kc, red, before_x);
     }
     __syncthreads();
     trace_at<kTrace>(p.trace_shrink, 3);
     if (kEarly && r0 >= rank) continue;  // uniform; nothing reads `red` before the next slot's sums
     trace_at<kTrace>(p.trace_shrink, 5);
-    const int rows = min(kRowGroup, rank - r0);
-    if (tid < kGroup * kRowGroup) {
-      const int j = tid / kRowGroup;
-      const int r = tid % kRowGroup;
+    const int rows = min(kRows, rank - r0);
+    if (tid < kGroup * kRows) {
+      const int j = tid / kRows;
+      const int r = tid % kRows;
       if (((mine >> j) & 1u) != 0 && r < rows) {
         float v = 0.0f;
 #pragma unroll
@@ -544,7 +559,7 @@ bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
 // The shrink with PDL by layer_pdl, the expand always (it waits for the shrink's sums).
 // While a trace buffer is set (bf16 only, the benchmark's dtype), the kTrace instantiations:
 // the shrink's CTAs first, then the expand's.
-template <typename T, int kGroup, bool kMma>
+template <typename T, int kGroup, bool kMma, int kRows>
 Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int layer_pdl) {
   cudaLaunchConfig_t shrink_cfg = cfg;
   shrink_cfg.gridDim = shrink_grid;
@@ -584,7 +599,7 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
   auto pick = [&](auto trace) -> Status {
     constexpr bool kT = decltype(trace)::value;
     if (p.max_rank <= kPreRanks) {
-      return run(gather_shrink_kernel<T, kGroup, kMma, kT, true>,
+      return run(gather_shrink_kernel<T, kGroup, kMma, kT, true, kRows>,
                  gather_expand_kernel<T, kT, kRegs>, 0);
     }
     // Staged where every CTA of the pair can have an SM of its own: on the H200 (BENCHMARKS.md,
@@ -594,11 +609,11 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
     // the kLoop layers that ran the same shrink afterwards by up to 30%).
     const int64_t ctas = shrink_ctas + int64_t{cfg.gridDim.x} * cfg.gridDim.y;
     if (p.max_rank <= kStagedRanks && ctas <= sm_count()) {
-      return run(gather_shrink_kernel<T, kGroup, kMma, kT, false>,
+      return run(gather_shrink_kernel<T, kGroup, kMma, kT, false, kRows>,
                  gather_expand_kernel<T, kT, kStaged>, kStagedBytes);
     }
-    return run(gather_shrink_kernel<T, kGroup, kMma, kT, false>, gather_expand_kernel<T, kT, kLoop>,
-               0);
+    return run(gather_shrink_kernel<T, kGroup, kMma, kT, false, kRows>,
+               gather_expand_kernel<T, kT, kLoop>, 0);
   };
   p.trace_shrink = kernel_trace();
   if constexpr (std::is_same_v<T, bf16>) {
@@ -610,19 +625,37 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
   return pick(std::false_type{});
 }
 
-template <typename T, bool kMma>
+template <typename T, bool kMma, int kRows>
 Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group,
                     int layer_pdl) {
-  if (group == 1) return launch_pair<T, 1, kMma>(p, grid, cfg, layer_pdl);
-  if (group == 4) return launch_pair<T, 4, kMma>(p, grid, cfg, layer_pdl);
-  return launch_pair<T, 2, kMma>(p, grid, cfg, layer_pdl);
+  if (group == 1) return launch_pair<T, 1, kMma, kRows>(p, grid, cfg, layer_pdl);
+  if (group == 4) return launch_pair<T, 4, kMma, kRows>(p, grid, cfg, layer_pdl);
+  return launch_pair<T, 2, kMma, kRows>(p, grid, cfg, layer_pdl);
 }
 
 template <typename T>
 Status launch_shrink_kind(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                          int group, bool mma, int layer_pdl) {
-  return mma ? launch_group<T, true>(p, grid, cfg, group, layer_pdl)
-             : launch_group<T, false>(p, grid, cfg, group, layer_pdl);
+                          int group, bool mma, int rows, int layer_pdl) {
+  if (rows == 8) {
+    return mma ? launch_group<T, true, 8>(p, grid, cfg, group, layer_pdl)
+               : launch_group<T, false, 8>(p, grid, cfg, group, layer_pdl);
+  }
+  return mma ? launch_group<T, true, 16>(p, grid, cfg, group, layer_pdl)
+             : launch_group<T, false, 16>(p, grid, cfg, group, layer_pdl);
+}
+
+// A rows per shrink CTA: the tuning's gather_rows, or (0) 8 where the slots' A rows are loaded
+// after the PDL wait (max_rank above kPreRanks: their latency is on the layer's path, and half
+// the rows per CTA halve the bytes each CTA waits for) and the grid of 16-row CTAs is at most
+// two per SM, else 16. On an H100 (BENCHMARKS.md, 2026-11-25) 8 rows were 16-29% faster at rank
+// 64 and one token (16-48 CTAs of 16 rows) and 11% at 16 tokens over 32 adapters (256 CTAs),
+// 4-18% slower with 768 (q/k/v at 16 tokens); at rank 16, where the A rows load before the
+// wait, -4% to +8%.
+int rows_for(const KernelTuning& t, const ShrinkArgs& s, int group) {
+  if (t.gather_rows > 0) return t.gather_rows;
+  const int64_t ctas16 = ceil_div(s.num_tokens, group) * s.num_slices *
+                         ceil_div(s.max_rank, kRowsMax) * k_chunks_of(s.hidden);
+  return s.max_rank > kPreRanks && ctas16 <= 2 * int64_t{sm_count()} ? 8 : kRowsMax;
 }
 
 }  // namespace
@@ -678,7 +711,9 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   }
   p.y = e.y;
   p.y_stride = e.y_row_stride;
-  const int groups = static_cast<int>(ceil_div(s.max_rank, kRowGroup));
+  const int group = group_for(tuning, s);
+  const int rows = rows_for(tuning, s, group);
+  const int groups = static_cast<int>(ceil_div(s.max_rank, rows));
   const dim3 shrink_grid(static_cast<unsigned>(s.num_tokens),
                          static_cast<unsigned>(s.num_slices * groups),
                          static_cast<unsigned>(p.k_chunks));
@@ -691,12 +726,11 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  const int group = group_for(tuning, s);
   const bool mma = mma_for(tuning, group, s.num_tokens, s.max_loras);
   if (s.dtype == DType::kBF16) {
-    return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, tuning.layer_pdl);
+    return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, rows, tuning.layer_pdl);
   }
-  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma, tuning.layer_pdl);
+  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma, rows, tuning.layer_pdl);
 }
 
 }  // namespace loraplex::kernels::cuda

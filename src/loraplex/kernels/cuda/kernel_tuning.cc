@@ -36,6 +36,7 @@ constexpr Field kFields[] = {
     {"gather_group", &KernelTuning::gather_group, 1, 4, true, true},
     {"gather_max_token_ranks", &KernelTuning::gather_max_token_ranks, 1, 1 << 30, false, false},
     {"gather_shrink", &KernelTuning::gather_shrink, 1, 2, false, true},
+    {"gather_rows", &KernelTuning::gather_rows, 8, 16, true, true},
     {"decode_cluster", &KernelTuning::decode_cluster, 0, 2, false, false},
     {"layer_pdl", &KernelTuning::layer_pdl, 0, 2, false, false},
     {"meta_early", &KernelTuning::meta_early, 0, 1, false, false},

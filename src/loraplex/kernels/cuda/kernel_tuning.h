@@ -63,6 +63,9 @@ struct KernelTuning {
   /// Per-token pair: the shrink's arithmetic. 1: FMA; 2: tensor cores; 0: tensor cores where
   /// groups of tokens share a slot (gather_lora.cu, mma_for).
   int gather_shrink = 0;
+  /// Per-token pair: A rows per shrink CTA (8 or 16); 0: gather_lora.cu's rows_for (8 above
+  /// rank 16 on grids of up to two 16-row CTAs per SM, else 16).
+  int gather_rows = 0;
   /// Layers up to 256 tokens: the one-kernel cluster path (cluster_lora.cu). 0: never; 1: where
   /// it measured faster than the other paths (decode_lora.cu, use_cluster); 2: wherever it
   /// applies (for tests and comparisons).
