@@ -95,8 +95,8 @@ __device__ __forceinline__ float dot8(const uint4& a, const float (&x)[8]) {
 
 // One butterfly step over 2 * W values: lanes with lane bit BIT set keep the upper W (adding
 // the partner's upper W), the others the lower W.
-template <int W, int BIT>
-__device__ __forceinline__ void butterfly_step(float (&v)[16], int lane) {
+template <int W, int BIT, int N>
+__device__ __forceinline__ void butterfly_step(float (&v)[N], int lane) {
   const bool upper = (lane & BIT) != 0;
 #pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -117,7 +117,7 @@ __device__ __forceinline__ float transpose_reduce16(float (&v)[16], int lane) {
 }
 
 /// The same over 8 values: afterwards lanes 4i .. 4i + 3 hold the warp sum of value i.
-__device__ __forceinline__ float transpose_reduce8(float (&v)[16], int lane) {
+__device__ __forceinline__ float transpose_reduce8(float (&v)[8], int lane) {
   butterfly_step<4, 16>(v, lane);
   butterfly_step<2, 8>(v, lane);
   butterfly_step<1, 4>(v, lane);
@@ -143,11 +143,11 @@ __device__ __forceinline__ void shrink_fma(const GatherParams& p, const T* arow,
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int64_t k = static_cast<int64_t>(kc) * kKChunk + tid * 8;
-  float acc[kGroup][16];  // the butterflies take 16 values; with 8 rows the upper 8 stay zero
+  float acc[kGroup][kRows];
 #pragma unroll
   for (int j = 0; j < kGroup; ++j) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc[j][i] = 0.0f;
+    for (int i = 0; i < kRows; ++i) acc[j][i] = 0.0f;
   }
   if (k < p.hidden) {
     uint4 av[kRows];
