@@ -59,7 +59,8 @@ class Timer {
   void* stop_ = nullptr;
 };
 
-/// Reads `bytes` of `buffer` with a streaming kernel (evicts the L2 for cold timings).
+/// Reads `bytes` of `buffer` with normal-priority L2 loads: evicts (and cleans) the L2 for cold
+/// timings.
 void read_buffer(const void* buffer, size_t bytes, float* sink, cuda_rt::StreamHandle stream);
 /// Fills `count` elements of a floating dtype with values uniform in +-[scale/8, scale]
 /// (never zero) from a counter-based hash of `seed`.
