@@ -39,7 +39,7 @@ struct KernelTuning {
   int prefill_mma = 0;
   /// Prefill shrink with its split-K parts in global memory: 1 sums them in each tile's last
   /// CTA; 2 in a second kernel launched with PDL (many CTAs per tile); 0: the second kernel for
-  /// the wgmma form above 32 A rows from 2048 tokens.
+  /// the wgmma form from 2048 tokens.
   int prefill_sum = 0;
   /// Tensor-core expands: grid of this many CTAs per SM at most (1..16), each taking a
   /// contiguous run of work items; 0: four, and five for the pipelined expand up to rank 16 where

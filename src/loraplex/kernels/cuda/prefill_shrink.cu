@@ -293,6 +293,9 @@ __device__ __forceinline__ int column_tiles(const int* srank, int num_slices, in
   return n;
 }
 
+// From this many rows an item's partial tile is stored through shared memory (whole rows).
+constexpr int kStagedPartRows = 64;
+
 // The split-K reduction through global memory (PrefillParams::global_reduce): no cluster, so
 // the CTAs land on any SM (clusters of 4 used 124 of the H200's 132 SMs and put 3 CTAs on 8
 // of them). Part q of the item's row m lives at scratch row q * num_tokens + start + m (start:
@@ -301,18 +304,37 @@ __device__ __forceinline__ int column_tiles(const int* srank, int num_slices, in
 // tokens (q/k/v, rank 16) and sent the reduction to clusters of 8 (two waves: +34%).
 template <typename T, bool kWg, int kAccTiles, int kQuads, bool kTrace>
 __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
-                                                      const float (&acc)[kAccTiles * 4], int item,
-                                                      int ks, int crank, int start, int ntiles,
-                                                      int mrows, const int* tok,
+                                                      const float (&acc)[kAccTiles * 4], float* red,
+                                                      int item, int ks, int crank, int start,
+                                                      int ntiles, int mrows, const int* tok,
                                                       const int* tile_slice, const int* tile_r0,
                                                       const int* srank) {
   const int tid = static_cast<int>(threadIdx.x);
   const int pp = p.part_pitch;
   float* part = p.meta.scratch + (static_cast<int64_t>(crank) * p.num_tokens + start) * pp;
   // Rows past the item's tokens belong to the next item (or past the batch).
-  for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
-    if (row < mrows) *reinterpret_cast<float2*>(part + row * pp + col) = make_float2(v0, v1);
-  });
+  if (mrows < kStagedPartRows) {
+    for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
+      if (row < mrows) *reinterpret_cast<float2*>(part + row * pp + col) = make_float2(v0, v1);
+    });
+  } else {
+    // Long tiles go through shared memory (free after the K loop), so that the global stores
+    // are whole rows of 16-byte quads instead of 8 bytes per thread and 32 per row and warp
+    // instruction: rank 16 q/k/v at 4096 tokens 0-3.5% faster in three H100 runs (eleventh
+    // session). Short ones (32 adapters x 256-1024 tokens) measured 2-3% slower that way: the extra
+    // barrier and shared-memory round trip cost more than the stores they merge.
+    for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
+      *reinterpret_cast<float2*>(red + row * p.red_pitch + col) = make_float2(v0, v1);
+    });
+    __syncthreads();
+    const int quads = ntiles * 2;
+    for (int i = tid; i < mrows * quads; i += kThreads) {
+      const int m = i / quads;
+      const int c = (i - m * quads) * 4;
+      *reinterpret_cast<float4*>(part + m * pp + c) =
+          *reinterpret_cast<const float4*>(red + m * p.red_pitch + c);
+    }
+  }
   if (p.defer_sum) {
     trace_at<kTrace>(p.trace, 6);
     trace_at<kTrace>(p.trace, 7);
@@ -543,7 +565,8 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
 
   if (p.global_reduce) {
     reduce_through_global<T, kWg, kAccTiles, kQuads, kTrace>(
-        p, acc, item, ks, crank, start, ntiles, mrows, tok, tile_slice, tile_r0, srank);
+        p, acc, reinterpret_cast<float*>(smem_raw), item, ks, crank, start, ntiles, mrows, tok,
+        tile_slice, tile_r0, srank);
     return;
   }
   float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
@@ -881,13 +904,13 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
                     k_split * s.num_tokens * plan.a_rows <= meta.scratch_floats &&
                     tiles <= meta.num_counters;
   // The deferred sum (prefill_sum 2: wherever the parts meet in global memory; 0: the wgmma form
-  // from 33 A rows and kWgFullTokens tokens, where full 128-row tiles make the last CTA's sum
-  // long: 4096 tokens 8-19% faster; below, its launch cost more than it saved: 3-7% slower at 32
-  // adapters x 256-1024 tokens).
+  // from kWgFullTokens tokens, where full 128-row tiles make the last CTA's sum long: 33-64 A
+  // rows at 4096 tokens 8-19% faster on the H200; 16 rows (rank 16, one slice) 3-6% on an H100
+  // once the cold timing's flush really emptied the L2 (eleventh session); below, its launch
+  // cost more than it saved: 3-7% slower at 32 adapters x 256-1024 tokens).
   const int sum_mode = tuning.prefill_sum;
   p.defer_sum = p.global_reduce && s.max_loras <= kMaxLorasForSum &&
-                (sum_mode == 2 ||
-                 (sum_mode == 0 && plan.wg && plan.a_rows > 32 && s.num_tokens >= kWgFullTokens));
+                (sum_mode == 2 || (sum_mode == 0 && plan.wg && s.num_tokens >= kWgFullTokens));
   const bool bf = s.dtype == DType::kBF16;
   LORAPLEX_RETURN_IF_ERROR(bf ? launch<bf16>(p, plan, k_split, clusters, stream)
                               : launch<f16>(p, plan, k_split, clusters, stream));
