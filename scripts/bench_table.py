@@ -9,6 +9,7 @@ bandwidth, metadata build). With --markdown: the full results table for BENCHMAR
 vLLM anchor figures: only the two quoted in the issue are known here (the anchor CSV is not
 available); every other case is marked "anchor unavailable".
 """
+import gzip
 import json
 import sys
 
@@ -91,7 +92,8 @@ def main():
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
-    with open(sys.argv[1]) as f:
+    opener = gzip.open if sys.argv[1].endswith(".gz") else open
+    with opener(sys.argv[1], "rt") as f:
         doc = json.load(f)
     if "--markdown" in sys.argv[2:]:
         markdown(doc)

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Summarises the JSON files of scripts/device_tuning_sweep.sh: one line per (file, case) with
 the tuning, the op, the case and the graph-rotating and cold times."""
+import gzip
 import json
 import sys
 
 for path in sys.argv[1:]:
-    doc = json.load(open(path))
+    # Sweep results are kept gzip-compressed in bench/results.
+    doc = json.load(gzip.open(path, "rt") if path.endswith(".gz") else open(path))
     tune = ",".join(f"{k}={v}" for k, v in doc.get("tuning", {}).items())
     for r in doc["results"]:
         print(f"{path.rsplit('/', 1)[-1]:48s} {r['op']:7s} r{r['rank']:<3d} a{r['adapters']:<3d} "

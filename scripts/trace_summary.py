@@ -4,6 +4,7 @@ CTAs started, the median / 90th-percentile time of each phase of a CTA, and how 
 (CTAs per SM against the time their SM finished); per decode-pair or cluster-layer linear case
 (four consecutive calls of a graph replay), the medians over calls of the steps of one call."""
 import collections
+import gzip
 import json
 import statistics
 import sys
@@ -68,7 +69,9 @@ def summarise_pair(c):
         print(f"  {name:30s} {statistics.median(s[k] for s in steps):6.2f} us")
 
 
-for line in open(sys.argv[1]):
+# Traces are kept gzip-compressed in bench/results.
+opener = gzip.open if sys.argv[1].endswith(".gz") else open
+for line in opener(sys.argv[1], "rt"):
     c = json.loads(line)
     if "calls" in c:
         summarise_pair(c)
