@@ -491,7 +491,9 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .prefill_sum = 2},
       {.decode_cluster = 2, .cluster_size = 1},
       {.decode_cluster = 2, .cluster_size = 2},
-      {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16}};
+      {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16},
+      // The split path's expand after the shrink without PDL.
+      {.split_pdl = 0}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {
@@ -512,7 +514,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 std::to_string(t.gather_rows) + " pdl " + std::to_string(t.layer_pdl) +
                 " pipelined " + std::to_string(t.expand_pipelined) + " stages " +
                 std::to_string(t.prefill_stages) + " reduce " + std::to_string(t.prefill_reduce) +
-                " mma " + std::to_string(t.prefill_mma));
+                " mma " + std::to_string(t.prefill_mma) + " split_pdl " +
+                std::to_string(t.split_pdl));
       }
     }
   }
@@ -795,9 +798,11 @@ TEST(CudaLoraLinear, MetadataSettlesOnlyOnTheBuildStream) {
 // five graph replays, compared with the CPU applying the same layers in order. A layer that read
 // x, y, its scratch or the metadata before the kernel ahead of it finished would see old values;
 // from the second layer after each build the layers read the (settled) metadata and weights
-// before their wait. 16 tokens (the pair's FMA shrink) and 64 (its tensor-core shrink).
+// before their wait. 16 tokens (the pair's FMA shrink) and 64 (its tensor-core shrink); 320
+// tokens: every layer on the split path, the prefill shrink letting the layer's expand launch
+// under PDL at its start (split_pdl), that expand reading y before its wait.
 class ChainedLayers : public ::testing::TestWithParam<int> {};
-INSTANTIATE_TEST_SUITE_P(CudaLoraLinear, ChainedLayers, ::testing::Values(16, 64));
+INSTANTIATE_TEST_SUITE_P(CudaLoraLinear, ChainedLayers, ::testing::Values(16, 64, 320));
 TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(808);
@@ -817,10 +822,13 @@ TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
   };
   // Every pair of neighbours: pair -> pair, pair -> cluster, cluster -> pair, metadata ->
   // cluster, cluster -> cluster, split -> pair (the split path's plain launches).
-  const PathConfig configs[kLayers] = {{0, 1 << 20, "gather"},  {0, 1 << 20, "gather"},
-                                       {2, 1 << 20, "cluster"}, {0, 1 << 20, "gather"},
-                                       {2, 1 << 20, "cluster"}, {2, 1 << 20, "cluster"},
-                                       {0, 0, "split"},         {0, 1 << 20, "gather"}};
+  const PathConfig decode_configs[kLayers] = {{0, 1 << 20, "gather"},  {0, 1 << 20, "gather"},
+                                              {2, 1 << 20, "cluster"}, {0, 1 << 20, "gather"},
+                                              {2, 1 << 20, "cluster"}, {2, 1 << 20, "cluster"},
+                                              {0, 0, "split"},         {0, 1 << 20, "gather"}};
+  const PathConfig split{0, 0, "split"};
+  const bool prefill = c.tokens > 64;
+  auto config = [&](int i) { return prefill ? split : decode_configs[i]; };
   const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
 
   struct Chain {
@@ -847,14 +855,14 @@ TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
     for (int i = 0; i < kLayers; ++i) {
       if (i == 0 || i == 4) set_mapping(i);
       kernels::cuda::KernelTuning t = defaults;
-      t.decode_cluster = configs[i].cluster;
+      t.decode_cluster = config(i).cluster;
       t.layer_pdl = 2;  // every layer's first kernel with PDL, whatever its size
       ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
-      kernels::cuda::set_fused_linear_max_tokens(configs[i].limit);
+      kernels::cuda::set_fused_linear_max_tokens(config(i).limit);
       if (s.device().is_cuda()) {
         EXPECT_EQ(ch.wrapper.lora_linear_path(ch.buf[(i + 1) % 2], ch.buf[i % 2], ch.a[i], ch.b[i],
                                               ch.ranks[i], ch.ws),
-                  configs[i].name)
+                  config(i).name)
             << "layer " << i;
       }
       ch.wrapper.add_lora_linear(ch.buf[(i + 1) % 2], ch.buf[i % 2], ch.a[i], ch.b[i], ch.ranks[i],

@@ -693,8 +693,7 @@ Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const Lor
     if (use_gather(shrink, expand, meta)) return gather_linear(shrink, expand, meta, stream);
     return launch(shrink, &expand, meta, stream);
   }
-  LORAPLEX_RETURN_IF_ERROR(lora_shrink(shrink, meta, stream));
-  return lora_expand(expand, meta, stream);
+  return lora_split_linear(shrink, expand, meta, stream);
 }
 
 }  // namespace loraplex::kernels::cuda

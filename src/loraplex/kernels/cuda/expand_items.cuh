@@ -36,6 +36,9 @@ struct ExpandTileParams {
   bool cache_sorted;  // the sorted token indices go to shared memory (small batches)
   uint64_t* trace;    // per-CTA timeline (kernel_trace.h) or nullptr
   bool balanced;      // run_begin's split of the items over the CTAs
+  // Launched with PDL right after this layer's prefill shrink (pipelined expand only): y, B and
+  // the metadata are read before griddepcontrol.wait, the intermediate after it.
+  bool pdl;
 };
 
 /// Everything from the arguments; the caches on where the tables are small.

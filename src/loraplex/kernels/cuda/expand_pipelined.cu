@@ -259,7 +259,12 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
   const int last = run_begin(items, static_cast<int>(blockIdx.x) + 1, p.balanced);
 
   Item cur = next_item(p, t, first, last);
-  if (cur.index >= last) return;  // the same in the whole CTA
+  if (cur.index >= last) {  // the same in the whole CTA
+    // Under PDL every CTA waits before it leaves, so that this grid's completion implies the
+    // shrink's.
+    if (p.pdl) pdl_wait();
+    return;
+  }
   if (tid >= kBM) {
     const int m = tid - kBM;
     tokbuf[m] = m >= cur.mrows       ? 0
@@ -271,6 +276,10 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
   issue_y(p, cur, ybuf, tokbuf, tid);
   issue_b<T, kSteps>(p, cur, bs, tid);
   cp_async_commit();
+  // Under PDL (split_pdl) the first item's y and B fly while the shrink finishes: y was written
+  // before the shrink started (the shrink is launched without PDL and this grid only once every
+  // shrink CTA has started), B and the metadata before that. The intermediate is the shrink's.
+  if (p.pdl) pdl_wait();
   // The A fragments and the (tile, slice) they hold (none yet).
   uint32_t af[kSteps][4];
   int af_tile = -1;
@@ -352,9 +361,11 @@ bool expand_pipelined_applies(const ExpandArgs& a) {
   return true;
 }
 
-Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
+Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream,
+                        bool after_prefill_shrink) {
   LORAPLEX_ENSURE(expand_pipelined_applies(a), "expand_pipelined: arguments not supported");
   ExpandTileParams p = expand_tile_params(a, meta);
+  p.pdl = after_prefill_shrink;
   LORAPLEX_RETURN_IF_ERROR(check_expand_items(p));
   p.cache_sorted = false;  // the token indices are loaded an item ahead
   p.balanced = true;
@@ -369,7 +380,16 @@ Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHan
   auto run = [&](auto kernel, int fixed_bytes) -> Status {
     const int smem = fixed_bytes + expand_table_bytes(p);
     LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
-    kernel<<<grid, kThreads, smem, s>>>(p);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
+    cfg.attrs = attr;
+    cfg.numAttrs = p.pdl ? 1 : 0;
+    LORAPLEX_RETURN_IF_ERROR(
+        cuda_status(cudaLaunchKernelEx(&cfg, kernel, p), "expand_pipe_kernel launch"));
     return launch_status("expand_pipe_kernel");
   };
   // Two shapes: rank <= 16 (one rank step, 39 KB of shared memory) and <= 64 (four, 52 KB).

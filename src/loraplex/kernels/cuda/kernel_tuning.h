@@ -86,6 +86,10 @@ struct KernelTuning {
   /// Cluster path: CTAs per cluster (1..16, a power of two), which split K for the shrink and
   /// the output columns for the expand; 0: about 256 of K per CTA.
   int cluster_size = 0;
+  /// Split path (the prefill shrink, then the pipelined expand): 1 launches the expand with PDL,
+  /// the shrink (and its sum kernel) letting it start at their own start, so that its first y
+  /// and B tiles load while the shrink finishes; 0 launches it after the shrink.
+  int split_pdl = 1;
 };
 
 /// The knobs in force.

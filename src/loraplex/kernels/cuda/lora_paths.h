@@ -23,13 +23,26 @@ Status decode_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHan
 /// The tensor-core prefill shrink (prefill_shrink.cu) runs this shrink: bf16/f16, aligned
 /// rows, num_slices * max_rank <= 256.
 bool prefill_shrink_applies(const ShrinkArgs& args);
-Status prefill_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+/// expand_follows: the next launch is this layer's pipelined expand under PDL, which reads
+/// nothing of this shrink's before its wait: the shrink (and its sum kernel) let it launch at
+/// their own start.
+Status prefill_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream,
+                      bool expand_follows = false);
 
 /// The software-pipelined expand (expand_pipelined.cu) runs this expand: bf16/f16, max_rank a
 /// multiple of 8 up to 64, aligned rows, slice widths multiples of 8, unless the
 /// expand_pipelined knob is 1.
 bool expand_pipelined_applies(const ExpandArgs& args);
-Status expand_pipelined(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream);
+/// after_prefill_shrink: the kernel before it in the stream is this layer's prefill shrink (or
+/// its sum kernel), which lets it launch at its start; the expand is then launched with PDL and
+/// loads its first y and B tiles before it waits for the intermediate.
+Status expand_pipelined(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream,
+                        bool after_prefill_shrink = false);
+
+/// The split path of a layer (shrink kernels, then expand kernels), with the expand launched
+/// under PDL after the prefill shrink where split_pdl allows.
+Status lora_split_linear(const ShrinkArgs& shrink, const ExpandArgs& expand,
+                         const LoraMetaView& meta, StreamHandle stream);
 
 /// The per-token layer pair (gather_lora.cu) runs this layer: bf16/f16, add_inputs, max_rank a
 /// multiple of 8 up to 256, aligned rows, slice widths multiples of 4, enough scratch.

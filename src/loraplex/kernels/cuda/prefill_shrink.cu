@@ -171,6 +171,8 @@ struct PrefillParams {
   // With global_reduce: every CTA only stores its part; prefill_sum_kernel, launched next with
   // PDL, adds the parts (many CTAs per item instead of the item's last CTA alone).
   bool defer_sum;
+  // The next launch after this shrink (and its sum kernel) is the layer's expand under PDL.
+  bool expand_follows;
   int k_split;
   int part_pitch;
 };
@@ -404,9 +406,10 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
   trace_at<kTrace>(p.trace, 0);
   trace_at<kTrace>(p.trace, 1);
-  // The sum kernel may become resident as this grid's CTAs leave (its pdl_wait still waits for
-  // the whole grid). This kernel is launched without PDL, after the metadata build finished.
-  if (p.defer_sum) pdl_launch_dependents();
+  // The kernel after it (the sum kernel, or the layer's pipelined expand under split_pdl) may
+  // become resident as this grid's CTAs leave; its pdl_wait still waits for the whole grid. This
+  // kernel is launched without PDL, after every earlier kernel finished.
+  if (p.defer_sum || p.expand_follows) pdl_launch_dependents();
   // Tile `item` starts at sorted position item * kM when the slots before it fill whole tiles
   // (one slot; counts that are multiples of 64): its token indices are loaded on that guess
   // with the metadata, and kept only if the metadata confirms it, so a right guess takes one
@@ -608,6 +611,10 @@ __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams 
   const int item = static_cast<int>(blockIdx.x) / kBlocks;
   const int r0 = (static_cast<int>(blockIdx.x) % kBlocks) * kSumRows;
   const int tid = static_cast<int>(threadIdx.x);
+  // The layer's expand (split_pdl) may become resident as the shrink's and this grid's CTAs
+  // leave; it reads the sums only after its own wait, which waits for this grid. Before this
+  // grid's own wait, so only for a dependent that reads nothing of the shrink's before its wait.
+  if (p.expand_follows) pdl_launch_dependents();
   const int ne = build_tile_prefix(p.meta, kM, prefix, entries);
   // Every CTA waits before it leaves, so that this grid's completion implies the shrink's.
   if (item >= prefix[ne]) {
@@ -858,10 +865,12 @@ bool prefill_shrink_applies(const ShrinkArgs& s) {
          (!wgmma_allowed(s) || make_plan(s, true).smem <= kSmemPerSm);
 }
 
-Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandle stream) {
+Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandle stream,
+                      bool expand_follows) {
   LORAPLEX_ENSURE(prefill_shrink_applies(s), "prefill_shrink: arguments not supported");
   const Plan plan = choose_plan(s);
   PrefillParams p{};
+  p.expand_follows = expand_follows;
   p.x = s.x;
   p.x_stride = s.x_row_stride;
   p.hidden = s.hidden;

@@ -530,6 +530,23 @@ Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandl
   return launch_expand_generic(args, meta.token_lora_mapping, stream);
 }
 
+Status lora_split_linear(const ShrinkArgs& shrink, const ExpandArgs& expand,
+                         const LoraMetaView& meta, StreamHandle stream) {
+  // lora_shrink would run the prefill shrink exactly when `prefill` holds.
+  const bool prefill = shrink.num_tokens > 0 && !decode_shrink_applies(shrink, meta) &&
+                       prefill_shrink_applies(shrink);
+  if (!prefill || kernel_tuning().split_pdl == 0 || !expand_pipelined_applies(expand)) {
+    LORAPLEX_RETURN_IF_ERROR(lora_shrink(shrink, meta, stream));
+    return lora_expand(expand, meta, stream);
+  }
+  LORAPLEX_RETURN_IF_ERROR(check_shrink_args(shrink));
+  LORAPLEX_RETURN_IF_ERROR(check_meta(meta, shrink.num_tokens, shrink.max_loras, "lora_shrink"));
+  LORAPLEX_RETURN_IF_ERROR(check_expand_args(expand));
+  LORAPLEX_RETURN_IF_ERROR(check_meta(meta, expand.num_tokens, expand.max_loras, "lora_expand"));
+  LORAPLEX_RETURN_IF_ERROR(prefill_shrink(shrink, meta, stream, true));
+  return expand_pipelined(expand, meta, stream, true);
+}
+
 Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream) {
   LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
   if (args.num_tokens == 0) return Status();
