@@ -23,7 +23,7 @@ struct KernelTuning {
   /// Prefill shrink: K is split until the grid has about this many CTAs per SM (1..8).
   int prefill_ctas_per_sm = 2;
   /// Prefill shrink: cp.async ring depth (3..6); 0: 4 where three stages hold at most 36 KB
-  /// (rank 16, one slice), else 3.
+  /// (56 KB for wgmma), and for the wgmma form above 64 A rows; else 3.
   int prefill_stages = 0;
   /// Prefill shrink: at most this many CTAs per SM (1..4, by padding shared memory); 0: as many
   /// as fit.

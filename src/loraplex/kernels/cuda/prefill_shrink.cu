@@ -705,10 +705,14 @@ Plan make_plan(const ShrinkArgs& s, bool wg) {
   // Ring depth (the kernel's kStages): four stages while three of them in flight stay within
   // kMaxInFlightBytes (kMaxInFlightBytesWg for wgmma), else three, unless prefill_stages says
   // otherwise (the wgmma form is instantiated for 3 and 4). A tuned depth that does not fit in
-  // shared memory is lowered until it does (down to 3).
+  // shared memory is lowered until it does (down to 3). The wgmma form above 64 A rows (one CTA
+  // per SM, latency-bound: ncu saw 0.38 of its 2 warps per scheduler eligible) takes four: rank
+  // 64 q/k/v 1.5-4% faster at 256-4096 tokens on an H100 with the corrected cold flush
+  // (eleventh session).
   const int tuned = kernel_tuning().prefill_stages;
   const int in_flight = plan.wg ? kMaxInFlightBytesWg : kMaxInFlightBytes;
-  const int auto_stages = 3 * plan.stage_bytes <= in_flight ? 4 : 3;
+  const bool one_per_sm = plan.wg && plan.a_rows > kSmallRows;
+  const int auto_stages = 3 * plan.stage_bytes <= in_flight || one_per_sm ? 4 : 3;
   plan.stages = tuned != 0 ? tuned : auto_stages;
   if (plan.wg) plan.stages = std::min(plan.stages, 4);
   const int slack = plan.wg ? kWgAlign - 16 : 0;  // the kernel aligns its stages to 1024 bytes
