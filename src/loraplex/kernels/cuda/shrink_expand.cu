@@ -510,41 +510,53 @@ Status check_meta(const LoraMetaView& meta, int64_t num_tokens, int max_loras, c
   return Status();
 }
 
-}  // namespace
-
-Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream) {
+// lora_shrink's checks and choice of kernel. expand_follows: the layer's pipelined expand is
+// launched next under PDL (lora_split_linear); *ran_prefill says whether the prefill shrink ran,
+// the one kernel that then lets it launch early.
+Status shrink_routed(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream,
+                     bool expand_follows, bool* ran_prefill) {
+  *ran_prefill = false;
   LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_shrink"));
   if (args.num_tokens == 0) return Status();
   if (decode_shrink_applies(args, meta)) return decode_shrink(args, meta, stream);
-  if (prefill_shrink_applies(args)) return prefill_shrink(args, meta, stream);
+  if (prefill_shrink_applies(args)) {
+    *ran_prefill = true;
+    return prefill_shrink(args, meta, stream, expand_follows);
+  }
   return launch_shrink_generic(args, meta.token_lora_mapping, stream);
 }
 
-Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream) {
+// lora_expand's checks and choice of kernel; after_prefill_shrink as for expand_pipelined.
+Status expand_routed(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream,
+                     bool after_prefill_shrink) {
   LORAPLEX_RETURN_IF_ERROR(check_expand_args(args));
   LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_expand"));
   if (args.num_tokens == 0) return Status();
-  if (expand_pipelined_applies(args)) return expand_pipelined(args, meta, stream);
+  if (expand_pipelined_applies(args)) {
+    return expand_pipelined(args, meta, stream, after_prefill_shrink);
+  }
   if (tc_expand_ok(args)) return launch_expand_tc(args, meta, stream);
   return launch_expand_generic(args, meta.token_lora_mapping, stream);
 }
 
+}  // namespace
+
+Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream) {
+  bool ran_prefill = false;
+  return shrink_routed(args, meta, stream, false, &ran_prefill);
+}
+
+Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream) {
+  return expand_routed(args, meta, stream, false);
+}
+
 Status lora_split_linear(const ShrinkArgs& shrink, const ExpandArgs& expand,
                          const LoraMetaView& meta, StreamHandle stream) {
-  // lora_shrink would run the prefill shrink exactly when `prefill` holds.
-  const bool prefill = shrink.num_tokens > 0 && !decode_shrink_applies(shrink, meta) &&
-                       prefill_shrink_applies(shrink);
-  if (!prefill || kernel_tuning().split_pdl == 0 || !expand_pipelined_applies(expand)) {
-    LORAPLEX_RETURN_IF_ERROR(lora_shrink(shrink, meta, stream));
-    return lora_expand(expand, meta, stream);
-  }
-  LORAPLEX_RETURN_IF_ERROR(check_shrink_args(shrink));
-  LORAPLEX_RETURN_IF_ERROR(check_meta(meta, shrink.num_tokens, shrink.max_loras, "lora_shrink"));
-  LORAPLEX_RETURN_IF_ERROR(check_expand_args(expand));
-  LORAPLEX_RETURN_IF_ERROR(check_meta(meta, expand.num_tokens, expand.max_loras, "lora_expand"));
-  LORAPLEX_RETURN_IF_ERROR(prefill_shrink(shrink, meta, stream, true));
-  return expand_pipelined(expand, meta, stream, true);
+  const bool pdl = kernel_tuning().split_pdl != 0 && expand_pipelined_applies(expand);
+  bool ran_prefill = false;
+  LORAPLEX_RETURN_IF_ERROR(shrink_routed(shrink, meta, stream, pdl, &ran_prefill));
+  return expand_routed(expand, meta, stream, pdl && ran_prefill);
 }
 
 Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream) {
