@@ -74,6 +74,7 @@ TEST(KernelTuning, SetRejectsOutOfRangeValuesAndKeepsTheOldOnes) {
       {[](KernelTuning& t) { t.cluster_size = 3; }, "cluster_size = 3"},
       {[](KernelTuning& t) { t.cluster_size = 32; }, "cluster_size = 32"},
       {[](KernelTuning& t) { t.split_pdl = 2; }, "split_pdl = 2"},
+      {[](KernelTuning& t) { t.prefill_mma_first = 2; }, "prefill_mma_first = 2"},
   };
   for (const Bad& b : bad) {
     KernelTuning t;

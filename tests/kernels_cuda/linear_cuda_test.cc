@@ -493,7 +493,16 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
       {.decode_cluster = 2, .cluster_size = 2},
       {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16},
       // The split path's expand after the shrink without PDL.
-      {.split_pdl = 0}};
+      {.split_pdl = 0},
+      // The wgmma shrink's next stage's copies before its MMAs (the order before mma_first), with
+      // clusters and with parts in global memory.
+      {.prefill_mma = 2, .prefill_mma_first = 0},
+      {.prefill_k_split = 8,
+       .prefill_ctas_per_sm = 8,
+       .prefill_reduce = 2,
+       .prefill_mma = 2,
+       .prefill_sum = 2,
+       .prefill_mma_first = 0}};
   for (const kernels::cuda::KernelTuning& t : shapes) {
     ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
     for (int limit : {0, 1 << 20}) {
@@ -515,7 +524,7 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
                 " pipelined " + std::to_string(t.expand_pipelined) + " stages " +
                 std::to_string(t.prefill_stages) + " reduce " + std::to_string(t.prefill_reduce) +
                 " mma " + std::to_string(t.prefill_mma) + " split_pdl " +
-                std::to_string(t.split_pdl));
+                std::to_string(t.split_pdl) + " mma_first " + std::to_string(t.prefill_mma_first));
       }
     }
   }

@@ -43,6 +43,7 @@ constexpr Field kFields[] = {
     {"pair_launch_first", &KernelTuning::pair_launch_first, 0, 1, false, false},
     {"cluster_size", &KernelTuning::cluster_size, 1, 16, true, true},
     {"split_pdl", &KernelTuning::split_pdl, 0, 1, false, false},
+    {"prefill_mma_first", &KernelTuning::prefill_mma_first, 0, 1, false, false},
 };
 
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
