@@ -236,6 +236,23 @@ __device__ __forceinline__ uint2 ldg8_now(const void* p) {
   return v;
 }
 
+/// The value, with its origin hidden from the compiler: values derived from threadIdx are
+/// otherwise recomputed at every use when registers are scarce (the prefill shrink's copy
+/// addresses: ~25 instructions per copy and stage), where keeping them costs a register each.
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+__device__ __forceinline__ int64_t opaque(int64_t v) {
+  asm volatile("" : "+l"(v));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }

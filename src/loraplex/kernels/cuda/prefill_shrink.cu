@@ -489,6 +489,17 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
     src[i] = row < rows ? row_src[row] : nullptr;
     if (row < rows && (row < mrows || row >= kM)) live |= 1u << i;
   }
+  // Each copy's source (x itself for a zero-filled row, so that every address is valid) and
+  // size, kept in registers: the compiler would otherwise recompute them from threadIdx for
+  // every copy of every stage.
+  const T* from[kSlots];
+  int size[kSlots];
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    from[i] = opaque(src[i] != nullptr ? src[i] : xg);
+    size[i] = static_cast<int>(opaque(src[i] != nullptr ? 16u : 0u));
+  }
+  live = opaque(live);
   // Shared-memory addresses in bytes, computed once: a stage costs a few instructions per
   // copy and per fragment.
   const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stage_base));
@@ -498,14 +509,20 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
       kWg ? static_cast<uint32_t>((tid >> 3) * kRowBytes + ((ch ^ ((tid >> 3) & 7)) << 4))
           : static_cast<uint32_t>(((tid >> 3) * kPitch + ch * 8) * 2);
   constexpr uint32_t kSlotBytes = (kThreads / 8) * kRowBytes;
+  const uint32_t copy_at = opaque(copy_off);
+  const int64_t k_at = opaque(k_lo + ch * 8);
   auto load_stage = [&](int kt, uint32_t stage) {
-    const int64_t k = k_lo + static_cast<int64_t>(kt) * kBK + ch * 8;
-    const bool k_ok = k < k_hi;
+    const int64_t k = k_at + static_cast<int64_t>(kt) * kBK;
+    const uint32_t dst = stage + copy_at;
+    if (k < k_hi) {
 #pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      if (live & (1u << i)) {
-        const bool ok = k_ok && src[i] != nullptr;
-        cp_async16_at(stage + copy_off + i * kSlotBytes, ok ? src[i] + k : xg, ok ? 16 : 0);
+      for (int i = 0; i < kSlots; ++i) {
+        if (live & (1u << i)) cp_async16_at(dst + i * kSlotBytes, from[i] + k, size[i]);
+      }
+    } else {  // past K's end (the last stage of a K range that is not a multiple of 64)
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        if (live & (1u << i)) cp_async16_at(dst + i * kSlotBytes, xg, 0);
       }
     }
   };
