@@ -61,8 +61,11 @@ constexpr int kSmemReserved = 1024;  // the system's share per CTA
 // rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
 // rank 16 one slice 18.6 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
 constexpr int kMaxInFlightBytes = 36 * 1024;
-// The same bound for the wgmma form (128-token stages: rank 16 one slice 18 KB a stage).
-constexpr int kMaxInFlightBytesWg = 56 * 1024;
+// The same bound for the wgmma form (128-token stages: rank 16 one slice 18 KB a stage, rank 16
+// q/k/v 22.5 KB, rank 64 one slice 24 KB). 72 KB (four stages up to 24 KB, two CTAs per SM
+// still fitting): those two 3-5% faster at 256-1024 tokens and within 2% at 4096 than with
+// three stages, once each copy cost a few instructions (H100, twelfth session).
+constexpr int kMaxInFlightBytesWg = 72 * 1024;
 // The wgmma form's column counts (N of m64nNk16), each instantiated: an item's A rows are padded
 // up to the plan's N (rows past the item's columns are never copied; their sums are never stored).
 constexpr int kWgCols[] = {16, 32, 64, 128, 192, 256};
