@@ -568,8 +568,8 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
     if (kt == 0) trace_at<kTrace>(p.trace, 4);
     if constexpr (kWg) {
       // With mma_first the tensor cores start on this stage before the threads issue the next
-      // stage's copies (a few hundred instructions per thread at 192 A rows), so that the two
-      // overlap instead of following each other. The stage those copies overwrite was read by
+      // stage's copies (ten per thread at 192 A rows), so that the two overlap instead of
+      // following each other. The stage those copies overwrite was read by
       // the previous iteration's MMAs, which each warpgroup waited for before the barrier above.
       if (!p.mma_first) {
         if (more) load_stage(kt + kStages - 1, next);
