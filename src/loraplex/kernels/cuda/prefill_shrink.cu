@@ -484,23 +484,19 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   // slot with 8 tokens 120 of its 128 x copies per stage (no time difference measured at 32
   // adapters x 256 tokens, run 3 of the ninth session). Rows past K's end and A rows past a
   // slice's rank are still zero-filled: they meet live rows.
-  const T* src[kSlots];
-  uint32_t live = 0;
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const int row = (tid >> 3) + i * (kThreads / 8);
-    src[i] = row < rows ? row_src[row] : nullptr;
-    if (row < rows && (row < mrows || row >= kM)) live |= 1u << i;
-  }
   // Each copy's source (x itself for a zero-filled row, so that every address is valid) and
   // size, kept in registers: the compiler would otherwise recompute them from threadIdx for
   // every copy of every stage.
   const T* from[kSlots];
   int size[kSlots];
+  uint32_t live = 0;
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
-    from[i] = opaque(src[i] != nullptr ? src[i] : xg);
-    size[i] = static_cast<int>(opaque(src[i] != nullptr ? 16u : 0u));
+    const int row = (tid >> 3) + i * (kThreads / 8);
+    const T* src = row < rows ? row_src[row] : nullptr;
+    if (row < rows && (row < mrows || row >= kM)) live |= 1u << i;
+    from[i] = opaque(src != nullptr ? src : xg);
+    size[i] = static_cast<int>(opaque(src != nullptr ? 16u : 0u));
   }
   live = opaque(live);
   // Shared-memory addresses in bytes, computed once: a stage costs a few instructions per
