@@ -75,6 +75,8 @@ constexpr int kWgCols[] = {16, 32, 64, 128, 192, 256};
 // faster for the large variant at 4096 tokens but up to 33% slower at 256-1024 tokens with 32
 // adapters (q/k/v, rank 64; ptxas spilled ~90 bytes) (BENCHMARKS.md, 2026-11-24).
 constexpr int kColSets = 2;
+// K is split in at most this many parts (KernelTuning::prefill_k_split's range; choose_grid).
+constexpr int kMaxParts = 8;
 // The deferred sum kernel keeps the metadata entries in static shared memory: up to this many
 // slots (larger pools sum in the shrink's last CTA).
 constexpr int kMaxLorasForSum = 512;
@@ -181,22 +183,16 @@ struct PrefillParams {
   bool mma_first;  // KernelTuning::prefill_mma_first
 };
 
-// Stores the quad of columns c .. c + 3 (c a multiple of 4) of row m of the shrink's output:
-// scaled, in the output dtype, past the slice's rank dropped. A quad inside the rank is one 16-
-// (fp32) or 8-byte store where the output is aligned for it (ranks and their tiles are multiples
-// of 8, so it never straddles two slices). Four scalar stores with their index arithmetic each
+// Stores four consecutive values of one output row at element o (scaled, in the output dtype):
+// `width` of them (fewer past the slice's rank), as one 16- (fp32) or 8-byte store where `vec`
+// (all four inside the rank, the output aligned for it: ranks and their tiles are multiples of 8,
+// so a quad never straddles two slices). Four scalar stores with their index arithmetic each
 // took the rank-64 q/k/v reduction at 4096 tokens to 6.6 us against 3.7 (traced graph replays).
 template <typename T>
-__device__ __forceinline__ void store_quad(const PrefillParams& p, const int* tok,
-                                           const int* tile_slice, const int* tile_r0,
-                                           const int* srank, int m, int c, float4 v) {
-  const int s = tile_slice[c >> 3];
-  const int r = tile_r0[c >> 3] + (c & 7);
-  const int rank = srank[s];
-  if (r >= rank) return;
-  const int64_t o = (static_cast<int64_t>(s) * p.num_tokens + tok[m]) * p.max_rank + r;
+__device__ __forceinline__ void store_quad(const PrefillParams& p, int64_t o, int width, bool vec,
+                                           float4 v) {
   const float e[4] = {p.scale * v.x, p.scale * v.y, p.scale * v.z, p.scale * v.w};
-  if (r + 4 <= rank && p.out_vec) {
+  if (vec) {
     if (p.out_f32) {
       *reinterpret_cast<float4*>(static_cast<float*>(p.out) + o) =
           make_float4(e[0], e[1], e[2], e[3]);
@@ -206,7 +202,7 @@ __device__ __forceinline__ void store_quad(const PrefillParams& p, const int* to
     }
     return;
   }
-  for (int j = 0; j < 4 && r + j < rank; ++j) {
+  for (int j = 0; j < width; ++j) {
     if (p.out_f32) {
       static_cast<float*>(p.out)[o + j] = e[j];
     } else {
@@ -215,57 +211,155 @@ __device__ __forceinline__ void store_quad(const PrefillParams& p, const int* to
   }
 }
 
-// Sums the ks partial tiles of an item and stores the output: the quads (four columns) first,
-// first + step, ... of the mrows x ntiles * 8 tile, load(q, m, c) giving part q's four values at
-// row m from column c. kQuads quads per thread at a time (4 in the large variant; 2 in the small
-// one, which keeps it at 94 registers instead of 128) and kGroup parts' loads issued before
-// their sums (one round trip per kGroup parts and kQuads quads, not one per part and value:
-// eight parts with two quads, so that the wgmma form's 8-part split costs one round trip);
-// parts added in order 0..ks-1 wherever they come from, so both reductions give the same bits.
-template <typename T, int kQuads, typename Load>
+// Where column quad c (four columns of the partial tile, c a multiple of 4) goes in the output:
+// its first element for token 0, how many of its columns lie inside the slice's rank (0-4), and
+// whether it is one vector store.
+struct QuadColumn {
+  int64_t at;
+  int width;
+  bool vec;
+};
+__device__ __forceinline__ QuadColumn quad_column(const PrefillParams& p, const int* tile_slice,
+                                                  const int* tile_r0, const int* srank, int c) {
+  const int s = tile_slice[c >> 3];
+  const int r = tile_r0[c >> 3] + (c & 7);
+  const int width = max(0, min(4, srank[s] - r));
+  return {static_cast<int64_t>(s) * p.num_tokens * p.max_rank + r, width, width == 4 && p.out_vec};
+}
+
+// kRows rows of reduce_parts' column quad c, mb + u row_step (u < kRows, every one inside the
+// tile): kParts parts summed in order 0..kParts-1, all loads issued before the sums (one round
+// trip), each row stored at col_at + token * max_rank. Every loaded value is used: a load whose
+// row is not stored could still be in flight when its thread leaves the cluster barrier that
+// lets the CTA it reads from exit.
+template <typename T, int kRows, int kParts, typename Load>
+__device__ __forceinline__ void sum_block(const PrefillParams& p, int mb, int row_step, int c,
+                                          int64_t col_at, int width, bool vec, const int* tok,
+                                          Load load) {
+  float4 v[kRows][kParts];
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) v[u][q] = load(q, mb + u * row_step, c);
+  }
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    float4 sum = v[u][0];
+#pragma unroll
+    for (int q = 1; q < kParts; ++q) {
+      sum.x += v[u][q].x;
+      sum.y += v[u][q].y;
+      sum.z += v[u][q].z;
+      sum.w += v[u][q].w;
+    }
+    store_quad<T>(p, col_at + static_cast<int64_t>(tok[mb + u * row_step]) * p.max_rank, width, vec,
+                  sum);
+  }
+}
+
+// The rows m0, m0 + row_step, ... (< mrows) of the column quad: kRows at a time while they last,
+// then one at a time.
+template <typename T, int kRows, int kParts, typename Load>
+__device__ __forceinline__ void sum_rows(const PrefillParams& p, int m0, int row_step, int mrows,
+                                         int c, int64_t col_at, int width, bool vec, const int* tok,
+                                         Load load) {
+  int mb = m0;
+  for (; mb + (kRows - 1) * row_step < mrows; mb += kRows * row_step) {
+    sum_block<T, kRows, kParts>(p, mb, row_step, c, col_at, width, vec, tok, load);
+  }
+  if constexpr (kRows > 1) {
+    for (; mb < mrows; mb += row_step) {
+      sum_block<T, 1, kParts>(p, mb, row_step, c, col_at, width, vec, tok, load);
+    }
+  }
+}
+
+// Rows at a time for kParts parts: kRows, fewer where that would take more than 16 float4
+// registers (64).
+template <int kRows, int kParts>
+constexpr int kRowsAtOnce = (kRows * kParts <= 16) ? kRows : (16 / kParts > 1 ? 16 / kParts : 1);
+
+// Splits on the part count (1..kMaxParts), so that the loads of sum_rows are straight-line code.
+template <typename T, int kRows, int kParts = 1, typename Load>
+__device__ __forceinline__ void sum_rows_for(int ks, const PrefillParams& p, int m0, int row_step,
+                                             int mrows, int c, int64_t col_at, int width, bool vec,
+                                             const int* tok, Load load) {
+  if constexpr (kParts <= kMaxParts) {
+    if (ks == kParts) {
+      sum_rows<T, kRowsAtOnce<kRows, kParts>, kParts>(p, m0, row_step, mrows, c, col_at, width, vec,
+                                                      tok, load);
+    } else {
+      sum_rows_for<T, kRows, kParts + 1>(ks, p, m0, row_step, mrows, c, col_at, width, vec, tok,
+                                         load);
+    }
+  }
+}
+
+// Sums the ks partial tiles of an item (mrows x ntiles * 8 floats each) and stores the output.
+// Thread `first` of `step` takes one quad of columns, c = 4 (first % quads), and the rows
+// first / quads + k (step / quads): what depends on the column (its slice, its rank, its output
+// offset, whether it is one vector store) is worked out once, so a row costs its loads, its sums
+// and one store. A flat walk over the tile's quads (a new row and column, hence slice, rank and
+// offset, for every quad, and every part's load behind a predicate) took ~200 instructions per
+// quad and, with two warps per scheduler in the big wgmma form, most of its 7-9 us reduction.
+// load(q, m, c) gives part q's four values at row m from column c. Parts are added in order
+// 0..ks-1 wherever they come from, so every reduction gives the same bits (sum_quads too).
+template <typename T, int kRows, typename Load>
 __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, int step, int mrows,
                                              int ntiles, int ks, const int* tok,
                                              const int* tile_slice, const int* tile_r0,
                                              const int* srank, Load load) {
-  constexpr int kGroup = kQuads <= 2 ? 8 : 4;
+  const int quads = ntiles * 2;
+  const int row_step = step / quads;  // >= 2: at most 64 quads (256 A rows), 128 threads or more
+  const int m0 = first / quads;
+  if (m0 >= row_step) return;  // the threads past the last whole row of quads
+  const int c = (first - m0 * quads) * 4;
+  const QuadColumn col = quad_column(p, tile_slice, tile_r0, srank, c);
+  if (col.width == 0) return;  // columns past the slice's rank are not stored
+  sum_rows_for<T, kRows>(ks, p, m0, row_step, mrows, c, col.at, col.width, col.vec, tok, load);
+}
+
+// The deferred sum kernel's reduction: kParts parts of a tile of mrows <= 16 rows, thread
+// `first` of `step` taking quads first, first + step, ... of the tile (row-major), kQuads of
+// them with all kQuads x kParts loads issued at once (one round trip: kParts <= 8, <= 2 quads a
+// thread). The same sums as reduce_parts, in the same order. reduce_parts' layout (a fixed
+// column per thread, the same loads here) measured 0.3-1 us slower in this short kernel, which
+// is one latency chain (H100, thirteenth session, run 8 in bench/results).
+template <typename T, int kQuads, int kParts, typename Load>
+__device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int step, int mrows,
+                                          int ntiles, const int* tok, const int* tile_slice,
+                                          const int* tile_r0, const int* srank, Load load) {
   const int quads = ntiles * 2;
   const int n = mrows * quads;
   for (int i0 = first; i0 < n; i0 += kQuads * step) {
-    float4 sum[kQuads];
-    for (int q0 = 0; q0 < ks; q0 += kGroup) {
-      float4 v[kQuads][kGroup];
+    float4 v[kQuads][kParts];
 #pragma unroll
-      for (int u = 0; u < kQuads; ++u) {
-        const int i = i0 + u * step;
-        const int m = i / quads;
-        const int c = (i - m * quads) * 4;
+    for (int u = 0; u < kQuads; ++u) {
+      const int i = i0 + u * step;
+      const int m = i / quads;
 #pragma unroll
-        for (int q = 0; q < kGroup; ++q) {
-          if (q0 + q < ks && i < n) v[u][q] = load(q0 + q, m, c);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kQuads; ++u) {
-#pragma unroll
-        for (int q = 0; q < kGroup; ++q) {
-          if (q0 + q == 0) {
-            sum[u] = v[u][0];
-          } else if (q0 + q < ks) {
-            sum[u].x += v[u][q].x;
-            sum[u].y += v[u][q].y;
-            sum[u].z += v[u][q].z;
-            sum[u].w += v[u][q].w;
-          }
-        }
+      for (int q = 0; q < kParts; ++q) {
+        if (i < n) v[u][q] = load(q, m, (i - m * quads) * 4);
       }
     }
 #pragma unroll
     for (int u = 0; u < kQuads; ++u) {
       const int i = i0 + u * step;
       if (i >= n) break;
+      float4 sum = v[u][0];
+#pragma unroll
+      for (int q = 1; q < kParts; ++q) {
+        sum.x += v[u][q].x;
+        sum.y += v[u][q].y;
+        sum.z += v[u][q].z;
+        sum.w += v[u][q].w;
+      }
       const int m = i / quads;
-      const int c = (i - m * quads) * 4;
-      store_quad<T>(p, tok, tile_slice, tile_r0, srank, m, c, sum[u]);
+      const QuadColumn col = quad_column(p, tile_slice, tile_r0, srank, (i - m * quads) * 4);
+      if (col.width > 0) {
+        store_quad<T>(p, col.at + static_cast<int64_t>(tok[m]) * p.max_rank, col.width, col.vec,
+                      sum);
+      }
     }
   }
 }
@@ -308,7 +402,7 @@ constexpr int kStagedPartRows = 64;
 // the item's first sorted position), so the scratch holds k_split x num_tokens rows whatever the
 // tiles: a bound of (tiles + slots) x 128 rows per part overflowed it at 32 adapters x 256
 // tokens (q/k/v, rank 16) and sent the reduction to clusters of 8 (two waves: +34%).
-template <typename T, bool kWg, int kAccTiles, int kQuads, bool kTrace>
+template <typename T, bool kWg, int kAccTiles, int kRows, bool kTrace>
 __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
                                                       const float (&acc)[kAccTiles * 4], float* red,
                                                       int item, int ks, int crank, int start,
@@ -360,11 +454,11 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   }
   __threadfence();  // the other parts, stored before their arrivals, are read after ours
   const float* base = p.meta.scratch + static_cast<int64_t>(start) * pp;
-  reduce_parts<T, kQuads>(p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
-                          [&](int q, int m, int c) {
-                            return __ldcg(reinterpret_cast<const float4*>(
-                                base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
-                          });
+  reduce_parts<T, kRows>(p, tid, kThreads, mrows, ntiles, ks, tok, tile_slice, tile_r0, srank,
+                         [&](int q, int m, int c) {
+                           return __ldcg(reinterpret_cast<const float4*>(
+                               base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
+                         });
   if (tid == 0) p.meta.counters[item] = 0;  // zero between ops
   trace_at<kTrace>(p.trace, 7);
 }
@@ -379,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
     prefill_shrink_kernel(PrefillParams p) {
   constexpr int kM = kTileM<kWg>;
   constexpr int kAccTiles = kWg ? kCols / 8 : kCols;  // 8-column accumulator blocks per thread
-  constexpr int kQuads = kAccTiles >= 16 ? 4 : 2;
+  constexpr int kRows = kAccTiles >= 16 ? 4 : 2;      // rows per round trip of the reduction
   constexpr int kRowBytes = kWg ? kWgRowBytes : kPitch * 2;
   extern __shared__ __align__(16) unsigned char smem_dyn[];
   // The wgmma form's stages start 1024-byte aligned (the host allocates the slack).
@@ -598,22 +692,21 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   trace_at<kTrace>(p.trace, 5);
 
   if (p.global_reduce) {
-    reduce_through_global<T, kWg, kAccTiles, kQuads, kTrace>(
+    reduce_through_global<T, kWg, kAccTiles, kRows, kTrace>(
         p, acc, reinterpret_cast<float*>(smem_raw), item, ks, crank, start, ntiles, mrows, tok,
         tile_slice, tile_r0, srank);
     return;
   }
   float* red = reinterpret_cast<float*>(smem_raw);  // [kM][red_pitch]
   for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
-    red[row * p.red_pitch + col] = v0;
-    red[row * p.red_pitch + col + 1] = v1;
+    *reinterpret_cast<float2*>(red + row * p.red_pitch + col) = make_float2(v0, v1);
   });
   cluster.sync();  // every CTA's partial tile is complete
-  reduce_parts<T, kQuads>(p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok,
-                          tile_slice, tile_r0, srank, [&](int q, int m, int c) {
-                            return *reinterpret_cast<const float4*>(
-                                cluster.map_shared_rank(red, q) + m * p.red_pitch + c);
-                          });
+  reduce_parts<T, kRows>(p, crank * kThreads + tid, ks * kThreads, mrows, ntiles, ks, tok,
+                         tile_slice, tile_r0, srank, [&](int q, int m, int c) {
+                           return *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) +
+                                                                   m * p.red_pitch + c);
+                         });
   trace_at<kTrace>(p.trace, 6);
   // No CTA reads another's partial tile any more (the loaded values are already stored).
   cluster_arrive_relaxed();
@@ -629,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
 // latency-bound round trips); here each CTA reads one round trip's worth.
 constexpr int kSumThreads = 128;
 constexpr int kSumRows = 16;
-template <typename T, int kM>
+template <typename T, int kM, int kParts>  // kParts: p.k_split
 __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams p) {
   __shared__ int prefix[kMaxLorasForSum + 2];
   __shared__ int entries[3 * (kMaxLorasForSum + 1)];
@@ -671,11 +764,20 @@ __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams 
   pdl_wait();  // every part is stored and visible
   const int pp = p.part_pitch;
   const float* base = p.meta.scratch + static_cast<int64_t>(start) * pp;
-  reduce_parts<T, 2>(p, tid, kSumThreads, rows, ntiles, p.k_split, tok, tile_slice, tile_r0, srank,
-                     [&](int q, int m, int c) {
-                       return __ldcg(reinterpret_cast<const float4*>(
-                           base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
-                     });
+  sum_quads<T, 2, kParts>(p, tid, kSumThreads, rows, ntiles, tok, tile_slice, tile_r0, srank,
+                          [&](int q, int m, int c) {
+                            return __ldcg(reinterpret_cast<const float4*>(
+                                base + (static_cast<int64_t>(q) * p.num_tokens + m) * pp + c));
+                          });
+}
+
+// The sum kernel for `parts` parts (1..kMaxParts).
+template <typename T, int kM, int kParts = 1>
+auto sum_kernel_for(int parts) -> void (*)(PrefillParams) {
+  if constexpr (kParts < kMaxParts) {
+    if (parts != kParts) return sum_kernel_for<T, kM, kParts + 1>(parts);
+  }
+  return &prefill_sum_kernel<T, kM, kParts>;
 }
 
 template <typename T, int kM>
@@ -687,8 +789,8 @@ Status launch_sum(const PrefillParams& p, int64_t tiles, StreamHandle stream) {
   cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, &prefill_sum_kernel<T, kM>, p),
-                                       "prefill_sum_kernel launch"));
+  LORAPLEX_RETURN_IF_ERROR(cuda_status(
+      cudaLaunchKernelEx(&cfg, sum_kernel_for<T, kM>(p.k_split), p), "prefill_sum_kernel launch"));
   return launch_status("prefill_sum_kernel");
 }
 
@@ -707,6 +809,14 @@ int wg_cols(int a_rows) {
     if (a_rows <= n) return n;
   }
   return kWgCols[std::size(kWgCols) - 1];
+}
+
+// Floats per row of the partial tile: its a_rows (a multiple of 8) and 8 or 16 more, so that
+// the pitch is 8 or 24 mod 32 and the accumulators' 8-byte stores (a half warp: 4 rows x 8
+// columns) hit 32 distinct banks; 4 more (the pitch before) gave two-way conflicts.
+int red_pitch(int a_rows) {
+  const int pitch = a_rows + 8;
+  return pitch % 16 == 0 ? pitch + 8 : pitch;
 }
 
 struct Plan {
@@ -730,7 +840,7 @@ Plan make_plan(const ShrinkArgs& s, bool wg) {
       plan.wg ? wg_cols(plan.a_rows) : (plan.a_rows <= kSmallRows ? kSmallRows : kMaxRows) / 16;
   plan.stage_bytes =
       plan.wg ? (plan.m + plan.cols) * kWgRowBytes : (plan.m + plan.a_rows) * kPitch * 2;
-  const int red_bytes = plan.m * (plan.a_rows + 4) * 4;
+  const int red_bytes = plan.m * red_pitch(plan.a_rows) * 4;
   const int ints = s.max_loras + 2 + plan.m + kMaxSlices + 2 * kMaxTiles + 1 +
                    3 * (s.max_loras + 1) + (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
   // Ring depth (the kernel's kStages): four stages while three of them in flight stay within
@@ -921,7 +1031,7 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.out_vec = (reinterpret_cast<uintptr_t>(s.out) & (p.out_f32 ? 15u : 7u)) == 0;
   p.num_tokens = s.num_tokens;
   p.stage_bytes = plan.stage_bytes;
-  p.red_pitch = plan.a_rows + 4;
+  p.red_pitch = red_pitch(plan.a_rows);
   p.cache_ranks = cache_ranks(s);
   p.region = plan.region;
   p.off_rows = plan.off_rows;
@@ -931,6 +1041,9 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   const Grid grid = choose_grid(s, plan);
   const int64_t tiles = grid.tiles;
   const int k_split = grid.k_split;
+  // The reductions are instantiated for up to kMaxParts parts (the tuning knob's range).
+  LORAPLEX_ENSURE(k_split >= 1 && k_split <= kMaxParts, "prefill_shrink: K split in ", k_split,
+                  " parts, expected 1..", kMaxParts);
   const bool small = plan.a_rows <= kSmallRows;
   p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
   const int clusters = static_cast<int>(tiles);
