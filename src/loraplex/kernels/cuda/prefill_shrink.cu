@@ -211,22 +211,6 @@ __device__ __forceinline__ void store_quad(const PrefillParams& p, int64_t o, in
   }
 }
 
-// Where column quad c (four columns of the partial tile, c a multiple of 4) goes in the output:
-// its first element for token 0, how many of its columns lie inside the slice's rank (0-4), and
-// whether it is one vector store.
-struct QuadColumn {
-  int64_t at;
-  int width;
-  bool vec;
-};
-__device__ __forceinline__ QuadColumn quad_column(const PrefillParams& p, const int* tile_slice,
-                                                  const int* tile_r0, const int* srank, int c) {
-  const int s = tile_slice[c >> 3];
-  const int r = tile_r0[c >> 3] + (c & 7);
-  const int width = max(0, min(4, srank[s] - r));
-  return {static_cast<int64_t>(s) * p.num_tokens * p.max_rank + r, width, width == 4 && p.out_vec};
-}
-
 // kRows rows of reduce_parts' column quad c, mb + u row_step (u < kRows, every one inside the
 // tile): kParts parts summed in order 0..kParts-1, all loads issued before the sums (one round
 // trip), each row stored at col_at + token * max_rank. Every loaded value is used: a load whose
@@ -314,9 +298,14 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
   const int m0 = first / quads;
   if (m0 >= row_step) return;  // the threads past the last whole row of quads
   const int c = (first - m0 * quads) * 4;
-  const QuadColumn col = quad_column(p, tile_slice, tile_r0, srank, c);
-  if (col.width == 0) return;  // columns past the slice's rank are not stored
-  sum_rows_for<T, kRows>(ks, p, m0, row_step, mrows, c, col.at, col.width, col.vec, tok, load);
+  const int s = tile_slice[c >> 3];
+  const int r = tile_r0[c >> 3] + (c & 7);
+  const int rank = srank[s];
+  if (r >= rank) return;  // columns past the slice's rank are not stored
+  const int width = min(4, rank - r);
+  const int64_t col_at = static_cast<int64_t>(s) * p.num_tokens * p.max_rank + r;
+  sum_rows_for<T, kRows>(ks, p, m0, row_step, mrows, c, col_at, width, width == 4 && p.out_vec, tok,
+                         load);
 }
 
 // The deferred sum kernel's reduction: kParts parts of a tile of mrows <= 16 rows, thread
@@ -355,10 +344,14 @@ __device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int
         sum.w += v[u][q].w;
       }
       const int m = i / quads;
-      const QuadColumn col = quad_column(p, tile_slice, tile_r0, srank, (i - m * quads) * 4);
-      if (col.width > 0) {
-        store_quad<T>(p, col.at + static_cast<int64_t>(tok[m]) * p.max_rank, col.width, col.vec,
-                      sum);
+      const int c = (i - m * quads) * 4;
+      const int s = tile_slice[c >> 3];
+      const int r = tile_r0[c >> 3] + (c & 7);
+      const int rank = srank[s];
+      if (r < rank) {
+        const int width = min(4, rank - r);
+        const int64_t o = (static_cast<int64_t>(s) * p.num_tokens + tok[m]) * p.max_rank + r;
+        store_quad<T>(p, o, width, width == 4 && p.out_vec, sum);
       }
     }
   }
