@@ -313,7 +313,7 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
 // them with all kQuads x kParts loads issued at once (one round trip: kParts <= 8, <= 2 quads a
 // thread). The same sums as reduce_parts, in the same order. reduce_parts' layout (a fixed
 // column per thread, the same loads here) measured 0.3-1 us slower in this short kernel, which
-// is one latency chain (H100, thirteenth session, run 8 in bench/results).
+// is one latency chain (H100, bench/results/sweeps_20261125_session13/run6_flat_sum_kernel).
 template <typename T, int kQuads, int kParts, typename Load>
 __device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int step, int mrows,
                                           int ntiles, const int* tok, const int* tile_slice,
