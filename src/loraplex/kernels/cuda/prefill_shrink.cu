@@ -211,6 +211,20 @@ __device__ __forceinline__ void store_quad(const PrefillParams& p, int64_t o, in
   }
 }
 
+// Parts 0..kParts-1 added in that order (every reduction adds them so: the same bits).
+template <int kParts>
+__device__ __forceinline__ float4 sum_in_order(const float4 (&v)[kParts]) {
+  float4 sum = v[0];
+#pragma unroll
+  for (int q = 1; q < kParts; ++q) {
+    sum.x += v[q].x;
+    sum.y += v[q].y;
+    sum.z += v[q].z;
+    sum.w += v[q].w;
+  }
+  return sum;
+}
+
 // kRows rows of reduce_parts' column quad c, mb + u row_step (u < kRows, every one inside the
 // tile): kParts parts summed in order 0..kParts-1, all loads issued before the sums (one round
 // trip), each row stored at col_at + token * max_rank. Every loaded value is used: a load whose
@@ -228,16 +242,8 @@ __device__ __forceinline__ void sum_block(const PrefillParams& p, int mb, int ro
   }
 #pragma unroll
   for (int u = 0; u < kRows; ++u) {
-    float4 sum = v[u][0];
-#pragma unroll
-    for (int q = 1; q < kParts; ++q) {
-      sum.x += v[u][q].x;
-      sum.y += v[u][q].y;
-      sum.z += v[u][q].z;
-      sum.w += v[u][q].w;
-    }
     store_quad<T>(p, col_at + static_cast<int64_t>(tok[mb + u * row_step]) * p.max_rank, width, vec,
-                  sum);
+                  sum_in_order(v[u]));
   }
 }
 
@@ -335,14 +341,7 @@ __device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int
     for (int u = 0; u < kQuads; ++u) {
       const int i = i0 + u * step;
       if (i >= n) break;
-      float4 sum = v[u][0];
-#pragma unroll
-      for (int q = 1; q < kParts; ++q) {
-        sum.x += v[u][q].x;
-        sum.y += v[u][q].y;
-        sum.z += v[u][q].z;
-        sum.w += v[u][q].w;
-      }
+      const float4 sum = sum_in_order(v[u]);
       const int m = i / quads;
       const int c = (i - m * quads) * 4;
       const int s = tile_slice[c >> 3];
