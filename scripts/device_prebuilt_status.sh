@@ -21,7 +21,7 @@ timeout 280 $B bench kernels --json "$w/bench2.json" --commit "${COMMIT:-unknown
   --no-path-comparison --trace "$w/trace.jsonl" >"$w/bench2.log" 2>&1
 echo "bench2 $?"
 gzip -f "$w/trace.jsonl"
-python3 scripts/bench_table.py "$w/bench.json" | head -40
+python3 scripts/bench_table.py "$w/bench.json" >"$w/bench_table.txt" 2>&1; head -40 "$w/bench_table.txt"
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 for probe in stream_probe decode_floor_probe; do
   "$nvcc" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$w/$probe" \
