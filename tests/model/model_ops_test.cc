@@ -229,13 +229,13 @@ TEST(Sampler, GreedyTopKOneAndTinyTopPAgree) {
   std::vector<float> logits(50);
   for (float& v : logits) v = std::uniform_real_distribution<float>(-3, 3)(rng);
   const int32_t best = argmax_lowest(logits);
-  EXPECT_EQ(sample_token(logits, {0.0f, 0, 1.0f}, rng), best);
+  EXPECT_EQ(sample_row(logits, {0.0f, 0, 1.0f}, next_uniform(rng)), best);
   for (int i = 0; i < 20; ++i) {
-    EXPECT_EQ(sample_token(logits, {1.5f, 1, 1.0f}, rng), best);
-    EXPECT_EQ(sample_token(logits, {1.5f, 0, 1e-6f}, rng), best);
+    EXPECT_EQ(sample_row(logits, {1.5f, 1, 1.0f}, next_uniform(rng)), best);
+    EXPECT_EQ(sample_row(logits, {1.5f, 0, 1e-6f}, next_uniform(rng)), best);
   }
-  EXPECT_THROW(sample_token(logits, {-1.0f, 0, 1.0f}, rng), Error);
-  EXPECT_THROW(sample_token(logits, {1.0f, 0, 0.0f}, rng), Error);
+  EXPECT_THROW(sample_row(logits, {-1.0f, 0, 1.0f}, 0.5), Error);
+  EXPECT_THROW(sample_row(logits, {1.0f, 0, 0.0f}, 0.5), Error);
 }
 
 TEST(Sampler, FrequenciesFollowTheSoftmax) {
@@ -243,13 +243,13 @@ TEST(Sampler, FrequenciesFollowTheSoftmax) {
   std::mt19937_64 rng = make_sequence_rng(9, 0);
   std::vector<int> counts(4, 0);
   const int n = 20000;
-  for (int i = 0; i < n; ++i) ++counts[sample_token(logits, {1.0f, 0, 1.0f}, rng)];
+  for (int i = 0; i < n; ++i) ++counts[sample_row(logits, {1.0f, 0, 1.0f}, next_uniform(rng))];
   EXPECT_NEAR(counts[0] / double(n), 0.1, 0.015);
   EXPECT_NEAR(counts[1] / double(n), 0.2, 0.015);
   EXPECT_NEAR(counts[2] / double(n), 0.7, 0.015);
   // top_k 2 removes token 0; among tokens 2 and 1 (7/9, 2/9) top_p 0.8 keeps both.
   std::fill(counts.begin(), counts.end(), 0);
-  for (int i = 0; i < n; ++i) ++counts[sample_token(logits, {1.0f, 2, 0.8f}, rng)];
+  for (int i = 0; i < n; ++i) ++counts[sample_row(logits, {1.0f, 2, 0.8f}, next_uniform(rng))];
   EXPECT_EQ(counts[0], 0);
   EXPECT_EQ(counts[3], 0);
   EXPECT_NEAR(counts[2] / double(n), 7.0 / 9.0, 0.015);

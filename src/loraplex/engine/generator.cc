@@ -5,7 +5,7 @@
 #include <set>
 
 #include "loraplex/core/error.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/sampler.h"
 
 namespace loraplex::engine {
 namespace {
@@ -64,7 +64,6 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManag
   std::deque<size_t> waiting;
   for (size_t i = 0; i < requests.size(); ++i) waiting.push_back(i);
   std::vector<Sequence> running;
-  const int64_t vocab = decoder.config().vocab_size;
 
   while (!waiting.empty() || !running.empty()) {
     // Admission, strictly in input order.
@@ -89,41 +88,33 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManag
     }
     LORAPLEX_CHECK(!running.empty(), "no request can be admitted (internal error)");
 
-    model::StepInput step;
-    step.num_seqs = static_cast<int64_t>(running.size());
-    for (const Sequence& s : running) {
-      step.max_blocks_per_seq =
-          std::max(step.max_blocks_per_seq, static_cast<int64_t>(s.blocks.size()));
-    }
-    step.block_tables.assign(static_cast<size_t>(step.num_seqs * step.max_blocks_per_seq), 0);
+    model::StepBatch step;
     std::set<int> step_adapters;
-    for (size_t q = 0; q < running.size(); ++q) {
-      const Sequence& s = running[q];
+    int64_t step_tokens = 0;
+    for (Sequence& s : running) {
       const EngineRequest& r = requests[s.index];
-      std::copy(
-          s.blocks.begin(), s.blocks.end(),
-          step.block_tables.begin() + static_cast<std::ptrdiff_t>(q) * step.max_blocks_per_seq);
+      model::SequenceStep q;
       const int32_t plen = static_cast<int32_t>(r.prompt_ids.size());
-      auto push = [&](int32_t id, int32_t pos) {
-        step.token_ids.push_back(id);
-        step.positions.push_back(pos);
-        step.token_seq.push_back(static_cast<int32_t>(q));
-        step.token_slots.push_back(s.slot);
-      };
       if (!s.prefilled) {
-        for (int32_t p = 0; p < plen; ++p) push(r.prompt_ids[static_cast<size_t>(p)], p);
+        q.tokens = r.prompt_ids;
+        q.start_position = 0;
       } else {
-        push(s.output.back(), plen + static_cast<int32_t>(s.output.size()) - 1);
+        q.tokens = {s.output.back()};
+        q.start_position = plen + static_cast<int32_t>(s.output.size()) - 1;
       }
-      step.sample_tokens.push_back(static_cast<int32_t>(step.token_ids.size()) - 1);
-      step.sample_slots.push_back(s.slot);
+      q.blocks = s.blocks;
+      q.lora_slot = s.slot;
+      q.sample = true;
+      q.sampling = options.sampling;
+      q.uniform = model::next_uniform(s.rng);
+      step_tokens += static_cast<int64_t>(q.tokens.size());
+      step.seqs.push_back(std::move(q));
       if (s.slot >= 0) step_adapters.insert(s.slot);
     }
     if (stats != nullptr) {
       ++stats->steps;
-      stats->max_batch = std::max(stats->max_batch, step.num_seqs);
-      stats->max_step_tokens =
-          std::max(stats->max_step_tokens, static_cast<int64_t>(step.token_ids.size()));
+      stats->max_batch = std::max(stats->max_batch, static_cast<int64_t>(running.size()));
+      stats->max_step_tokens = std::max(stats->max_step_tokens, step_tokens);
       stats->max_step_adapters =
           std::max(stats->max_step_adapters, static_cast<int64_t>(step_adapters.size()));
     }
@@ -132,25 +123,7 @@ std::vector<std::vector<int32_t>> generate(model::Decoder& decoder, AdapterManag
       if (s.lease.valid()) s.lease.wait_ready(decoder.stream());
     }
     const auto layers_lock = adapters.lock_layers();
-    const Tensor logits = decoder.forward(step);
-    std::vector<int32_t> next(running.size());
-    if (options.sampling.temperature == 0.0f && !logits.device().is_cpu()) {
-      // Greedy on the GPU: only the chosen ids come back to the host.
-      Tensor ids = Tensor::empty({logits.size(0)}, DType::kI32, logits.device());
-      const int64_t stride = logits.size(0) > 1 ? logits.stride(0) : vocab;
-      model::ops::ArgmaxArgs a{logits.dtype(),    logits.size(0), vocab,
-                               logits.data_ptr(), stride,         ids.data<int32_t>()};
-      throw_if_error(model::ops::cuda::argmax(a, decoder.stream()));
-      const Tensor host = ids.to(Device::cpu(), decoder.stream());
-      std::copy_n(host.data<int32_t>(), next.size(), next.begin());
-    } else {
-      const Tensor host = logits.to(Device::cpu(), decoder.stream()).to(DType::kF32);
-      for (size_t q = 0; q < running.size(); ++q) {
-        const std::span<const float> row(host.data<float>() + static_cast<int64_t>(q) * vocab,
-                                         static_cast<size_t>(vocab));
-        next[q] = model::sample_token(row, options.sampling, running[q].rng);
-      }
-    }
+    const std::vector<int32_t> next = decoder.execute(step).token_ids;
 
     std::vector<Sequence> still;
     for (size_t q = 0; q < running.size(); ++q) {

@@ -6,6 +6,7 @@
 
 #include "loraplex/core/error.h"
 #include "loraplex/model/model_ops.h"
+#include "loraplex/model/sampler.h"
 
 namespace loraplex::model {
 namespace {
@@ -395,6 +396,76 @@ Tensor Decoder::forward(const StepInput& s) {
   }
   const Tensor normed = rms_norm(rows, final_norm_);
   return lm_head_->forward(normed, pw, stream_);
+}
+
+void Decoder::allocate_kv_cache(int64_t num_blocks) {
+  LORAPLEX_CHECK(num_blocks >= 1, "KV cache: ", num_blocks, " blocks, expected >= 1");
+  kv_.reset();
+  kv_ = std::make_unique<KvCache>(config_, num_blocks, options_.kv_block_size, options_.dtype,
+                                  options_.device);
+  options_.kv_blocks = num_blocks;
+}
+
+int64_t Decoder::kv_block_bytes() const {
+  return 2 * config_.num_layers * options_.kv_block_size * config_.num_kv_heads * config_.head_dim *
+         static_cast<int64_t>(dtype_size(options_.dtype));
+}
+
+StepResult Decoder::execute(const StepBatch& batch) {
+  StepInput s;
+  s.num_seqs = static_cast<int64_t>(batch.seqs.size());
+  LORAPLEX_CHECK(s.num_seqs >= 1, "step batch has no sequences");
+  const int64_t bs = kv_->block_size();
+  for (const SequenceStep& q : batch.seqs) {
+    s.max_blocks_per_seq =
+        std::max<int64_t>(s.max_blocks_per_seq, static_cast<int64_t>(q.blocks.size()));
+  }
+  s.block_tables.assign(
+      static_cast<size_t>(s.num_seqs * std::max<int64_t>(s.max_blocks_per_seq, 1)), 0);
+  s.max_blocks_per_seq = std::max<int64_t>(s.max_blocks_per_seq, 1);
+  for (size_t i = 0; i < batch.seqs.size(); ++i) {
+    const SequenceStep& q = batch.seqs[i];
+    const int64_t end = q.start_position + static_cast<int64_t>(q.tokens.size());
+    LORAPLEX_CHECK(!q.tokens.empty() && q.start_position >= 0, "step batch: sequence ", i, " has ",
+                   q.tokens.size(), " tokens at position ", q.start_position);
+    LORAPLEX_CHECK(static_cast<int64_t>(q.blocks.size()) * bs >= end, "step batch: sequence ", i,
+                   " reaches position ", end - 1, " but its ", q.blocks.size(), " blocks hold ",
+                   static_cast<int64_t>(q.blocks.size()) * bs, " positions");
+    LORAPLEX_CHECK(q.lora_slot >= -1 && q.lora_slot < options_.max_loras, "step batch: sequence ",
+                   i, " has LoRA slot ", q.lora_slot, ", expected -1..", options_.max_loras - 1);
+    std::copy(q.blocks.begin(), q.blocks.end(),
+              s.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * s.max_blocks_per_seq);
+    for (size_t t = 0; t < q.tokens.size(); ++t) {
+      s.token_ids.push_back(q.tokens[t]);
+      s.positions.push_back(q.start_position + static_cast<int32_t>(t));
+      s.token_seq.push_back(static_cast<int32_t>(i));
+      s.token_slots.push_back(q.lora_slot);
+    }
+    if (q.sample) {
+      check_sampling_params(q.sampling);
+      LORAPLEX_CHECK(q.banned.size() <= static_cast<size_t>(kMaxBannedTokens),
+                     "step batch: sequence ", i, " bans ", q.banned.size(), " tokens, at most ",
+                     kMaxBannedTokens);
+      s.sample_tokens.push_back(static_cast<int32_t>(s.token_ids.size()) - 1);
+      s.sample_slots.push_back(q.lora_slot);
+    }
+  }
+  const Tensor logits = forward(s);
+  StepResult r;
+  if (logits.size(0) == 0) return r;
+  const int64_t vocab = config_.vocab_size;
+  const Tensor host = logits.to(Device::cpu(), stream_).to(DType::kF32);
+  size_t row = 0;
+  for (const SequenceStep& q : batch.seqs) {
+    if (!q.sample) continue;
+    const std::span<const float> l(host.data<float>() + static_cast<int64_t>(row) * vocab,
+                                   static_cast<size_t>(vocab));
+    const int32_t id = sample_row(l, q.sampling, q.uniform, q.banned);
+    r.token_ids.push_back(id);
+    if (batch.want_logprobs) r.logprobs.push_back(token_logprob(l, id));
+    ++row;
+  }
+  return r;
 }
 
 }  // namespace loraplex::model

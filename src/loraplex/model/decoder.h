@@ -20,6 +20,7 @@
 #include "loraplex/model/checkpoint.h"
 #include "loraplex/model/config.h"
 #include "loraplex/model/kv_cache.h"
+#include "loraplex/model/step_batch.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::model {
@@ -57,6 +58,18 @@ class Decoder {
   const ModelConfig& config() const { return config_; }
   const DecoderOptions& options() const { return options_; }
   KvCache& kv_cache() { return *kv_; }
+  /// Replaces the KV cache with one of `num_blocks` blocks (options().kv_block_size tokens
+  /// each); every sequence's cached state is lost. The engine sizes the cache this way once the
+  /// weights are on the device.
+  void allocate_kv_cache(int64_t num_blocks);
+  /// Device bytes of one KV block over all layers (K and V).
+  int64_t kv_block_bytes() const;
+
+  /// Runs one step and samples the next token of every sequence that asks for it; only the
+  /// sampled ids (and log-probabilities) come back to the host. Throws loraplex::Error naming
+  /// the sequence and value when the batch is inconsistent (blocks short of its positions,
+  /// more tokens than max_num_tokens, a slot outside [-1, max_loras), bad sampling values).
+  StepResult execute(const StepBatch& batch);
 
   /// Runs one step; returns logits [S, vocab] in the activation dtype on the device (a view
   /// of the lm_head's buffer, valid until the next forward).

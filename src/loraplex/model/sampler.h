@@ -1,30 +1,36 @@
 #pragma once
-// Token sampling from one row of logits: greedy (temperature 0, ties to the lowest token id),
-// or temperature with optional top-k and top-p. Each sequence owns its random generator, seeded
-// from the run's seed and the request's index, so a request samples the same tokens whatever
-// else shares its batch.
+// Token sampling from one row of logits by the rule of step_batch.h (SamplingParams): greedy,
+// or temperature with top-k and top-p, driven by one uniform draw per sequence and step. Each
+// sequence owns its random generator, seeded from the run's seed and the request's index, and
+// the host draws the uniform from it, so a request samples the same tokens whatever else
+// shares its batch, on the CPU and on the GPU alike.
 
 #include <cstdint>
 #include <random>
 #include <span>
 #include <vector>
 
-namespace loraplex::model {
+#include "loraplex/model/step_batch.h"
 
-struct SamplingParams {
-  float temperature = 0.0f;  // 0 = greedy
-  int top_k = 0;             // 0 = all tokens
-  float top_p = 1.0f;        // 1 = all tokens
-};
+namespace loraplex::model {
 
 /// A sequence's generator, seeded from (seed, request index) by splitmix64.
 std::mt19937_64 make_sequence_rng(uint64_t seed, uint64_t request_index);
+/// The next uniform draw in [0, 1) of a sequence's generator.
+double next_uniform(std::mt19937_64& rng);
 
 /// Index of the largest logit; ties go to the lowest index; NaNs never win (0 if all are NaN).
 int32_t argmax_lowest(std::span<const float> logits);
 
-/// Picks one token. Greedy ignores `rng`. Throws loraplex::Error on invalid params.
-int32_t sample_token(std::span<const float> logits, const SamplingParams& params,
-                     std::mt19937_64& rng);
+/// Throws loraplex::Error naming the field when `params` are out of range.
+void check_sampling_params(const SamplingParams& params);
+
+/// Picks one token by the rule of SamplingParams. `uniform` in [0, 1) is unused when greedy;
+/// `banned` ids (outside the vocabulary: ignored) are never picked unless every id is banned.
+int32_t sample_row(std::span<const float> logits, const SamplingParams& params, double uniform,
+                   std::span<const int32_t> banned = {});
+
+/// log softmax(logits)[id], in double precision.
+float token_logprob(std::span<const float> logits, int32_t id);
 
 }  // namespace loraplex::model

@@ -1,0 +1,175 @@
+#pragma once
+// The online engine: requests arrive one by one from any thread, for any loaded adapter (or the
+// base model); a step loop on its own thread batches them continuously (decodes first, then
+// chunked prefills, under a token budget, at most max_num_seqs sequences and max_loras
+// adapters a step) and streams each request's tokens and text back through its handle.
+//
+// This header is the contract between the engine (engine/), the HTTP server (server/) and the
+// commands (`generate`, `bench serve`, `serve`).
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loraplex/adapters/adapter_manager.h"
+#include "loraplex/model/decoder.h"
+#include "loraplex/tokenizer/tokenizer.h"
+
+namespace loraplex::engine {
+
+/// A request refused at submit: the message names the value and the limit. `kind` lets the
+/// server pick the HTTP status.
+class RequestError : public Error {
+ public:
+  enum class Kind { kInvalid, kTooLong, kUnknownAdapter, kOverloaded };
+  RequestError(Kind kind, const std::string& message) : Error(message), kind_(kind) {}
+  Kind kind() const { return kind_; }
+
+ private:
+  Kind kind_;
+};
+
+struct EngineOptions {
+  int64_t max_num_seqs = 256;             // sequences in one step
+  int64_t max_num_batched_tokens = 8192;  // tokens in one step (the token budget)
+  int max_loras = 4;                      // distinct adapters in one step (GPU slots)
+  int max_lora_rank = 16;
+  int max_cpu_loras = 0;                 // packed adapters kept in host memory; 0 = max_loras
+  double gpu_memory_utilization = 0.90;  // KV cache: this fraction of the GPU, less the rest
+  int64_t num_kv_blocks = 0;             // > 0: exactly this many KV blocks (CPU: required)
+  int64_t kv_block_size = 16;
+  int64_t max_model_len = 0;  // 0 = the model's max_position_embeddings
+  bool enable_prefix_caching = true;
+  int64_t max_waiting = 0;  // > 0: submit refuses (kOverloaded) beyond this
+  uint64_t seed = 0;        // requests without a seed draw from (seed, id)
+};
+
+/// What a request asks for: vLLM's SamplingParams, the fields loraplex implements.
+struct RequestOptions {
+  int64_t max_tokens = 16;
+  int64_t min_tokens = 0;  // stop tokens and EOS are banned until this many are generated
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int top_k = 0;  // 0 = off (-1 is accepted as vLLM's "off" too)
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;        // stop strings (not included in the output text)
+  std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
+  bool ignore_eos = false;
+  bool logprobs = false;  // the log-probability of each sampled token
+};
+
+struct Request {
+  std::vector<int32_t> prompt_ids;  // the prompt as ids, or ...
+  std::string prompt;               // ... as text (encoded with special tokens) when ids are empty
+  std::string adapter;              // a loaded adapter's name; "" = the base model
+  RequestOptions options;
+};
+
+enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
+const char* finish_reason_name(FinishReason reason);  // "stop", "length", "abort", "error"
+
+/// What a request produced since the last read of its handle.
+struct RequestOutput {
+  std::vector<int32_t> token_ids;  // new tokens
+  std::string text;                // new text; never ends inside a UTF-8 character
+  std::vector<float> logprobs;     // one per new token when asked
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::string stop_reason;  // the stop string or stop token id (as text) that ended it
+  std::string error;        // finish_reason == kError: what went wrong
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;  // generated so far, in total
+  int64_t cached_tokens = 0;      // prompt tokens served from the prefix cache
+};
+
+class Engine;
+
+/// A submitted request's stream. Thread-safe; copies share the request.
+class RequestHandle {
+ public:
+  RequestHandle() = default;
+  uint64_t id() const;
+  const std::vector<int32_t>& prompt_ids() const;
+  /// Waits up to `timeout` for new output or the end; returns what arrived since the last
+  /// call (empty token_ids and finished == false after a timeout). After the last output
+  /// (finished == true) every call returns finished at once.
+  RequestOutput next(std::chrono::milliseconds timeout = std::chrono::milliseconds::max());
+  /// Waits for the end and returns everything not yet read, accumulated.
+  RequestOutput wait();
+  /// Ends the request (finish reason abort) and frees its KV blocks and adapter lease at the
+  /// next step boundary. Safe to call at any time, more than once.
+  void abort();
+
+ private:
+  friend class Engine;
+  struct State;
+  explicit RequestHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+/// Counters and histograms for /metrics (vLLM's names are the server's business).
+struct EngineMetrics {
+  int64_t num_running = 0;
+  int64_t num_waiting = 0;
+  double kv_cache_usage = 0.0;                // fraction of KV blocks in use, 0..1
+  std::vector<std::string> running_adapters;  // adapters of running requests
+  std::vector<std::string> waiting_adapters;  // adapters of waiting requests
+  int max_loras = 0;
+  int64_t prompt_tokens_total = 0;
+  int64_t generation_tokens_total = 0;
+  int64_t preemptions_total = 0;
+  int64_t prefix_cache_queries_total = 0;         // prompt tokens looked up
+  int64_t prefix_cache_hits_total = 0;            // prompt tokens found
+  std::map<std::string, int64_t> finished_total;  // by finish reason name
+  /// Cumulative histograms: counts[i] = observations <= bounds[i]; sum and count of all.
+  struct Histogram {
+    std::vector<double> bounds;
+    std::vector<int64_t> counts;
+    double sum = 0.0;
+    int64_t count = 0;
+  };
+  Histogram time_to_first_token_s;
+  Histogram inter_token_latency_s;
+  Histogram e2e_request_latency_s;
+  Histogram queue_time_s;
+};
+
+class Engine {
+ public:
+  /// Takes the model (its KV cache is sized here from options), its tokenizer and the EOS ids.
+  /// Starts the step loop thread.
+  Engine(std::unique_ptr<model::Decoder> model, std::shared_ptr<const Tokenizer> tokenizer,
+         std::vector<int32_t> eos_token_ids, EngineOptions options);
+  /// Aborts everything in flight and stops the loop.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Thread-safe. Throws RequestError naming the value and the limit: empty prompt, prompt +
+  /// max_tokens over max_model_len, an adapter that is not loaded, sampling values out of range.
+  RequestHandle submit(Request request);
+
+  /// Loads (and validates) a PEFT adapter while serving; throws loraplex::Error naming the
+  /// adapter and the problem, and then nothing changes.
+  AdapterInfo load_adapter(const std::string& name, const std::string& dir);
+  /// Forgets an adapter: new requests for it are refused; requests in flight finish first.
+  /// Returns false when it was not loaded.
+  bool unload_adapter(const std::string& name);
+  bool has_adapter(const std::string& name) const;
+  std::vector<AdapterInfo> list_adapters() const;
+
+  EngineMetrics metrics() const;
+  const EngineOptions& options() const;
+  const model::ModelConfig& model_config() const;
+  const Tokenizer& tokenizer() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace loraplex::engine
