@@ -109,7 +109,9 @@ class AdapterStress : public ::testing::Test {
     }
     for (int i = 0; i < kAdapters; ++i) {
       Generated g;
-      g.name = "a" + std::to_string(i);
+      // Appended rather than "a" + to_string(i): GCC 12 warns falsely (-Wrestrict) on that.
+      g.name = "a";
+      g.name += std::to_string(i);
       g.dir = tmp_.sub(g.name);
       const int rank = 1 + static_cast<int>(rng() % kMaxRank);
       const double alpha = static_cast<double>(1 + rng() % 32);

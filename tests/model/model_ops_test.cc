@@ -1,5 +1,6 @@
 // The decoder's non-LoRA ops against direct double-precision formulas: paged attention over
-// scattered blocks equals contiguous causal attention, RoPE, RMSNorm, SiLU-mul, argmax ties,
+// scattered blocks equals contiguous causal attention, RoPE + KV write, residual add + RMSNorm,
+// SiLU-mul, argmax ties,
 // the sampler and the KV-cache block pool. The same cases run on CUDA against the CPU (skipped
 // without a GPU).
 
@@ -85,15 +86,20 @@ Tensor run_attention(const AttentionCase& c, DType dtype, Device device) {
                tables = up(c.block_tables);
   ops::KvCacheView view{c.num_blocks, c.block_size, c.kv_heads,
                         c.head_dim,   k.data_ptr(), v.data_ptr()};
-  ops::KvWriteArgs w;
+  // A zero rotation (inv_freq 0: cos 1, sin 0 exactly) leaves q and k as they are, so only the
+  // cache write matters here; the rotation has its own test.
+  const Tensor no_rotation = Tensor::zeros({c.head_dim / 2}, DType::kF32, device, stream);
+  ops::RopeKvWriteArgs w;
   w.dtype = dtype;
   w.num_tokens = t;
   w.num_heads = c.heads;
+  w.positions = pos.data<int32_t>();
+  w.inv_freq = no_rotation.data<float>();
   w.qkv = qkv.data_ptr();
   w.qkv_row_stride = qkv.size(1);
   w.slot_mapping = slots.data<int32_t>();
   w.cache = view;
-  throw_if_error(ops::run(&ops::cpu::kv_write, &ops::cuda::kv_write, w, stream));
+  throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, w, stream));
   Tensor out = Tensor::empty({t, c.heads * c.head_dim}, dtype, device);
   ops::PagedAttentionArgs a;
   a.dtype = dtype;
@@ -160,48 +166,131 @@ TEST(PagedAttention, ScatteredBlocksEqualContiguousCausalAttention) {
   }
 }
 
-TEST(ModelOps, RopeRotatesQAndKHeadsOnly) {
+// Runs rope_kv_write on `device` over a cache poisoned with NaN; returns (qkv, k cache, v cache).
+struct RopeCase {
+  int64_t t = 6, heads = 3, kv = 2, d = 8, stride = (3 + 2 * 2) * 8 + 3, blocks = 4, block = 4;
+  std::vector<int32_t> pos = {0, 7, 3, 100, 1, 2047};
+  std::vector<int32_t> slots = {5, -1, 0, 15, 9, 2};
+  std::vector<float> inv = {1.0f, 0.3f, 0.05f, 0.001f};
+};
+
+std::vector<Tensor> run_rope_kv_write(const RopeCase& c, const Tensor& qkv_in, DType dt,
+                                      Device device) {
+  const Stream stream = device.is_cpu() ? Stream() : Stream::create(device);
+  Tensor qkv = qkv_in.clone().to(device, stream);
+  const Shape cache_shape = {c.blocks, c.block, c.kv, c.d};
+  const std::vector<float> poison(static_cast<size_t>(c.blocks * c.block * c.kv * c.d), NAN);
+  Tensor k = Tensor::from_vector(poison, cache_shape).to(dt).to(device, stream);
+  Tensor v = k.clone(stream);
+  const Tensor pos = Tensor::from_vector(c.pos, {c.t}).to(device, stream);
+  const Tensor slots = Tensor::from_vector(c.slots, {c.t}).to(device, stream);
+  const Tensor inv = Tensor::from_vector(c.inv, {c.d / 2}).to(device, stream);
+  ops::RopeKvWriteArgs a;
+  a.dtype = dt;
+  a.num_tokens = c.t;
+  a.num_heads = c.heads;
+  a.positions = pos.data<int32_t>();
+  a.inv_freq = inv.data<float>();
+  a.qkv = qkv.data_ptr();
+  a.qkv_row_stride = c.stride;
+  a.slot_mapping = slots.data<int32_t>();
+  a.cache = {c.blocks, c.block, c.kv, c.d, k.data_ptr(), v.data_ptr()};
+  throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, a, stream));
+  return {qkv.to(Device::cpu(), stream), k.to(Device::cpu(), stream), v.to(Device::cpu(), stream)};
+}
+
+TEST(ModelOps, RopeKvWriteRotatesQAndKAndStoresKAndV) {
   std::mt19937_64 rng(3);
-  const int64_t t = 5, heads = 3, kv = 1, d = 8, stride = (heads + 2 * kv) * d + 3;
-  Tensor qkv = random_tensor({t, stride}, DType::kF32, rng);
+  const RopeCase c;
+  const Tensor qkv = random_tensor({c.t, c.stride}, DType::kF32, rng);
   const std::vector<double> before = qkv.to_double_vector();
-  const std::vector<int32_t> pos = {0, 7, 3, 100, 1};
-  const std::vector<float> inv = {1.0f, 0.3f, 0.05f, 0.001f};
-  ops::RopeArgs a{DType::kF32, t, heads, kv, d, pos.data(), inv.data(), qkv.data_ptr(), stride};
-  throw_if_error(ops::cpu::rope(a));
+  const std::vector<Tensor> got = run_rope_kv_write(c, qkv, DType::kF32, Device::cpu());
   std::vector<double> want = before;
-  for (int64_t i = 0; i < t; ++i) {
-    for (int64_t h = 0; h < heads + kv; ++h) {
-      for (int64_t j = 0; j < d / 2; ++j) {
-        const double ang = static_cast<double>(pos[i]) * inv[j];
-        const double x0 = before[i * stride + h * d + j];
-        const double x1 = before[i * stride + h * d + j + d / 2];
-        want[i * stride + h * d + j] = x0 * std::cos(ang) - x1 * std::sin(ang);
-        want[i * stride + h * d + j + d / 2] = x1 * std::cos(ang) + x0 * std::sin(ang);
+  for (int64_t i = 0; i < c.t; ++i) {
+    for (int64_t h = 0; h < c.heads + c.kv; ++h) {
+      for (int64_t j = 0; j < c.d / 2; ++j) {
+        const double ang = static_cast<double>(c.pos[i]) * c.inv[j];
+        const double x0 = before[i * c.stride + h * c.d + j];
+        const double x1 = before[i * c.stride + h * c.d + j + c.d / 2];
+        want[i * c.stride + h * c.d + j] = x0 * std::cos(ang) - x1 * std::sin(ang);
+        want[i * c.stride + h * c.d + j + c.d / 2] = x1 * std::cos(ang) + x0 * std::sin(ang);
       }
     }
   }
-  test::expect_close(qkv, want, 1e-5, 1e-5, "rope");
+  test::expect_close(got[0], want, 1e-5, 1e-4, "rope");
+  // The cache holds the rotated k heads and the v heads at each token's slot; the rest is
+  // still the NaN poison (token 1 has slot -1).
+  const std::vector<double> k = got[1].to_double_vector(), v = got[2].to_double_vector();
+  const std::vector<double> rotated = got[0].to_double_vector();
+  const int64_t kv_cols = c.kv * c.d;
+  std::vector<bool> written(static_cast<size_t>(c.blocks * c.block), false);
+  for (int64_t i = 0; i < c.t; ++i) {
+    if (c.slots[i] < 0) continue;
+    written[static_cast<size_t>(c.slots[i])] = true;
+    for (int64_t j = 0; j < kv_cols; ++j) {
+      EXPECT_EQ(k[c.slots[i] * kv_cols + j], rotated[i * c.stride + c.heads * c.d + j]);
+      EXPECT_EQ(v[c.slots[i] * kv_cols + j], before[i * c.stride + c.heads * c.d + kv_cols + j]);
+    }
+  }
+  for (size_t s = 0; s < written.size(); ++s) {
+    if (!written[s]) {
+      EXPECT_TRUE(std::isnan(k[s * static_cast<size_t>(kv_cols)])) << s;
+    }
+  }
 }
 
-TEST(ModelOps, RmsNormAndSiluMul) {
+// add_rms_norm's reference in double: sum rounded as stored (float32 here), then normalised.
+std::vector<double> reference_add_rms_norm(const std::vector<double>& res,
+                                           const std::vector<double>& delta,
+                                           const std::vector<double>& w,
+                                           const std::vector<int32_t>& rows, int64_t n,
+                                           std::vector<double>* sums) {
+  std::vector<double> out;
+  for (int32_t src : rows) {
+    std::vector<double> sum(static_cast<size_t>(n));
+    double ss = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      sum[j] = res[src * n + j] + (delta.empty() ? 0.0 : delta[src * n + j]);
+      ss += sum[j] * sum[j];
+    }
+    const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int64_t j = 0; j < n; ++j) {
+      out.push_back(sum[j] * inv * w[j]);
+      if (sums != nullptr) sums->push_back(sum[j]);
+    }
+  }
+  return out;
+}
+
+TEST(ModelOps, AddRmsNormInPlaceAndGatheredAndSiluMul) {
   std::mt19937_64 rng(4);
   const int64_t rows = 7, n = 33;
-  const Tensor x = random_tensor({rows, n}, DType::kF32, rng);
+  Tensor x = random_tensor({rows, n}, DType::kF32, rng);
+  const Tensor d = random_tensor({rows, n}, DType::kF32, rng);
   const Tensor w = random_tensor({n}, DType::kF32, rng);
+  const std::vector<double> xv = x.to_double_vector(), dv = d.to_double_vector(),
+                            wv = w.to_double_vector();
+  std::vector<int32_t> all(static_cast<size_t>(rows));
+  std::iota(all.begin(), all.end(), 0);
+  // In place: x = x + d, out = norm(x + d).
   Tensor out = Tensor::empty({rows, n}, DType::kF32);
-  throw_if_error(ops::cpu::rms_norm(
-      {DType::kF32, rows, n, 1e-5f, x.data_ptr(), n, w.data_ptr(), out.data_ptr()}));
-  const std::vector<double> xv = x.to_double_vector(), wv = w.to_double_vector();
-  std::vector<double> want(xv.size());
-  for (int64_t r = 0; r < rows; ++r) {
-    double ss = 0.0;
-    for (int64_t j = 0; j < n; ++j) ss += xv[r * n + j] * xv[r * n + j];
-    const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
-    for (int64_t j = 0; j < n; ++j) want[r * n + j] = xv[r * n + j] * inv * wv[j];
-  }
-  test::expect_close(out, want, 1e-5, 1e-6, "rms_norm");
+  throw_if_error(
+      ops::cpu::add_rms_norm({DType::kF32, rows, n, 1e-5f, nullptr, x.data_ptr(), d.data_ptr(),
+                              x.data_ptr(), w.data_ptr(), out.data_ptr()}));
+  std::vector<double> sums;
+  test::expect_close(out, reference_add_rms_norm(xv, dv, wv, all, n, &sums), 1e-5, 1e-6,
+                     "add_rms_norm");
+  test::expect_close(x, sums, 1e-6, 1e-7, "add_rms_norm residual");
+  // Gathered rows, no delta, residual not stored.
+  const std::vector<int32_t> pick = {6, 0, 6};
+  Tensor picked = Tensor::empty({3, n}, DType::kF32);
+  const std::vector<double> now = x.to_double_vector();
+  throw_if_error(ops::cpu::add_rms_norm({DType::kF32, 3, n, 1e-5f, pick.data(), x.data_ptr(),
+                                         nullptr, nullptr, w.data_ptr(), picked.data_ptr()}));
+  test::expect_close(picked, reference_add_rms_norm(now, {}, wv, pick, n, nullptr), 1e-5, 1e-6,
+                     "gathered rms_norm");
 
+  std::vector<double> want(static_cast<size_t>(rows * n));
   const Tensor gu = random_tensor({rows, 2 * n}, DType::kF32, rng);
   Tensor act = Tensor::empty({rows, n}, DType::kF32);
   throw_if_error(ops::cpu::silu_mul({DType::kF32, rows, n, gu.data_ptr(), act.data_ptr()}));
@@ -293,46 +382,73 @@ TEST(ModelOpsCuda, ElementwiseOpsMatchCpu) {
   const Stream stream = Stream::create(dev);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     std::mt19937_64 rng(21);
-    const int64_t rows = 9, n = 77, heads = 3, kvh = 1, d = 12, stride = (heads + 2 * kvh) * d;
+    const int64_t rows = 9, n = 77;
     const double tol = dt == DType::kF32 ? 1e-5 : 2e-2;
-    // rms_norm
     const Tensor x = random_tensor({rows, n}, dt, rng);
-    const Tensor w = random_tensor({n}, dt, rng);
-    Tensor cpu_out = Tensor::empty({rows, n}, dt);
-    throw_if_error(ops::cpu::rms_norm(
-        {dt, rows, n, 1e-6f, x.data_ptr(), n, w.data_ptr(), cpu_out.data_ptr()}));
-    const Tensor xg = x.to(dev, stream), wg = w.to(dev, stream);
-    Tensor gpu_out = Tensor::empty({rows, n}, dt, dev);
-    throw_if_error(ops::cuda::rms_norm(
-        {dt, rows, n, 1e-6f, xg.data_ptr(), n, wg.data_ptr(), gpu_out.data_ptr()}, stream));
-    test::expect_close(gpu_out.to(Device::cpu(), stream), cpu_out.to_double_vector(), tol, tol,
-                       "rms_norm");
-    // silu_mul and add
-    const Tensor gu = random_tensor({rows, 2 * n}, dt, rng);
-    Tensor act = Tensor::empty({rows, n}, dt);
-    throw_if_error(ops::cpu::silu_mul({dt, rows, n, gu.data_ptr(), act.data_ptr()}));
-    const Tensor gug = gu.to(dev, stream);
-    Tensor actg = Tensor::empty({rows, n}, dt, dev);
-    throw_if_error(ops::cuda::silu_mul({dt, rows, n, gug.data_ptr(), actg.data_ptr()}, stream));
-    test::expect_close(actg.to(Device::cpu(), stream), act.to_double_vector(), tol, tol,
-                       "silu_mul");
-    throw_if_error(ops::cpu::add({dt, rows, n, x.data_ptr(), act.data_ptr()}));
-    throw_if_error(ops::cuda::add({dt, rows, n, xg.data_ptr(), actg.data_ptr()}, stream));
-    test::expect_close(actg.to(Device::cpu(), stream), act.to_double_vector(), tol, tol, "add");
-    // rope
-    Tensor qkv = random_tensor({rows, stride}, dt, rng);
-    Tensor qkvg = qkv.clone().to(dev, stream);
-    std::vector<int32_t> pos(static_cast<size_t>(rows));
-    for (int64_t i = 0; i < rows; ++i) pos[i] = static_cast<int32_t>(i * 37 % 500);
-    const std::vector<float> inv = {1.0f, 0.2f, 0.03f, 0.004f, 5e-4f, 6e-5f};
-    const Tensor posg = Tensor::from_vector(pos, {rows}).to(dev, stream);
-    const Tensor invg = Tensor::from_vector(inv, {6}).to(dev, stream);
-    throw_if_error(
-        ops::cpu::rope({dt, rows, heads, kvh, d, pos.data(), inv.data(), qkv.data_ptr(), stride}));
-    throw_if_error(ops::cuda::rope({dt, rows, heads, kvh, d, posg.data<int32_t>(),
-                                    invg.data<float>(), qkvg.data_ptr(), stride},
-                                   stream));
-    test::expect_close(qkvg.to(Device::cpu(), stream), qkv.to_double_vector(), tol, 1e-5, "rope");
+    const Tensor xg = x.to(dev, stream);
+    // add_rms_norm: in place over rows wider than the registers hold, and gathered.
+    for (int64_t hidden : {n, int64_t{5000}}) {
+      Tensor res = random_tensor({rows, hidden}, dt, rng);
+      const Tensor delta = random_tensor({rows, hidden}, dt, rng);
+      const Tensor w = random_tensor({hidden}, dt, rng);
+      Tensor resg = res.to(dev, stream);
+      const Tensor deltag = delta.to(dev, stream), wg = w.to(dev, stream);
+      Tensor out = Tensor::empty({rows, hidden}, dt), outg = Tensor::empty({rows, hidden}, dt, dev);
+      throw_if_error(
+          ops::cpu::add_rms_norm({dt, rows, hidden, 1e-6f, nullptr, res.data_ptr(),
+                                  delta.data_ptr(), res.data_ptr(), w.data_ptr(), out.data_ptr()}));
+      throw_if_error(ops::cuda::add_rms_norm(
+          {dt, rows, hidden, 1e-6f, nullptr, resg.data_ptr(), deltag.data_ptr(), resg.data_ptr(),
+           wg.data_ptr(), outg.data_ptr()},
+          stream));
+      test::expect_close(outg.to(Device::cpu(), stream), out.to_double_vector(), tol, tol,
+                         "add_rms_norm");
+      test::expect_close(resg.to(Device::cpu(), stream), res.to_double_vector(), 0, 0,
+                         "add_rms_norm residual");
+      const std::vector<int32_t> pick = {2, 2, 0, static_cast<int32_t>(rows - 1)};
+      const Tensor pickg = Tensor::from_vector(pick, {4}).to(dev, stream);
+      Tensor rows_out = Tensor::empty({4, hidden}, dt),
+             rows_outg = Tensor::empty({4, hidden}, dt, dev);
+      throw_if_error(
+          ops::cpu::add_rms_norm({dt, 4, hidden, 1e-6f, pick.data(), res.data_ptr(),
+                                  delta.data_ptr(), nullptr, w.data_ptr(), rows_out.data_ptr()}));
+      throw_if_error(
+          ops::cuda::add_rms_norm({dt, 4, hidden, 1e-6f, pickg.data<int32_t>(), resg.data_ptr(),
+                                   deltag.data_ptr(), nullptr, wg.data_ptr(), rows_outg.data_ptr()},
+                                  stream));
+      test::expect_close(rows_outg.to(Device::cpu(), stream), rows_out.to_double_vector(), tol, tol,
+                         "gathered add_rms_norm");
+    }
+    // silu_mul: scalar rows (77) and 16-byte vectors (128).
+    for (int64_t width : {n, int64_t{128}}) {
+      const Tensor gu = random_tensor({rows, 2 * width}, dt, rng);
+      Tensor act = Tensor::empty({rows, width}, dt);
+      throw_if_error(ops::cpu::silu_mul({dt, rows, width, gu.data_ptr(), act.data_ptr()}));
+      const Tensor gug = gu.to(dev, stream);
+      Tensor actg = Tensor::empty({rows, width}, dt, dev);
+      throw_if_error(
+          ops::cuda::silu_mul({dt, rows, width, gug.data_ptr(), actg.data_ptr()}, stream));
+      test::expect_close(actg.to(Device::cpu(), stream), act.to_double_vector(), tol, tol,
+                         "silu_mul");
+    }
+    // rope_kv_write: the rotated qkv and both caches.
+    const RopeCase rc;
+    const Tensor qkv = random_tensor({rc.t, rc.stride}, dt, rng);
+    const std::vector<Tensor> cpu = run_rope_kv_write(rc, qkv, dt, Device::cpu());
+    const std::vector<Tensor> gpu = run_rope_kv_write(rc, qkv, dt, dev);
+    for (size_t i = 0; i < 3; ++i) {
+      const std::vector<double> want = cpu[i].to_double_vector();
+      const std::vector<double> got = gpu[i].to_double_vector();
+      ASSERT_EQ(want.size(), got.size());
+      for (size_t j = 0; j < want.size(); ++j) {
+        if (std::isnan(want[j])) {
+          EXPECT_TRUE(std::isnan(got[j])) << "rope_kv_write part " << i << " element " << j;
+        } else {
+          EXPECT_NEAR(got[j], want[j], tol * (1.0 + std::abs(want[j])))
+              << "rope_kv_write part " << i << " element " << j;
+        }
+      }
+    }
     // embedding gather and argmax
     const std::vector<int32_t> ids = {3, 0, 8, 8, 1};
     const Tensor idg = Tensor::from_vector(ids, {5}).to(dev, stream);

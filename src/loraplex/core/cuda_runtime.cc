@@ -149,6 +149,41 @@ void event_synchronize(EventHandle event) {
 
 void check_last_error(const char* what) { check(cudaGetLastError(), what); }
 
+MemoryInfo memory_info(int device) {
+  set_device(device);
+  MemoryInfo info;
+  check(cudaMemGetInfo(&info.free, &info.total), "cudaMemGetInfo");
+  return info;
+}
+
+void begin_capture(StreamHandle stream) {
+  check(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeThreadLocal),
+        "cudaStreamBeginCapture");
+}
+
+GraphHandle end_capture(StreamHandle stream) {
+  cudaGraph_t graph = nullptr;
+  const cudaError_t err = cudaStreamEndCapture(as_stream(stream), &graph);
+  if (err != cudaSuccess) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    check(err, "cudaStreamEndCapture");
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check(inst, "cudaGraphInstantiate");
+  return exec;
+}
+
+void graph_launch(GraphHandle graph, StreamHandle stream) {
+  check(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph), as_stream(stream)), "cudaGraphLaunch");
+}
+
+void graph_destroy(GraphHandle graph) {
+  if (graph != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph));
+}
+
 #else  // !LORAPLEX_WITH_CUDA
 
 namespace {
@@ -182,6 +217,11 @@ void event_record(EventHandle, StreamHandle) { no_cuda("an event"); }
 void stream_wait_event(StreamHandle, EventHandle) { no_cuda("an event"); }
 void event_synchronize(EventHandle) { no_cuda("an event"); }
 void check_last_error(const char*) {}
+MemoryInfo memory_info(int) { no_cuda("device memory"); }
+void begin_capture(StreamHandle) { no_cuda("a CUDA graph"); }
+GraphHandle end_capture(StreamHandle) { no_cuda("a CUDA graph"); }
+void graph_launch(GraphHandle, StreamHandle) { no_cuda("a CUDA graph"); }
+void graph_destroy(GraphHandle) {}
 
 #endif
 

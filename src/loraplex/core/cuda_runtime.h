@@ -42,6 +42,24 @@ void event_record(EventHandle event, StreamHandle stream);
 void stream_wait_event(StreamHandle stream, EventHandle event);
 void event_synchronize(EventHandle event);
 
+/// Free and total bytes of device memory (cudaMemGetInfo on `device`).
+struct MemoryInfo {
+  size_t free = 0;
+  size_t total = 0;
+};
+MemoryInfo memory_info(int device);
+
+/// A captured, instantiated CUDA graph (cudaGraphExec_t), as an opaque pointer.
+using GraphHandle = void*;
+/// Starts capturing the work this thread enqueues on `stream` (thread-local mode: other
+/// threads may allocate and copy meanwhile).
+void begin_capture(StreamHandle stream);
+/// Ends the capture and instantiates it. On failure the capture is discarded and the error
+/// (e.g. an operation that cannot be captured) thrown.
+GraphHandle end_capture(StreamHandle stream);
+void graph_launch(GraphHandle graph, StreamHandle stream);
+void graph_destroy(GraphHandle graph);
+
 /// Throws loraplex::Error naming `what` if a CUDA error is pending (clears it).
 void check_last_error(const char* what);
 

@@ -1,6 +1,7 @@
 #include "loraplex/layers/fused_moe.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "loraplex/core/allocator.h"
 #include "loraplex/core/error.h"
@@ -22,9 +23,11 @@ bool is_float_cpu_2d(const Tensor& t) {
   return t.defined() && t.device().is_cpu() && is_floating(t.dtype()) && t.dim() == 2;
 }
 
+// A base weight: any float on the CPU, or already on a device (WeightUpload checks which).
 void check_2d(const Tensor& t, int64_t rows, int64_t cols, const std::string& what) {
-  LORAPLEX_CHECK(is_float_cpu_2d(t) && t.size(0) == rows && t.size(1) == cols, kName, ": ", what,
-                 " must be a CPU float [", rows, ", ", cols, "], got ",
+  LORAPLEX_CHECK(t.defined() && is_floating(t.dtype()) && t.dim() == 2 && t.size(0) == rows &&
+                     t.size(1) == cols,
+                 kName, ": ", what, " must be a CPU float [", rows, ", ", cols, "], got ",
                  t.defined() ? t.describe() : "undefined");
 }
 
@@ -208,12 +211,13 @@ int FusedMoeWithLora::lora_rank(int slot, int projection) const {
 }
 
 void FusedMoeWithLora::load_base(const Tensor& router, const std::vector<Tensor>& w1,
-                                 const std::vector<Tensor>& w3, const std::vector<Tensor>& w2) {
-  load_experts(router, w1, w3, w2);
+                                 const std::vector<Tensor>& w3, const std::vector<Tensor>& w2,
+                                 WeightUpload* upload) {
+  load_experts(router, w1, w3, w2, upload);
 }
 
 void FusedMoeWithLora::load_base_3d(const Tensor& router, const Tensor& gate_up, const Tensor& down,
-                                    GateUpLayout layout) {
+                                    GateUpLayout layout, WeightUpload* upload) {
   const int E = spec_.num_experts;
   const int64_t I = spec_.intermediate;
   const int64_t H = spec_.hidden;
@@ -239,12 +243,12 @@ void FusedMoeWithLora::load_base_3d(const Tensor& router, const Tensor& gate_up,
     }
     dn.push_back(down.select(0, e));
   }
-  load_experts(router, gate, up, dn);
+  load_experts(router, gate, up, dn, upload);
 }
 
 void FusedMoeWithLora::load_experts(const Tensor& router, const std::vector<Tensor>& gate,
-                                    const std::vector<Tensor>& up,
-                                    const std::vector<Tensor>& down) {
+                                    const std::vector<Tensor>& up, const std::vector<Tensor>& down,
+                                    WeightUpload* upload) {
   const int E = spec_.num_experts;
   const int64_t I = spec_.intermediate;
   const int64_t H = spec_.hidden;
@@ -261,22 +265,21 @@ void FusedMoeWithLora::load_experts(const Tensor& router, const std::vector<Tens
   }
   const DType dt = spec_.dtype;
   const int64_t off = rank_ * inter_local_;
-  Tensor w13 = Tensor::empty({E, 2 * inter_local_, H}, dt);
-  Tensor w2 = Tensor::empty({E, H, inter_local_}, dt);
+  std::optional<WeightUpload> own;
+  if (upload == nullptr) upload = &own.emplace(device_);
+  router_ = Tensor::empty({E, H}, dt, device_);
+  w13_ = Tensor::empty({E, 2 * inter_local_, H}, dt, device_);
+  w2_ = Tensor::empty({E, H, inter_local_}, dt, device_);
+  upload->copy(router_, router);
   for (int e = 0; e < E; ++e) {
     const auto i = static_cast<size_t>(e);
-    Tensor g = w13.select(0, e).narrow(0, 0, inter_local_);
-    g.copy_from(gate[i].narrow(0, off, inter_local_));
-    Tensor u = w13.select(0, e).narrow(0, inter_local_, inter_local_);
-    u.copy_from(up[i].narrow(0, off, inter_local_));
-    Tensor d = w2.select(0, e);
-    d.copy_from(down[i].narrow(1, off, inter_local_));
+    upload->copy(w13_.select(0, e).narrow(0, 0, inter_local_),
+                 gate[i].narrow(0, off, inter_local_));
+    upload->copy(w13_.select(0, e).narrow(0, inter_local_, inter_local_),
+                 up[i].narrow(0, off, inter_local_));
+    upload->copy(w2_.select(0, e), down[i].narrow(1, off, inter_local_));
   }
-  const Stream stream = Stream::default_for(device_);
-  router_ = layers_detail::host_block(router, 0, E, 0, H, dt).to(device_, stream);
-  w13_ = w13.to(device_, stream);
-  w2_ = w2.to(device_, stream);
-  stream.synchronize();
+  if (own) own->finish();
 }
 
 void FusedMoeWithLora::set_lora(int slot, const MoeLoraWeights& weights) {

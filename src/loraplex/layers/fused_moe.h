@@ -30,6 +30,7 @@
 #include "loraplex/dist/communicator.h"
 #include "loraplex/kernels/lora_ops.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/weight_upload.h"
 #include "loraplex/layers/workspace.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
@@ -87,14 +88,16 @@ class FusedMoeWithLora {
   FusedMoeWithLora(const MoeSpec& spec, const LoraConfig& config, Communicator* comm, Device device,
                    int max_num_tokens, std::shared_ptr<LayerWorkspace> workspace = nullptr);
 
-  /// FULL base weights, CPU, any float dtype: router [E, hidden]; per expert w1 (gate) and w3
-  /// (up) [intermediate, hidden], w2 (down) [hidden, intermediate].
+  /// FULL base weights, CPU, any float dtype (or spec.dtype on the layer's device): router
+  /// [E, hidden]; per expert w1 (gate) and w3 (up) [intermediate, hidden], w2 (down) [hidden,
+  /// intermediate]. `upload`: see LoraLinear::load_base.
   void load_base(const Tensor& router, const std::vector<Tensor>& w1, const std::vector<Tensor>& w3,
-                 const std::vector<Tensor>& w2);
-  /// transformers-5 style 3-D experts: gate_up [E, 2 * intermediate, hidden] (row layout
+                 const std::vector<Tensor>& w2, WeightUpload* upload = nullptr);
+  /// transformers-5 style 3-D experts (CPU): gate_up [E, 2 * intermediate, hidden] (row layout
   /// `layout`), down [E, hidden, intermediate].
   void load_base_3d(const Tensor& router, const Tensor& gate_up, const Tensor& down,
-                    GateUpLayout layout = GateUpLayout::kConcatenated);
+                    GateUpLayout layout = GateUpLayout::kConcatenated,
+                    WeightUpload* upload = nullptr);
 
   /// Throws loraplex::Error (slot unchanged) on a wrong shape, list length or rank.
   void set_lora(int slot, const MoeLoraWeights& weights);
@@ -123,7 +126,8 @@ class FusedMoeWithLora {
   void write_lora(int slot, const MoeLoraWeights& weights, const Stream& stream);
   void clear_lora(int slot, const Stream& stream);
   void load_experts(const Tensor& router, const std::vector<Tensor>& gate,
-                    const std::vector<Tensor>& up, const std::vector<Tensor>& down);
+                    const std::vector<Tensor>& up, const std::vector<Tensor>& down,
+                    WeightUpload* upload);
   void route_on_host(int64_t tokens, const Stream& stream);
   void add_w13_lora(const Tensor& x, Tensor& gate_up, const PunicaWrapper& punica,
                     const Stream& stream);

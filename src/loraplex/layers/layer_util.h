@@ -35,6 +35,13 @@ Shard shard_of(int64_t size, int64_t units, int tp, int rank, const std::string&
 int check_lora_pair(const LoraSliceWeights& w, int64_t in, int64_t out, int max_rank,
                     const std::string& where);
 
+/// A base weight a layer on `device` in `dtype` can load: any float CPU tensor, or `dtype` on
+/// `device` itself (random weights made on the GPU).
+inline bool is_weight_source(const Tensor& t, Device device, DType dtype) {
+  return t.defined() && ((t.device().is_cpu() && is_floating(t.dtype())) ||
+                         (t.device() == device && t.dtype() == dtype));
+}
+
 /// Rows [r0, r0 + nr) and columns [c0, c0 + nc) of a 2-D CPU tensor as a new contiguous CPU
 /// tensor in `dtype`.
 Tensor host_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc, DType dtype);

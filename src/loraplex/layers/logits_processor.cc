@@ -1,6 +1,7 @@
 #include "loraplex/layers/logits_processor.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "loraplex/core/error.h"
 #include "loraplex/layers/layer_util.h"
@@ -69,32 +70,31 @@ int LogitsProcessorWithLora::lora_rank(int slot) const {
   return host_ranks_[static_cast<size_t>(slot)];
 }
 
-void LogitsProcessorWithLora::load_base(const Tensor& lm_head, const Tensor& bias) {
+void LogitsProcessorWithLora::load_base(const Tensor& lm_head, const Tensor& bias,
+                                        WeightUpload* upload) {
   const char* k = "LogitsProcessorWithLora";
-  LORAPLEX_CHECK(lm_head.defined() && lm_head.device().is_cpu() && is_floating(lm_head.dtype()) &&
-                     lm_head.dim() == 2 && lm_head.size(0) == vocab_ && lm_head.size(1) == hidden_,
+  LORAPLEX_CHECK(layers_detail::is_weight_source(lm_head, device_, dtype_) && lm_head.dim() == 2 &&
+                     lm_head.size(0) == vocab_ && lm_head.size(1) == hidden_,
                  k, ": lm_head must be a CPU float [", vocab_, ", ", hidden_, "], got ",
                  lm_head.defined() ? lm_head.describe() : "undefined");
   if (bias.defined()) {
-    LORAPLEX_CHECK(bias.device().is_cpu() && is_floating(bias.dtype()) && bias.dim() == 1 &&
+    LORAPLEX_CHECK(layers_detail::is_weight_source(bias, device_, dtype_) && bias.dim() == 1 &&
                        bias.size(0) == vocab_,
                    k, ": bias must be a CPU float [", vocab_, "], got ", bias.describe());
   }
+  std::optional<WeightUpload> own;
+  if (upload == nullptr) upload = &own.emplace(device_);
   const int64_t rows = std::max<int64_t>(0, std::min(shard_, vocab_ - vocab_start_));
-  Tensor w = Tensor::zeros({shard_, hidden_}, dtype_);
-  Tensor b = bias.defined() ? Tensor::zeros({shard_}, dtype_) : Tensor();
+  // Rows past the vocabulary (the last shard's padding) stay zero.
+  const Stream setup = Stream::default_for(device_);
+  weight_ = Tensor::zeros({shard_, hidden_}, dtype_, device_, setup);
+  bias_ = bias.defined() ? Tensor::zeros({shard_}, dtype_, device_, setup) : Tensor();
+  setup.synchronize();
   if (rows > 0) {
-    Tensor dst = w.narrow(0, 0, rows);
-    dst.copy_from(lm_head.narrow(0, vocab_start_, rows));
-    if (bias.defined()) {
-      Tensor bd = b.narrow(0, 0, rows);
-      bd.copy_from(bias.narrow(0, vocab_start_, rows));
-    }
+    upload->copy(weight_.narrow(0, 0, rows), lm_head.narrow(0, vocab_start_, rows));
+    if (bias.defined()) upload->copy(bias_.narrow(0, 0, rows), bias.narrow(0, vocab_start_, rows));
   }
-  const Stream stream = Stream::default_for(device_);
-  weight_ = w.to(device_, stream);
-  bias_ = bias.defined() ? b.to(device_, stream) : Tensor();
-  stream.synchronize();
+  if (own) own->finish();
 }
 
 void LogitsProcessorWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {

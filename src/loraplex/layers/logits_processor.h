@@ -17,6 +17,7 @@
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/weight_upload.h"
 #include "loraplex/layers/workspace.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
@@ -31,8 +32,10 @@ class LogitsProcessorWithLora {
                           Communicator* comm, Device device, int max_num_seqs,
                           std::shared_ptr<LayerWorkspace> workspace = nullptr);
 
-  /// lm_head: FULL [vocab, hidden], CPU, any float dtype; bias [vocab] or undefined.
-  void load_base(const Tensor& lm_head, const Tensor& bias = Tensor());
+  /// lm_head: FULL [vocab, hidden], CPU, any float dtype (or the layer's dtype on its device);
+  /// bias [vocab] or undefined. `upload`: see LoraLinear::load_base.
+  void load_base(const Tensor& lm_head, const Tensor& bias = Tensor(),
+                 WeightUpload* upload = nullptr);
   /// slices: exactly one {a [rank, hidden], b [vocab, rank]} (lm_head's lora_A / lora_B with
   /// the scale folded in), CPU, any float dtype; undefined = no lm_head LoRA.
   void set_lora(int slot, const std::vector<LoraSliceWeights>& slices);

@@ -1,5 +1,6 @@
 #include "loraplex/layers/lora_linear.h"
 
+#include <optional>
 #include <utility>
 
 #include "loraplex/core/error.h"
@@ -214,7 +215,8 @@ int LoraLinear::lora_rank(int slot, int slice) const {
   return host_ranks_[static_cast<size_t>(slice * config_.max_loras + slot)];
 }
 
-void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases) {
+void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases,
+                           WeightUpload* upload) {
   const std::string& k = spec_.kind;
   LORAPLEX_CHECK(weights.size() == spec_.outputs.size(), k, ": load_base got ", weights.size(),
                  " weights, expected one per output slice (", spec_.outputs.size(), ")");
@@ -227,34 +229,34 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = weights[i];
     const int64_t size = spec_.outputs[i].size;
-    LORAPLEX_CHECK(w.defined() && w.device().is_cpu() && is_floating(w.dtype()) && w.dim() == 2 &&
-                       w.size(0) == size && w.size(1) == spec_.in_features,
+    LORAPLEX_CHECK(w.defined() && layers_detail::is_weight_source(w, device_, spec_.dtype) &&
+                       w.dim() == 2 && w.size(0) == size && w.size(1) == spec_.in_features,
                    k, ": base weight of slice ", i, " must be a CPU float [", size, ", ",
-                   spec_.in_features, "], got ", w.defined() ? w.describe() : "undefined");
+                   spec_.in_features, "] (or ", spec_.dtype, " on ", device_, "), got ",
+                   w.defined() ? w.describe() : "undefined");
     if (any_bias) {
       const Tensor& b = biases[i];
-      LORAPLEX_CHECK(b.defined() && b.device().is_cpu() && is_floating(b.dtype()) && b.dim() == 1 &&
-                         b.size(0) == size,
+      LORAPLEX_CHECK(b.defined() && layers_detail::is_weight_source(b, device_, spec_.dtype) &&
+                         b.dim() == 1 && b.size(0) == size,
                      k, ": bias of slice ", i, " must be a CPU float [", size, "], got ",
                      b.defined() ? b.describe() : "undefined");
     }
   }
-  Tensor host_w = Tensor::empty({out_local_, in_local_}, spec_.dtype);
-  Tensor host_b = any_bias ? Tensor::empty({out_local_}, spec_.dtype) : Tensor();
+  std::optional<WeightUpload> own;
+  if (upload == nullptr) upload = &own.emplace(device_);
+  weight_ = Tensor::empty({out_local_, in_local_}, spec_.dtype, device_);
+  bias_ = any_bias ? Tensor::empty({out_local_}, spec_.dtype, device_) : Tensor();
   for (size_t i = 0; i < weights.size(); ++i) {
     const LocalSlice& ls = slices_[i];
-    Tensor rows = host_w.narrow(0, ls.local_offset, ls.local_size);
-    rows.copy_from(
+    upload->copy(
+        weight_.narrow(0, ls.local_offset, ls.local_size),
         weights[i].narrow(0, ls.shard_start, ls.local_size).narrow(1, in_offset_, in_local_));
     if (any_bias) {
-      Tensor part = host_b.narrow(0, ls.local_offset, ls.local_size);
-      part.copy_from(biases[i].narrow(0, ls.shard_start, ls.local_size));
+      upload->copy(bias_.narrow(0, ls.local_offset, ls.local_size),
+                   biases[i].narrow(0, ls.shard_start, ls.local_size));
     }
   }
-  const Stream stream = Stream::default_for(device_);
-  weight_ = host_w.to(device_, stream);
-  bias_ = any_bias ? host_b.to(device_, stream) : Tensor();
-  stream.synchronize();
+  if (own) own->finish();
 }
 
 void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {

@@ -32,6 +32,7 @@
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/weight_upload.h"
 #include "loraplex/layers/workspace.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
@@ -90,10 +91,13 @@ class LoraLinear {
   LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* comm, Device device,
              int max_num_tokens, std::shared_ptr<LayerWorkspace> workspace = nullptr);
 
-  /// Loads the base weights: one FULL [size_s, in_features] per output slice (any float dtype,
-  /// CPU; e.g. mmap views), and optionally one bias [size_s] per output slice (an empty span or
-  /// undefined tensors = no bias). The layer takes its shard and converts to spec.dtype.
-  void load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases = {});
+  /// Loads the base weights: one FULL [size_s, in_features] per output slice (any float dtype on
+  /// the CPU, e.g. mmap views, or spec.dtype on the layer's device), and optionally one bias
+  /// [size_s] per output slice (an empty span or undefined tensors = no bias). The layer takes
+  /// its shard and converts to spec.dtype. With `upload` the copies are enqueued there (the
+  /// sources must live until its finish()); without, they are done on return.
+  void load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases = {},
+                 WeightUpload* upload = nullptr);
 
   /// Installs an adapter in `slot`: one LoraSliceWeights per LoRA slice (num_lora_slices():
   /// 1 for fused or single-output layers, else one per output slice), FULL weights (see

@@ -1,6 +1,7 @@
 #include "loraplex/layers/vocab_embedding.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "loraplex/core/error.h"
 #include "loraplex/layers/layer_ops.h"
@@ -50,14 +51,16 @@ int VocabEmbeddingWithLora::lora_rank(int slot) const {
   return host_ranks_[static_cast<size_t>(slot)];
 }
 
-void VocabEmbeddingWithLora::load_base(const Tensor& weight) {
-  LORAPLEX_CHECK(weight.defined() && weight.device().is_cpu() && is_floating(weight.dtype()) &&
-                     weight.dim() == 2 && weight.size(0) == vocab_ && weight.size(1) == hidden_,
+void VocabEmbeddingWithLora::load_base(const Tensor& weight, WeightUpload* upload) {
+  LORAPLEX_CHECK(layers_detail::is_weight_source(weight, device_, dtype_) && weight.dim() == 2 &&
+                     weight.size(0) == vocab_ && weight.size(1) == hidden_,
                  "VocabEmbeddingWithLora: base weight must be a CPU float [", vocab_, ", ", hidden_,
                  "], got ", weight.defined() ? weight.describe() : "undefined");
-  const Stream stream = Stream::default_for(device_);
-  weight_ = host_block(weight, vocab_start_, local_rows_, 0, hidden_, dtype_).to(device_, stream);
-  stream.synchronize();
+  std::optional<WeightUpload> own;
+  if (upload == nullptr) upload = &own.emplace(device_);
+  weight_ = Tensor::empty({local_rows_, hidden_}, dtype_, device_);
+  upload->copy(weight_, weight.narrow(0, vocab_start_, local_rows_));
+  if (own) own->finish();
 }
 
 void VocabEmbeddingWithLora::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {

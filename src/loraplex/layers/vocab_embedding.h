@@ -19,6 +19,7 @@
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
 #include "loraplex/layers/lora_layer.h"
+#include "loraplex/layers/weight_upload.h"
 #include "loraplex/punica/punica_wrapper.h"
 #include "loraplex/punica/slot_ranks.h"
 
@@ -30,8 +31,9 @@ class VocabEmbeddingWithLora {
   VocabEmbeddingWithLora(int64_t vocab, int64_t hidden, DType dtype, const LoraConfig& config,
                          Communicator* comm, Device device, int max_num_tokens);
 
-  /// weight: FULL [vocab, hidden], CPU, any float dtype.
-  void load_base(const Tensor& weight);
+  /// weight: FULL [vocab, hidden], CPU, any float dtype (or the layer's dtype on its device).
+  /// `upload`: see LoraLinear::load_base.
+  void load_base(const Tensor& weight, WeightUpload* upload = nullptr);
   /// slices: exactly one {a, b}: a = lora_embedding_A [rank, vocab], b = lora_embedding_B
   /// [hidden, rank] (scale folded in), CPU, any float dtype; undefined = no embedding LoRA.
   /// Throws (slot unchanged) on a wrong shape or rank > max_lora_rank.

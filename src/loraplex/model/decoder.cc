@@ -1,47 +1,105 @@
 #include "loraplex/model/decoder.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <optional>
 #include <tuple>
 
+#include "loraplex/core/allocator.h"
+#include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/error.h"
 #include "loraplex/model/model_ops.h"
 #include "loraplex/model/sampler.h"
+#include "loraplex/model/weight_source.h"
 
 namespace loraplex::model {
 namespace {
 
-template <typename T>
-Tensor upload(const std::vector<T>& v, Device device, const Stream& stream) {
-  const Tensor host = Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
-  return device.is_cpu() ? host : host.to(device, stream);
-}
+// Batch sizes that get their own captured decode graph; a batch runs in the smallest bucket
+// that holds it (padding rows cost little next to reading every weight once per step).
+constexpr int64_t kGraphBuckets[] = {1,  2,   4,   8,   16,  24,  32,  40,  48,  56,  64, 80,
+                                     96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512};
+
+// The same block of tensors a CPU step and a device step read: a view with a known size.
+Tensor rows_of(const Tensor& t, int64_t rows) { return t.narrow(0, 0, rows); }
+
+// Embedding and lm_head base weights are registered for checking adapters' saved copies only
+// when they are host views (a checkpoint's); random device weights are not kept twice.
+Tensor host_only(const Tensor& t) { return t.device().is_cpu() ? t : Tensor(); }
 
 }  // namespace
+
+int64_t decode_graph_bucket(int64_t n, int64_t max_num_seqs) {
+  if (n < 1 || n > max_num_seqs) return 0;
+  for (int64_t b : kGraphBuckets) {
+    if (b >= n) return std::min(b, max_num_seqs);
+  }
+  return max_num_seqs <= kGraphBuckets[std::size(kGraphBuckets) - 1] ? max_num_seqs : 0;
+}
+
+bool Decoder::GraphKey::operator<(const GraphKey& o) const {
+  return std::tie(bucket, token_lora, sampler_lora) <
+         std::tie(o.bucket, o.token_lora, o.sampler_lora);
+}
+
+struct Decoder::Graph {
+  cuda_rt::GraphHandle exec = nullptr;
+  ~Graph() { cuda_rt::graph_destroy(exec); }
+};
 
 std::unique_ptr<Decoder> Decoder::load(const std::string& dir, const DecoderOptions& options) {
   namespace fs = std::filesystem;
   LORAPLEX_CHECK(fs::is_directory(dir), dir, ": model directory does not exist");
+  const ModelConfig config = ModelConfig::from_file((fs::path(dir) / "config.json").string());
+  return create(config, CheckpointWeights(dir), options);
+}
+
+std::unique_ptr<Decoder> Decoder::create_random(const ModelConfig& config,
+                                                const DecoderOptions& options, uint64_t seed) {
+  // The weights are made on a stream of their own and copied on the same stream, in order.
+  WeightUpload upload(options.device);
+  return create(config, RandomWeights(config, options.dtype, options.device, seed, upload.stream()),
+                options, &upload);
+}
+
+std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const WeightSource& source,
+                                         const DecoderOptions& options, WeightUpload* upload) {
   LORAPLEX_CHECK(
       options.dtype == DType::kF32 || options.dtype == DType::kBF16 || options.dtype == DType::kF16,
       "model dtype ", options.dtype, " is not supported (float32, bfloat16, float16)");
-  LORAPLEX_CHECK(options.max_loras >= 1 && options.max_lora_rank >= 1 &&
-                     options.max_num_tokens >= 1 && options.max_num_seqs >= 1,
-                 "decoder options: max_loras ", options.max_loras, ", max_lora_rank ",
-                 options.max_lora_rank, ", max_num_tokens ", options.max_num_tokens,
-                 ", max_num_seqs ", options.max_num_seqs, " must all be >= 1");
+  LORAPLEX_CHECK(
+      options.max_loras >= 1 && options.max_lora_rank >= 1 && options.max_num_tokens >= 1 &&
+          options.max_num_seqs >= 1 && options.kv_block_size >= 1 && options.max_model_len >= 0,
+      "decoder options: max_loras ", options.max_loras, ", max_lora_rank ", options.max_lora_rank,
+      ", max_num_tokens ", options.max_num_tokens, ", max_num_seqs ", options.max_num_seqs,
+      ", kv_block_size ", options.kv_block_size, " must all be >= 1");
   std::unique_ptr<Decoder> d(new Decoder());
-  d->config_ = ModelConfig::from_file((fs::path(dir) / "config.json").string());
+  d->config_ = config;
   d->options_ = options;
+  if (d->options_.max_model_len == 0) {
+    d->options_.max_model_len = std::max<int64_t>(config.max_position_embeddings, 1);
+  }
   d->stream_ = options.device.is_cpu() ? Stream() : Stream::create(options.device);
-  const Checkpoint ckpt = Checkpoint::open(dir);
-  d->bind(ckpt);
-  d->inv_freq_ = upload(rope_inv_freq(d->config_), options.device, d->stream_);
+  d->workspace_ = std::make_shared<LayerWorkspace>(options.device);
+  {
+    std::optional<WeightUpload> own;
+    if (upload == nullptr) upload = &own.emplace(options.device);
+    d->bind(source, *upload);
+    upload->finish();
+  }
+  const std::vector<float> inv = rope_inv_freq(d->config_);
+  d->inv_freq_ = Tensor::from_vector(inv, {static_cast<int64_t>(inv.size())});
+  if (options.device.is_cuda()) d->inv_freq_ = d->inv_freq_.to(options.device, d->stream_);
   d->kv_ = std::make_unique<KvCache>(d->config_, options.kv_blocks, options.kv_block_size,
                                      options.dtype, options.device);
   d->punica_ =
       std::make_unique<PunicaWrapper>(options.max_loras, static_cast<int>(options.max_num_tokens),
                                       static_cast<int>(options.max_num_seqs), options.device);
+  d->allocate_step_buffers();
+  d->workspace_->allocate();
+  d->stream_.synchronize();
   return d;
 }
 
@@ -96,25 +154,18 @@ LoraLayerHandle moe_handle(FusedMoeWithLora& moe, const std::string& name) {
 
 }  // namespace
 
-void Decoder::bind(const Checkpoint& ckpt) {
+void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   const ModelConfig& c = config_;
   const DType dt = options_.dtype;
   const Device dev = options_.device;
   const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt, false};
   const int max_tokens = static_cast<int>(options_.max_num_tokens);
   const int64_t h = c.hidden_size;
-  auto weight = [&](const std::string& name, const Shape& s) {
-    const Tensor t = ckpt.tensor(name);
-    LORAPLEX_CHECK(t.shape() == s, ckpt.dir(), ": tensor '", name, "' has shape ",
-                   shape_str(t.shape()), ", expected ", shape_str(s));
-    LORAPLEX_CHECK(
-        t.dtype() == DType::kF32 || t.dtype() == DType::kF16 || t.dtype() == DType::kBF16,
-        ckpt.dir(), ": tensor '", name, "' has dtype ", t.dtype(),
-        ", expected float32, float16 or bfloat16");
-    return t;
-  };
+  auto weight = [&](const std::string& name, const Shape& s) { return src.get(name, s); };
   auto norm = [&](const std::string& name) {
-    return weight(name, {h}).to(dt).contiguous().to(dev);
+    Tensor t = Tensor::empty({h}, dt, dev);
+    upload.copy(t, weight(name, {h}));
+    return t;
   };
   auto add = [&](const std::string& module, const LoraLayerHandle& handle, int slice, int64_t in,
                  int64_t out, TargetKind kind = TargetKind::kLinear, Tensor base = Tensor()) {
@@ -132,17 +183,17 @@ void Decoder::bind(const Checkpoint& ckpt) {
   const Tensor embed = weight("model.embed_tokens.weight", {c.vocab_size, h});
   embed_ =
       std::make_unique<VocabEmbeddingWithLora>(c.vocab_size, h, dt, lora, nullptr, dev, max_tokens);
-  embed_->load_base(embed);
+  embed_->load_base(embed, &upload);
   add("model.embed_tokens", LoraLayerHandle::of<LoraSliceWeights>(*embed_, "model.embed_tokens", 1),
-      0, c.vocab_size, h, TargetKind::kEmbedding, embed);
-  LORAPLEX_CHECK(ckpt.has("lm_head.weight") || c.tie_word_embeddings, ckpt.dir(),
+      0, c.vocab_size, h, TargetKind::kEmbedding, host_only(embed));
+  LORAPLEX_CHECK(src.has("lm_head.weight") || c.tie_word_embeddings, src.origin(),
                  ": no lm_head.weight and tie_word_embeddings is false");
   const Tensor head = c.tie_word_embeddings ? embed : weight("lm_head.weight", {c.vocab_size, h});
-  lm_head_ = std::make_unique<LogitsProcessorWithLora>(h, c.vocab_size, dt, lora, nullptr, dev,
-                                                       static_cast<int>(options_.max_num_seqs));
-  lm_head_->load_base(head);
+  lm_head_ = std::make_unique<LogitsProcessorWithLora>(
+      h, c.vocab_size, dt, lora, nullptr, dev, static_cast<int>(options_.max_num_seqs), workspace_);
+  lm_head_->load_base(head, Tensor(), &upload);
   add("lm_head", LoraLayerHandle::of<LoraSliceWeights>(*lm_head_, "lm_head", 1), 0, h, c.vocab_size,
-      TargetKind::kLmHead, head);
+      TargetKind::kLmHead, host_only(head));
   final_norm_ = norm("model.norm.weight");
 
   const int64_t q = c.q_size();
@@ -156,7 +207,7 @@ void Decoder::bind(const Checkpoint& ckpt) {
     const std::string a = p + "self_attn.";
     layer.qkv = std::make_unique<LoraLinear>(
         LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), lora, nullptr, dev,
-        max_tokens);
+        max_tokens, workspace_);
     std::vector<Tensor> qkv_b;
     if (c.qkv_bias) {
       qkv_b = {weight(a + "q_proj.bias", {q}), weight(a + "k_proj.bias", {kv}),
@@ -164,12 +215,12 @@ void Decoder::bind(const Checkpoint& ckpt) {
     }
     layer.qkv->load_base({weight(a + "q_proj.weight", {q, h}), weight(a + "k_proj.weight", {kv, h}),
                           weight(a + "v_proj.weight", {kv, h})},
-                         qkv_b);
-    layer.o =
-        std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, nullptr, dev, max_tokens);
+                         qkv_b, &upload);
+    layer.o = std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, nullptr, dev,
+                                           max_tokens, workspace_);
     std::vector<Tensor> o_b;
     if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
-    layer.o->load_base({weight(a + "o_proj.weight", {h, q})}, o_b);
+    layer.o->load_base({weight(a + "o_proj.weight", {h, q})}, o_b, &upload);
     const LoraLayerHandle qkv_h =
         LoraLayerHandle::of<LoraSliceWeights>(*layer.qkv, a + "qkv_proj", 3);
     add(a + "q_proj", qkv_h, 0, h, q);
@@ -180,19 +231,19 @@ void Decoder::bind(const Checkpoint& ckpt) {
     if (!c.is_moe()) {
       const std::string m = p + "mlp.";
       layer.gate_up = std::make_unique<LoraLinear>(LinearSpec::merged_column(h, {inter, inter}, dt),
-                                                   lora, nullptr, dev, max_tokens);
+                                                   lora, nullptr, dev, max_tokens, workspace_);
       std::vector<Tensor> gu_b;
       if (c.mlp_bias) {
         gu_b = {weight(m + "gate_proj.bias", {inter}), weight(m + "up_proj.bias", {inter})};
       }
       layer.gate_up->load_base(
           {weight(m + "gate_proj.weight", {inter, h}), weight(m + "up_proj.weight", {inter, h})},
-          gu_b);
+          gu_b, &upload);
       layer.down = std::make_unique<LoraLinear>(LinearSpec::row(inter, h, dt), lora, nullptr, dev,
-                                                max_tokens);
+                                                max_tokens, workspace_);
       std::vector<Tensor> down_b;
       if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
-      layer.down->load_base({weight(m + "down_proj.weight", {h, inter})}, down_b);
+      layer.down->load_base({weight(m + "down_proj.weight", {h, inter})}, down_b, &upload);
       const LoraLayerHandle gu_h =
           LoraLayerHandle::of<LoraSliceWeights>(*layer.gate_up, m + "gate_up_proj", 2);
       add(m + "gate_proj", gu_h, 0, h, inter);
@@ -207,13 +258,14 @@ void Decoder::bind(const Checkpoint& ckpt) {
       spec.intermediate = inter;
       spec.dtype = dt;
       spec.renormalize = true;
-      layer.moe = std::make_unique<FusedMoeWithLora>(spec, lora, nullptr, dev, max_tokens);
+      layer.moe =
+          std::make_unique<FusedMoeWithLora>(spec, lora, nullptr, dev, max_tokens, workspace_);
       // transformers 5 still saves Mixtral with the 4.x names (block_sparse_moe.experts.N.wK);
       // a checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
       const std::string old_p = p + "block_sparse_moe.";
       const std::string new_p = p + "mlp.";
       const int64_t e_count = c.num_experts;
-      if (ckpt.has(old_p + "gate.weight")) {
+      if (src.has(old_p + "gate.weight")) {
         std::vector<Tensor> w1, w2, w3;
         for (int64_t e = 0; e < e_count; ++e) {
           const std::string ep = old_p + "experts." + std::to_string(e) + ".";
@@ -221,11 +273,12 @@ void Decoder::bind(const Checkpoint& ckpt) {
           w2.push_back(weight(ep + "w2.weight", {h, inter}));
           w3.push_back(weight(ep + "w3.weight", {inter, h}));
         }
-        layer.moe->load_base(weight(old_p + "gate.weight", {e_count, h}), w1, w3, w2);
+        layer.moe->load_base(weight(old_p + "gate.weight", {e_count, h}), w1, w3, w2, &upload);
       } else {
         layer.moe->load_base_3d(weight(new_p + "gate.weight", {e_count, h}),
                                 weight(new_p + "experts.gate_up_proj", {e_count, 2 * inter, h}),
-                                weight(new_p + "experts.down_proj", {e_count, h, inter}));
+                                weight(new_p + "experts.down_proj", {e_count, h, inter}),
+                                GateUpLayout::kConcatenated, &upload);
       }
       const LoraLayerHandle moe_h = moe_handle(*layer.moe, p + "experts");
       // PEFT's 3-D LoRA: A always consumes the projection input (ParamWrapper swaps in/out
@@ -258,148 +311,10 @@ void Decoder::bind(const Checkpoint& ckpt) {
   }
 }
 
-Tensor Decoder::rms_norm(const Tensor& x, const Tensor& weight) const {
-  Tensor out = Tensor::empty(x.shape(), options_.dtype, options_.device);
-  ops::RmsNormArgs a;
-  a.dtype = options_.dtype;
-  a.num_rows = x.size(0);
-  a.hidden = x.size(1);
-  a.eps = static_cast<float>(config_.rms_norm_eps);
-  a.x = x.data_ptr();
-  a.x_row_stride = x.size(1);
-  a.weight = weight.data_ptr();
-  a.out = out.data_ptr();
-  throw_if_error(ops::run(&ops::cpu::rms_norm, &ops::cuda::rms_norm, a, stream_));
-  return out;
-}
-
-void Decoder::add_inplace(Tensor& y, const Tensor& x) const {
-  ops::AddArgs a{options_.dtype, y.size(0), y.size(1), x.data_ptr(), y.data_ptr()};
-  throw_if_error(ops::run(&ops::cpu::add, &ops::cuda::add, a, stream_));
-}
-
-Tensor Decoder::forward(const StepInput& s) {
-  const ModelConfig& c = config_;
-  const Device dev = options_.device;
-  const DType dt = options_.dtype;
-  const int64_t n = static_cast<int64_t>(s.token_ids.size());
-  const int64_t num_sampled = static_cast<int64_t>(s.sample_tokens.size());
-  LORAPLEX_CHECK(n >= 1 && n <= options_.max_num_tokens, "step has ", n,
-                 " tokens, expected 1..max_num_tokens ", options_.max_num_tokens);
-  LORAPLEX_CHECK(num_sampled <= options_.max_num_seqs, "step samples ", num_sampled,
-                 " rows, expected at most max_num_seqs ", options_.max_num_seqs);
-  LORAPLEX_CHECK(
-      s.positions.size() == s.token_ids.size() && s.token_seq.size() == s.token_ids.size() &&
-          s.token_slots.size() == s.token_ids.size() &&
-          s.sample_slots.size() == s.sample_tokens.size() &&
-          static_cast<int64_t>(s.block_tables.size()) == s.num_seqs * s.max_blocks_per_seq,
-      "step input: inconsistent sizes");
-  const int64_t bs = kv_->block_size();
-  std::vector<int32_t> slot_mapping(static_cast<size_t>(n));
-  int64_t max_context = 1;
-  for (int64_t t = 0; t < n; ++t) {
-    const int32_t seq = s.token_seq[static_cast<size_t>(t)];
-    const int32_t pos = s.positions[static_cast<size_t>(t)];
-    LORAPLEX_CHECK(seq >= 0 && seq < s.num_seqs && pos >= 0 && pos / bs < s.max_blocks_per_seq,
-                   "step input: token ", t, " has sequence ", seq, " and position ", pos);
-    const int32_t block =
-        s.block_tables[static_cast<size_t>(seq * s.max_blocks_per_seq + pos / bs)];
-    slot_mapping[static_cast<size_t>(t)] = static_cast<int32_t>(block * bs + pos % bs);
-    max_context = std::max<int64_t>(max_context, pos + 1);
-  }
-  for (int32_t row : s.sample_tokens) {
-    LORAPLEX_CHECK(row >= 0 && row < n, "step input: sampled row ", row, " outside 0..", n - 1);
-  }
-
-  punica_->update_metadata(s.token_slots, s.sample_slots, stream_);
-  const PunicaWrapper& pw = *punica_;
-  const Tensor ids = upload(s.token_ids, dev, stream_);
-  const Tensor positions = upload(s.positions, dev, stream_);
-  const Tensor token_seq = upload(s.token_seq, dev, stream_);
-  const Tensor slots = upload(slot_mapping, dev, stream_);
-  const Tensor tables = upload(s.block_tables, dev, stream_);
-
-  // The residual stream is owned here: layer outputs are views of the layers' buffers.
-  Tensor x = embed_->forward(ids, pw, stream_).clone(stream_);
-  const int64_t q = c.q_size();
-  const int64_t kv = c.kv_size();
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    Layer& layer = layers_[l];
-    const ops::KvCacheView cache = kv_->view(static_cast<int64_t>(l));
-    Tensor h = rms_norm(x, layer.input_norm);
-    Tensor qkv = layer.qkv->forward(h, pw, stream_);
-    ops::RopeArgs rope;
-    rope.dtype = dt;
-    rope.num_tokens = n;
-    rope.num_heads = c.num_heads;
-    rope.num_kv_heads = c.num_kv_heads;
-    rope.head_dim = c.head_dim;
-    rope.positions = positions.data<int32_t>();
-    rope.inv_freq = inv_freq_.data<float>();
-    rope.qkv = qkv.data_ptr();
-    rope.qkv_row_stride = q + 2 * kv;
-    throw_if_error(ops::run(&ops::cpu::rope, &ops::cuda::rope, rope, stream_));
-    ops::KvWriteArgs w;
-    w.dtype = dt;
-    w.num_tokens = n;
-    w.num_heads = c.num_heads;
-    w.qkv = qkv.data_ptr();
-    w.qkv_row_stride = q + 2 * kv;
-    w.slot_mapping = slots.data<int32_t>();
-    w.cache = cache;
-    throw_if_error(ops::run(&ops::cpu::kv_write, &ops::cuda::kv_write, w, stream_));
-    Tensor attn = Tensor::empty({n, q}, dt, dev);
-    ops::PagedAttentionArgs pa;
-    pa.dtype = dt;
-    pa.num_tokens = n;
-    pa.num_heads = c.num_heads;
-    pa.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    pa.qkv = qkv.data_ptr();
-    pa.qkv_row_stride = q + 2 * kv;
-    pa.positions = positions.data<int32_t>();
-    pa.token_seq = token_seq.data<int32_t>();
-    pa.block_tables = tables.data<int32_t>();
-    pa.num_seqs = s.num_seqs;
-    pa.max_blocks_per_seq = s.max_blocks_per_seq;
-    pa.max_context = max_context;
-    pa.cache = cache;
-    pa.out = attn.data_ptr();
-    throw_if_error(ops::run(&ops::cpu::paged_attention, &ops::cuda::paged_attention, pa, stream_));
-    add_inplace(x, layer.o->forward(attn, pw, stream_));
-
-    h = rms_norm(x, layer.post_norm);
-    if (layer.moe) {
-      add_inplace(x, layer.moe->forward(h, pw, stream_));
-    } else {
-      const Tensor gu = layer.gate_up->forward(h, pw, stream_);
-      Tensor act = Tensor::empty({n, c.intermediate_size}, dt, dev);
-      ops::SiluMulArgs sm{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()};
-      throw_if_error(ops::run(&ops::cpu::silu_mul, &ops::cuda::silu_mul, sm, stream_));
-      add_inplace(x, layer.down->forward(act, pw, stream_));
-    }
-  }
-
-  // Only the sampled rows need the final norm and the lm_head.
-  if (num_sampled == 0) return Tensor::empty({0, c.vocab_size}, dt, dev);
-  Tensor rows = Tensor::empty({num_sampled, c.hidden_size}, dt, dev);
-  {
-    const Tensor sample_ids = upload(s.sample_tokens, dev, stream_);
-    ops::EmbeddingArgs g;
-    g.dtype = dt;
-    g.num_tokens = num_sampled;
-    g.hidden = c.hidden_size;
-    g.vocab = n;
-    g.ids = sample_ids.data<int32_t>();
-    g.table = x.data_ptr();
-    g.out = rows.data_ptr();
-    throw_if_error(ops::run(&ops::cpu::embedding, &ops::cuda::embedding, g, stream_));
-  }
-  const Tensor normed = rms_norm(rows, final_norm_);
-  return lm_head_->forward(normed, pw, stream_);
-}
-
 void Decoder::allocate_kv_cache(int64_t num_blocks) {
   LORAPLEX_CHECK(num_blocks >= 1, "KV cache: ", num_blocks, " blocks, expected >= 1");
+  // Captured graphs hold the old cache's addresses.
+  graphs_.clear();
   kv_.reset();
   kv_ = std::make_unique<KvCache>(config_, num_blocks, options_.kv_block_size, options_.dtype,
                                   options_.device);
@@ -411,58 +326,301 @@ int64_t Decoder::kv_block_bytes() const {
          static_cast<int64_t>(dtype_size(options_.dtype));
 }
 
-StepResult Decoder::execute(const StepBatch& batch) {
-  StepInput s;
-  s.num_seqs = static_cast<int64_t>(batch.seqs.size());
-  LORAPLEX_CHECK(s.num_seqs >= 1, "step batch has no sequences");
-  const int64_t bs = kv_->block_size();
-  for (const SequenceStep& q : batch.seqs) {
-    s.max_blocks_per_seq =
-        std::max<int64_t>(s.max_blocks_per_seq, static_cast<int64_t>(q.blocks.size()));
+void Decoder::allocate_step_buffers() {
+  const ModelConfig& c = config_;
+  const DType dt = options_.dtype;
+  const Device dev = options_.device;
+  const int64_t t = options_.max_num_tokens;
+  const int64_t s = options_.max_num_seqs;
+  act_.x = Tensor::empty({t, c.hidden_size}, dt, dev);
+  act_.h = Tensor::empty({t, c.hidden_size}, dt, dev);
+  act_.qkv = Tensor::empty({t, c.q_size() + 2 * c.kv_size()}, dt, dev);
+  act_.attn = Tensor::empty({t, c.q_size()}, dt, dev);
+  act_.delta = Tensor::empty({t, c.hidden_size}, dt, dev);
+  if (!c.is_moe()) {
+    act_.gate_up = Tensor::empty({t, 2 * c.intermediate_size}, dt, dev);
+    act_.act = Tensor::empty({t, c.intermediate_size}, dt, dev);
   }
-  s.block_tables.assign(
-      static_cast<size_t>(s.num_seqs * std::max<int64_t>(s.max_blocks_per_seq, 1)), 0);
-  s.max_blocks_per_seq = std::max<int64_t>(s.max_blocks_per_seq, 1);
-  for (size_t i = 0; i < batch.seqs.size(); ++i) {
-    const SequenceStep& q = batch.seqs[i];
+  act_.rows = Tensor::empty({s, c.hidden_size}, dt, dev);
+  act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
+  act_.ids = Tensor::empty({s}, DType::kI32, dev);
+  in_.max_blocks_per_seq =
+      (options_.max_model_len + options_.kv_block_size - 1) / options_.kv_block_size;
+  const int64_t sizes[kSections] = {t, t, t, t, s, s * in_.max_blocks_per_seq};
+  int64_t total = 0;
+  for (int i = 0; i < kSections; ++i) {
+    in_.offset[i] = total;
+    total += sizes[i];
+  }
+  Allocator& host = dev.is_cpu() ? cpu_allocator() : pinned_host_allocator();
+  in_.host = Tensor::empty_with({total}, DType::kI32, Device::cpu(), host);
+  in_.device = dev.is_cpu() ? in_.host : Tensor::empty({total}, DType::kI32, dev);
+  host_ids_ = Tensor::empty_with({s}, DType::kI32, Device::cpu(), host);
+}
+
+std::pair<bool, bool> Decoder::stage(const StepBatch& batch, int64_t padded) {
+  const int64_t bs = kv_->block_size();
+  const int64_t stride = in_.max_blocks_per_seq;
+  int32_t* ids = in_.host_at(kTokenIds);
+  int32_t* pos = in_.host_at(kPositions);
+  int32_t* slots = in_.host_at(kKvSlots);
+  int32_t* seq_of = in_.host_at(kTokenSeq);
+  int32_t* sample_rows = in_.host_at(kSampleRows);
+  int32_t* tables = in_.host_at(kBlockTables);
+  std::vector<int32_t> token_slots;
+  std::vector<int32_t> sample_slots;
+  token_slots.reserve(static_cast<size_t>(padded));
+  int64_t t = 0;
+  int64_t seqs = 0;
+  int64_t widest = 1;
+  for (const SequenceStep& q : batch.seqs) {
+    widest = std::max<int64_t>(widest, static_cast<int64_t>(q.blocks.size()));
+    std::copy(q.blocks.begin(), q.blocks.end(), tables + seqs * stride);
+    for (size_t k = 0; k < q.tokens.size(); ++k, ++t) {
+      const int32_t p = q.start_position + static_cast<int32_t>(k);
+      ids[t] = q.tokens[k];
+      pos[t] = p;
+      slots[t] = static_cast<int32_t>(q.blocks[static_cast<size_t>(p / bs)] * bs + p % bs);
+      seq_of[t] = static_cast<int32_t>(seqs);
+      token_slots.push_back(q.lora_slot);
+    }
+    if (q.sample) {
+      sample_rows[sample_slots.size()] = static_cast<int32_t>(t - 1);
+      sample_slots.push_back(q.lora_slot);
+    }
+    ++seqs;
+  }
+  // Padding: each extra token is a sequence of its own at position 0 on the pad block, not
+  // stored in the cache, without LoRA, and sampled (its id is ignored).
+  for (; t < padded; ++t, ++seqs) {
+    ids[t] = 0;
+    pos[t] = 0;
+    slots[t] = -1;
+    seq_of[t] = static_cast<int32_t>(seqs);
+    tables[seqs * stride] = kv_->pad_block();
+    token_slots.push_back(-1);
+    sample_rows[sample_slots.size()] = static_cast<int32_t>(t);
+    sample_slots.push_back(-1);
+  }
+  step_seqs_ = seqs;
+  if (options_.device.is_cuda()) {
+    const auto h2d = cuda_rt::CopyKind::kHostToDevice;
+    for (Section s : {kTokenIds, kPositions, kKvSlots, kTokenSeq}) {
+      cuda_rt::memcpy_async(in_.device_view(s, t).data_ptr(), in_.host_at(s),
+                            static_cast<size_t>(t) * 4, h2d, stream_.handle());
+    }
+    cuda_rt::memcpy_async(in_.device_view(kSampleRows, 1).data_ptr(), sample_rows,
+                          sample_slots.size() * 4, h2d, stream_.handle());
+    const size_t pitch = static_cast<size_t>(stride) * 4;
+    cuda_rt::memcpy_2d_async(in_.device_view(kBlockTables, 1).data_ptr(), pitch, tables, pitch,
+                             static_cast<size_t>(widest) * 4, static_cast<size_t>(seqs), h2d,
+                             stream_.handle());
+  }
+  return punica_->upload_mappings(token_slots, sample_slots, stream_);
+}
+
+void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool token_lora,
+                         bool sampler_lora) {
+  const ModelConfig& c = config_;
+  const DType dt = options_.dtype;
+  const Stream& st = stream_;
+  punica_->build_metadata(static_cast<int>(n), static_cast<int>(num_sampled), token_lora,
+                          sampler_lora, st);
+  const PunicaWrapper& pw = *punica_;
+  const int64_t q = c.q_size();
+  const int64_t kv = c.kv_size();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Tensor x = rows_of(act_.x, n);
+  Tensor h = rows_of(act_.h, n);
+  Tensor qkv = rows_of(act_.qkv, n);
+  Tensor attn = rows_of(act_.attn, n);
+  Tensor delta = rows_of(act_.delta, n);
+  const int32_t* positions = in_.device_view(kPositions, n).data<int32_t>();
+  embed_->forward(in_.device_view(kTokenIds, n), x, pw, st);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& layer = layers_[l];
+    const ops::KvCacheView cache = kv_->view(static_cast<int64_t>(l));
+    // The residual takes the previous layer's MLP output as this layer normalises it.
+    const void* prev = l == 0 ? nullptr : delta.data_ptr();
+    throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm,
+                            ops::AddRmsNormArgs{dt, n, c.hidden_size, eps, nullptr, x.data_ptr(),
+                                                prev, prev ? x.data_ptr() : nullptr,
+                                                layer.input_norm.data_ptr(), h.data_ptr()},
+                            st));
+    layer.qkv->forward(h, qkv, pw, st);
+    ops::RopeKvWriteArgs rope;
+    rope.dtype = dt;
+    rope.num_tokens = n;
+    rope.num_heads = c.num_heads;
+    rope.positions = positions;
+    rope.inv_freq = inv_freq_.data<float>();
+    rope.qkv = qkv.data_ptr();
+    rope.qkv_row_stride = q + 2 * kv;
+    rope.slot_mapping = in_.device_view(kKvSlots, n).data<int32_t>();
+    rope.cache = cache;
+    throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, rope, st));
+    ops::PagedAttentionArgs pa;
+    pa.dtype = dt;
+    pa.num_tokens = n;
+    pa.num_heads = c.num_heads;
+    pa.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    pa.qkv = qkv.data_ptr();
+    pa.qkv_row_stride = q + 2 * kv;
+    pa.positions = positions;
+    pa.token_seq = in_.device_view(kTokenSeq, n).data<int32_t>();
+    pa.block_tables = in_.device_view(kBlockTables, 1).data<int32_t>();
+    pa.num_seqs = num_seqs;
+    pa.max_blocks_per_seq = in_.max_blocks_per_seq;
+    pa.max_context = in_.max_blocks_per_seq * kv_->block_size();
+    pa.cache = cache;
+    pa.out = attn.data_ptr();
+    throw_if_error(ops::run(&ops::cpu::paged_attention, &ops::cuda::paged_attention, pa, st));
+    layer.o->forward(attn, delta, pw, st);
+    throw_if_error(ops::run(
+        &ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm,
+        ops::AddRmsNormArgs{dt, n, c.hidden_size, eps, nullptr, x.data_ptr(), delta.data_ptr(),
+                            x.data_ptr(), layer.post_norm.data_ptr(), h.data_ptr()},
+        st));
+    if (layer.moe) {
+      layer.moe->forward(h, delta, pw, st);
+    } else {
+      Tensor gu = rows_of(act_.gate_up, n);
+      Tensor act = rows_of(act_.act, n);
+      layer.gate_up->forward(h, gu, pw, st);
+      throw_if_error(ops::run(
+          &ops::cpu::silu_mul, &ops::cuda::silu_mul,
+          ops::SiluMulArgs{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()}, st));
+      layer.down->forward(act, delta, pw, st);
+    }
+  }
+  // Only the sampled rows need the last residual add, the final norm and the lm_head.
+  Tensor rows = rows_of(act_.rows, num_sampled);
+  Tensor logits = rows_of(act_.logits, num_sampled);
+  throw_if_error(ops::run(
+      &ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm,
+      ops::AddRmsNormArgs{dt, num_sampled, c.hidden_size, eps,
+                          in_.device_view(kSampleRows, num_sampled).data<int32_t>(), x.data_ptr(),
+                          delta.data_ptr(), nullptr, final_norm_.data_ptr(), rows.data_ptr()},
+      st));
+  lm_head_->forward(rows, logits, pw, st);
+  ops::ArgmaxArgs am{
+      dt, num_sampled, c.vocab_size, logits.data_ptr(), c.vocab_size, act_.ids.data<int32_t>()};
+  throw_if_error(ops::run(&ops::cpu::argmax, &ops::cuda::argmax, am, st));
+}
+
+void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora) {
+  const GraphKey key{bucket, token_lora, sampler_lora};
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    // The first run of a bucket is eager, so that everything a step sets up lazily (cuBLASLt
+    // plans, workspaces) exists before capture; the capture then records the same launches.
+    run_device(bucket, bucket, bucket, token_lora, sampler_lora);
+    auto graph = std::make_shared<Graph>();
+    cuda_rt::begin_capture(stream_.handle());
+    try {
+      run_device(bucket, bucket, bucket, token_lora, sampler_lora);
+    } catch (...) {
+      try {
+        cuda_rt::end_capture(stream_.handle());
+      } catch (...) {  // the original error is the one to report
+      }
+      throw;
+    }
+    graph->exec = cuda_rt::end_capture(stream_.handle());
+    it = graphs_.emplace(key, std::move(graph)).first;
+  }
+  cuda_rt::graph_launch(it->second->exec, stream_.handle());
+}
+
+StepResult Decoder::execute(const StepBatch& batch) {
+  const int64_t num_seqs = static_cast<int64_t>(batch.seqs.size());
+  LORAPLEX_CHECK(num_seqs >= 1 && num_seqs <= options_.max_num_seqs, "step batch has ", num_seqs,
+                 " sequences, expected 1..max_num_seqs ", options_.max_num_seqs);
+  const int64_t bs = kv_->block_size();
+  int64_t n = 0;
+  int64_t num_sampled = 0;
+  bool pure_decode = true;
+  bool greedy = true;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const SequenceStep& q = batch.seqs[static_cast<size_t>(i)];
     const int64_t end = q.start_position + static_cast<int64_t>(q.tokens.size());
     LORAPLEX_CHECK(!q.tokens.empty() && q.start_position >= 0, "step batch: sequence ", i, " has ",
                    q.tokens.size(), " tokens at position ", q.start_position);
+    LORAPLEX_CHECK(end <= options_.max_model_len, "step batch: sequence ", i, " reaches position ",
+                   end - 1, ", beyond max_model_len ", options_.max_model_len);
     LORAPLEX_CHECK(static_cast<int64_t>(q.blocks.size()) * bs >= end, "step batch: sequence ", i,
                    " reaches position ", end - 1, " but its ", q.blocks.size(), " blocks hold ",
                    static_cast<int64_t>(q.blocks.size()) * bs, " positions");
+    for (int32_t b : q.blocks) {
+      LORAPLEX_CHECK(b >= 0 && b < kv_->num_blocks(), "step batch: sequence ", i, " has block ", b,
+                     ", expected 0..", kv_->num_blocks() - 1);
+    }
+    for (int32_t id : q.tokens) {
+      LORAPLEX_CHECK(id >= 0 && id < config_.vocab_size, "step batch: sequence ", i,
+                     " has token id ", id, ", expected 0..", config_.vocab_size - 1);
+    }
     LORAPLEX_CHECK(q.lora_slot >= -1 && q.lora_slot < options_.max_loras, "step batch: sequence ",
                    i, " has LoRA slot ", q.lora_slot, ", expected -1..", options_.max_loras - 1);
-    std::copy(q.blocks.begin(), q.blocks.end(),
-              s.block_tables.begin() + static_cast<std::ptrdiff_t>(i) * s.max_blocks_per_seq);
-    for (size_t t = 0; t < q.tokens.size(); ++t) {
-      s.token_ids.push_back(q.tokens[t]);
-      s.positions.push_back(q.start_position + static_cast<int32_t>(t));
-      s.token_seq.push_back(static_cast<int32_t>(i));
-      s.token_slots.push_back(q.lora_slot);
-    }
     if (q.sample) {
       check_sampling_params(q.sampling);
       LORAPLEX_CHECK(q.banned.size() <= static_cast<size_t>(kMaxBannedTokens),
                      "step batch: sequence ", i, " bans ", q.banned.size(), " tokens, at most ",
                      kMaxBannedTokens);
-      s.sample_tokens.push_back(static_cast<int32_t>(s.token_ids.size()) - 1);
-      s.sample_slots.push_back(q.lora_slot);
+      LORAPLEX_CHECK(q.uniform >= 0.0 && q.uniform < 1.0, "step batch: sequence ", i,
+                     " has uniform draw ", q.uniform, ", expected [0, 1)");
+      ++num_sampled;
+      greedy =
+          greedy && (q.sampling.temperature == 0.0f || q.sampling.top_k == 1) && q.banned.empty();
     }
+    n += static_cast<int64_t>(q.tokens.size());
+    pure_decode = pure_decode && q.tokens.size() == 1 && q.sample;
   }
-  const Tensor logits = forward(s);
+  LORAPLEX_CHECK(n <= options_.max_num_tokens, "step batch has ", n,
+                 " tokens, more than max_num_tokens ", options_.max_num_tokens);
+
+  const int64_t bucket =
+      decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
+  const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
+                     pure_decode && greedy && bucket > 0;
+  const int64_t padded = graph ? bucket : n;
+  const auto [token_lora, sampler_lora] = stage(batch, padded);
+  if (graph) {
+    replay(bucket, token_lora, sampler_lora);
+  } else {
+    run_device(n, step_seqs_, num_sampled, token_lora, sampler_lora);
+  }
+  last_step_ = {n, padded, graph};
+
   StepResult r;
-  if (logits.size(0) == 0) return r;
+  if (num_sampled == 0) {
+    stream_.synchronize();
+    return r;
+  }
   const int64_t vocab = config_.vocab_size;
-  const Tensor host = logits.to(Device::cpu(), stream_).to(DType::kF32);
-  size_t row = 0;
+  const bool want_logits = !greedy || batch.want_logprobs;
+  Tensor host_logits;
+  if (want_logits) {
+    host_logits = rows_of(act_.logits, num_sampled).to(Device::cpu(), stream_).to(DType::kF32);
+  }
+  const int32_t* ids = act_.ids.data<int32_t>();
+  if (options_.device.is_cuda()) {
+    cuda_rt::memcpy_async(host_ids_.data_ptr(), act_.ids.data_ptr(),
+                          static_cast<size_t>(num_sampled) * 4, cuda_rt::CopyKind::kDeviceToHost,
+                          stream_.handle());
+    ids = host_ids_.data<int32_t>();
+  }
+  stream_.synchronize();
+  int64_t row = 0;
   for (const SequenceStep& q : batch.seqs) {
     if (!q.sample) continue;
-    const std::span<const float> l(host.data<float>() + static_cast<int64_t>(row) * vocab,
-                                   static_cast<size_t>(vocab));
-    const int32_t id = sample_row(l, q.sampling, q.uniform, q.banned);
+    int32_t id = ids[row];
+    if (want_logits) {
+      const std::span<const float> l(host_logits.data<float>() + row * vocab,
+                                     static_cast<size_t>(vocab));
+      if (!greedy) id = sample_row(l, q.sampling, q.uniform, q.banned);
+      if (batch.want_logprobs) r.logprobs.push_back(token_logprob(l, id));
+    }
     r.token_ids.push_back(id);
-    if (batch.want_logprobs) r.logprobs.push_back(token_logprob(l, id));
     ++row;
   }
   return r;

@@ -1,13 +1,19 @@
 #pragma once
 // The decoder shared by Llama, Mistral, Qwen2 and Mixtral: read the hyper-parameters, bind the
-// weights, forward. One forward runs a whole mixed step (prefills and decodes of different
-// sequences, each with its own adapter slot) through the paged KV cache and returns the logits
-// of the rows that sample.
+// weights, forward. One step runs a whole mixed batch (prefills, prompt chunks and decodes of
+// different sequences, each with its own adapter slot) through the paged KV cache and samples
+// on the model's device; only the sampled ids come back.
+//
+// Every buffer a step touches is allocated at load, so a step never allocates, and on CUDA the
+// device work of a step waits on the host only once, at its end, for the sampled ids. A pure
+// decode step (one token per sequence, every sequence sampled) runs as a CUDA graph captured
+// once per batch-size bucket (and per "any LoRA in the batch"), padded to the bucket.
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loraplex/adapters/lora_targets.h"
@@ -17,6 +23,8 @@
 #include "loraplex/layers/logits_processor.h"
 #include "loraplex/layers/lora_linear.h"
 #include "loraplex/layers/vocab_embedding.h"
+#include "loraplex/layers/weight_upload.h"
+#include "loraplex/layers/workspace.h"
 #include "loraplex/model/checkpoint.h"
 #include "loraplex/model/config.h"
 #include "loraplex/model/kv_cache.h"
@@ -25,28 +33,29 @@
 
 namespace loraplex::model {
 
+class WeightSource;
+
 struct DecoderOptions {
   DType dtype = DType::kF32;  // activations, weights on the device, KV cache, LoRA
   Device device = Device::cpu();
   int max_loras = 1;
   int max_lora_rank = 8;
   int64_t max_num_tokens = 256;  // tokens of one step
-  int64_t max_num_seqs = 16;     // sampled rows of one step
+  int64_t max_num_seqs = 16;     // sequences of one step
   int64_t kv_blocks = 64;
   int64_t kv_block_size = 16;
+  /// Longest sequence (prompt + generated); 0 = the model's max_position_embeddings.
+  int64_t max_model_len = 0;
+  /// Capture pure decode steps in CUDA graphs (CUDA only; MoE models always run eagerly, their
+  /// expert grouping reads the routing on the host).
+  bool cuda_graphs = true;
 };
 
-/// One step, described on the host. Token t belongs to row token_seq[t] of block_tables.
-struct StepInput {
-  std::vector<int32_t> token_ids;     // [T]
-  std::vector<int32_t> positions;     // [T]
-  std::vector<int32_t> token_seq;     // [T]
-  std::vector<int32_t> token_slots;   // [T] LoRA slot, -1 = base model
-  std::vector<int32_t> block_tables;  // [num_seqs, max_blocks_per_seq]
-  int64_t num_seqs = 0;
-  int64_t max_blocks_per_seq = 0;
-  std::vector<int32_t> sample_tokens;  // [S] token indices whose logits are returned
-  std::vector<int32_t> sample_slots;   // [S] LoRA slot of each sampled row
+/// How the last step ran, for benchmarks and tests.
+struct StepStats {
+  int64_t num_tokens = 0;  // tokens of the batch, before padding
+  int64_t padded_tokens = 0;
+  bool graph = false;  // replayed a captured CUDA graph
 };
 
 class Decoder {
@@ -54,6 +63,10 @@ class Decoder {
   /// Loads config.json and the weights of `dir`; throws naming the directory, file, tensor or
   /// field at fault.
   static std::unique_ptr<Decoder> load(const std::string& dir, const DecoderOptions& options);
+  /// A model of `config`'s shapes with random weights made on options.device (see
+  /// RandomWeights): the same values on the CPU and the GPU for the same seed.
+  static std::unique_ptr<Decoder> create_random(const ModelConfig& config,
+                                                const DecoderOptions& options, uint64_t seed);
 
   const ModelConfig& config() const { return config_; }
   const DecoderOptions& options() const { return options_; }
@@ -70,11 +83,9 @@ class Decoder {
   /// the sequence and value when the batch is inconsistent (blocks short of its positions,
   /// more tokens than max_num_tokens, a slot outside [-1, max_loras), bad sampling values).
   StepResult execute(const StepBatch& batch);
+  const StepStats& last_step() const { return last_step_; }
 
-  /// Runs one step; returns logits [S, vocab] in the activation dtype on the device (a view
-  /// of the lm_head's buffer, valid until the next forward).
-  Tensor forward(const StepInput& step);
-  /// The stream every forward runs on.
+  /// The stream every step runs on.
   const Stream& stream() const { return stream_; }
 
   /// Every module an adapter may target (PEFT module paths without "base_model.model.":
@@ -93,14 +104,53 @@ class Decoder {
     std::unique_ptr<FusedMoeWithLora> moe;
   };
 
+  // Activations of one step, [max_num_tokens or max_num_seqs, ...], allocated at load.
+  struct Activations {
+    Tensor x;        // residual stream [T, hidden]
+    Tensor h;        // normalised [T, hidden]
+    Tensor qkv;      // [T, q + 2 kv]
+    Tensor attn;     // [T, q]
+    Tensor delta;    // o / down / MoE output, added to the residual [T, hidden]
+    Tensor gate_up;  // [T, 2 inter]
+    Tensor act;      // [T, inter]
+    Tensor rows;     // final-normalised sampled rows [S, hidden]
+    Tensor logits;   // [S, vocab]
+    Tensor ids;      // sampled ids int32 [S]
+  };
+
+  // Per-step inputs: one pinned host staging buffer and its device mirror (the same tensor on
+  // the CPU): int32 sections of max_num_tokens (token ids, positions, KV-cache slots, sequence
+  // of each token), of max_num_seqs (sampled token rows) and the block tables [max_num_seqs,
+  // max_blocks_per_seq]. Each step uploads the used part of each section.
+  enum Section { kTokenIds, kPositions, kKvSlots, kTokenSeq, kSampleRows, kBlockTables, kSections };
+  struct Inputs {
+    Tensor host;
+    Tensor device;
+    int64_t offset[kSections] = {};
+    int64_t max_blocks_per_seq = 0;
+    int32_t* host_at(Section s) const { return host.data<int32_t>() + offset[s]; }
+    Tensor device_view(Section s, int64_t n) const { return device.narrow(0, offset[s], n); }
+  };
+
   Decoder() = default;
-  void bind(const Checkpoint& ckpt);
-  Tensor rms_norm(const Tensor& x, const Tensor& weight) const;
-  void add_inplace(Tensor& y, const Tensor& x) const;
+  static std::unique_ptr<Decoder> create(const ModelConfig& config, const WeightSource& source,
+                                         const DecoderOptions& options,
+                                         WeightUpload* upload = nullptr);
+  void bind(const WeightSource& source, WeightUpload& upload);
+  void allocate_step_buffers();
+  // The host half of a step: validates `batch`, fills the staging inputs (padded to `padded`
+  // tokens, each padding token a sequence of its own on the pad block) and enqueues their
+  // upload and the LoRA mappings'. Returns {any token has LoRA, any sampled row has LoRA}.
+  std::pair<bool, bool> stage(const StepBatch& batch, int64_t padded);
+  // Every device operation of a step over the uploaded inputs: capturable.
+  void run_device(int64_t num_tokens, int64_t num_seqs, int64_t num_sampled, bool token_lora,
+                  bool sampler_lora);
+  void replay(int64_t bucket, bool token_lora, bool sampler_lora);
 
   ModelConfig config_;
   DecoderOptions options_;
   Stream stream_;
+  std::shared_ptr<LayerWorkspace> workspace_;
   std::unique_ptr<VocabEmbeddingWithLora> embed_;
   std::unique_ptr<LogitsProcessorWithLora> lm_head_;
   Tensor final_norm_;
@@ -109,6 +159,24 @@ class Decoder {
   std::unique_ptr<KvCache> kv_;
   std::unique_ptr<PunicaWrapper> punica_;
   LoraTargetRegistry targets_;
+  Activations act_;
+  Inputs in_;
+  Tensor host_ids_;        // pinned [max_num_seqs] int32: the sampled ids, read back
+  int64_t step_seqs_ = 0;  // sequences (block-table rows) of the staged step
+  StepStats last_step_;
+
+  struct GraphKey {
+    int64_t bucket;
+    bool token_lora;
+    bool sampler_lora;
+    bool operator<(const GraphKey& o) const;
+  };
+  struct Graph;
+  std::map<GraphKey, std::shared_ptr<Graph>> graphs_;
 };
+
+/// The CUDA-graph batch-size buckets: the smallest bucket >= n, or 0 when n is larger than
+/// every bucket up to max_num_seqs.
+int64_t decode_graph_bucket(int64_t n, int64_t max_num_seqs);
 
 }  // namespace loraplex::model

@@ -18,10 +18,13 @@ class KvCache {
   KvCache(const ModelConfig& config, int64_t num_blocks, int64_t block_size, DType dtype,
           Device device);
 
+  /// Blocks sequences can use: ids 0 .. num_blocks() - 1.
   int64_t num_blocks() const { return num_blocks_; }
+  /// A block outside the pool (id num_blocks()) for padding rows, which attend to it.
+  int32_t pad_block() const { return static_cast<int32_t>(num_blocks_); }
   int64_t block_size() const { return block_size_; }
   DType dtype() const { return dtype_; }
-  /// Raw view of one layer's K and V, for the attention ops.
+  /// Raw view of one layer's K and V, for the attention ops (pad block included).
   ops::KvCacheView view(int64_t layer) const;
 
   /// Takes `count` free blocks; throws (taking none) when fewer are free.

@@ -1,6 +1,6 @@
 #pragma once
-// The non-LoRA ops of the decoder (embedding gather, RMSNorm, RoPE, paged KV cache write and
-// attention, SiLU-and-multiply, residual add, greedy argmax) as
+// The non-LoRA ops of the decoder (embedding gather, residual add + RMSNorm, RoPE + paged KV
+// cache write, paged attention, SiLU-and-multiply, greedy argmax) as
 // framework-free argument structs over raw pointers. The CPU versions (model_ops_cpu.cc) define
 // the semantics; the CUDA versions (cuda/model_ops_cuda.cu) implement the same structs and are
 // tested against them. Launchers return Status and never throw.
@@ -27,32 +27,24 @@ struct EmbeddingArgs {
   void* out = nullptr;           // [num_tokens, hidden] out
 };
 
-/// out[t] = round(x[t] * rsqrt(mean(x[t]^2) + eps)) * weight, as transformers' RMSNorm: the
-/// normalised row is rounded to `dtype` before the weight multiplies it.
-struct RmsNormArgs {
-  DType dtype = DType::kF32;  // of x, weight and out
+/// Residual add and RMSNorm in one pass, in transformers' order: the sum is rounded to `dtype`,
+/// kept as the new residual and normalised; the normalised row is rounded before the weight
+/// multiplies it. For output row r and its source row s = rows ? rows[r] : r:
+///   sum = round(residual[s] + delta[s])          (delta == nullptr: sum = residual[s])
+///   residual_out[r] = sum                        (residual_out == nullptr: not stored)
+///   out[r] = round(round(sum * rsqrt(mean(sum^2) + eps)) * weight)
+/// residual_out may alias residual when rows == nullptr (each row is read before it is written).
+struct AddRmsNormArgs {
+  DType dtype = DType::kF32;  // of every tensor
   int64_t num_rows = 0;
   int64_t hidden = 0;
   float eps = 1e-6f;
-  const void* x = nullptr;  // [num_rows, x_row_stride] in
-  int64_t x_row_stride = 0;
-  const void* weight = nullptr;  // [hidden] in
-  void* out = nullptr;           // [num_rows, hidden] out (contiguous)
-};
-
-/// Rotates the q and k heads of a packed qkv row in place (rotate_half convention, as Llama):
-/// for a head h and i < d/2, angle = position * inv_freq[i],
-///   x[i] = x[i] cos - x[i + d/2] sin,  x[i + d/2] = x[i + d/2] cos + x[i] sin.
-struct RopeArgs {
-  DType dtype = DType::kF32;  // of qkv
-  int64_t num_tokens = 0;
-  int64_t num_heads = 0;     // q heads, starting at column 0
-  int64_t num_kv_heads = 0;  // k heads, starting at column num_heads * head_dim
-  int64_t head_dim = 0;
-  const int32_t* positions = nullptr;  // [num_tokens] in
-  const float* inv_freq = nullptr;     // [head_dim / 2] in
-  void* qkv = nullptr;                 // [num_tokens, qkv_row_stride] in/out
-  int64_t qkv_row_stride = 0;
+  const int32_t* rows = nullptr;   // [num_rows] in: source rows, or nullptr = row r
+  const void* residual = nullptr;  // [*, hidden] in (contiguous rows)
+  const void* delta = nullptr;     // [*, hidden] in, or nullptr
+  void* residual_out = nullptr;    // [num_rows, hidden] out, or nullptr
+  const void* weight = nullptr;    // [hidden] in
+  void* out = nullptr;             // [num_rows, hidden] out
 };
 
 /// Paged KV cache geometry: each layer owns K and V of [num_blocks, block_size, kv_heads,
@@ -67,16 +59,21 @@ struct KvCacheView {
   void* v = nullptr;  // same
 };
 
-/// Writes the k and v heads of each token's qkv row into its cache slot
-/// (slot = block * block_size + offset; -1 = skip).
-struct KvWriteArgs {
+/// RoPE and the KV-cache write of each token's packed qkv row [q heads | k heads | v heads]:
+/// rotates its q and k heads in place (rotate_half convention, as Llama: for a head and
+/// i < d/2, angle = position * inv_freq[i], x[i] = x[i] cos - x[i + d/2] sin,
+/// x[i + d/2] = x[i + d/2] cos + x[i] sin), then stores the rotated k heads and the v heads in
+/// cache slot slot_mapping[t] (= block * block_size + offset; -1 = not stored).
+struct RopeKvWriteArgs {
   DType dtype = DType::kF32;  // of qkv and the cache
   int64_t num_tokens = 0;
-  int64_t num_heads = 0;      // k starts at column num_heads * head_dim, v after k
-  const void* qkv = nullptr;  // [num_tokens, qkv_row_stride] in
+  int64_t num_heads = 0;  // q heads; k heads start at column num_heads * head_dim, v after k
+  const int32_t* positions = nullptr;  // [num_tokens] in
+  const float* inv_freq = nullptr;     // [head_dim / 2] in
+  void* qkv = nullptr;                 // [num_tokens, qkv_row_stride] in/out
   int64_t qkv_row_stride = 0;
   const int32_t* slot_mapping = nullptr;  // [num_tokens] in
-  KvCacheView cache;
+  KvCacheView cache;                      // num_kv_heads and head_dim come from here
 };
 
 /// Causal attention of each token over its own sequence's cached keys 0..positions[t]
@@ -108,15 +105,6 @@ struct SiluMulArgs {
   void* out = nullptr;      // [num_rows, n] out
 };
 
-/// y[r, :] += x[r, :] (residual add, rounded once).
-struct AddArgs {
-  DType dtype = DType::kF32;
-  int64_t num_rows = 0;
-  int64_t n = 0;
-  const void* x = nullptr;  // [num_rows, n] in
-  void* y = nullptr;        // [num_rows, n] in/out
-};
-
 /// ids[r] = argmax_j logits[r, j]; ties go to the lowest j. NaN never wins.
 struct ArgmaxArgs {
   DType dtype = DType::kF32;
@@ -127,29 +115,52 @@ struct ArgmaxArgs {
   int32_t* ids = nullptr;  // [num_rows] out
 };
 
+/// out[i] = lo + (hi - lo) * u(seed, i), u in [0, 1) from 24 bits of splitmix64(seed + i), so
+/// the CPU and the GPU make the same values (random weights at real shapes).
+struct FillUniformArgs {
+  DType dtype = DType::kF32;
+  int64_t n = 0;
+  uint64_t seed = 0;
+  float lo = 0.0f;
+  float hi = 1.0f;
+  void* out = nullptr;  // [n] out
+};
+
 namespace cpu {
+Status fill_uniform(const FillUniformArgs& a);
 Status embedding(const EmbeddingArgs& a);
-Status rms_norm(const RmsNormArgs& a);
-Status rope(const RopeArgs& a);
-Status kv_write(const KvWriteArgs& a);
+Status add_rms_norm(const AddRmsNormArgs& a);
+Status rope_kv_write(const RopeKvWriteArgs& a);
 Status paged_attention(const PagedAttentionArgs& a);
 Status silu_mul(const SiluMulArgs& a);
-Status add(const AddArgs& a);
 Status argmax(const ArgmaxArgs& a);
 }  // namespace cpu
 
 /// The same ops on a CUDA stream (declared always; without the CUDA backend they return
 /// kUnsupported). Pointers are device pointers.
 namespace cuda {
+Status fill_uniform(const FillUniformArgs& a, const Stream& stream);
 Status embedding(const EmbeddingArgs& a, const Stream& stream);
-Status rms_norm(const RmsNormArgs& a, const Stream& stream);
-Status rope(const RopeArgs& a, const Stream& stream);
-Status kv_write(const KvWriteArgs& a, const Stream& stream);
+Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream);
+Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream);
 Status paged_attention(const PagedAttentionArgs& a, const Stream& stream);
 Status silu_mul(const SiluMulArgs& a, const Stream& stream);
-Status add(const AddArgs& a, const Stream& stream);
 Status argmax(const ArgmaxArgs& a, const Stream& stream);
 }  // namespace cuda
+
+/// The value fill_uniform stores at index i (before rounding to the dtype).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+    inline float
+    uniform_at(const FillUniformArgs& a, int64_t i) {
+  uint64_t z = a.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+  return a.lo + (a.hi - a.lo) * u;
+}
 
 /// Routes to cpu:: or cuda:: by the stream's device.
 template <typename Args>

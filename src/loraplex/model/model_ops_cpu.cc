@@ -34,6 +34,17 @@ float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
+Status fill_uniform(const FillUniformArgs& a) {
+  LORAPLEX_ENSURE(a.n >= 0 && (a.n == 0 || a.out != nullptr), "fill_uniform: bad arguments");
+  return dispatch(a.dtype, "fill_uniform", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* out = static_cast<T*>(a.out);
+    parallel_for(0, a.n, 1 << 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) out[i] = store_float<T>(uniform_at(a, i));
+    });
+  });
+}
+
 Status embedding(const EmbeddingArgs& a) {
   LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
   for (int64_t t = 0; t < a.num_tokens; ++t) {
@@ -50,92 +61,91 @@ Status embedding(const EmbeddingArgs& a) {
   return Status();
 }
 
-Status rms_norm(const RmsNormArgs& a) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.x_row_stride >= a.hidden,
-                  "rms_norm: bad sizes (rows ", a.num_rows, ", hidden ", a.hidden, ", stride ",
-                  a.x_row_stride, ")");
-  return dispatch(a.dtype, "rms_norm", [&](auto tag) {
+Status add_rms_norm(const AddRmsNormArgs& a) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
+                      a.weight != nullptr && a.out != nullptr,
+                  "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
+  return dispatch(a.dtype, "add_rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const T* x = static_cast<const T*>(a.x);
+    const T* res = static_cast<const T*>(a.residual);
+    const T* delta = static_cast<const T*>(a.delta);
+    T* res_out = static_cast<T*>(a.residual_out);
     const T* w = static_cast<const T*>(a.weight);
     T* out = static_cast<T*>(a.out);
     parallel_for(0, a.num_rows, 8, [&](int64_t lo, int64_t hi) {
+      std::vector<float> sum(static_cast<size_t>(a.hidden));
       for (int64_t r = lo; r < hi; ++r) {
-        const T* row = x + r * a.x_row_stride;
-        float sum = 0.0f;
+        const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+        float squares = 0.0f;
         for (int64_t j = 0; j < a.hidden; ++j) {
-          const float v = load_float(row[j]);
-          sum += v * v;
+          float v = load_float(res[src * a.hidden + j]);
+          if (delta != nullptr)
+            v = load_float(store_float<T>(v + load_float(delta[src * a.hidden + j])));
+          sum[static_cast<size_t>(j)] = v;
+          squares += v * v;
         }
-        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(a.hidden) + a.eps);
-        T* o = out + r * a.hidden;
+        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(a.hidden) + a.eps);
         for (int64_t j = 0; j < a.hidden; ++j) {
-          const float normed = load_float(store_float<T>(load_float(row[j]) * inv));
-          o[j] = store_float<T>(load_float(w[j]) * normed);
+          const float v = sum[static_cast<size_t>(j)];
+          if (res_out != nullptr) res_out[r * a.hidden + j] = store_float<T>(v);
+          const float normed = load_float(store_float<T>(v * inv));
+          out[r * a.hidden + j] = store_float<T>(load_float(w[j]) * normed);
         }
       }
     });
   });
 }
 
-Status rope(const RopeArgs& a) {
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && a.num_kv_heads >= 1 && a.head_dim >= 2 &&
-                      a.head_dim % 2 == 0 &&
-                      a.qkv_row_stride >= (a.num_heads + a.num_kv_heads) * a.head_dim,
-                  "rope: bad sizes (heads ", a.num_heads, ", kv heads ", a.num_kv_heads,
-                  ", head dim ", a.head_dim, ", row stride ", a.qkv_row_stride, ")");
-  return dispatch(a.dtype, "rope", [&](auto tag) {
+Status rope_kv_write(const RopeKvWriteArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+  const KvCacheView& c = a.cache;
+  const int64_t d = c.head_dim;
+  const int64_t kv = c.num_kv_heads * d;
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && d % 2 == 0 &&
+                      a.qkv_row_stride >= a.num_heads * d + 2 * kv,
+                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
+                  ", head dim ", d, ", row stride ", a.qkv_row_stride, ")");
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    LORAPLEX_ENSURE(a.slot_mapping[t] >= -1 && a.slot_mapping[t] < num_slots,
+                    "rope_kv_write: token ", t, " maps to cache slot ", a.slot_mapping[t],
+                    ", expected -1..", num_slots - 1);
+  }
+  return dispatch(a.dtype, "rope_kv_write", [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* qkv = static_cast<T*>(a.qkv);
-    const int64_t half = a.head_dim / 2;
-    const int64_t heads = a.num_heads + a.num_kv_heads;
+    T* kc = static_cast<T*>(c.k);
+    T* vc = static_cast<T*>(c.v);
+    const int64_t half = d / 2;
+    const int64_t heads = a.num_heads + c.num_kv_heads;
     parallel_for(0, a.num_tokens, 4, [&](int64_t lo, int64_t hi) {
       std::vector<float> cos_v(static_cast<size_t>(half)), sin_v(static_cast<size_t>(half));
       for (int64_t t = lo; t < hi; ++t) {
         const float pos = static_cast<float>(a.positions[t]);
         for (int64_t i = 0; i < half; ++i) {
           const float angle = pos * a.inv_freq[i];
-          cos_v[i] = std::cos(angle);
-          sin_v[i] = std::sin(angle);
+          cos_v[static_cast<size_t>(i)] = std::cos(angle);
+          sin_v[static_cast<size_t>(i)] = std::sin(angle);
         }
+        T* row = qkv + t * a.qkv_row_stride;
         for (int64_t h = 0; h < heads; ++h) {
-          T* x = qkv + t * a.qkv_row_stride + h * a.head_dim;
+          T* x = row + h * d;
           for (int64_t i = 0; i < half; ++i) {
             const float x0 = load_float(x[i]);
             const float x1 = load_float(x[i + half]);
-            x[i] = store_float<T>(x0 * cos_v[i] - x1 * sin_v[i]);
-            x[i + half] = store_float<T>(x1 * cos_v[i] + x0 * sin_v[i]);
+            x[i] = store_float<T>(x0 * cos_v[static_cast<size_t>(i)] -
+                                  x1 * sin_v[static_cast<size_t>(i)]);
+            x[i + half] = store_float<T>(x1 * cos_v[static_cast<size_t>(i)] +
+                                         x0 * sin_v[static_cast<size_t>(i)]);
           }
         }
+        const int64_t slot = a.slot_mapping[t];
+        if (slot < 0) continue;
+        std::copy_n(row + a.num_heads * d, kv, kc + slot * kv);
+        std::copy_n(row + a.num_heads * d + kv, kv, vc + slot * kv);
       }
     });
   });
-}
-
-Status kv_write(const KvWriteArgs& a) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "kv_write"));
-  const KvCacheView& c = a.cache;
-  const int64_t kv = c.num_kv_heads * c.head_dim;
-  LORAPLEX_ENSURE(a.qkv_row_stride >= a.num_heads * c.head_dim + 2 * kv,
-                  "kv_write: qkv row stride ", a.qkv_row_stride, " is too small");
-  const int64_t num_slots = c.num_blocks * c.block_size;
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    LORAPLEX_ENSURE(a.slot_mapping[t] >= -1 && a.slot_mapping[t] < num_slots, "kv_write: token ", t,
-                    " maps to cache slot ", a.slot_mapping[t], ", expected -1..", num_slots - 1);
-  }
-  const size_t es = dtype_size(a.dtype);
-  const auto* qkv = static_cast<const unsigned char*>(a.qkv);
-  auto* k = static_cast<unsigned char*>(c.k);
-  auto* v = static_cast<unsigned char*>(c.v);
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    const int64_t slot = a.slot_mapping[t];
-    if (slot < 0) continue;
-    const unsigned char* row = qkv + static_cast<size_t>(t * a.qkv_row_stride) * es;
-    const size_t k_off = static_cast<size_t>(a.num_heads * c.head_dim) * es;
-    std::copy_n(row + k_off, kv * es, k + static_cast<size_t>(slot * kv) * es);
-    std::copy_n(row + k_off + kv * es, kv * es, v + static_cast<size_t>(slot * kv) * es);
-  }
-  return Status();
 }
 
 Status paged_attention(const PagedAttentionArgs& a) {
@@ -222,17 +232,6 @@ Status silu_mul(const SiluMulArgs& a) {
         }
       }
     });
-  });
-}
-
-Status add(const AddArgs& a) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "add: bad sizes");
-  return dispatch(a.dtype, "add", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    const T* x = static_cast<const T*>(a.x);
-    T* y = static_cast<T*>(a.y);
-    const int64_t total = a.num_rows * a.n;
-    for (int64_t i = 0; i < total; ++i) y[i] = store_float<T>(load_float(y[i]) + load_float(x[i]));
   });
 }
 

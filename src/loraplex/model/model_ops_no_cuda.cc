@@ -10,15 +10,14 @@ Status no_cuda(const char* op) {
 }
 }  // namespace
 
+Status fill_uniform(const FillUniformArgs&, const Stream&) { return no_cuda("fill_uniform"); }
 Status embedding(const EmbeddingArgs&, const Stream&) { return no_cuda("embedding"); }
-Status rms_norm(const RmsNormArgs&, const Stream&) { return no_cuda("rms_norm"); }
-Status rope(const RopeArgs&, const Stream&) { return no_cuda("rope"); }
-Status kv_write(const KvWriteArgs&, const Stream&) { return no_cuda("kv_write"); }
+Status add_rms_norm(const AddRmsNormArgs&, const Stream&) { return no_cuda("add_rms_norm"); }
+Status rope_kv_write(const RopeKvWriteArgs&, const Stream&) { return no_cuda("rope_kv_write"); }
 Status paged_attention(const PagedAttentionArgs&, const Stream&) {
   return no_cuda("paged_attention");
 }
 Status silu_mul(const SiluMulArgs&, const Stream&) { return no_cuda("silu_mul"); }
-Status add(const AddArgs&, const Stream&) { return no_cuda("add"); }
 
 Status argmax(const ArgmaxArgs&, const Stream&) { return no_cuda("argmax"); }
 

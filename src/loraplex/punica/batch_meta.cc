@@ -36,6 +36,11 @@ LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device)
 }
 
 void LoraBatchMeta::prepare(std::span<const int32_t> token_slots, const Stream& stream) {
+  const bool no_lora = upload(token_slots, stream);
+  prepare_from_buffer(static_cast<int>(token_slots.size()), no_lora, stream);
+}
+
+bool LoraBatchMeta::upload(std::span<const int32_t> token_slots, const Stream& stream) {
   const int64_t n = static_cast<int64_t>(token_slots.size());
   LORAPLEX_CHECK(n <= max_num_tokens_, "LoraBatchMeta: ", n, " tokens exceed max_num_tokens ",
                  max_num_tokens_);
@@ -53,10 +58,11 @@ void LoraBatchMeta::prepare(std::span<const int32_t> token_slots, const Stream& 
       // The staging buffer is reused every step: wait for the previous upload to finish.
       stream.synchronize();
       std::memcpy(host_staging_.data_ptr(), token_slots.data(), static_cast<size_t>(n) * 4);
-      mapping_.narrow(0, 0, n).copy_from(host_staging_.narrow(0, 0, n), stream);
+      Tensor mapping = mapping_;
+      mapping.narrow(0, 0, n).copy_from_async(host_staging_.narrow(0, 0, n), stream);
     }
   }
-  prepare_from_buffer(static_cast<int>(n), no_lora, stream);
+  return no_lora;
 }
 
 void LoraBatchMeta::prepare_from_buffer(int num_tokens, bool no_lora, const Stream& stream) {

@@ -31,6 +31,10 @@ class LoraBatchMeta {
   /// Builds the metadata from a host mapping (one slot per token, -1 = no LoRA). Throws when
   /// a slot is outside [-1, max_loras) or there are more tokens than max_num_tokens.
   void prepare(std::span<const int32_t> token_slots, const Stream& stream);
+  /// prepare()'s host half: validates the mapping and enqueues its upload into
+  /// mapping_buffer(); returns true when every slot is -1. A CUDA graph that captured
+  /// prepare_from_buffer() then builds the metadata from it when replayed.
+  bool upload(std::span<const int32_t> token_slots, const Stream& stream);
   /// Builds the metadata from a mapping already written to mapping_buffer() on the device;
   /// `no_lora` is the caller's host-side knowledge that every slot is -1. Capturable.
   void prepare_from_buffer(int num_tokens, bool no_lora, const Stream& stream);

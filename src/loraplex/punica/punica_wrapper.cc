@@ -194,6 +194,20 @@ void PunicaWrapper::update_metadata(std::span<const int32_t> token_slots,
   sampler_meta_.prepare(sampler_slots, stream);
 }
 
+std::pair<bool, bool> PunicaWrapper::upload_mappings(std::span<const int32_t> token_slots,
+                                                     std::span<const int32_t> sampler_slots,
+                                                     const Stream& stream) {
+  const bool token_lora = !token_meta_.upload(token_slots, stream);
+  const bool sampler_lora = !sampler_meta_.upload(sampler_slots, stream);
+  return {token_lora, sampler_lora};
+}
+
+void PunicaWrapper::build_metadata(int num_tokens, int num_sampled, bool token_lora,
+                                   bool sampler_lora, const Stream& stream) {
+  token_meta_.prepare_from_buffer(num_tokens, !token_lora, stream);
+  sampler_meta_.prepare_from_buffer(num_sampled, !sampler_lora, stream);
+}
+
 void PunicaWrapper::add_shrink(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
                                const SlotRanks& ranks, float scale, const Stream& stream) const {
   const kernels::ShrinkArgs a = make_shrink(y, x, lora_a, ranks, scale, token_meta_, "add_shrink");

@@ -60,6 +60,14 @@ class PunicaWrapper {
   /// (-1 = base model). Builds both metadata sets on the device.
   void update_metadata(std::span<const int32_t> token_slots, std::span<const int32_t> sampler_slots,
                        const Stream& stream);
+  /// update_metadata in two halves, for CUDA graphs: the host half validates and uploads both
+  /// mappings (returns {any token has LoRA, any sampled row has LoRA}); the device half builds
+  /// both metadata sets from the uploaded mappings and can be captured in a graph.
+  std::pair<bool, bool> upload_mappings(std::span<const int32_t> token_slots,
+                                        std::span<const int32_t> sampler_slots,
+                                        const Stream& stream);
+  void build_metadata(int num_tokens, int num_sampled, bool token_lora, bool sampler_lora,
+                      const Stream& stream);
 
   LoraBatchMeta& token_meta() { return token_meta_; }
   const LoraBatchMeta& token_meta() const { return token_meta_; }

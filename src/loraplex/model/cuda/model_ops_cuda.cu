@@ -98,6 +98,16 @@ __device__ float block_max(float v, float* shared) {
 
 // ---------------------------------------------------------------------------------------------
 template <typename E>
+__global__ void fill_uniform_kernel(FillUniformArgs a) {
+  using S = typename E::Storage;
+  S* out = static_cast<S*>(a.out);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < a.n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = E::store(uniform_at(a, i));
+  }
+}
+
+template <typename E>
 __global__ void embedding_kernel(EmbeddingArgs a) {
   using S = typename E::Storage;
   const int64_t t = blockIdx.x;
@@ -108,64 +118,96 @@ __global__ void embedding_kernel(EmbeddingArgs a) {
   for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) out[j] = valid ? row[j] : S{};
 }
 
+// One block of kThreads per output row. The rounded sums stay in registers between the two
+// passes (up to kNormItems per thread); wider rows recompute the rest from the inputs.
+constexpr int kNormItems = 16;
+
 template <typename E>
-__global__ void rms_norm_kernel(RmsNormArgs a) {
+__global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   using S = typename E::Storage;
   __shared__ float shared[32];
   const int64_t r = blockIdx.x;
-  const S* row = static_cast<const S*>(a.x) + r * a.x_row_stride;
+  const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+  const S* res = static_cast<const S*>(a.residual) + src * a.hidden;
+  const S* delta = a.delta != nullptr ? static_cast<const S*>(a.delta) + src * a.hidden : nullptr;
+  S* res_out = a.residual_out != nullptr ? static_cast<S*>(a.residual_out) + r * a.hidden : nullptr;
   const S* w = static_cast<const S*>(a.weight);
   S* out = static_cast<S*>(a.out) + r * a.hidden;
-  float sum = 0.0f;
-  for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) {
-    const float v = E::load(row[j]);
-    sum += v * v;
+  auto sum_at = [&](int64_t j) {
+    const float v = E::load(res[j]);
+    return delta != nullptr ? round_to<E>(v + E::load(delta[j])) : v;
+  };
+  float kept[kNormItems];
+  float squares = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kNormItems; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    kept[k] = j < a.hidden ? sum_at(j) : 0.0f;
+    squares += kept[k] * kept[k];
   }
-  sum = block_sum(sum, shared);
-  const float inv = 1.0f / sqrtf(sum / static_cast<float>(a.hidden) + a.eps);
-  for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) {
-    const float normed = round_to<E>(E::load(row[j]) * inv);
-    out[j] = E::store(E::load(w[j]) * normed);
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kNormItems) * blockDim.x; j < a.hidden;
+       j += blockDim.x) {
+    const float v = sum_at(j);
+    squares += v * v;
+  }
+  squares = block_sum(squares, shared);
+  const float inv = 1.0f / sqrtf(squares / static_cast<float>(a.hidden) + a.eps);
+  auto emit = [&](int64_t j, float v) {
+    if (res_out != nullptr) res_out[j] = E::store(v);
+    out[j] = E::store(E::load(w[j]) * round_to<E>(v * inv));
+  };
+  // Every read of this row happened before block_sum's barriers, so in-place writes are safe.
+#pragma unroll
+  for (int k = 0; k < kNormItems; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (j < a.hidden) emit(j, kept[k]);
+  }
+  for (int64_t j = threadIdx.x + static_cast<int64_t>(kNormItems) * blockDim.x; j < a.hidden;
+       j += blockDim.x) {
+    // Each element is read and written by the same thread, so recomputing it is safe in place.
+    emit(j, sum_at(j));
   }
 }
 
+// One block per token: every (q or k head, i < d/2) pair is rotated by one thread; the k
+// heads' rotated values and the v heads go to the token's cache slot.
 template <typename E>
-__global__ void rope_kernel(RopeArgs a) {
+__global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   using S = typename E::Storage;
+  const KvCacheView& c = a.cache;
   const int64_t t = blockIdx.x;
-  const int64_t half = a.head_dim / 2;
-  const int64_t heads = a.num_heads + a.num_kv_heads;
+  const int64_t d = c.head_dim;
+  const int64_t half = d / 2;
+  const int64_t kv = c.num_kv_heads * d;
+  const int64_t q_cols = a.num_heads * d;
+  const int64_t heads = a.num_heads + c.num_kv_heads;
   const float pos = static_cast<float>(a.positions[t]);
-  S* base = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
+  const int64_t slot = a.slot_mapping[t];
+  const bool store = slot >= 0 && slot < c.num_blocks * c.block_size;
+  S* row = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
+  S* kc = static_cast<S*>(c.k) + (store ? slot : 0) * kv;
+  S* vc = static_cast<S*>(c.v) + (store ? slot : 0) * kv;
   for (int64_t item = threadIdx.x; item < heads * half; item += blockDim.x) {
     const int64_t h = item / half;
     const int64_t i = item % half;
     const float angle = pos * a.inv_freq[i];
-    const float c = cosf(angle);
-    const float s = sinf(angle);
-    S* x = base + h * a.head_dim;
+    const float cs = cosf(angle);
+    const float sn = sinf(angle);
+    S* x = row + h * d;
     const float x0 = E::load(x[i]);
     const float x1 = E::load(x[i + half]);
-    x[i] = E::store(x0 * c - x1 * s);
-    x[i + half] = E::store(x1 * c + x0 * s);
+    const S y0 = E::store(x0 * cs - x1 * sn);
+    const S y1 = E::store(x1 * cs + x0 * sn);
+    x[i] = y0;
+    x[i + half] = y1;
+    if (store && h >= a.num_heads) {
+      const int64_t col = (h - a.num_heads) * d;
+      kc[col + i] = y0;
+      kc[col + i + half] = y1;
+    }
   }
-}
-
-template <typename E>
-__global__ void kv_write_kernel(KvWriteArgs a) {
-  using S = typename E::Storage;
-  const int64_t t = blockIdx.x;
-  const int64_t slot = a.slot_mapping[t];
-  const KvCacheView& c = a.cache;
-  if (slot < 0 || slot >= c.num_blocks * c.block_size) return;
-  const int64_t kv = c.num_kv_heads * c.head_dim;
-  const S* row = static_cast<const S*>(a.qkv) + t * a.qkv_row_stride + a.num_heads * c.head_dim;
-  S* k = static_cast<S*>(c.k) + slot * kv;
-  S* v = static_cast<S*>(c.v) + slot * kv;
-  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) {
-    k[j] = row[j];
-    v[j] = row[kv + j];
-  }
+  if (!store) return;
+  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) vc[j] = row[q_cols + kv + j];
 }
 
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
@@ -248,30 +290,35 @@ __global__ void paged_attention_kernel(PagedAttentionArgs a) {
 }
 
 template <typename E>
+__device__ typename E::Storage silu_mul_one(typename E::Storage gate, typename E::Storage up) {
+  const float gv = E::load(gate);
+  // transformers rounds silu(gate) to the activation dtype before the multiply.
+  const float g = round_to<E>(gv / (1.0f + expf(-gv)));
+  return E::store(g * E::load(up));
+}
+
+// 16 bytes of gate and of up per thread when rows allow it (n a multiple of the vector width,
+// 16-byte aligned rows), one element otherwise.
+template <typename E, int kVec>
 __global__ void silu_mul_kernel(SiluMulArgs a) {
   using S = typename E::Storage;
-  const int64_t total = a.num_rows * a.n;
+  struct alignas(sizeof(S) * kVec) Pack {
+    S v[kVec];
+  };
+  const int64_t per_row = a.n / kVec;
+  const int64_t total = a.num_rows * per_row;
   const S* x = static_cast<const S*>(a.x);
   S* out = static_cast<S*>(a.out);
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / a.n;
-    const int64_t j = idx % a.n;
-    const float gv = E::load(x[r * 2 * a.n + j]);
-    const float g = round_to<E>(gv / (1.0f + expf(-gv)));
-    out[idx] = E::store(g * E::load(x[r * 2 * a.n + a.n + j]));
-  }
-}
-
-template <typename E>
-__global__ void add_kernel(AddArgs a) {
-  using S = typename E::Storage;
-  const int64_t total = a.num_rows * a.n;
-  const S* x = static_cast<const S*>(a.x);
-  S* y = static_cast<S*>(a.y);
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    y[idx] = E::store(E::load(y[idx]) + E::load(x[idx]));
+    const int64_t r = idx / per_row;
+    const int64_t j = (idx % per_row) * kVec;
+    const Pack g = *reinterpret_cast<const Pack*>(x + r * 2 * a.n + j);
+    const Pack u = *reinterpret_cast<const Pack*>(x + r * 2 * a.n + a.n + j);
+    Pack o;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) o.v[k] = silu_mul_one<E>(g.v[k], u.v[k]);
+    *reinterpret_cast<Pack*>(out + r * a.n + j) = o;
   }
 }
 
@@ -322,6 +369,14 @@ Status check_cache(const KvCacheView& c, const char* op) {
 
 }  // namespace
 
+Status fill_uniform(const FillUniformArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.n >= 0 && (a.n == 0 || a.out != nullptr), "fill_uniform: bad arguments");
+  if (a.n == 0) return Status();
+  return dispatch(a.dtype, "fill_uniform", [&](auto e) {
+    fill_uniform_kernel<decltype(e)><<<blocks_for(a.n), kThreads, 0, raw(stream)>>>(a);
+  });
+}
+
 Status embedding(const EmbeddingArgs& a, const Stream& stream) {
   LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
   if (a.num_tokens == 0) return Status();
@@ -331,36 +386,27 @@ Status embedding(const EmbeddingArgs& a, const Stream& stream) {
   });
 }
 
-Status rms_norm(const RmsNormArgs& a, const Stream& stream) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.x_row_stride >= a.hidden,
-                  "rms_norm: bad sizes (rows ", a.num_rows, ", hidden ", a.hidden, ", stride ",
-                  a.x_row_stride, ")");
+Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream) {
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
+                      a.weight != nullptr && a.out != nullptr,
+                  "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
   if (a.num_rows == 0) return Status();
-  return dispatch(a.dtype, "rms_norm", [&](auto e) {
-    rms_norm_kernel<decltype(e)>
+  return dispatch(a.dtype, "add_rms_norm", [&](auto e) {
+    add_rms_norm_kernel<decltype(e)>
         <<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
   });
 }
 
-Status rope(const RopeArgs& a, const Stream& stream) {
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && a.num_kv_heads >= 1 && a.head_dim >= 2 &&
-                      a.head_dim % 2 == 0 &&
-                      a.qkv_row_stride >= (a.num_heads + a.num_kv_heads) * a.head_dim,
-                  "rope: bad sizes (heads ", a.num_heads, ", kv heads ", a.num_kv_heads,
-                  ", head dim ", a.head_dim, ", row stride ", a.qkv_row_stride, ")");
+Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+  const KvCacheView& c = a.cache;
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && c.head_dim % 2 == 0 &&
+                      a.qkv_row_stride >= (a.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
+                  ", head dim ", c.head_dim, ", row stride ", a.qkv_row_stride, ")");
   if (a.num_tokens == 0) return Status();
-  return dispatch(a.dtype, "rope", [&](auto e) {
-    rope_kernel<decltype(e)><<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
-  });
-}
-
-Status kv_write(const KvWriteArgs& a, const Stream& stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "kv_write"));
-  LORAPLEX_ENSURE(a.qkv_row_stride >= (a.num_heads + 2 * a.cache.num_kv_heads) * a.cache.head_dim,
-                  "kv_write: qkv row stride ", a.qkv_row_stride, " is too small");
-  if (a.num_tokens == 0) return Status();
-  return dispatch(a.dtype, "kv_write", [&](auto e) {
-    kv_write_kernel<decltype(e)>
+  return dispatch(a.dtype, "rope_kv_write", [&](auto e) {
+    rope_kv_write_kernel<decltype(e)>
         <<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
   });
 }
@@ -387,15 +433,16 @@ Status silu_mul(const SiluMulArgs& a, const Stream& stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "silu_mul: bad sizes");
   if (a.num_rows == 0) return Status();
   return dispatch(a.dtype, "silu_mul", [&](auto e) {
-    silu_mul_kernel<decltype(e)><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
-  });
-}
-
-Status add(const AddArgs& a, const Stream& stream) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "add: bad sizes");
-  if (a.num_rows == 0) return Status();
-  return dispatch(a.dtype, "add", [&](auto e) {
-    add_kernel<decltype(e)><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
+    using E = decltype(e);
+    constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Storage));
+    const bool aligned = a.n % kVec == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+    if (aligned) {
+      silu_mul_kernel<E, kVec>
+          <<<blocks_for(a.num_rows * a.n / kVec), kThreads, 0, raw(stream)>>>(a);
+    } else {
+      silu_mul_kernel<E, 1><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
+    }
   });
 }
 
