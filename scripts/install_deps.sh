@@ -3,7 +3,7 @@
 # already present are not touched, so this is quick on a prepared machine.
 set -euo pipefail
 packages=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libonig-dev
-          clang clang-format libclang-rt-14-dev git libicu-dev)
+          clang clang-format libclang-rt-14-dev git libicu-dev libcli11-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -10,12 +10,17 @@ dest=${1:?usage: pack_device_deps.sh DEST}
 mkdir -p "$dest/include" "$dest/lib" "$dest/share/cmake" "$dest/src" "$dest/lib/pkgconfig"
 cp -r /usr/src/googletest "$dest/src/"
 cp -r /usr/include/nlohmann "$dest/include/"
+cp -r /usr/include/CLI "$dest/include/"
+[ -f /usr/include/httplib.h ] && cp /usr/include/httplib.h "$dest/include/"
 cp -r /usr/share/cmake/nlohmann_json "$dest/share/cmake/"
 cp /usr/include/oniguruma.h /usr/include/oniggnu.h /usr/include/onigposix.h "$dest/include/"
 cp -P /usr/lib/x86_64-linux-gnu/libonig.so* "$dest/lib/"
-# ICU (NFC/NFKC tokenizer normalizers): headers and the two libraries the tokenizer links.
-cp -r /usr/include/unicode "$dest/include/"
-cp -P /usr/lib/x86_64-linux-gnu/libicuuc.so* /usr/lib/x86_64-linux-gnu/libicudata.so* "$dest/lib/"
+# ICU (NFC/NFKC tokenizer normalizers) is optional and 33 MB, more than a device call can
+# carry beside the repository: the GPU build goes without it (its NFC tests skip) unless asked.
+if [ "${WITH_ICU:-0}" = 1 ]; then
+  cp -r /usr/include/unicode "$dest/include/"
+  cp -P /usr/lib/x86_64-linux-gnu/libicuuc.so* /usr/lib/x86_64-linux-gnu/libicudata.so* "$dest/lib/"
+fi
 # The prefix is written relative to the .pc file so the folder can move to another machine.
 sed 's|^prefix=.*|prefix=${pcfiledir}/../..|' /usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc \
   >"$dest/lib/pkgconfig/oniguruma.pc"

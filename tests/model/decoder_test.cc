@@ -7,9 +7,12 @@
 #include <numeric>
 #include <random>
 
+#include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
 #include "loraplex/model/decoder.h"
+#include "loraplex/model/model_shapes.h"
+#include "loraplex/model/random_adapter.h"
 
 namespace loraplex::model {
 namespace {
@@ -135,6 +138,49 @@ TEST(RandomDecoder, BadBatchesAreNamed) {
   b.seqs[0].tokens = {5};
   b.seqs[0].lora_slot = 3;
   EXPECT_THROW(d->execute(b), Error);
+}
+
+TEST(RandomDecoder, RandomPeftAdaptersLoadAndMoveTheOutput) {
+  DecoderOptions o;
+  o.max_loras = 2;
+  o.max_lora_rank = 8;
+  o.max_num_tokens = 64;
+  o.max_num_seqs = 4;
+  o.kv_blocks = 16;
+  const ModelConfig c = model_shape("tiny");
+  auto d = Decoder::create_random(c, o, 9);
+  const std::string dir = ::testing::TempDir() + "/loraplex_random_adapter";
+  write_random_peft_adapter(dir, c, 8, all_linear_targets(), 3);
+  AdapterManagerConfig mc;
+  mc.max_loras = 2;
+  mc.max_lora_rank = 8;
+  AdapterManager manager(d->targets(), mc);
+  const AdapterInfo info = manager.load("r", dir);
+  EXPECT_EQ(info.rank, 8);
+  EXPECT_EQ(info.modules.size(), 7u * static_cast<size_t>(c.num_layers));
+  AdapterManager::Lease lease = manager.acquire("r");
+  Seq s;
+  s.tokens = prompt(20, 5);
+  s.blocks = {0, 1, 2, 3};
+  const auto base = generate(*d, {s}, 0, 8);
+  // The same request once without and once with the adapter, in one batch.
+  Seq with = s;
+  with.blocks = {4, 5, 6, 7};
+  StepBatch batch;
+  for (const Seq* q : {&s, &with}) {
+    SequenceStep step;
+    step.tokens = q->tokens;
+    step.blocks = q->blocks;
+    step.sample = true;
+    step.lora_slot = q == &with ? lease.slot() : -1;
+    batch.seqs.push_back(step);
+  }
+  batch.want_logprobs = true;
+  const StepResult r = d->execute(batch);
+  EXPECT_EQ(r.token_ids[0], base[0][0]);
+  ASSERT_EQ(r.logprobs.size(), 2u);
+  EXPECT_NE(r.logprobs[0], r.logprobs[1]) << "the adapter changed nothing";
+  EXPECT_THROW(write_random_peft_adapter(dir + "x", c, 8, {"qkv"}, 1), Error);
 }
 
 TEST(RandomDecoderCuda, GraphStepsEqualEagerStepsAndTheCpu) {

@@ -1,0 +1,38 @@
+#pragma once
+// Kernel durations of a stretch of device work, from CUPTI's activity records (graph replays
+// included), grouped into the components of a model step: where the time of a step goes.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace loraplex::cli {
+
+struct KernelRecord {
+  std::string name;  // demangled
+  uint64_t start_ns = 0;
+  uint64_t end_ns = 0;
+};
+
+/// Records every kernel that runs between start() and stop() (one at a time per process).
+/// Without CUPTI (a build without CUDA) available() is false and stop() returns nothing.
+class KernelProfile {
+ public:
+  static bool available();
+  void start();
+  /// Waits for the device, flushes the records and stops recording.
+  std::vector<KernelRecord> stop();
+};
+
+/// The component of a step a kernel belongs to: "base_gemm", "attention", "lora",
+/// "norm_rope_act", "sampling" or "other".
+std::string kernel_component(const std::string& name);
+
+/// Per component: milliseconds of kernel time; plus "kernels" (all of them), "busy" (the union
+/// of the kernels' intervals) and, given the wall time of the stretch, "host_gaps" (wall time
+/// with no kernel running).
+std::map<std::string, double> component_ms(const std::vector<KernelRecord>& records,
+                                           double wall_ms);
+
+}  // namespace loraplex::cli
