@@ -425,6 +425,36 @@ void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica
   if (gather) gather_output(target, scratch.staging, y, stream);
 }
 
+void LoraLinear::forward_base(const Tensor& x, Tensor& y, const Stream& stream) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(weight_.defined(), k, ": forward before load_base");
+  LORAPLEX_CHECK(tp_ == 1, k, ": forward_base needs a single device (tensor-parallel size ", tp_,
+                 ")");
+  layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
+  layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
+  LORAPLEX_CHECK(
+      x.size(1) == input_width() && y.size(0) == x.size(0) && y.size(1) == output_width(), k,
+      ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()));
+  linear_base(x, weight_, bias_, y, stream);
+}
+
+void LoraLinear::add_lora_to(const Tensor& x, Tensor& d, const PunicaWrapper& punica,
+                             const Stream& stream) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(tp_ == 1, k, ": add_lora_to needs a single device (tensor-parallel size ", tp_,
+                 ")");
+  layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
+  layers_detail::check_activation(d, device_, spec_.dtype, k.c_str(), "d");
+  const int64_t tokens = x.size(0);
+  LORAPLEX_CHECK(x.size(1) == input_width() && d.size(0) == tokens && d.size(1) == output_width(),
+                 k, ": add_lora_to x ", shape_str(x.shape()), ", d ", shape_str(d.shape()));
+  LORAPLEX_CHECK(punica.token_meta().num_tokens() == tokens, k, ": x has ", tokens,
+                 " tokens, the step's metadata has ", punica.token_meta().num_tokens());
+  LayerWorkspace::Carver carver = workspace_->carver();
+  Scratch scratch = carve(carver, tokens);
+  add_lora(d, x, punica, scratch, stream);
+}
+
 void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, Scratch& scratch,
                           const Stream& stream) {
   // The mapping is the same on every rank, so every rank skips the collectives together.

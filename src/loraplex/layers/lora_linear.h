@@ -128,6 +128,13 @@ class LoraLinear {
   /// for row layers, which all-reduce it).
   void forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica, const Stream& stream);
 
+  /// forward's two halves, for a single-device caller that runs the LoRA part beside the base
+  /// product on another stream: y = x W^T (+ bias), and d += LoRA(x) for the tokens with an
+  /// adapter (rows of slot -1 and slices an adapter leaves at rank 0 are not written: the
+  /// caller zeroes d). Throws for layers with collectives (tensor parallelism).
+  void forward_base(const Tensor& x, Tensor& y, const Stream& stream);
+  void add_lora_to(const Tensor& x, Tensor& d, const PunicaWrapper& punica, const Stream& stream);
+
   const LinearSpec& spec() const { return spec_; }
   const LoraConfig& config() const { return config_; }
   Device device() const { return device_; }

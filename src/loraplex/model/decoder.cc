@@ -344,6 +344,16 @@ void Decoder::allocate_step_buffers() {
   act_.rows = Tensor::empty({s, c.hidden_size}, dt, dev);
   act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
+  if (dev.is_cuda() && !c.is_moe()) {
+    const int64_t o = std::min(t, kOverlapTokens);
+    deltas_.qkv = Tensor::empty({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
+    deltas_.o = Tensor::empty({o, c.hidden_size}, dt, dev);
+    deltas_.gate_up = Tensor::empty({o, 2 * c.intermediate_size}, dt, dev);
+    deltas_.down = Tensor::empty({o, c.hidden_size}, dt, dev);
+    lora_stream_ = Stream::create(dev);
+    fork_ = std::make_unique<Event>();
+    join_ = std::make_unique<Event>();
+  }
   in_.max_blocks_per_seq =
       (options_.max_model_len + options_.kv_block_size - 1) / options_.kv_block_size;
   const int64_t sizes[kSections] = {t, t, t, t, s, s * in_.max_blocks_per_seq};
@@ -419,6 +429,20 @@ std::pair<bool, bool> Decoder::stage(const StepBatch& batch, int64_t padded) {
   return punica_->upload_mappings(token_slots, sample_slots, stream_);
 }
 
+void Decoder::project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* delta) {
+  if (delta == nullptr) {
+    layer.forward(in, out, *punica_, stream_);
+    return;
+  }
+  fork_->record(stream_);
+  fork_->wait_on(lora_stream_);
+  delta->zero_(lora_stream_);
+  layer.add_lora_to(in, *delta, *punica_, lora_stream_);
+  join_->record(lora_stream_);
+  layer.forward_base(in, out, stream_);
+  join_->wait_on(stream_);
+}
+
 void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool token_lora,
                          bool sampler_lora) {
   const ModelConfig& c = config_;
@@ -436,18 +460,34 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
   Tensor attn = rows_of(act_.attn, n);
   Tensor delta = rows_of(act_.delta, n);
   const int32_t* positions = in_.device_view(kPositions, n).data<int32_t>();
+  const bool overlap = token_lora && deltas_.qkv.defined() && n <= deltas_.qkv.size(0);
+  Tensor d_qkv, d_o, d_gu, d_down;
+  if (overlap) {
+    d_qkv = rows_of(deltas_.qkv, n);
+    d_o = rows_of(deltas_.o, n);
+    d_gu = rows_of(deltas_.gate_up, n);
+    d_down = rows_of(deltas_.down, n);
+  }
+  auto ptr = [&](const Tensor& t) -> const void* { return overlap ? t.data_ptr() : nullptr; };
   embed_->forward(in_.device_view(kTokenIds, n), x, pw, st);
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& layer = layers_[l];
     const ops::KvCacheView cache = kv_->view(static_cast<int64_t>(l));
     // The residual takes the previous layer's MLP output as this layer normalises it.
     const void* prev = l == 0 ? nullptr : delta.data_ptr();
-    throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm,
-                            ops::AddRmsNormArgs{dt, n, c.hidden_size, eps, nullptr, x.data_ptr(),
-                                                prev, prev ? x.data_ptr() : nullptr,
-                                                layer.input_norm.data_ptr(), h.data_ptr()},
-                            st));
-    layer.qkv->forward(h, qkv, pw, st);
+    ops::AddRmsNormArgs in_norm{dt,
+                                n,
+                                c.hidden_size,
+                                eps,
+                                nullptr,
+                                x.data_ptr(),
+                                prev,
+                                prev ? x.data_ptr() : nullptr,
+                                layer.input_norm.data_ptr(),
+                                h.data_ptr()};
+    in_norm.delta2 = l == 0 ? nullptr : ptr(d_down);
+    throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, in_norm, st));
+    project(*layer.qkv, h, qkv, overlap ? &d_qkv : nullptr);
     ops::RopeKvWriteArgs rope;
     rope.dtype = dt;
     rope.num_tokens = n;
@@ -458,6 +498,7 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
     rope.qkv_row_stride = q + 2 * kv;
     rope.slot_mapping = in_.device_view(kKvSlots, n).data<int32_t>();
     rope.cache = cache;
+    rope.delta = ptr(d_qkv);
     throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, rope, st));
     ops::PagedAttentionArgs pa;
     pa.dtype = dt;
@@ -475,33 +516,46 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
     pa.cache = cache;
     pa.out = attn.data_ptr();
     throw_if_error(ops::run(&ops::cpu::paged_attention, &ops::cuda::paged_attention, pa, st));
-    layer.o->forward(attn, delta, pw, st);
-    throw_if_error(ops::run(
-        &ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm,
-        ops::AddRmsNormArgs{dt, n, c.hidden_size, eps, nullptr, x.data_ptr(), delta.data_ptr(),
-                            x.data_ptr(), layer.post_norm.data_ptr(), h.data_ptr()},
-        st));
+    project(*layer.o, attn, delta, overlap ? &d_o : nullptr);
+    ops::AddRmsNormArgs post{dt,
+                             n,
+                             c.hidden_size,
+                             eps,
+                             nullptr,
+                             x.data_ptr(),
+                             delta.data_ptr(),
+                             x.data_ptr(),
+                             layer.post_norm.data_ptr(),
+                             h.data_ptr()};
+    post.delta2 = ptr(d_o);
+    throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, post, st));
     if (layer.moe) {
       layer.moe->forward(h, delta, pw, st);
     } else {
       Tensor gu = rows_of(act_.gate_up, n);
       Tensor act = rows_of(act_.act, n);
-      layer.gate_up->forward(h, gu, pw, st);
-      throw_if_error(ops::run(
-          &ops::cpu::silu_mul, &ops::cuda::silu_mul,
-          ops::SiluMulArgs{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()}, st));
-      layer.down->forward(act, delta, pw, st);
+      project(*layer.gate_up, h, gu, overlap ? &d_gu : nullptr);
+      ops::SiluMulArgs sm{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()};
+      sm.delta = ptr(d_gu);
+      throw_if_error(ops::run(&ops::cpu::silu_mul, &ops::cuda::silu_mul, sm, st));
+      project(*layer.down, act, delta, overlap ? &d_down : nullptr);
     }
   }
   // Only the sampled rows need the last residual add, the final norm and the lm_head.
   Tensor rows = rows_of(act_.rows, num_sampled);
   Tensor logits = rows_of(act_.logits, num_sampled);
-  throw_if_error(ops::run(
-      &ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm,
-      ops::AddRmsNormArgs{dt, num_sampled, c.hidden_size, eps,
-                          in_.device_view(kSampleRows, num_sampled).data<int32_t>(), x.data_ptr(),
-                          delta.data_ptr(), nullptr, final_norm_.data_ptr(), rows.data_ptr()},
-      st));
+  ops::AddRmsNormArgs final_norm{dt,
+                                 num_sampled,
+                                 c.hidden_size,
+                                 eps,
+                                 in_.device_view(kSampleRows, num_sampled).data<int32_t>(),
+                                 x.data_ptr(),
+                                 delta.data_ptr(),
+                                 nullptr,
+                                 final_norm_.data_ptr(),
+                                 rows.data_ptr()};
+  final_norm.delta2 = ptr(d_down);
+  throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
   ops::ArgmaxArgs am{
       dt, num_sampled, c.vocab_size, logits.data_ptr(), c.vocab_size, act_.ids.data<int32_t>()};

@@ -145,6 +145,10 @@ class Decoder {
   // Every device operation of a step over the uploaded inputs: capturable.
   void run_device(int64_t num_tokens, int64_t num_seqs, int64_t num_sampled, bool token_lora,
                   bool sampler_lora);
+  // One projection: base product into `out`; its LoRA either added to `out` in stream order or,
+  // when `delta` is given, computed into `delta` (zeroed first) on the LoRA stream beside the
+  // base product, for the next elementwise op to add.
+  void project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* delta);
   void replay(int64_t bucket, bool token_lora, bool sampler_lora);
 
   ModelConfig config_;
@@ -161,6 +165,18 @@ class Decoder {
   LoraTargetRegistry targets_;
   Activations act_;
   Inputs in_;
+  // Small batches with LoRA (decode) run each projection's LoRA on a second stream beside its
+  // base product, which it would otherwise wait for: the LoRA kernels are latency-bound and
+  // the base GEMMs bandwidth-bound, so they overlap. The LoRA outputs land in these buffers
+  // ([kOverlapTokens, width]) and the following elementwise op adds them.
+  static constexpr int64_t kOverlapTokens = 512;
+  struct LoraDeltas {
+    Tensor qkv, o, gate_up, down;
+  };
+  LoraDeltas deltas_;
+  Stream lora_stream_;
+  std::unique_ptr<Event> fork_;
+  std::unique_ptr<Event> join_;
   Tensor host_ids_;        // pinned [max_num_seqs] int32: the sampled ids, read back
   int64_t step_seqs_ = 0;  // sequences (block-table rows) of the staged step
   StepStats last_step_;

@@ -30,7 +30,7 @@ struct EmbeddingArgs {
 /// Residual add and RMSNorm in one pass, in transformers' order: the sum is rounded to `dtype`,
 /// kept as the new residual and normalised; the normalised row is rounded before the weight
 /// multiplies it. For output row r and its source row s = rows ? rows[r] : r:
-///   sum = round(residual[s] + delta[s])          (delta == nullptr: sum = residual[s])
+///   sum = round(residual[s] + delta[s] + delta2[s])   (absent deltas count as zero)
 ///   residual_out[r] = sum                        (residual_out == nullptr: not stored)
 ///   out[r] = round(round(sum * rsqrt(mean(sum^2) + eps)) * weight)
 /// residual_out may alias residual when rows == nullptr (each row is read before it is written).
@@ -45,6 +45,8 @@ struct AddRmsNormArgs {
   void* residual_out = nullptr;    // [num_rows, hidden] out, or nullptr
   const void* weight = nullptr;    // [hidden] in
   void* out = nullptr;             // [num_rows, hidden] out
+  /// A second addend (a LoRA output computed apart from its base output), or nullptr.
+  const void* delta2 = nullptr;  // [*, hidden] in
 };
 
 /// Paged KV cache geometry: each layer owns K and V of [num_blocks, block_size, kv_heads,
@@ -63,7 +65,9 @@ struct KvCacheView {
 /// rotates its q and k heads in place (rotate_half convention, as Llama: for a head and
 /// i < d/2, angle = position * inv_freq[i], x[i] = x[i] cos - x[i + d/2] sin,
 /// x[i + d/2] = x[i + d/2] cos + x[i] sin), then stores the rotated k heads and the v heads in
-/// cache slot slot_mapping[t] (= block * block_size + offset; -1 = not stored).
+/// cache slot slot_mapping[t] (= block * block_size + offset; -1 = not stored). With `delta`
+/// (a LoRA output computed apart from the base qkv), each q, k and v value is first
+/// round(qkv + delta) (stored back to qkv for q and k, to the cache for v).
 struct RopeKvWriteArgs {
   DType dtype = DType::kF32;  // of qkv and the cache
   int64_t num_tokens = 0;
@@ -74,6 +78,7 @@ struct RopeKvWriteArgs {
   int64_t qkv_row_stride = 0;
   const int32_t* slot_mapping = nullptr;  // [num_tokens] in
   KvCacheView cache;                      // num_kv_heads and head_dim come from here
+  const void* delta = nullptr;  // [num_tokens, (heads + 2 kv_heads) * head_dim] in, or nullptr
 };
 
 /// Causal attention of each token over its own sequence's cached keys 0..positions[t]
@@ -103,6 +108,9 @@ struct SiluMulArgs {
   int64_t n = 0;
   const void* x = nullptr;  // [num_rows, 2n] in
   void* out = nullptr;      // [num_rows, n] out
+  /// x + delta (rounded) is what the gate and up halves are, when given (a LoRA output
+  /// computed apart from the base gate_up).
+  const void* delta = nullptr;  // [num_rows, 2n] in, or nullptr
 };
 
 /// ids[r] = argmax_j logits[r, j]; ties go to the lowest j. NaN never wins.

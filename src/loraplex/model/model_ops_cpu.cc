@@ -69,6 +69,7 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
     using T = typename decltype(tag)::type;
     const T* res = static_cast<const T*>(a.residual);
     const T* delta = static_cast<const T*>(a.delta);
+    const T* delta2 = static_cast<const T*>(a.delta2);
     T* res_out = static_cast<T*>(a.residual_out);
     const T* w = static_cast<const T*>(a.weight);
     T* out = static_cast<T*>(a.out);
@@ -79,8 +80,11 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
         float squares = 0.0f;
         for (int64_t j = 0; j < a.hidden; ++j) {
           float v = load_float(res[src * a.hidden + j]);
-          if (delta != nullptr)
-            v = load_float(store_float<T>(v + load_float(delta[src * a.hidden + j])));
+          if (delta != nullptr || delta2 != nullptr) {
+            float add = delta != nullptr ? load_float(delta[src * a.hidden + j]) : 0.0f;
+            if (delta2 != nullptr) add += load_float(delta2[src * a.hidden + j]);
+            v = load_float(store_float<T>(v + add));
+          }
           sum[static_cast<size_t>(j)] = v;
           squares += v * v;
         }
@@ -128,6 +132,13 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
           sin_v[static_cast<size_t>(i)] = std::sin(angle);
         }
         T* row = qkv + t * a.qkv_row_stride;
+        if (a.delta != nullptr) {
+          const int64_t width = (heads + c.num_kv_heads) * d;
+          const T* add = static_cast<const T*>(a.delta) + t * width;
+          for (int64_t j = 0; j < width; ++j) {
+            row[j] = store_float<T>(load_float(row[j]) + load_float(add[j]));
+          }
+        }
         for (int64_t h = 0; h < heads; ++h) {
           T* x = row + h * d;
           for (int64_t i = 0; i < half; ++i) {
@@ -221,14 +232,20 @@ Status silu_mul(const SiluMulArgs& a) {
   return dispatch(a.dtype, "silu_mul", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* x = static_cast<const T*>(a.x);
+    const T* delta = static_cast<const T*>(a.delta);
     T* out = static_cast<T*>(a.out);
     parallel_for(0, a.num_rows, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
         const T* row = x + r * 2 * a.n;
+        const T* add = delta != nullptr ? delta + r * 2 * a.n : nullptr;
+        auto at = [&](int64_t j) {
+          const float v = load_float(row[j]);
+          return add != nullptr ? load_float(store_float<T>(v + load_float(add[j]))) : v;
+        };
         for (int64_t j = 0; j < a.n; ++j) {
           // transformers rounds silu(gate) to the activation dtype before the multiply.
-          const float g = load_float(store_float<T>(silu(load_float(row[j]))));
-          out[r * a.n + j] = store_float<T>(g * load_float(row[a.n + j]));
+          const float g = load_float(store_float<T>(silu(at(j))));
+          out[r * a.n + j] = store_float<T>(g * at(a.n + j));
         }
       }
     });

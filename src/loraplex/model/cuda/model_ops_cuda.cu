@@ -130,12 +130,17 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   const int64_t src = a.rows != nullptr ? a.rows[r] : r;
   const S* res = static_cast<const S*>(a.residual) + src * a.hidden;
   const S* delta = a.delta != nullptr ? static_cast<const S*>(a.delta) + src * a.hidden : nullptr;
+  const S* delta2 =
+      a.delta2 != nullptr ? static_cast<const S*>(a.delta2) + src * a.hidden : nullptr;
   S* res_out = a.residual_out != nullptr ? static_cast<S*>(a.residual_out) + r * a.hidden : nullptr;
   const S* w = static_cast<const S*>(a.weight);
   S* out = static_cast<S*>(a.out) + r * a.hidden;
   auto sum_at = [&](int64_t j) {
     const float v = E::load(res[j]);
-    return delta != nullptr ? round_to<E>(v + E::load(delta[j])) : v;
+    if (delta == nullptr && delta2 == nullptr) return v;
+    float add = delta != nullptr ? E::load(delta[j]) : 0.0f;
+    if (delta2 != nullptr) add += E::load(delta2[j]);
+    return round_to<E>(v + add);
   };
   float kept[kNormItems];
   float squares = 0.0f;
@@ -185,6 +190,12 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   const int64_t slot = a.slot_mapping[t];
   const bool store = slot >= 0 && slot < c.num_blocks * c.block_size;
   S* row = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
+  const S* add =
+      a.delta != nullptr ? static_cast<const S*>(a.delta) + t * (q_cols + 2 * kv) : nullptr;
+  auto at = [&](int64_t j) {
+    const float v = E::load(row[j]);
+    return add != nullptr ? round_to<E>(v + E::load(add[j])) : v;
+  };
   S* kc = static_cast<S*>(c.k) + (store ? slot : 0) * kv;
   S* vc = static_cast<S*>(c.v) + (store ? slot : 0) * kv;
   for (int64_t item = threadIdx.x; item < heads * half; item += blockDim.x) {
@@ -194,8 +205,8 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
     const float cs = cosf(angle);
     const float sn = sinf(angle);
     S* x = row + h * d;
-    const float x0 = E::load(x[i]);
-    const float x1 = E::load(x[i + half]);
+    const float x0 = at(h * d + i);
+    const float x1 = at(h * d + i + half);
     const S y0 = E::store(x0 * cs - x1 * sn);
     const S y1 = E::store(x1 * cs + x0 * sn);
     x[i] = y0;
@@ -207,7 +218,7 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
     }
   }
   if (!store) return;
-  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) vc[j] = row[q_cols + kv + j];
+  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) vc[j] = E::store(at(q_cols + kv + j));
 }
 
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
@@ -290,11 +301,10 @@ __global__ void paged_attention_kernel(PagedAttentionArgs a) {
 }
 
 template <typename E>
-__device__ typename E::Storage silu_mul_one(typename E::Storage gate, typename E::Storage up) {
-  const float gv = E::load(gate);
+__device__ typename E::Storage silu_mul_one(float gv, float up) {
   // transformers rounds silu(gate) to the activation dtype before the multiply.
   const float g = round_to<E>(gv / (1.0f + expf(-gv)));
-  return E::store(g * E::load(up));
+  return E::store(g * up);
 }
 
 // 16 bytes of gate and of up per thread when rows allow it (n a multiple of the vector width,
@@ -308,6 +318,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
   const int64_t per_row = a.n / kVec;
   const int64_t total = a.num_rows * per_row;
   const S* x = static_cast<const S*>(a.x);
+  const S* delta = static_cast<const S*>(a.delta);
   S* out = static_cast<S*>(a.out);
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -315,9 +326,22 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
     const int64_t j = (idx % per_row) * kVec;
     const Pack g = *reinterpret_cast<const Pack*>(x + r * 2 * a.n + j);
     const Pack u = *reinterpret_cast<const Pack*>(x + r * 2 * a.n + a.n + j);
+    Pack dg{}, du{};
+    if (delta != nullptr) {
+      dg = *reinterpret_cast<const Pack*>(delta + r * 2 * a.n + j);
+      du = *reinterpret_cast<const Pack*>(delta + r * 2 * a.n + a.n + j);
+    }
     Pack o;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) o.v[k] = silu_mul_one<E>(g.v[k], u.v[k]);
+    for (int k = 0; k < kVec; ++k) {
+      float gv = E::load(g.v[k]);
+      float uv = E::load(u.v[k]);
+      if (delta != nullptr) {
+        gv = round_to<E>(gv + E::load(dg.v[k]));
+        uv = round_to<E>(uv + E::load(du.v[k]));
+      }
+      o.v[k] = silu_mul_one<E>(gv, uv);
+    }
     *reinterpret_cast<Pack*>(out + r * a.n + j) = o;
   }
 }
@@ -436,7 +460,8 @@ Status silu_mul(const SiluMulArgs& a, const Stream& stream) {
     using E = decltype(e);
     constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Storage));
     const bool aligned = a.n % kVec == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+                         reinterpret_cast<uintptr_t>(a.out) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(a.delta) % 16 == 0;
     if (aligned) {
       silu_mul_kernel<E, kVec>
           <<<blocks_for(a.num_rows * a.n / kVec), kThreads, 0, raw(stream)>>>(a);
