@@ -84,6 +84,8 @@ struct RopeKvWriteArgs {
 /// Causal attention of each token over its own sequence's cached keys 0..positions[t]
 /// (grouped-query: q head h reads kv head h / (num_heads / num_kv_heads)):
 ///   out[t, h] = softmax(q[t, h] . K^T * scale) V, softmax in float32.
+/// Sequence s's block table is row s of a [num_seqs, max_blocks_per_seq] table, or, with
+/// block_table_indptr, the blocks from block_tables[block_table_indptr[s]] on (a flat list).
 struct PagedAttentionArgs {
   DType dtype = DType::kF32;  // of qkv, the cache and out
   int64_t num_tokens = 0;
@@ -91,12 +93,15 @@ struct PagedAttentionArgs {
   float scale = 1.0f;
   const void* qkv = nullptr;  // [num_tokens, qkv_row_stride] in; q heads from column 0
   int64_t qkv_row_stride = 0;
-  const int32_t* positions = nullptr;     // [num_tokens] in
-  const int32_t* token_seq = nullptr;     // [num_tokens] in: row of block_tables
-  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq] in
+  const int32_t* positions = nullptr;           // [num_tokens] in
+  const int32_t* token_seq = nullptr;           // [num_tokens] in: row of block_tables
+  const int32_t* block_tables = nullptr;        // [num_seqs, max_blocks_per_seq] in, or flat
+  const int32_t* block_table_indptr = nullptr;  // [num_seqs + 1] in, or nullptr (2-D table)
   int64_t num_seqs = 0;
-  int64_t max_blocks_per_seq = 0;
-  int64_t max_context = 0;  // >= every positions[t] + 1 (sizes scratch space)
+  int64_t max_blocks_per_seq = 0;  // blocks of any one sequence (an upper bound)
+  // >= every positions[t] + 1: an upper bound (the CPU sizes its scratch by it; the CUDA kernel
+  // only checks positions against it, so a fixed bound keeps a captured launch valid).
+  int64_t max_context = 0;
   KvCacheView cache;
   void* out = nullptr;  // [num_tokens, num_heads * head_dim] out
 };

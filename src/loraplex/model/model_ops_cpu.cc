@@ -32,6 +32,11 @@ Status check_cache(const KvCacheView& c, const char* op) {
 
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// Where sequence `seq`'s block table starts in a.block_tables.
+int64_t table_offset(const PagedAttentionArgs& a, int64_t seq) {
+  return a.block_table_indptr != nullptr ? a.block_table_indptr[seq] : seq * a.max_blocks_per_seq;
+}
+
 }  // namespace
 
 Status fill_uniform(const FillUniformArgs& a) {
@@ -173,7 +178,15 @@ Status paged_attention(const PagedAttentionArgs& a) {
                     "paged_attention: token ", t, " has sequence ", a.token_seq[t],
                     " and position ", a.positions[t], ", expected < ", a.num_seqs, " and < ",
                     a.max_context);
-    const int32_t* table = a.block_tables + a.token_seq[t] * a.max_blocks_per_seq;
+    const int64_t seq = a.token_seq[t];
+    const int32_t* table = a.block_tables + table_offset(a, seq);
+    const int64_t blocks = a.block_table_indptr != nullptr
+                               ? a.block_table_indptr[seq + 1] - a.block_table_indptr[seq]
+                               : a.max_blocks_per_seq;
+    LORAPLEX_ENSURE(a.positions[t] / c.block_size < std::min(blocks, a.max_blocks_per_seq),
+                    "paged_attention: token ", t, " at position ", a.positions[t], " needs block ",
+                    a.positions[t] / c.block_size, " of sequence ", seq, ", which has ",
+                    std::min(blocks, a.max_blocks_per_seq));
     for (int64_t b = 0; b <= a.positions[t] / c.block_size; ++b) {
       LORAPLEX_ENSURE(table[b] >= 0 && table[b] < c.num_blocks, "paged_attention: sequence ",
                       a.token_seq[t], " block ", b, " is ", table[b], ", expected 0..",
@@ -196,7 +209,7 @@ Status paged_attention(const PagedAttentionArgs& a) {
         const int64_t t = item / a.num_heads;
         const int64_t h = item % a.num_heads;
         const int64_t kvh = h / group;
-        const int32_t* table = a.block_tables + a.token_seq[t] * a.max_blocks_per_seq;
+        const int32_t* table = a.block_tables + table_offset(a, a.token_seq[t]);
         const int64_t ctx = a.positions[t] + 1;
         for (int64_t i = 0; i < d; ++i) q[i] = load_float(qkv[t * a.qkv_row_stride + h * d + i]);
         float max_score = -std::numeric_limits<float>::infinity();

@@ -241,7 +241,10 @@ __global__ void paged_attention_kernel(PagedAttentionArgs a) {
   const int64_t ctx = static_cast<int64_t>(a.positions[t]) + 1;
   S* out = static_cast<S*>(a.out) + t * a.num_heads * d + h * d;
   const bool valid = seq >= 0 && seq < a.num_seqs && ctx >= 1 && ctx <= a.max_context;
-  const int32_t* table = a.block_tables + (valid ? seq : 0) * a.max_blocks_per_seq;
+  const int64_t row = valid ? seq : 0;
+  const int32_t* table = a.block_tables + (a.block_table_indptr != nullptr
+                                               ? static_cast<int64_t>(a.block_table_indptr[row])
+                                               : row * a.max_blocks_per_seq);
   const S* qrow = static_cast<const S*>(a.qkv) + t * a.qkv_row_stride + h * d;
   for (int64_t i = threadIdx.x; i < d; i += blockDim.x) q[i] = E::load(qrow[i]);
   __syncthreads();
