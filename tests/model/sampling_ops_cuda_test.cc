@@ -25,8 +25,8 @@
 namespace loraplex {
 namespace {
 
-using model::SamplingParams;
 using model::kMaxBannedTokens;
+using model::SamplingParams;
 
 // A device allocation with host copies in and out.
 class DeviceBuffer {
@@ -67,7 +67,7 @@ struct Batch {
   int64_t rows = 0;
   int64_t vocab = 0;
   int64_t stride = 0;
-  std::vector<float> values;  // [rows, stride]: the logits as floats (after rounding to dtype)
+  std::vector<float> values;   // [rows, stride]: the logits as floats (after rounding to dtype)
   std::vector<uint16_t> bits;  // [rows, stride] for f16 / bf16
   std::vector<float> temperature, top_p;
   std::vector<int32_t> top_k, banned;
@@ -271,12 +271,15 @@ TEST(SampleOpCuda, MatchesCpuOnMixedRows) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(2024);
   Stream stream = Stream::create(test::gpu());
-  const std::vector<Shape> shapes = {
-      {DType::kBF16, 256, 128256, 128256}, {DType::kF16, 37, 128256, 128256},
-      {DType::kF32, 64, 128256, 128256},   {DType::kBF16, 1, 128256, 128256},
-      {DType::kBF16, 19, 50257, 50261},    {DType::kF32, 13, 32003, 32003},
-      {DType::kF16, 11, 2049, 2051},       {DType::kF32, 9, 77, 77},
-      {DType::kBF16, 5, 1, 3}};
+  const std::vector<Shape> shapes = {{DType::kBF16, 256, 128256, 128256},
+                                     {DType::kF16, 37, 128256, 128256},
+                                     {DType::kF32, 64, 128256, 128256},
+                                     {DType::kBF16, 1, 128256, 128256},
+                                     {DType::kBF16, 19, 50257, 50261},
+                                     {DType::kF32, 13, 32003, 32003},
+                                     {DType::kF16, 11, 2049, 2051},
+                                     {DType::kF32, 9, 77, 77},
+                                     {DType::kBF16, 5, 1, 3}};
   int total_rows = 0;
   int unclear = 0;
   for (const Shape& sh : shapes) {
@@ -302,7 +305,7 @@ TEST(SampleOpCuda, SpecialRowsMatchCpu) {
   // vocab 5000: three blocks per row, so the special values sit in different blocks.
   const int64_t vocab = 5000;
   std::mt19937_64 rng(99);
-  Batch b = make_batch(DType::kF32, 12, vocab, vocab, rng);
+  Batch b = make_batch(DType::kF32, 14, vocab, vocab, rng);
   auto set_row = [&](int64_t r, float fill) {
     for (int64_t j = 0; j < vocab; ++j) b.values[static_cast<size_t>(r * vocab + j)] = fill;
   };
@@ -343,6 +346,20 @@ TEST(SampleOpCuda, SpecialRowsMatchCpu) {
   params(9, {1.0f, 0, 1e-7f}, 0.99);  // top_p keeping only the maximum
   params(10, {3.0f, static_cast<int>(vocab) - 1, 0.999f}, 0.999999);
   params(11, {0.5f, 2, 1.0f}, 0.5);
+  at(12, 4000) = 40.0f;  // a banned maximum in a sampled row: top-2 of the rest
+  at(12, 17) = 39.0f;
+  at(12, 4999) = 39.5f;
+  params(12, {1.0f, 2, 1.0f}, 0.3);
+  b.banned[12 * kMaxBannedTokens + 3] = 4000;
+  set_row(13, 0.0f);  // only banned and -inf ids with finite values: the raw argmax
+  at(13, 2500) = 3.0f;
+  at(13, 100) = 3.0f;
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (j != 2500 && j != 100) at(13, j) = -inf;
+  }
+  params(13, {0.7f, 0, 0.9f}, 0.5);
+  b.banned[13 * kMaxBannedTokens] = 2500;
+  b.banned[13 * kMaxBannedTokens + 5] = 100;
   GpuBatch g(b, stream);
   throw_if_error(model::ops::cuda::sample(g.args, stream));
   const Picks gpu = g.result(b, stream);
@@ -356,6 +373,8 @@ TEST(SampleOpCuda, SpecialRowsMatchCpu) {
   EXPECT_EQ(cpu.ids[6], 3001);
   EXPECT_EQ(cpu.ids[7], 4995);
   EXPECT_EQ(cpu.ids[8], 1);
+  EXPECT_EQ(cpu.ids[12], 17);  // weights 1 (4999) and e^-0.5 (17): 0.3 falls on 17 first
+  EXPECT_EQ(cpu.ids[13], 100);
   for (int64_t r = 0; r < b.rows; ++r) EXPECT_EQ(gpu.ids[r], cpu.ids[r]) << "row " << r;
   for (int64_t r = 1; r < b.rows; ++r) {
     EXPECT_NEAR(gpu.logprobs[r], cpu.logprobs[r], 2e-6 + 2e-6 * std::abs(cpu.logprobs[r]))
@@ -413,8 +432,8 @@ TEST(SampleOpCuda, CapturedGraphSamplesTheNewParameters) {
     }
     cuda_rt::memset_async(g.ids.as<void>(), 0xff, b.rows * sizeof(int32_t), stream.handle());
     graph.replay(stream.handle());
-    unclear += expect_agreement(b, g.result(b, stream), run_cpu(b),
-                                "replay " + std::to_string(replay));
+    unclear +=
+        expect_agreement(b, g.result(b, stream), run_cpu(b), "replay " + std::to_string(replay));
   }
   EXPECT_LE(unclear, 1);
 }

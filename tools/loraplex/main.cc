@@ -19,6 +19,7 @@ extern const Command kGenerateCommand;
 extern const Command kSelftestCommand;
 extern const Command kBenchCommand;
 extern const Command kBenchAdapterLoadCommand;
+extern const Command kBenchSamplingCommand;
 }  // namespace loraplex::cli
 
 namespace {
@@ -29,7 +30,8 @@ using loraplex::cli::Command;
 // start with wins.
 const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
                                     &loraplex::cli::kSelftestCommand, &loraplex::cli::kBenchCommand,
-                                    &loraplex::cli::kBenchAdapterLoadCommand};
+                                    &loraplex::cli::kBenchAdapterLoadCommand,
+                                    &loraplex::cli::kBenchSamplingCommand};
 
 std::vector<std::string> words_of(const std::string& name) {
   std::vector<std::string> out;

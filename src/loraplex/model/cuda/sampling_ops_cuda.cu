@@ -6,18 +6,19 @@
 // same decisions from the same bits.
 //
 // Per row:
-//   1. load: l = logit / temperature (NaN -> -inf) into shared memory; the largest allowed l
-//      (banned ids skipped) with its lowest id; with logprobs, an online softmax of the raw
-//      logits (max and sum of exp, in double). Greedy rows stop here: the id is that argmax.
+//   1. load: l = logit / temperature (NaN -> -inf) into shared memory; the largest l with its
+//      lowest id (banned ids are looked at only if one of them wins: then once more without
+//      them); with logprobs, an online softmax of the raw logits (max and sum of exp, in
+//      double). Greedy rows stop here: the id is that argmax.
 //      A row with no allowed id takes the argmax of its raw logits (sample_row's rule).
 //   2. top-k: radix select (4 passes of 8 bits) of the k-th largest l over order-preserving
 //      keys of the float bits, with integer counts: exact, as std::nth_element.
 //   3. weights w = exp(l - max) (sampling_math.h: the same bits as the CPU), -1 for dropped ids.
 //   4. top-p: radix select over the weights' bits of the largest w whose mass "w' >= w" reaches
 //      top_p * total, with 64-bit fixed-point masses (integers: order-free, deterministic).
-//   5. walk: kept mass per block in double (fixed reduction tree), block bases summed in rank
-//      order; the block holding the target splits it over its warps the same way, and one warp
-//      walks its segment 32 ids at a time with an ordered (inclusive scan) prefix sum.
+//   5. walk: each thread sums the weights of a contiguous run of ids in double, in id order;
+//      a block-wide ordered prefix (scan) of those sums, block bases summed in rank order; the
+//      one thread whose interval holds the target walks its run.
 // No float atomics, no order-dependent sums: the same inputs give the same bits on every run.
 //
 // Agreement with the CPU (sample_row): l, the k-th largest l, the weights and the kept sets up
@@ -43,6 +44,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "loraplex/model/sampling_math.h"
@@ -62,6 +64,12 @@ constexpr int64_t kChunkAlign = 8;
 // Vocabulary per block below which fewer blocks share a row.
 constexpr int64_t kMinChunk = 2048;
 constexpr unsigned kFull = 0xffffffffu;
+// 16-byte vectors each thread loads before using any.
+constexpr int kBatch = 4;
+// A block's histogram is kept in 32-bit words, whose shared atomics are native (64-bit ones
+// are compare-and-swap loops): counts in kParts copies (lanes spread over them, fewer
+// same-address conflicts), masses as kParts 16-bit digits summed separately.
+constexpr int kParts = 4;
 
 static_assert(kThreads == kBins, "the histogram scans give one bin to each thread");
 
@@ -89,6 +97,13 @@ struct DeviceArith {
     return a * b;
 #endif
   }
+  __host__ __device__ static float fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+    return __fmaf_rn(a, b, c);
+#else
+    return fmaf(a, b, c);
+#endif
+  }
   __host__ __device__ static float floor(float a) { return floorf(a); }
   __host__ __device__ static float from_bits(uint32_t b) {
 #if defined(__CUDA_ARCH__)
@@ -99,62 +114,60 @@ struct DeviceArith {
   }
 };
 
-// Logit element types: kVec elements per 16-byte load.
+// Logit element types: kVec elements per 16-byte vector, loaded raw and unpacked per element
+// (a partial or unaligned vector is gathered element by element into the same layout).
 struct F32 {
   using Storage = float;
   static constexpr int kVec = 4;
   static __device__ float one(const float* row, int64_t j) { return row[j]; }
-  static __device__ void vec(const float* row, int64_t j, float* x) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(row + j));
-    x[0] = v.x;
-    x[1] = v.y;
-    x[2] = v.z;
-    x[3] = v.w;
+  static __device__ uint4 gather(const float* row, int64_t j, int count) {
+    uint32_t w[4] = {0, 0, 0, 0};
+    for (int q = 0; q < count; ++q) w[q] = __float_as_uint(row[j + q]);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  static __device__ float unpack(const uint4& v, int q) {
+    const uint32_t w = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+    return __uint_as_float(w);
   }
 };
-struct F16 {
+template <typename Bits>
+struct Half16 {
   using Storage = uint16_t;
   static constexpr int kVec = 8;
+  static __device__ float one(const uint16_t* row, int64_t j) { return Bits::cvt(row[j]); }
+  static __device__ uint4 gather(const uint16_t* row, int64_t j, int count) {
+    uint32_t w[4] = {0, 0, 0, 0};
+    for (int q = 0; q < count; ++q) w[q / 2] |= static_cast<uint32_t>(row[j + q]) << (16 * (q % 2));
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  static __device__ float unpack(const uint4& v, int q) {
+    const uint32_t w = q / 2 == 0 ? v.x : q / 2 == 1 ? v.y : q / 2 == 2 ? v.z : v.w;
+    return Bits::cvt(q % 2 == 0 ? (w & 0xffffu) : (w >> 16));
+  }
+};
+struct F16Bits {
   static __device__ float cvt(uint32_t bits) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
   }
-  static __device__ float one(const uint16_t* row, int64_t j) { return cvt(row[j]); }
-  static __device__ void vec(const uint16_t* row, int64_t j, float* x) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + j));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      x[2 * q] = cvt(w[q] & 0xffffu);
-      x[2 * q + 1] = cvt(w[q] >> 16);
-    }
-  }
 };
-struct BF16 {
-  using Storage = uint16_t;
-  static constexpr int kVec = 8;
-  static __device__ float one(const uint16_t* row, int64_t j) {
-    return __uint_as_float(static_cast<uint32_t>(row[j]) << 16);
-  }
-  static __device__ void vec(const uint16_t* row, int64_t j, float* x) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + j));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      x[2 * q] = __uint_as_float(w[q] << 16);
-      x[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-    }
-  }
+struct BF16Bits {
+  static __device__ float cvt(uint32_t bits) { return __uint_as_float(bits << 16); }
 };
+using F16 = Half16<F16Bits>;
+using BF16 = Half16<BF16Bits>;
 
 // Shared state of one block. The fields marked "cluster" are read by the other blocks of the
 // cluster after a cluster barrier; each is written once per row (the histograms alternate).
 struct Shared {
   unsigned long long hist[2][kBins];  // cluster: radix histograms (counts or fixed-point mass)
-  float best_v;                       // cluster: largest allowed l ...
+  unsigned parts[kParts][kBins];      // the block's histogram as 32-bit parts (see radix_select)
+  float best_v;                       // cluster: largest l (banned ids included) ...
   int best_i;                         //          ... and its lowest id (INT_MAX: none)
   float raw_m;                        // cluster: raw logits' max ...
   double raw_s;                       //          ... and sum of exp(x - max)
-  float fallback_v;                   // cluster: raw argmax (rows with no allowed id)
+  float allowed_v;                    // cluster: the same without banned ids (when one won)
+  int allowed_i;
+  float fallback_v;  // cluster: raw argmax (rows with no allowed id)
   int fallback_i;
   double total;  // cluster: kept mass of the block
   int last;      // cluster: last kept id of the block (-1: none)
@@ -227,28 +240,6 @@ __device__ void block_softmax(float& m, double& s, Shared& sh) {
   for (int w = 1; w < kWarps; ++w) softmax_merge(m, s, sh.red_m[w], sh.red_d[w]);
 }
 
-__device__ double warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
-__device__ void block_total(double& s, int& last, Shared& sh) {
-  s = warp_sum(s);
-  for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(kFull, last, o));
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    sh.red_d[warp] = s;
-    sh.red_i[warp] = last;
-  }
-  __syncthreads();
-  s = sh.red_d[0];
-  last = sh.red_i[0];
-  for (int w = 1; w < kWarps; ++w) {
-    s += sh.red_d[w];
-    last = max(last, sh.red_i[w]);
-  }
-}
-
 // Order-preserving keys of the float bits (larger float -> larger key); -0 counts as +0.
 __device__ uint32_t order_key(float f) {
   const uint32_t b = __float_as_uint(f == 0.0f ? 0.0f : f);
@@ -260,14 +251,17 @@ __device__ float from_order_key(uint32_t k) {
 
 // The largest key K such that the weight of the row's elements with key >= K reaches `need`
 // (weights: counts for top-k, fixed-point masses for top-p), by 4 passes of 8-bit digits from
-// the top. `key_of(i, key, weight)` describes local element i (false: not counted). With
+// the top. `key_of(i, key, weight)` describes local element i (false: not counted); weights
+// below 2^63, and a block's per-bin sums of each 16-bit digit fit 32 bits (chunks below 2^16
+// ids); `count_only`: every weight is 1. With
 // `top_p` > 0, `need` is ceil(top_p * total weight), found in the first pass. `pass` counts the
 // histogram passes of the row (they alternate between two buffers, so one cluster barrier per
 // pass suffices: a buffer is cleared two passes after its last remote read, with a barrier in
 // between).
 template <typename KeyOf>
 __device__ uint32_t radix_select(Shared& sh, cg::cluster_group& cluster, int len,
-                                 unsigned long long need, float top_p, int& pass, KeyOf key_of) {
+                                 unsigned long long need, float top_p, bool count_only, int& pass,
+                                 KeyOf key_of) {
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -278,17 +272,36 @@ __device__ uint32_t radix_select(Shared& sh, cg::cluster_group& cluster, int len
     const int shift = 24 - 8 * digit;
     const uint32_t high = digit == 0 ? 0u : (0xffffffffu << (shift + 8));
     unsigned long long* h = sh.hist[pass & 1];
-    h[tid] = 0;
+#pragma unroll
+    for (int k = 0; k < kParts; ++k) sh.parts[k][tid] = 0;
     __syncthreads();  // also: every thread has read the previous pass's selection
     if (tid == 0) {
       sh.sel_bin = 0;
       sh.sel_excl = 0;
     }
+#pragma unroll 4
     for (int i = tid; i < len; i += kThreads) {
       uint32_t key;
       unsigned long long w;
       if (!key_of(i, key, w) || (key & high) != prefix) continue;
-      atomicAdd(&h[(key >> shift) & 0xffu], w);
+      const uint32_t bin = (key >> shift) & 0xffu;
+      if (count_only) {
+        atomicAdd(&sh.parts[lane % kParts][bin], 1u);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kParts; ++k) {
+          atomicAdd(&sh.parts[k][bin], static_cast<unsigned>((w >> (16 * k)) & 0xffffu));
+        }
+      }
+    }
+    __syncthreads();
+    {
+      unsigned long long v = 0;
+#pragma unroll
+      for (int k = 0; k < kParts; ++k) {
+        v += static_cast<unsigned long long>(sh.parts[k][tid]) << (count_only ? 0 : 16 * k);
+      }
+      h[tid] = v;
     }
     cluster.sync();
     // Thread t owns bin 255 - t: an inclusive scan over threads is the mass from the top.
@@ -323,20 +336,18 @@ __device__ uint32_t radix_select(Shared& sh, cg::cluster_group& cluster, int len
   return prefix;
 }
 
+// Row r by the cluster; `buf` holds this block's chunk. Every path ends with a cluster barrier,
+// after which the block's shared state may be reused for the next row.
 template <typename E>
-__global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a, int64_t chunk) {
+__device__ void sample_row(const SampleArgs& a, int64_t r, int64_t chunk, float* buf, Shared& sh,
+                           cg::cluster_group& cluster, int& pass) {
   using S = typename E::Storage;
   constexpr int kVec = E::kVec;
-  extern __shared__ float4 dynamic_smem[];
-  float* buf = reinterpret_cast<float*>(dynamic_smem);  // [chunk] this block's l, then weights
-  __shared__ Shared sh;
-  cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int64_t r = blockIdx.y;
   const int64_t vocab = a.vocab;
   const int64_t c0 = min(vocab, rank * chunk);
   const int64_t c1 = min(vocab, c0 + chunk);
@@ -365,29 +376,39 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a, int64_t 
   int best_i = INT_MAX;
   float raw_m = -INFINITY;
   double raw_s = 0.0;
-  for (int64_t base = c0 + static_cast<int64_t>(tid) * kVec; base < c1;
-       base += static_cast<int64_t>(kThreads) * kVec) {
-    float x[kVec];
-    const int count = static_cast<int>(min(static_cast<int64_t>(kVec), c1 - base));
-    if (aligned && count == kVec) {
-      E::vec(row, base, x);
-    } else {
-      for (int q = 0; q < count; ++q) x[q] = E::one(row, base + q);
+  // kBatch vectors in flight per thread before any is used: one HBM latency per batch.
+  const int64_t vectors = (len + kVec - 1) / kVec;
+  for (int64_t v0 = tid; v0 < vectors; v0 += static_cast<int64_t>(kThreads) * kBatch) {
+    uint4 raw[kBatch];
+    int count[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t base = c0 + (v0 + b * kThreads) * kVec;
+      count[b] = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(kVec), c1 - base)));
+      if (aligned && count[b] == kVec) {
+        raw[b] = __ldg(reinterpret_cast<const uint4*>(row + base));
+      } else {
+        raw[b] = E::gather(row, base, count[b]);
+      }
     }
 #pragma unroll
-    for (int q = 0; q < kVec; ++q) {
-      if (q >= count) break;
-      const int64_t j = base + q;
-      const float xv = x[q];
-      const bool nan = isnan(xv);
-      const float lv = nan ? -INFINITY : (greedy ? xv : __fdiv_rn(xv, temperature));
-      // Banned ids are checked only where they would win (rarely after the first few).
-      if (lv > best_v && !is_banned(j)) {
-        best_v = lv;
-        best_i = static_cast<int>(j);
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t base = c0 + (v0 + b * kThreads) * kVec;
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) {
+        if (q >= count[b]) break;
+        const int64_t j = base + q;
+        const float xv = E::unpack(raw[b], q);
+        const bool nan = isnan(xv);
+        const float lv = nan ? -INFINITY : (greedy ? xv : __fdiv_rn(xv, temperature));
+        // Banned ids are not checked here: only when one of them wins (below).
+        if (lv > best_v) {
+          best_v = lv;
+          best_i = static_cast<int>(j);
+        }
+        if (!greedy) buf[j - c0] = lv;
+        if (want_logprob && !nan) softmax_add(raw_m, raw_s, xv);
       }
-      if (!greedy) buf[j - c0] = lv;
-      if (want_logprob && !nan) softmax_add(raw_m, raw_s, xv);
     }
   }
   if (!greedy) {
@@ -418,6 +439,31 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a, int64_t 
     const Shared* o = cluster.map_shared_rank(&sh, q);
     merge_best(best_v, best_i, o->best_v, o->best_i);
     if (want_logprob) softmax_merge(raw_m, raw_s, o->raw_m, o->raw_s);
+  }
+  if (best_i != INT_MAX && is_banned(best_i)) {
+    // A banned id won: the argmax again, banned ids skipped (from the scaled chunk in shared
+    // memory, where they are -inf already; greedy rows read the logits again).
+    best_v = -INFINITY;
+    best_i = INT_MAX;
+    for (int64_t j = c0 + tid; j < c1; j += kThreads) {
+      const float x = greedy ? E::one(row, j) : buf[j - c0];
+      if (x > best_v && !is_banned(j)) {
+        best_v = x;
+        best_i = static_cast<int>(j);
+      }
+    }
+    block_best(best_v, best_i, sh);
+    if (tid == 0) {
+      sh.allowed_v = best_v;
+      sh.allowed_i = best_i;
+    }
+    cluster.sync();
+    best_v = -INFINITY;
+    best_i = INT_MAX;
+    for (int q = 0; q < ranks; ++q) {
+      const Shared* o = cluster.map_shared_rank(&sh, q);
+      merge_best(best_v, best_i, o->allowed_v, o->allowed_i);
+    }
   }
 
   // The picked id goes out from one thread of one block, with its log-probability.
@@ -466,60 +512,86 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a, int64_t 
   }
 
   const float m = best_v;
-  int pass = 0;
   // 2. top-k: the k-th largest l of the row (ties at it kept).
   float kth = -INFINITY;
   if (use_top_k) {
-    const uint32_t key = radix_select(sh, cluster, len, static_cast<unsigned long long>(top_k),
-                                      0.0f, pass, [&](int i, uint32_t& k, unsigned long long& w) {
-                                        k = order_key(buf[i]);
-                                        w = 1;
-                                        return true;
-                                      });
+    const uint32_t key =
+        radix_select(sh, cluster, len, static_cast<unsigned long long>(top_k), 0.0f, true, pass,
+                     [&](int i, uint32_t& k, unsigned long long& w) {
+                       k = order_key(buf[i]);
+                       w = 1;
+                       return true;
+                     });
     kth = from_order_key(key);
   }
 
-  // 3. Weights of the kept ids (-1: dropped). Without top-p they are the final kept set.
+  // 3. Weights of the kept ids (-1: dropped). From here each thread owns a contiguous run of
+  // `per` ids (odd, so a warp's lanes read 32 different banks): its mass is summed in id order,
+  // and the walk's prefix over threads is a block scan of those sums.
+  const int per = ((len + kThreads - 1) / kThreads) | 1;
+  const int t0 = min(len, tid * per);
+  const int t1 = min(len, t0 + per);
   double mass = 0.0;
   int last = -1;
-  for (int i = tid; i < len; i += kThreads) {
+#pragma unroll 4
+  for (int i = t0; i < t1; ++i) {
     const float l = buf[i];
     const bool keep = l != -INFINITY && l >= kth;
     const float w = keep ? sampling_detail::weight<DeviceArith>(l, m) : -1.0f;
     buf[i] = w;
     if (keep && top_p == 0.0f) {
       mass += w;
-      last = static_cast<int>(c0) + i;
+      last = i;
     }
   }
 
   // 4. top-p: the smallest weight of the most probable ids whose mass reaches top_p.
-  float threshold = 0.0f;
+  float threshold = 0.0f;  // kept: weight >= threshold
   if (top_p > 0.0f) {
     const int frac_bits = 63 - static_cast<int>(64 - __clzll(static_cast<long long>(vocab)));
     const float scale = __uint_as_float(static_cast<uint32_t>(frac_bits + 127) << 23);
-    const uint32_t key =
-        radix_select(sh, cluster, len, 0, top_p, pass, [&](int i, uint32_t& k, unsigned long long& w) {
-          const float f = buf[i];
-          k = __float_as_uint(f);
-          w = __float2ull_rn(__fmul_rn(f, scale));
-          return f >= 0.0f;
-        });
+    const uint32_t key = radix_select(sh, cluster, len, 0, top_p, false, pass,
+                                      [&](int i, uint32_t& k, unsigned long long& w) {
+                                        const float f = buf[i];
+                                        k = __float_as_uint(f);
+                                        w = __float2ull_rn(__fmul_rn(f, scale));
+                                        return f >= 0.0f;
+                                      });
     threshold = __uint_as_float(key);
-    for (int i = tid; i < len; i += kThreads) {
+    for (int i = t0; i < t1; ++i) {
       const float w = buf[i];
       if (w >= threshold) {
         mass += w;
-        last = static_cast<int>(c0) + i;
+        last = i;
       }
     }
   }
 
-  // 5. The walk: kept mass per block, bases in rank order.
-  block_total(mass, last, sh);
+  // 5. The walk. Block prefix of the threads' masses: thread t covers [excl, incl), and a
+  // thread's excl is bitwise its predecessor's incl, so the intervals tile the block's mass.
+  double incl = mass;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double n = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += n;
+  }
+  if (lane == 31) sh.red_d[warp] = incl;
+  for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(kFull, last, o));
+  if (lane == 0) sh.red_i[warp] = last;
+  __syncthreads();
+  double warp_base = 0.0;
+  double block_mass = 0.0;
+  int block_last = -1;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w == warp) warp_base = block_mass;
+    block_mass += sh.red_d[w];
+    block_last = max(block_last, sh.red_i[w]);
+  }
+  incl = warp_base + incl;
+  double excl = __shfl_up_sync(kFull, incl, 1);
+  if (lane == 0) excl = warp_base;
   if (tid == 0) {
-    sh.total = mass;
-    sh.last = last;
+    sh.total = block_mass;
+    sh.last = block_last < 0 ? -1 : static_cast<int>(c0) + block_last;
   }
   cluster.sync();
   double base = 0.0;
@@ -535,60 +607,37 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a, int64_t 
   if (!(target < total)) {
     // Past every kept id (rounding of uniform * total): the last kept id, as sample_row.
     if (rank == 0 && tid == 0) emit(row_last);
-  } else if (base <= target && target < base + sh.total) {
-    // This block holds the target: warp segments of the chunk, mass per segment.
-    const int seg = (len + kWarps * 32 - 1) / (kWarps * 32) * 32;
-    const int w0 = min(len, warp * seg);
-    const int w1 = min(len, w0 + seg);
-    double s = 0.0;
-    for (int i = w0 + lane; i < w1; i += 32) {
-      const float w = buf[i];
-      if (w >= threshold) s += w;
-    }
-    s = warp_sum(s);
-    __syncthreads();  // red_d was last read in block_total
-    if (lane == 0) sh.red_d[warp] = s;
-    __syncthreads();
-    int chosen = -1;
-    double run = base;
-    for (int w = 0; w < kWarps; ++w) {
-      const double next = run + sh.red_d[w];
-      if (run <= target && target < next) {
-        chosen = w;
-        break;
+  } else if (base <= target && target < base + block_mass) {
+    // This block holds the target; exactly one of its threads does.
+    if (base + excl <= target && target < base + incl) {
+      double cum = base + excl;
+      int pick = -1;
+      for (int i = t0; i < t1; ++i) {
+        const float w = buf[i];
+        if (!(w >= threshold)) continue;
+        cum += w;
+        pick = i;
+        if (cum > target) break;
       }
-      run = next;
-    }
-    if (chosen < 0) {
-      // The warps' sums fell short of the block's (rounding): its last kept id.
-      if (tid == 0) emit(sh.last);
-    } else if (warp == chosen) {
-      int found = -1;
-      int seg_last = -1;
-      for (int b = w0; b < w1 && found < 0; b += 32) {
-        const int i = b + lane;
-        const float w = i < w1 ? buf[i] : -1.0f;
-        const bool keep = w >= threshold;
-        double cum = keep ? static_cast<double>(w) : 0.0;
-        for (int o = 1; o < 32; o <<= 1) {
-          const double n = __shfl_up_sync(kFull, cum, o);
-          if (lane >= o) cum += n;
-        }
-        const double chunk_total = __shfl_sync(kFull, cum, 31);
-        cum = run + cum;
-        const unsigned cross = __ballot_sync(kFull, keep && cum > target);
-        const unsigned kept = __ballot_sync(kFull, keep);
-        if (cross != 0) {
-          found = b + __ffs(static_cast<int>(cross)) - 1;
-        } else if (kept != 0) {
-          seg_last = b + 31 - __clz(static_cast<int>(kept));
-        }
-        run = run + chunk_total;
-      }
-      if (lane == 0) emit(static_cast<int>(c0) + (found >= 0 ? found : seg_last));
+      // Without a crossing (the sums in another order fell short) `pick` is the run's last
+      // kept id.
+      emit(static_cast<int>(c0) + pick);
     }
   }
   cluster.sync();
+}
+
+// Persistent clusters: cluster y samples rows y, y + gridDim.y, ... (launching a cluster per row
+// would pay the cluster launch for every row).
+template <typename E>
+__global__ void __launch_bounds__(kThreads, 3) sample_kernel(SampleArgs a, int64_t chunk) {
+  extern __shared__ float4 dynamic_smem[];
+  __shared__ Shared sh;
+  cg::cluster_group cluster = cg::this_cluster();
+  int pass = 0;
+  for (int64_t r = blockIdx.y; r < a.num_rows; r += gridDim.y) {
+    sample_row<E>(a, r, chunk, reinterpret_cast<float*>(dynamic_smem), sh, cluster, pass);
+  }
 }
 
 template <typename Fn>
@@ -608,8 +657,8 @@ Status dispatch(DType dtype, Fn&& fn) {
 
 Status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status();
-  return Status(StatusCode::kCudaError, detail::concat("sample: ", what, ": ",
-                                                       cudaGetErrorString(err)));
+  return Status(StatusCode::kCudaError,
+                detail::concat("sample: ", what, ": ", cudaGetErrorString(err)));
 }
 
 // Raising the shared-memory limit is a function attribute, not stream work: set once per
@@ -629,13 +678,33 @@ Status allow_smem(const void* kernel, int bytes) {
   return Status();
 }
 
+// How many clusters of the launch fit on the device at once (a query, cached per kernel,
+// device and shape: the first call of the op is a warm-up outside any capture in practice).
+template <typename Kernel>
+Status resident_clusters(Kernel* kernel, const cudaLaunchConfig_t& cfg, int& clusters) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, size_t, unsigned>, int> done;
+  int device = 0;
+  LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
+  std::lock_guard<std::mutex> lock(mutex);
+  int& n =
+      done[{reinterpret_cast<const void*>(kernel), device, cfg.dynamicSmemBytes, cfg.gridDim.x}];
+  if (n == 0) {
+    LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg),
+                                         "cudaOccupancyMaxActiveClusters"));
+    LORAPLEX_ENSURE(n > 0, "sample: no cluster of ", cfg.gridDim.x, " blocks with ",
+                    cfg.dynamicSmemBytes, " bytes of shared memory fits this device");
+  }
+  clusters = n;
+  return Status();
+}
+
 }  // namespace
 
 Status sample(const SampleArgs& a, const Stream& stream) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.num_rows <= 65535 && a.vocab >= 1 &&
-                      a.row_stride >= a.vocab,
-                  "sample: num_rows ", a.num_rows, ", vocab ", a.vocab, ", row_stride ",
-                  a.row_stride, " (need 0 <= num_rows <= 65535, vocab >= 1, row_stride >= vocab)");
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab, "sample: num_rows ",
+                  a.num_rows, ", vocab ", a.vocab, ", row_stride ", a.row_stride,
+                  " (need num_rows >= 0, vocab >= 1, row_stride >= vocab)");
   LORAPLEX_ENSURE(a.vocab <= kMaxGpuSampleVocab, "sample: vocab ", a.vocab,
                   " is above the GPU sampler's limit of ", kMaxGpuSampleVocab);
   if (a.num_rows == 0) return Status();
@@ -663,6 +732,9 @@ Status sample(const SampleArgs& a, const Stream& stream) {
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
+    int clusters = 0;
+    LORAPLEX_RETURN_IF_ERROR(resident_clusters(kernel, cfg, clusters));
+    cfg.gridDim.y = static_cast<unsigned>(std::min<int64_t>(a.num_rows, clusters));
     return cuda_status(cudaLaunchKernelEx(&cfg, kernel, a, chunk), "sample_kernel launch");
   });
 }
