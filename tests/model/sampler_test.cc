@@ -115,7 +115,8 @@ TEST(Sampler, SpecialRows) {
   // Ties at the top-k threshold are all kept: top_k 2 of {4, 4, 4, 1} keeps three ids.
   const std::vector<float> f = {4.0f, 4.0f, 4.0f, 1.0f};
   std::vector<int> seen(4, 0);
-  for (double u : {0.1, 0.5, 0.9}) ++seen[static_cast<size_t>(model::sample_row(f, {1.0f, 2, 1.0f}, u))];
+  for (double u : {0.1, 0.5, 0.9})
+    ++seen[static_cast<size_t>(model::sample_row(f, {1.0f, 2, 1.0f}, u))];
   EXPECT_EQ(seen, (std::vector<int>{1, 1, 1, 0}));
   // log-probabilities with infinite maxima.
   EXPECT_EQ(model::token_logprob(d, 0), -kInf);
@@ -128,9 +129,8 @@ TEST(Sampler, SpecialRows) {
 TEST(SampleOpCpu, MatchesSampleRowAndReferenceLogprobs) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
-  const std::vector<SamplingParams> params = {{0.0f, 0, 1.0f},   {0.7f, 0, 1.0f},
-                                              {1.3f, 40, 1.0f},  {1.0f, 0, 0.85f},
-                                              {0.9f, 17, 0.5f},  {2.0f, 1, 0.3f},
+  const std::vector<SamplingParams> params = {{0.0f, 0, 1.0f},   {0.7f, 0, 1.0f},  {1.3f, 40, 1.0f},
+                                              {1.0f, 0, 0.85f},  {0.9f, 17, 0.5f}, {2.0f, 1, 0.3f},
                                               {1.0f, 3000, 1.0f}};
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (int64_t vocab : {1, 77, 2053}) {
@@ -142,8 +142,7 @@ TEST(SampleOpCpu, MatchesSampleRowAndReferenceLogprobs) {
       std::vector<int32_t> top_k, banned(static_cast<size_t>(rows * model::kMaxBannedTokens), -1);
       std::vector<double> uniform;
       for (int64_t r = 0; r < rows; ++r) {
-        const std::vector<float> row =
-            test::random_logits(vocab, test::kAllRowKinds[r % 5], rng);
+        const std::vector<float> row = test::random_logits(vocab, test::kAllRowKinds[r % 5], rng);
         for (int64_t j = 0; j < vocab; ++j) {
           float v = row[static_cast<size_t>(j)];
           const size_t at = static_cast<size_t>(r * stride + j);
@@ -244,9 +243,9 @@ TEST(Sampler, FrequenciesFollowTheFilteredSoftmax) {
   std::vector<float> logits = test::random_logits(vocab, test::RowKind::kNormal, rng);
   logits[4] = logits[9];  // a tie
   const std::vector<int32_t> banned = {2, -1, 40};
-  const std::vector<SamplingParams> params = {
-      {1.0f, 0, 1.0f}, {0.6f, 0, 1.0f}, {2.5f, 0, 1.0f}, {1.0f, 6, 1.0f},
-      {1.0f, 0, 0.7f}, {1.7f, 9, 0.9f}, {0.8f, 4, 0.5f}};
+  const std::vector<SamplingParams> params = {{1.0f, 0, 1.0f}, {0.6f, 0, 1.0f}, {2.5f, 0, 1.0f},
+                                              {1.0f, 6, 1.0f}, {1.0f, 0, 0.7f}, {1.7f, 9, 0.9f},
+                                              {0.8f, 4, 0.5f}};
   const int draws = 60000;
   for (size_t c = 0; c < params.size(); ++c) {
     const SamplingParams& p = params[c];

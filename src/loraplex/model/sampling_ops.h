@@ -32,8 +32,8 @@ struct SampleArgs {
   DType dtype = DType::kF32;  // of logits: f32, f16 or bf16
   int64_t num_rows = 0;
   int64_t vocab = 0;
-  const void* logits = nullptr;  // [num_rows, row_stride] in
-  int64_t row_stride = 0;        // elements, >= vocab
+  const void* logits = nullptr;        // [num_rows, row_stride] in
+  int64_t row_stride = 0;              // elements, >= vocab
   const float* temperature = nullptr;  // [num_rows] in (0 = greedy)
   const int32_t* top_k = nullptr;      // [num_rows] in (0 = off)
   const float* top_p = nullptr;        // [num_rows] in (1 = off)

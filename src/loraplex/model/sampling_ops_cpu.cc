@@ -36,9 +36,9 @@ Status check_params(const SampleArgs& a, int64_t r) {
 Status sample(const SampleArgs& a) {
   LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16,
                   "sample: logits dtype ", a.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab,
-                  "sample: num_rows ", a.num_rows, ", vocab ", a.vocab, ", row_stride ",
-                  a.row_stride, " (need num_rows >= 0, vocab >= 1, row_stride >= vocab)");
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab, "sample: num_rows ",
+                  a.num_rows, ", vocab ", a.vocab, ", row_stride ", a.row_stride,
+                  " (need num_rows >= 0, vocab >= 1, row_stride >= vocab)");
   if (a.num_rows == 0) return Status();
   LORAPLEX_ENSURE(a.logits != nullptr && a.temperature != nullptr && a.top_k != nullptr &&
                       a.top_p != nullptr && a.uniform != nullptr && a.banned != nullptr &&
