@@ -290,9 +290,7 @@ __device__ uint32_t radix_select(Shared& sh, cg::cluster_group& cluster, int len
       } else {
 #pragma unroll
         for (int k = 0; k < kParts; ++k) {
-          // Small weights have zero high digits: no atomic for those.
-          const auto digit = static_cast<unsigned>((w >> (16 * k)) & 0xffffu);
-          if (digit != 0) atomicAdd(&sh.parts[k][bin], digit);
+          atomicAdd(&sh.parts[k][bin], static_cast<unsigned>((w >> (16 * k)) & 0xffffu));
         }
       }
     }
