@@ -1,4 +1,5 @@
-// The GPU sampler (sampling_ops.h): one thread-block cluster per row. The cluster's blocks
+// The GPU sampler (sampling_ops.h): a thread-block cluster samples one row at a time (as many
+// clusters as fit the device at once, each taking every gridDim.y-th row). The cluster's blocks
 // split the row into chunks that stay in shared memory (16032 floats per block at vocab 128256,
 // 8 blocks), so the logits are read from global memory once; every later pass reads shared
 // memory, and what the blocks must agree on (maxima, histograms, sums) is exchanged through
