@@ -20,6 +20,7 @@ extern const Command kSelftestCommand;
 extern const Command kBenchCommand;
 extern const Command kBenchAdapterLoadCommand;
 extern const Command kBenchE2eCommand;
+extern const Command kBenchSamplingCommand;
 }  // namespace loraplex::cli
 
 namespace {
@@ -31,7 +32,8 @@ using loraplex::cli::Command;
 const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
                                     &loraplex::cli::kSelftestCommand, &loraplex::cli::kBenchCommand,
                                     &loraplex::cli::kBenchAdapterLoadCommand,
-                                    &loraplex::cli::kBenchE2eCommand};
+                                    &loraplex::cli::kBenchE2eCommand,
+                                    &loraplex::cli::kBenchSamplingCommand};
 
 std::vector<std::string> words_of(const std::string& name) {
   std::vector<std::string> out;

@@ -26,11 +26,22 @@ int32_t argmax_lowest(std::span<const float> logits);
 void check_sampling_params(const SamplingParams& params);
 
 /// Picks one token by the rule of SamplingParams. `uniform` in [0, 1) is unused when greedy;
-/// `banned` ids (outside the vocabulary: ignored) are never picked unless every id is banned.
+/// `banned` ids (outside the vocabulary: ignored) are never picked unless every id is banned;
+/// then, and when every logit is NaN or -inf, the pick is argmax_lowest(logits).
 int32_t sample_row(std::span<const float> logits, const SamplingParams& params, double uniform,
                    std::span<const int32_t> banned = {});
 
-/// log softmax(logits)[id], in double precision.
+/// sample_row without allocating: `scratch` holds at least 2 * logits.size() floats.
+int32_t sample_row(std::span<const float> logits, const SamplingParams& params, double uniform,
+                   std::span<const int32_t> banned, std::span<float> scratch);
+
+/// The exponential of the sampling rule, exp(x) for x <= 0, bit for bit what the GPU sampler
+/// computes (sampling_math.h); within a few 1e-8 relative of the exact value.
+float sampling_exp(float x);
+
+/// log softmax(logits)[id], in double precision, NaNs left out of the softmax. Where the
+/// largest logit is infinite (+inf, or -inf when every other logit is NaN) each id equal to it
+/// weighs 1 (+inf ids share the mass, finite ones get -inf).
 float token_logprob(std::span<const float> logits, int32_t id);
 
 }  // namespace loraplex::model
