@@ -12,6 +12,7 @@
 #include "loraplex/core/error.h"
 #include "loraplex/model/model_ops.h"
 #include "loraplex/model/sampler.h"
+#include "loraplex/model/sampling_ops.h"
 #include "loraplex/model/weight_source.h"
 
 namespace loraplex::model {
@@ -354,78 +355,102 @@ void Decoder::allocate_step_buffers() {
     fork_ = std::make_unique<Event>();
     join_ = std::make_unique<Event>();
   }
-  in_.max_blocks_per_seq =
-      (options_.max_model_len + options_.kv_block_size - 1) / options_.kv_block_size;
-  const int64_t sizes[kSections] = {t, t, t, t, s, s * in_.max_blocks_per_seq};
+  // Section sizes in bytes, each 16-byte aligned.
+  const int64_t sizes[kSections] = {
+      4 * t, 4 * t, 4 * t, 4 * s, 4 * s, 4 * s, 4 * s, 4 * s * kMaxBannedTokens, 8 * s};
   int64_t total = 0;
   for (int i = 0; i < kSections; ++i) {
     in_.offset[i] = total;
-    total += sizes[i];
+    total += (sizes[i] + 15) / 16 * 16;
   }
   Allocator& host = dev.is_cpu() ? cpu_allocator() : pinned_host_allocator();
-  in_.host = Tensor::empty_with({total}, DType::kI32, Device::cpu(), host);
-  in_.device = dev.is_cpu() ? in_.host : Tensor::empty({total}, DType::kI32, dev);
-  host_ids_ = Tensor::empty_with({s}, DType::kI32, Device::cpu(), host);
+  in_.host = Tensor::empty_with({total}, DType::kU8, Device::cpu(), host);
+  in_.device = dev.is_cpu() ? in_.host : Tensor::empty({total}, DType::kU8, dev);
+  host_out_ = Tensor::empty_with({2, s}, DType::kI32, Device::cpu(), host);
+  act_.logprobs = Tensor::empty({s}, DType::kF32, dev);
+  sample_workspace_ = Tensor::empty(
+      {static_cast<int64_t>(ops::sample_workspace_bytes(s, c.vocab_size)) + 1}, DType::kU8, dev);
+  const int64_t max_pages =
+      s * ((options_.max_model_len + options_.kv_block_size - 1) / options_.kv_block_size);
+  attention_ = std::make_unique<PagedAttention>(
+      AttentionShape{c.num_heads, c.num_kv_heads, c.head_dim, options_.kv_block_size, dt}, dev, t,
+      s, max_pages);
 }
 
-std::pair<bool, bool> Decoder::stage(const StepBatch& batch, int64_t padded) {
+void Decoder::Inputs::upload(Section s, size_t bytes, const Stream& stream) const {
+  if (bytes == 0 || stream.device().is_cpu()) return;
+  cuda_rt::memcpy_async(device_at<uint8_t>(s), host_at<uint8_t>(s), bytes,
+                        cuda_rt::CopyKind::kHostToDevice, stream.handle());
+}
+
+std::pair<bool, bool> Decoder::stage(const StepBatch& batch, int64_t padded, bool graph) {
   const int64_t bs = kv_->block_size();
-  const int64_t stride = in_.max_blocks_per_seq;
-  int32_t* ids = in_.host_at(kTokenIds);
-  int32_t* pos = in_.host_at(kPositions);
-  int32_t* slots = in_.host_at(kKvSlots);
-  int32_t* seq_of = in_.host_at(kTokenSeq);
-  int32_t* sample_rows = in_.host_at(kSampleRows);
-  int32_t* tables = in_.host_at(kBlockTables);
+  int32_t* ids = in_.host_at<int32_t>(kTokenIds);
+  int32_t* pos = in_.host_at<int32_t>(kPositions);
+  int32_t* slots = in_.host_at<int32_t>(kKvSlots);
+  int32_t* sample_rows = in_.host_at<int32_t>(kSampleRows);
+  float* temperature = in_.host_at<float>(kTemperature);
+  float* top_p = in_.host_at<float>(kTopP);
+  int32_t* top_k = in_.host_at<int32_t>(kTopK);
+  int32_t* banned = in_.host_at<int32_t>(kBanned);
+  double* uniform = in_.host_at<double>(kUniform);
   std::vector<int32_t> token_slots;
   std::vector<int32_t> sample_slots;
   token_slots.reserve(static_cast<size_t>(padded));
+  AttentionStep att;
+  att.qo_indptr.push_back(0);
+  att.page_indptr.push_back(0);
   int64_t t = 0;
-  int64_t seqs = 0;
-  int64_t widest = 1;
+  auto sampled_row = [&](int64_t row, int32_t lora, const SamplingParams& p, double u,
+                         const std::vector<int32_t>& ban) {
+    const size_t r = sample_slots.size();
+    sample_rows[r] = static_cast<int32_t>(row);
+    temperature[r] = p.temperature;
+    top_p[r] = p.top_p;
+    top_k[r] = p.top_k;
+    uniform[r] = u;
+    for (size_t k = 0; k < static_cast<size_t>(kMaxBannedTokens); ++k) {
+      banned[r * kMaxBannedTokens + k] = k < ban.size() ? ban[k] : -1;
+    }
+    sample_slots.push_back(lora);
+  };
   for (const SequenceStep& q : batch.seqs) {
-    widest = std::max<int64_t>(widest, static_cast<int64_t>(q.blocks.size()));
-    std::copy(q.blocks.begin(), q.blocks.end(), tables + seqs * stride);
     for (size_t k = 0; k < q.tokens.size(); ++k, ++t) {
       const int32_t p = q.start_position + static_cast<int32_t>(k);
       ids[t] = q.tokens[k];
       pos[t] = p;
       slots[t] = static_cast<int32_t>(q.blocks[static_cast<size_t>(p / bs)] * bs + p % bs);
-      seq_of[t] = static_cast<int32_t>(seqs);
       token_slots.push_back(q.lora_slot);
     }
-    if (q.sample) {
-      sample_rows[sample_slots.size()] = static_cast<int32_t>(t - 1);
-      sample_slots.push_back(q.lora_slot);
-    }
-    ++seqs;
+    const int64_t kv_len = q.start_position + static_cast<int64_t>(q.tokens.size());
+    att.qo_indptr.push_back(static_cast<int32_t>(t));
+    att.kv_len.push_back(static_cast<int32_t>(kv_len));
+    const int64_t pages = (kv_len + bs - 1) / bs;
+    att.page_indices.insert(att.page_indices.end(), q.blocks.begin(), q.blocks.begin() + pages);
+    att.page_indptr.push_back(static_cast<int32_t>(att.page_indices.size()));
+    if (q.sample) sampled_row(t - 1, q.lora_slot, q.sampling, q.uniform, q.banned);
   }
   // Padding: each extra token is a sequence of its own at position 0 on the pad block, not
-  // stored in the cache, without LoRA, and sampled (its id is ignored).
-  for (; t < padded; ++t, ++seqs) {
+  // stored in the cache, without LoRA, and sampled greedily (its id is ignored).
+  for (; t < padded; ++t) {
     ids[t] = 0;
     pos[t] = 0;
     slots[t] = -1;
-    seq_of[t] = static_cast<int32_t>(seqs);
-    tables[seqs * stride] = kv_->pad_block();
     token_slots.push_back(-1);
-    sample_rows[sample_slots.size()] = static_cast<int32_t>(t);
-    sample_slots.push_back(-1);
+    att.qo_indptr.push_back(static_cast<int32_t>(t + 1));
+    att.kv_len.push_back(1);
+    att.page_indices.push_back(kv_->pad_block());
+    att.page_indptr.push_back(static_cast<int32_t>(att.page_indices.size()));
+    sampled_row(t, -1, SamplingParams{}, 0.0, {});
   }
-  step_seqs_ = seqs;
-  if (options_.device.is_cuda()) {
-    const auto h2d = cuda_rt::CopyKind::kHostToDevice;
-    for (Section s : {kTokenIds, kPositions, kKvSlots, kTokenSeq}) {
-      cuda_rt::memcpy_async(in_.device_view(s, t).data_ptr(), in_.host_at(s),
-                            static_cast<size_t>(t) * 4, h2d, stream_.handle());
-    }
-    cuda_rt::memcpy_async(in_.device_view(kSampleRows, 1).data_ptr(), sample_rows,
-                          sample_slots.size() * 4, h2d, stream_.handle());
-    const size_t pitch = static_cast<size_t>(stride) * 4;
-    cuda_rt::memcpy_2d_async(in_.device_view(kBlockTables, 1).data_ptr(), pitch, tables, pitch,
-                             static_cast<size_t>(widest) * 4, static_cast<size_t>(seqs), h2d,
-                             stream_.handle());
+  const size_t rows = sample_slots.size();
+  for (Section s : {kTokenIds, kPositions, kKvSlots}) {
+    in_.upload(s, static_cast<size_t>(t) * 4, stream_);
   }
+  for (Section s : {kSampleRows, kTemperature, kTopP, kTopK}) in_.upload(s, rows * 4, stream_);
+  in_.upload(kBanned, rows * 4 * kMaxBannedTokens, stream_);
+  in_.upload(kUniform, rows * 8, stream_);
+  attention_->plan(att, stream_, graph ? padded : 0);
   return punica_->upload_mappings(token_slots, sample_slots, stream_);
 }
 
@@ -443,8 +468,8 @@ void Decoder::project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* 
   join_->wait_on(stream_);
 }
 
-void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool token_lora,
-                         bool sampler_lora) {
+void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool sampler_lora,
+                         Sampling sampling) {
   const ModelConfig& c = config_;
   const DType dt = options_.dtype;
   const Stream& st = stream_;
@@ -459,7 +484,7 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
   Tensor qkv = rows_of(act_.qkv, n);
   Tensor attn = rows_of(act_.attn, n);
   Tensor delta = rows_of(act_.delta, n);
-  const int32_t* positions = in_.device_view(kPositions, n).data<int32_t>();
+  const int32_t* positions = in_.device_at<int32_t>(kPositions);
   const bool overlap = token_lora && deltas_.qkv.defined() && n <= deltas_.qkv.size(0);
   Tensor d_qkv, d_o, d_gu, d_down;
   if (overlap) {
@@ -469,7 +494,9 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
     d_down = rows_of(deltas_.down, n);
   }
   auto ptr = [&](const Tensor& t) -> const void* { return overlap ? t.data_ptr() : nullptr; };
-  embed_->forward(in_.device_view(kTokenIds, n), x, pw, st);
+  embed_->forward(
+      Tensor::from_blob(in_.device_at<int32_t>(kTokenIds), {n}, DType::kI32, options_.device), x,
+      pw, st);
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& layer = layers_[l];
     const ops::KvCacheView cache = kv_->view(static_cast<int64_t>(l));
@@ -496,26 +523,11 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
     rope.inv_freq = inv_freq_.data<float>();
     rope.qkv = qkv.data_ptr();
     rope.qkv_row_stride = q + 2 * kv;
-    rope.slot_mapping = in_.device_view(kKvSlots, n).data<int32_t>();
+    rope.slot_mapping = in_.device_at<int32_t>(kKvSlots);
     rope.cache = cache;
     rope.delta = ptr(d_qkv);
     throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, rope, st));
-    ops::PagedAttentionArgs pa;
-    pa.dtype = dt;
-    pa.num_tokens = n;
-    pa.num_heads = c.num_heads;
-    pa.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    pa.qkv = qkv.data_ptr();
-    pa.qkv_row_stride = q + 2 * kv;
-    pa.positions = positions;
-    pa.token_seq = in_.device_view(kTokenSeq, n).data<int32_t>();
-    pa.block_tables = in_.device_view(kBlockTables, 1).data<int32_t>();
-    pa.num_seqs = num_seqs;
-    pa.max_blocks_per_seq = in_.max_blocks_per_seq;
-    pa.max_context = in_.max_blocks_per_seq * kv_->block_size();
-    pa.cache = cache;
-    pa.out = attn.data_ptr();
-    throw_if_error(ops::run(&ops::cpu::paged_attention, &ops::cuda::paged_attention, pa, st));
+    attention_->run(qkv.data_ptr(), q + 2 * kv, cache, attn.data_ptr(), st);
     project(*layer.o, attn, delta, overlap ? &d_o : nullptr);
     ops::AddRmsNormArgs post{dt,
                              n,
@@ -548,7 +560,7 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
                                  num_sampled,
                                  c.hidden_size,
                                  eps,
-                                 in_.device_view(kSampleRows, num_sampled).data<int32_t>(),
+                                 in_.device_at<int32_t>(kSampleRows),
                                  x.data_ptr(),
                                  delta.data_ptr(),
                                  nullptr,
@@ -557,22 +569,42 @@ void Decoder::run_device(int64_t n, int64_t num_seqs, int64_t num_sampled, bool 
   final_norm.delta2 = ptr(d_down);
   throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
-  ops::ArgmaxArgs am{
-      dt, num_sampled, c.vocab_size, logits.data_ptr(), c.vocab_size, act_.ids.data<int32_t>()};
-  throw_if_error(ops::run(&ops::cpu::argmax, &ops::cuda::argmax, am, st));
+  if (sampling == Sampling::kArgmax) {
+    ops::ArgmaxArgs am{
+        dt, num_sampled, c.vocab_size, logits.data_ptr(), c.vocab_size, act_.ids.data<int32_t>()};
+    throw_if_error(ops::run(&ops::cpu::argmax, &ops::cuda::argmax, am, st));
+    return;
+  }
+  ops::SampleArgs sa;
+  sa.dtype = dt;
+  sa.num_rows = num_sampled;
+  sa.vocab = c.vocab_size;
+  sa.logits = logits.data_ptr();
+  sa.row_stride = c.vocab_size;
+  sa.temperature = in_.device_at<float>(kTemperature);
+  sa.top_k = in_.device_at<int32_t>(kTopK);
+  sa.top_p = in_.device_at<float>(kTopP);
+  sa.uniform = in_.device_at<double>(kUniform);
+  sa.banned = in_.device_at<int32_t>(kBanned);
+  sa.ids = act_.ids.data<int32_t>();
+  sa.logprobs = sampling == Sampling::kSampleLogprobs ? act_.logprobs.data<float>() : nullptr;
+  sa.workspace = sample_workspace_.data_ptr();
+  sa.workspace_bytes = static_cast<size_t>(sample_workspace_.numel());
+  throw_if_error(ops::run(&ops::cpu::sample, &ops::cuda::sample, sa, st));
 }
 
-void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora) {
-  const GraphKey key{bucket, token_lora, sampler_lora};
+void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora, Sampling sampling) {
+  const GraphKey key{bucket, token_lora, sampler_lora, sampling};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     // The first run of a bucket is eager, so that everything a step sets up lazily (cuBLASLt
-    // plans, workspaces) exists before capture; the capture then records the same launches.
-    run_device(bucket, bucket, bucket, token_lora, sampler_lora);
+    // plans, workspaces, kernel attributes) exists before capture; the capture then records
+    // the same launches.
+    run_device(bucket, bucket, token_lora, sampler_lora, sampling);
     auto graph = std::make_shared<Graph>();
     cuda_rt::begin_capture(stream_.handle());
     try {
-      run_device(bucket, bucket, bucket, token_lora, sampler_lora);
+      run_device(bucket, bucket, token_lora, sampler_lora, sampling);
     } catch (...) {
       try {
         cuda_rt::end_capture(stream_.handle());
@@ -635,48 +667,38 @@ StepResult Decoder::execute(const StepBatch& batch) {
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
-                     pure_decode && greedy && bucket > 0;
+                     pure_decode && bucket > 0;
+  const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs
+                            : greedy            ? Sampling::kArgmax
+                                                : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
-  const auto [token_lora, sampler_lora] = stage(batch, padded);
+  const auto [token_lora, sampler_lora] = stage(batch, padded, graph);
+  const int64_t rows = graph ? padded : num_sampled;
   if (graph) {
-    replay(bucket, token_lora, sampler_lora);
+    replay(bucket, token_lora, sampler_lora, sampling);
   } else {
-    run_device(n, step_seqs_, num_sampled, token_lora, sampler_lora);
+    run_device(n, rows, token_lora, sampler_lora, sampling);
   }
   last_step_ = {n, padded, graph};
 
   StepResult r;
-  if (num_sampled == 0) {
-    stream_.synchronize();
-    return r;
-  }
-  const int64_t vocab = config_.vocab_size;
-  const bool want_logits = !greedy || batch.want_logprobs;
-  Tensor host_logits;
-  if (want_logits) {
-    host_logits = rows_of(act_.logits, num_sampled).to(Device::cpu(), stream_).to(DType::kF32);
-  }
   const int32_t* ids = act_.ids.data<int32_t>();
-  if (options_.device.is_cuda()) {
-    cuda_rt::memcpy_async(host_ids_.data_ptr(), act_.ids.data_ptr(),
-                          static_cast<size_t>(num_sampled) * 4, cuda_rt::CopyKind::kDeviceToHost,
-                          stream_.handle());
-    ids = host_ids_.data<int32_t>();
+  const float* logprobs = act_.logprobs.data<float>();
+  if (options_.device.is_cuda() && rows > 0) {
+    const auto d2h = cuda_rt::CopyKind::kDeviceToHost;
+    cuda_rt::memcpy_async(host_out_.data_ptr(), act_.ids.data_ptr(),
+                          static_cast<size_t>(num_sampled) * 4, d2h, stream_.handle());
+    ids = host_out_.data<int32_t>();
+    if (batch.want_logprobs) {
+      float* host_lp = reinterpret_cast<float*>(host_out_.data<int32_t>() + host_out_.size(1));
+      cuda_rt::memcpy_async(host_lp, act_.logprobs.data_ptr(), static_cast<size_t>(num_sampled) * 4,
+                            d2h, stream_.handle());
+      logprobs = host_lp;
+    }
   }
   stream_.synchronize();
-  int64_t row = 0;
-  for (const SequenceStep& q : batch.seqs) {
-    if (!q.sample) continue;
-    int32_t id = ids[row];
-    if (want_logits) {
-      const std::span<const float> l(host_logits.data<float>() + row * vocab,
-                                     static_cast<size_t>(vocab));
-      if (!greedy) id = sample_row(l, q.sampling, q.uniform, q.banned);
-      if (batch.want_logprobs) r.logprobs.push_back(token_logprob(l, id));
-    }
-    r.token_ids.push_back(id);
-    ++row;
-  }
+  r.token_ids.assign(ids, ids + num_sampled);
+  if (batch.want_logprobs) r.logprobs.assign(logprobs, logprobs + num_sampled);
   return r;
 }
 

@@ -28,6 +28,7 @@
 #include "loraplex/model/checkpoint.h"
 #include "loraplex/model/config.h"
 #include "loraplex/model/kv_cache.h"
+#include "loraplex/model/paged_attention.h"
 #include "loraplex/model/step_batch.h"
 #include "loraplex/punica/punica_wrapper.h"
 
@@ -106,31 +107,54 @@ class Decoder {
 
   // Activations of one step, [max_num_tokens or max_num_seqs, ...], allocated at load.
   struct Activations {
-    Tensor x;        // residual stream [T, hidden]
-    Tensor h;        // normalised [T, hidden]
-    Tensor qkv;      // [T, q + 2 kv]
-    Tensor attn;     // [T, q]
-    Tensor delta;    // o / down / MoE output, added to the residual [T, hidden]
-    Tensor gate_up;  // [T, 2 inter]
-    Tensor act;      // [T, inter]
-    Tensor rows;     // final-normalised sampled rows [S, hidden]
-    Tensor logits;   // [S, vocab]
-    Tensor ids;      // sampled ids int32 [S]
+    Tensor x;         // residual stream [T, hidden]
+    Tensor h;         // normalised [T, hidden]
+    Tensor qkv;       // [T, q + 2 kv]
+    Tensor attn;      // [T, q]
+    Tensor delta;     // o / down / MoE output, added to the residual [T, hidden]
+    Tensor gate_up;   // [T, 2 inter]
+    Tensor act;       // [T, inter]
+    Tensor rows;      // final-normalised sampled rows [S, hidden]
+    Tensor logits;    // [S, vocab]
+    Tensor ids;       // sampled ids int32 [S]
+    Tensor logprobs;  // float [S]
   };
 
   // Per-step inputs: one pinned host staging buffer and its device mirror (the same tensor on
-  // the CPU): int32 sections of max_num_tokens (token ids, positions, KV-cache slots, sequence
-  // of each token), of max_num_seqs (sampled token rows) and the block tables [max_num_seqs,
-  // max_blocks_per_seq]. Each step uploads the used part of each section.
-  enum Section { kTokenIds, kPositions, kKvSlots, kTokenSeq, kSampleRows, kBlockTables, kSections };
-  struct Inputs {
-    Tensor host;
-    Tensor device;
-    int64_t offset[kSections] = {};
-    int64_t max_blocks_per_seq = 0;
-    int32_t* host_at(Section s) const { return host.data<int32_t>() + offset[s]; }
-    Tensor device_view(Section s, int64_t n) const { return device.narrow(0, offset[s], n); }
+  // the CPU), uploaded section by section (the used part of each): int32 token ids, positions
+  // and KV-cache slots [max_num_tokens] and the sampled token rows [max_num_seqs]; then the
+  // sampled rows' parameters: temperature and top_p (float), top_k and banned ids (int32,
+  // kMaxBannedTokens per row) and the uniform draws (double).
+  enum Section {
+    kTokenIds,
+    kPositions,
+    kKvSlots,
+    kSampleRows,
+    kTemperature,
+    kTopP,
+    kTopK,
+    kBanned,
+    kUniform,
+    kSections
   };
+  struct Inputs {
+    Tensor host;                     // u8
+    Tensor device;                   // u8
+    int64_t offset[kSections] = {};  // bytes
+    template <typename T>
+    T* host_at(Section s) const {
+      return reinterpret_cast<T*>(host.data<uint8_t>() + offset[s]);
+    }
+    template <typename T>
+    T* device_at(Section s) const {
+      return reinterpret_cast<T*>(device.data<uint8_t>() + offset[s]);
+    }
+    // Copies the first `bytes` of a section to the device.
+    void upload(Section s, size_t bytes, const Stream& stream) const;
+  };
+  // How a step picks its tokens on the device: plain argmax (greedy rows, no bans), the
+  // sampling op, or the sampling op with log-probabilities.
+  enum class Sampling { kArgmax, kSample, kSampleLogprobs };
 
   Decoder() = default;
   static std::unique_ptr<Decoder> create(const ModelConfig& config, const WeightSource& source,
@@ -138,18 +162,19 @@ class Decoder {
                                          WeightUpload* upload = nullptr);
   void bind(const WeightSource& source, WeightUpload& upload);
   void allocate_step_buffers();
-  // The host half of a step: validates `batch`, fills the staging inputs (padded to `padded`
+  // The host half of a step: fills the staging inputs for `batch` (padded to `padded`
   // tokens, each padding token a sequence of its own on the pad block) and enqueues their
-  // upload and the LoRA mappings'. Returns {any token has LoRA, any sampled row has LoRA}.
-  std::pair<bool, bool> stage(const StepBatch& batch, int64_t padded);
+  // upload, the LoRA mappings' and the attention plan (for a CUDA graph of `padded` sequences
+  // when `graph`). Returns {any token has LoRA, any sampled row has LoRA}.
+  std::pair<bool, bool> stage(const StepBatch& batch, int64_t padded, bool graph);
   // Every device operation of a step over the uploaded inputs: capturable.
-  void run_device(int64_t num_tokens, int64_t num_seqs, int64_t num_sampled, bool token_lora,
-                  bool sampler_lora);
+  void run_device(int64_t num_tokens, int64_t num_sampled, bool token_lora, bool sampler_lora,
+                  Sampling sampling);
   // One projection: base product into `out`; its LoRA either added to `out` in stream order or,
   // when `delta` is given, computed into `delta` (zeroed first) on the LoRA stream beside the
   // base product, for the next elementwise op to add.
   void project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* delta);
-  void replay(int64_t bucket, bool token_lora, bool sampler_lora);
+  void replay(int64_t bucket, bool token_lora, bool sampler_lora, Sampling sampling);
 
   ModelConfig config_;
   DecoderOptions options_;
@@ -177,14 +202,16 @@ class Decoder {
   Stream lora_stream_;
   std::unique_ptr<Event> fork_;
   std::unique_ptr<Event> join_;
-  Tensor host_ids_;        // pinned [max_num_seqs] int32: the sampled ids, read back
-  int64_t step_seqs_ = 0;  // sequences (block-table rows) of the staged step
+  Tensor host_out_;  // pinned [2, max_num_seqs] int32 ids, then float log-probabilities
+  std::unique_ptr<PagedAttention> attention_;
+  Tensor sample_workspace_;
   StepStats last_step_;
 
   struct GraphKey {
     int64_t bucket;
     bool token_lora;
     bool sampler_lora;
+    Sampling sampling;
     bool operator<(const GraphKey& o) const;
   };
   struct Graph;
