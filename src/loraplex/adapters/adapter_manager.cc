@@ -262,6 +262,20 @@ bool AdapterManager::unload(const std::string& name) {
 }
 
 AdapterManager::Lease AdapterManager::acquire(const std::string& name) {
+  return acquire_impl(name, true);
+}
+
+AdapterManager::Lease AdapterManager::try_acquire(const std::string& name) {
+  return acquire_impl(name, false);
+}
+
+bool AdapterManager::is_resident(const std::string& name) const {
+  Lock lock(state_->mutex);
+  const auto it = adapters_.find(name);
+  return it != adapters_.end() && (it->second->slot >= 0 || it->second->packed != nullptr);
+}
+
+AdapterManager::Lease AdapterManager::acquire_impl(const std::string& name, bool allow_reload) {
   auto& slots = state_->slots;
   // Packed adapters whose last reference goes here are released after the lock.
   std::vector<std::shared_ptr<const PackedAdapter>> dropped;
@@ -284,6 +298,7 @@ AdapterManager::Lease AdapterManager::acquire(const std::string& name) {
       return Lease(state_, entry->slot, name);
     }
 
+    if (!allow_reload && entry->packed == nullptr) return Lease();
     ensure_packed(lock, entry, dropped);
     // The lock was released while reloading: start over if anything moved.
     it = adapters_.find(name);

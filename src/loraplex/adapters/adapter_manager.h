@@ -141,6 +141,13 @@ class AdapterManager {
   /// evicted adapter cannot be reloaded or a layer refuses the weights. Do not hold a
   /// Lease of a second adapter expecting it to free capacity while you wait: nothing waits.
   Lease acquire(const std::string& name);
+  /// acquire() that never reads the disk: returns an empty Lease (valid() == false) when the
+  /// adapter is in neither a slot nor the CPU cache, or is being reloaded (prefetch() it and try
+  /// again). Throws as acquire() does otherwise. What a serving loop calls.
+  Lease try_acquire(const std::string& name);
+  /// Whether acquire(name) would not read the disk now: the adapter is in a slot or packed in the
+  /// CPU cache. False for names that are not loaded.
+  bool is_resident(const std::string& name) const;
 
   /// Serialises slot writes with the layers' forward: hold it while running (or, on CUDA,
   /// enqueuing) a forward pass. Recursive, so the thread holding it may call acquire(); but
@@ -172,6 +179,7 @@ class AdapterManager {
   // to release after unlocking (freeing page-locked memory may wait for the device).
   void cache_insert_locked(const std::shared_ptr<Entry>& entry,
                            std::vector<std::shared_ptr<const PackedAdapter>>& dropped);
+  Lease acquire_impl(const std::string& name, bool allow_reload);
   void write_slot(int slot, const PackedAdapter& packed);
   void submit(std::function<void()> task);
   void worker_loop();

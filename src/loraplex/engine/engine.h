@@ -26,11 +26,24 @@ namespace loraplex::engine {
 class RequestError : public Error {
  public:
   enum class Kind { kInvalid, kTooLong, kUnknownAdapter, kOverloaded };
-  RequestError(Kind kind, const std::string& message) : Error(message), kind_(kind) {}
+  RequestError(Kind kind, const std::string& message)
+      : Error(message), kind_(kind), reason_(message) {}
+  /// From submit_all: what() is "request <index>: <reason>".
+  RequestError(Kind kind, const std::string& reason, int64_t index)
+      : Error("request " + std::to_string(index) + ": " + reason),
+        kind_(kind),
+        reason_(reason),
+        index_(index) {}
   Kind kind() const { return kind_; }
+  /// The message without the request index.
+  const std::string& reason() const { return reason_; }
+  /// The refused request's index in submit_all, -1 for submit.
+  int64_t index() const { return index_; }
 
  private:
   Kind kind_;
+  std::string reason_;
+  int64_t index_ = -1;
 };
 
 struct EngineOptions {
@@ -46,7 +59,18 @@ struct EngineOptions {
   bool enable_prefix_caching = true;
   int64_t max_waiting = 0;  // > 0: submit refuses (kOverloaded) beyond this
   uint64_t seed = 0;        // requests without a seed draw from (seed, id)
+  /// Fairness: an adapter in host memory that has waited this long for a GPU slot gets one by
+  /// draining a resident adapter (its new requests wait until its running ones finish).
+  double lora_drain_after_s = 1.0;
+  /// Adapters reloaded from disk in the background at once; 0 = max(1, max_cpu_loras -
+  /// max_loras), so that adapters loaded for waiting requests do not evict each other.
+  int max_loading_adapters = 0;
 };
+
+/// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size),
+/// for loading the model an Engine will run. The KV cache is sized later, by the Engine.
+model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType dtype,
+                                             Device device);
 
 /// What a request asks for: vLLM's SamplingParams, the fields loraplex implements.
 struct RequestOptions {
@@ -125,6 +149,15 @@ struct EngineMetrics {
   int64_t prefix_cache_queries_total = 0;         // prompt tokens looked up
   int64_t prefix_cache_hits_total = 0;            // prompt tokens found
   std::map<std::string, int64_t> finished_total;  // by finish reason name
+  int64_t num_kv_blocks = 0;                      // the cache's size (vLLM's cache_config_info)
+  int64_t kv_block_size = 0;
+  // Steps: how many, and what they held (for benchmarks and `generate --stats`).
+  int64_t steps_total = 0;
+  int64_t step_seqs_total = 0;      // sequences summed over steps
+  int64_t step_adapters_total = 0;  // distinct adapters summed over steps
+  int64_t max_step_seqs = 0;
+  int64_t max_step_tokens = 0;
+  int64_t max_step_adapters = 0;
   /// Cumulative histograms: counts[i] = observations <= bounds[i]; sum and count of all.
   struct Histogram {
     std::vector<double> bounds;
@@ -132,16 +165,27 @@ struct EngineMetrics {
     double sum = 0.0;
     int64_t count = 0;
   };
+  // vLLM's bucket bounds for each.
   Histogram time_to_first_token_s;
   Histogram inter_token_latency_s;
   Histogram e2e_request_latency_s;
   Histogram queue_time_s;
+  Histogram time_per_output_token_s;   // per request: decode time / (tokens - 1)
+  Histogram request_inference_time_s;  // first scheduled -> finished
+  Histogram request_prefill_time_s;    // first scheduled -> first token
+  Histogram request_decode_time_s;     // first token -> finished
+  Histogram request_prompt_tokens;     // 1-2-5 buckets up to max_model_len
+  Histogram request_generation_tokens;
+  Histogram request_params_max_tokens;
+  Histogram iteration_tokens_total;  // tokens per step
 };
 
 class Engine {
  public:
-  /// Takes the model (its KV cache is sized here from options), its tokenizer and the EOS ids.
-  /// Starts the step loop thread.
+  /// Takes the model (its KV cache is sized here from options), its tokenizer (may be null: then
+  /// prompts are ids, no text comes back and stop strings are refused) and the EOS ids. Throws
+  /// when options do not fit the model (see engine_decoder_options). Starts the step loop
+  /// thread.
   Engine(std::unique_ptr<model::Decoder> model, std::shared_ptr<const Tokenizer> tokenizer,
          std::vector<int32_t> eos_token_ids, EngineOptions options);
   /// Aborts everything in flight and stops the loop.
@@ -152,6 +196,9 @@ class Engine {
   /// Thread-safe. Throws RequestError naming the value and the limit: empty prompt, prompt +
   /// max_tokens over max_model_len, an adapter that is not loaded, sampling values out of range.
   RequestHandle submit(Request request);
+  /// Submits every request atomically: all are checked first (an error names the index and
+  /// nothing is submitted) and the step loop sees them together, as `generate` needs.
+  std::vector<RequestHandle> submit_all(std::vector<Request> requests);
 
   /// Loads (and validates) a PEFT adapter while serving; throws loraplex::Error naming the
   /// adapter and the problem, and then nothing changes.
@@ -165,6 +212,7 @@ class Engine {
   EngineMetrics metrics() const;
   const EngineOptions& options() const;
   const model::ModelConfig& model_config() const;
+  /// Throws when the engine has no tokenizer.
   const Tokenizer& tokenizer() const;
 
  private:

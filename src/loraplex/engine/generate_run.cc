@@ -1,46 +1,23 @@
 #include "loraplex/engine/generate_run.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
-#include "loraplex/adapters/adapter_manager.h"
-#include "loraplex/adapters/peft_adapter.h"
 #include "loraplex/adapters/peft_config.h"
 #include "loraplex/core/error.h"
+#include "loraplex/engine/engine.h"
+#include "loraplex/engine/model_files.h"
 #include "loraplex/model/decoder.h"
-#include "loraplex/tokenizer/tokenizer.h"
 
 namespace loraplex::engine {
 namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-// EOS ids from config.json, plus generation_config.json's when present (Llama 3 lists several).
-std::vector<int32_t> eos_ids(const std::string& dir, const model::ModelConfig& config) {
-  std::vector<int32_t> ids = config.eos_token_ids;
-  const std::filesystem::path gen = std::filesystem::path(dir) / "generation_config.json";
-  std::ifstream in(gen);
-  if (!in.good()) return ids;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    LORAPLEX_FAIL(gen.string(), ": not valid JSON: ", e.what());
-  }
-  if (!j.is_object() || !j.contains("eos_token_id")) return ids;
-  const nlohmann::json& e = j.at("eos_token_id");
-  if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
-  if (e.is_array()) {
-    for (const auto& v : e)
-      if (v.is_number_integer()) ids.push_back(v.get<int32_t>());
-  }
-  return ids;
 }
 
 // The largest rank adapter_config.json declares (r and every rank_pattern value), so the
@@ -55,6 +32,31 @@ int config_max_rank(const std::string& name, const std::string& dir) {
   }
 }
 
+// Sizes the engine so that every request of the largest possible batch fits at once: the
+// prompts of the max_num_seqs longest requests in one step, and their whole sequences in the
+// KV cache. Nothing then waits for blocks or is preempted, as in a one-shot offline run.
+void size_for(const std::vector<std::vector<int32_t>>& prompts,
+              const std::vector<int64_t>& max_tokens, EngineOptions& o) {
+  std::vector<int64_t> blocks;
+  std::vector<int64_t> lens;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t len = static_cast<int64_t>(prompts[i].size());
+    blocks.push_back((len + max_tokens[i] + o.kv_block_size - 1) / o.kv_block_size);
+    lens.push_back(len);
+  }
+  std::sort(blocks.rbegin(), blocks.rend());
+  std::sort(lens.rbegin(), lens.rend());
+  const size_t k = std::min(prompts.size(), static_cast<size_t>(o.max_num_seqs));
+  o.num_kv_blocks = 0;
+  o.max_num_batched_tokens = 0;
+  for (size_t i = 0; i < k; ++i) {
+    o.num_kv_blocks += blocks[i];
+    o.max_num_batched_tokens += lens[i];
+  }
+  o.num_kv_blocks = std::max<int64_t>(o.num_kv_blocks, 1);
+  o.max_num_batched_tokens = std::max<int64_t>(o.max_num_batched_tokens, o.max_num_seqs);
+}
+
 }  // namespace
 
 GenerateReport run_generate(const GenerateConfig& cfg) {
@@ -65,11 +67,7 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   LORAPLEX_CHECK(cfg.max_tokens >= 1, "--max-tokens ", cfg.max_tokens, ", expected >= 1");
   const model::ModelConfig config =
       model::ModelConfig::from_file((fs::path(cfg.model_dir) / "config.json").string());
-  const std::string tok_path = (fs::path(cfg.model_dir) / "tokenizer.json").string();
-  LORAPLEX_CHECK(fs::exists(tok_path), tok_path,
-                 ": missing (the model directory needs its "
-                 "tokenizer.json)");
-  const Tokenizer tokenizer = Tokenizer::from_file(tok_path);
+  const std::shared_ptr<const Tokenizer> tokenizer = read_tokenizer(cfg.model_dir);
 
   // Adapter names must be unique; their configs are read first so a broken one fails early.
   std::map<std::string, int> adapter_index;
@@ -77,48 +75,35 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
     LORAPLEX_CHECK(adapter_index.emplace(cfg.loras[i].first, static_cast<int>(i)).second,
                    "--lora: adapter name '", cfg.loras[i].first, "' is given twice");
   }
-  std::vector<EngineRequest> requests;
   GenerateReport report;
   std::vector<int> config_ranks;
   for (const auto& [name, dir] : cfg.loras) config_ranks.push_back(config_max_rank(name, dir));
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int64_t> max_tokens;
   for (const RequestSpec& r : cfg.requests) {
-    EngineRequest e;
+    std::vector<int32_t> ids;
     try {
-      e.prompt_ids = tokenizer.encode(r.prompt, true);
+      ids = tokenizer->encode(r.prompt, true);
     } catch (const Error& err) {
       LORAPLEX_FAIL(cfg.requests_path, ":", r.line, ": cannot tokenize the prompt: ", err.what());
     }
-    LORAPLEX_CHECK(!e.prompt_ids.empty(), cfg.requests_path, ":", r.line,
+    LORAPLEX_CHECK(!ids.empty(), cfg.requests_path, ":", r.line,
                    ": the prompt encodes to no tokens");
-    e.max_tokens = r.max_tokens.value_or(cfg.max_tokens);
-    requests.push_back(std::move(e));
-    report.outputs.push_back({r.prompt, r.adapter, requests.back().prompt_ids, {}, {}});
+    max_tokens.push_back(r.max_tokens.value_or(cfg.max_tokens));
+    report.outputs.push_back({r.prompt, r.adapter, ids, {}, {}});
+    prompts.push_back(std::move(ids));
   }
 
   // Adapter configs were checked above (a broken one fails before the model loads); their
   // ranks fix --max-lora-rank's default, and the weights are checked against the model's
   // modules right after it is built, all before any generation.
-  const int max_loras =
-      cfg.max_loras.value_or(std::max<int>(1, static_cast<int>(cfg.loras.size())));
-  LORAPLEX_CHECK(max_loras >= 1, "--max-loras ", max_loras, ", expected >= 1");
   EngineOptions opts;
+  opts.max_loras = cfg.max_loras.value_or(std::max<int>(1, static_cast<int>(cfg.loras.size())));
+  LORAPLEX_CHECK(opts.max_loras >= 1, "--max-loras ", opts.max_loras, ", expected >= 1");
+  opts.max_cpu_loras = std::max<int>(opts.max_loras, static_cast<int>(cfg.loras.size()));
   opts.max_num_seqs =
-      cfg.max_num_seqs.value_or(std::max<int64_t>(1, static_cast<int64_t>(requests.size())));
+      cfg.max_num_seqs.value_or(std::max<int64_t>(1, static_cast<int64_t>(prompts.size())));
   LORAPLEX_CHECK(opts.max_num_seqs >= 1, "--max-num-seqs ", opts.max_num_seqs, ", expected >= 1");
-  opts.sampling = {cfg.temperature, cfg.top_k, cfg.top_p};
-  opts.seed = cfg.seed;
-  opts.ignore_eos = cfg.ignore_eos;
-  opts.eos_token_ids = eos_ids(cfg.model_dir, config);
-
-  model::DecoderOptions dopts;
-  dopts.dtype = cfg.dtype;
-  dopts.device = cfg.device;
-  dopts.max_loras = max_loras;
-  dopts.kv_block_size = cfg.kv_block_size;
-  const EngineSizing sizing = size_engine(requests, opts, cfg.kv_block_size);
-  dopts.kv_blocks = sizing.kv_blocks;
-  dopts.max_num_tokens = sizing.max_num_tokens;
-  dopts.max_num_seqs = opts.max_num_seqs;
   int max_rank = cfg.max_lora_rank.value_or(0);
   LORAPLEX_CHECK(!cfg.max_lora_rank || max_rank >= 1, "--max-lora-rank ", max_rank,
                  ", expected >= 1");
@@ -126,35 +111,58 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
     max_rank = 1;
     for (int r : config_ranks) max_rank = std::max(max_rank, r);
   }
-  dopts.max_lora_rank = max_rank;
-  std::unique_ptr<model::Decoder> decoder = model::Decoder::load(cfg.model_dir, dopts);
-  AdapterManagerConfig mcfg;
-  mcfg.max_loras = max_loras;
-  mcfg.max_cpu_loras = std::max<int>(max_loras, static_cast<int>(cfg.loras.size()));
-  mcfg.max_lora_rank = max_rank;
-  mcfg.lora_dtype = cfg.dtype;
-  mcfg.device = cfg.device;
-  AdapterManager adapters(decoder->targets(), mcfg);
-  for (const auto& [name, dir] : cfg.loras) adapters.load(name, dir);
+  opts.max_lora_rank = max_rank;
+  opts.kv_block_size = cfg.kv_block_size;
+  opts.seed = cfg.seed;
+  size_for(prompts, max_tokens, opts);
+
+  Engine engine(
+      model::Decoder::load(cfg.model_dir, engine_decoder_options(opts, cfg.dtype, cfg.device)),
+      tokenizer, read_eos_token_ids(cfg.model_dir, config), opts);
+  for (const auto& [name, dir] : cfg.loras) engine.load_adapter(name, dir);
   // Request adapter names are resolved once every adapter has loaded cleanly.
+  std::vector<Request> requests(cfg.requests.size());
   for (size_t i = 0; i < cfg.requests.size(); ++i) {
     const RequestSpec& r = cfg.requests[i];
-    if (!r.adapter) continue;
-    const auto it = adapter_index.find(*r.adapter);
-    LORAPLEX_CHECK(it != adapter_index.end(), cfg.requests_path, ":", r.line, ": unknown adapter '",
-                   *r.adapter, "' (load it with --lora ", *r.adapter, "=DIR)");
-    requests[i].adapter = it->first;
+    if (r.adapter) {
+      LORAPLEX_CHECK(adapter_index.count(*r.adapter) != 0, cfg.requests_path, ":", r.line,
+                     ": unknown adapter '", *r.adapter, "' (load it with --lora ", *r.adapter,
+                     "=DIR)");
+      requests[i].adapter = *r.adapter;
+    }
+    requests[i].prompt_ids = prompts[i];
+    RequestOptions& o = requests[i].options;
+    o.max_tokens = max_tokens[i];
+    o.temperature = cfg.temperature;
+    o.top_k = cfg.top_k;
+    o.top_p = cfg.top_p;
+    o.ignore_eos = cfg.ignore_eos;
   }
   report.load_seconds = seconds_since(t0);
 
   const auto t1 = std::chrono::steady_clock::now();
-  std::vector<std::vector<int32_t>> outs =
-      generate(*decoder, adapters, requests, opts, &report.stats);
-  report.generate_seconds = seconds_since(t1);
-  for (size_t i = 0; i < outs.size(); ++i) {
-    report.outputs[i].output_token_ids = outs[i];
-    report.outputs[i].output_text = tokenizer.decode(outs[i], true);
+  std::vector<RequestHandle> handles;
+  try {
+    handles = engine.submit_all(std::move(requests));
+  } catch (const RequestError& e) {
+    if (e.index() < 0) throw;
+    LORAPLEX_FAIL(cfg.requests_path, ":", cfg.requests[static_cast<size_t>(e.index())].line, ": ",
+                  e.reason());
   }
+  for (size_t i = 0; i < handles.size(); ++i) {
+    const RequestOutput out = handles[i].wait();
+    LORAPLEX_CHECK(out.finish_reason != FinishReason::kError, cfg.requests_path, ":",
+                   cfg.requests[i].line, ": ", out.error);
+    report.outputs[i].output_token_ids = out.token_ids;
+    report.outputs[i].output_text = tokenizer->decode(out.token_ids, true);
+  }
+  report.generate_seconds = seconds_since(t1);
+  const EngineMetrics m = engine.metrics();
+  report.stats.steps = m.steps_total;
+  report.stats.max_batch = m.max_step_seqs;
+  report.stats.max_step_tokens = m.max_step_tokens;
+  report.stats.max_step_adapters = m.max_step_adapters;
+  report.stats.preemptions = m.preemptions_total;
   return report;
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 // What `loraplex generate` does, as a library call shared by the command and its tests: load
-// the checkpoint, tokenizer and adapters, check the requests, run them as one continuously
-// batched workload and return one result per request in input order.
+// the checkpoint, tokenizer and adapters, check the requests, submit them all at once to an
+// Engine (engine.h) sized for them, and return one result per request in input order.
 
 #include <cstdint>
 #include <optional>
@@ -11,10 +11,18 @@
 
 #include "loraplex/core/device.h"
 #include "loraplex/core/dtype.h"
-#include "loraplex/engine/generator.h"
 #include "loraplex/engine/requests.h"
 
 namespace loraplex::engine {
+
+/// What the run's steps held.
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t max_batch = 0;        // most sequences in one step
+  int64_t max_step_tokens = 0;  // most tokens in one step
+  int64_t max_step_adapters = 0;
+  int64_t preemptions = 0;
+};
 
 struct GenerateConfig {
   std::string model_dir;

@@ -1,7 +1,5 @@
 #include "loraplex/model/kv_cache.h"
 
-#include <algorithm>
-
 #include "loraplex/core/error.h"
 
 namespace loraplex::model {
@@ -24,7 +22,6 @@ KvCache::KvCache(const ModelConfig& config, int64_t num_blocks, int64_t block_si
     v_.push_back(Tensor::zeros(shape, dtype, device, stream));
   }
   stream.synchronize();
-  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
 }
 
 ops::KvCacheView KvCache::view(int64_t layer) const {
@@ -38,19 +35,6 @@ ops::KvCacheView KvCache::view(int64_t layer) const {
   v.k = k_[static_cast<size_t>(layer)].data_ptr();
   v.v = v_[static_cast<size_t>(layer)].data_ptr();
   return v;
-}
-
-std::vector<int32_t> KvCache::allocate(int64_t count) {
-  LORAPLEX_CHECK(count >= 0 && count <= num_free_blocks(), "KV cache: ", count,
-                 " blocks requested, ", num_free_blocks(), " of ", num_blocks_, " free");
-  std::vector<int32_t> out(free_.end() - count, free_.end());
-  free_.resize(free_.size() - static_cast<size_t>(count));
-  std::reverse(out.begin(), out.end());
-  return out;
-}
-
-void KvCache::release(const std::vector<int32_t>& blocks) {
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) free_.push_back(*it);
 }
 
 }  // namespace loraplex::model

@@ -1,7 +1,8 @@
 #pragma once
-// The paged KV cache: per layer, K and V of [num_blocks, block_size, kv_heads, head_dim], and a
-// free list of blocks. A sequence owns a block table (its blocks in position order), the layout
-// continuous batching needs: sequences grow and finish independently and blocks are reused.
+// The paged KV cache: per layer, K and V of [num_blocks, block_size, kv_heads, head_dim]. A
+// sequence owns a block table (its blocks in position order), the layout continuous batching
+// needs: sequences grow and finish independently and blocks are reused. Which blocks are free is
+// the engine's business (engine/block_manager.h: reference counts and the prefix cache).
 
 #include <cstdint>
 #include <vector>
@@ -27,11 +28,6 @@ class KvCache {
   /// Raw view of one layer's K and V, for the attention ops (pad block included).
   ops::KvCacheView view(int64_t layer) const;
 
-  /// Takes `count` free blocks; throws (taking none) when fewer are free.
-  std::vector<int32_t> allocate(int64_t count);
-  /// Returns blocks to the free list.
-  void release(const std::vector<int32_t>& blocks);
-  int64_t num_free_blocks() const { return static_cast<int64_t>(free_.size()); }
   /// Blocks needed to hold `tokens` tokens.
   int64_t blocks_for(int64_t tokens) const { return (tokens + block_size_ - 1) / block_size_; }
 
@@ -43,7 +39,6 @@ class KvCache {
   DType dtype_;
   std::vector<Tensor> k_;  // per layer [num_blocks, block_size, kv_heads, head_dim]
   std::vector<Tensor> v_;
-  std::vector<int32_t> free_;  // a stack: the lowest block ids are handed out first
 };
 
 }  // namespace loraplex::model

@@ -1,0 +1,88 @@
+#include "loraplex/engine/request_checks.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "loraplex/core/error.h"
+#include "loraplex/model/step_batch.h"
+
+namespace loraplex::engine {
+namespace {
+
+template <typename... Args>
+[[noreturn]] void refuse(RequestError::Kind kind, const Args&... args) {
+  throw RequestError(kind, detail::concat(args...));
+}
+
+constexpr RequestError::Kind kInvalid = RequestError::Kind::kInvalid;
+
+}  // namespace
+
+std::vector<int32_t> min_tokens_banned_ids(const RequestOptions& o,
+                                           const std::vector<int32_t>& eos_token_ids) {
+  std::vector<int32_t> ids;
+  if (!o.ignore_eos) ids = eos_token_ids;
+  ids.insert(ids.end(), o.stop_token_ids.begin(), o.stop_token_ids.end());
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+void check_request_options(const RequestOptions& o, const RequestLimits& limits) {
+  if (o.max_tokens < 1) refuse(kInvalid, "max_tokens ", o.max_tokens, ", expected >= 1");
+  if (o.min_tokens < 0 || o.min_tokens > o.max_tokens) {
+    refuse(kInvalid, "min_tokens ", o.min_tokens, ", expected 0 ..", " max_tokens (", o.max_tokens,
+           ")");
+  }
+  if (!std::isfinite(o.temperature) || o.temperature < 0.0f) {
+    refuse(kInvalid, "temperature ", o.temperature, ", expected a finite value >= 0");
+  }
+  if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) {
+    refuse(kInvalid, "top_p ", o.top_p, ", expected a value in (0, 1]");
+  }
+  if (o.top_k < -1) refuse(kInvalid, "top_k ", o.top_k, ", expected -1 or 0 (off) or >= 1");
+  for (size_t i = 0; i < o.stop.size(); ++i) {
+    if (!limits.has_tokenizer) {
+      refuse(kInvalid, "stop strings need a tokenizer, and this engine has none");
+    }
+    if (o.stop[i].empty()) refuse(kInvalid, "stop string ", i, " is empty");
+  }
+  for (int32_t id : o.stop_token_ids) {
+    if (id < 0 || id >= limits.vocab_size) {
+      refuse(kInvalid, "stop token id ", id, " is outside the vocabulary [0, ", limits.vocab_size,
+             ")");
+    }
+  }
+  if (o.min_tokens > 0) {
+    const size_t banned = min_tokens_banned_ids(o, limits.eos_token_ids).size();
+    if (banned > static_cast<size_t>(model::kMaxBannedTokens)) {
+      refuse(kInvalid, "min_tokens ", o.min_tokens, " would ban ", banned,
+             " token ids (EOS and stop_token_ids) until it is reached, at most ",
+             model::kMaxBannedTokens);
+    }
+  }
+}
+
+void check_prompt(const std::vector<int32_t>& ids, const RequestOptions& o,
+                  const RequestLimits& limits) {
+  if (ids.empty()) refuse(kInvalid, "the prompt is empty");
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= limits.vocab_size) {
+      refuse(kInvalid, "prompt token ", i, " is id ", ids[i], ", outside the vocabulary [0, ",
+             limits.vocab_size, ")");
+    }
+  }
+  const int64_t len = static_cast<int64_t>(ids.size());
+  if (len + o.max_tokens > limits.max_model_len) {
+    refuse(RequestError::Kind::kTooLong, "the prompt (", len, " tokens) + max_tokens (",
+           o.max_tokens, ") = ", len + o.max_tokens, " tokens exceeds max_model_len ",
+           limits.max_model_len);
+  }
+  if (len + o.max_tokens > limits.kv_cache_tokens) {
+    refuse(RequestError::Kind::kTooLong, "the prompt (", len, " tokens) + max_tokens (",
+           o.max_tokens, ") = ", len + o.max_tokens, " tokens exceeds the KV cache (",
+           limits.kv_cache_tokens, " tokens)");
+  }
+}
+
+}  // namespace loraplex::engine

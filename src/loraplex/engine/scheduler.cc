@@ -1,0 +1,406 @@
+#include "loraplex/engine/scheduler.h"
+
+#include <algorithm>
+#include <set>
+
+#include "loraplex/core/error.h"
+
+namespace loraplex::engine {
+
+Scheduler::Scheduler(SchedulerConfig config, BlockManager& blocks, AdapterSlots& slots)
+    : config_(config), blocks_(blocks), slots_(slots) {
+  LORAPLEX_CHECK(config_.max_num_seqs >= 1, "max_num_seqs ", config_.max_num_seqs,
+                 ", expected >= 1");
+  LORAPLEX_CHECK(config_.max_num_batched_tokens >= 1, "max_num_batched_tokens ",
+                 config_.max_num_batched_tokens, ", expected >= 1");
+  LORAPLEX_CHECK(config_.max_loras >= 1, "max_loras ", config_.max_loras, ", expected >= 1");
+}
+
+Scheduler::~Scheduler() = default;
+
+void Scheduler::update_hashes(Sequence& s) {
+  if (!blocks_.caching()) return;
+  const size_t bs = static_cast<size_t>(blocks_.block_size());
+  const size_t full = s.tokens.size() / bs;
+  while (s.block_hashes.size() < full) {
+    const size_t i = s.block_hashes.size();
+    const uint64_t parent = i == 0 ? 0 : s.block_hashes[i - 1];
+    s.block_hashes.push_back(
+        block_hash(parent, std::span<const int32_t>(s.tokens).subspan(i * bs, bs), s.adapter_key));
+  }
+}
+
+void Scheduler::add(std::unique_ptr<Sequence> seq) {
+  LORAPLEX_CHECK(seq != nullptr && !seq->tokens.empty(), "scheduler: a sequence needs tokens");
+  LORAPLEX_CHECK(seqs_.count(seq->id) == 0, "scheduler: sequence id ", seq->id, " is in use");
+  LORAPLEX_CHECK(waiting_.count(seq->order) == 0, "scheduler: arrival order ", seq->order,
+                 " is in use");
+  seq->status = Sequence::Status::kWaiting;
+  seq->num_computed = 0;
+  seq->blocks.clear();
+  seq->block_hashes.clear();
+  seq->num_registered_blocks = 0;
+  seq->slot = -1;
+  update_hashes(*seq);
+  waiting_.emplace(seq->order, seq.get());
+  if (!seq->adapter.empty()) ++use(seq->adapter).waiting;
+  seqs_.emplace(seq->id, std::move(seq));
+}
+
+Sequence* Scheduler::find(uint64_t id) {
+  const auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+void Scheduler::free_blocks(Sequence& s) {
+  blocks_.free(s.blocks);
+  s.blocks.clear();
+  s.num_computed = 0;
+  s.num_registered_blocks = 0;
+}
+
+void Scheduler::unpin_if_idle(const std::string& adapter) {
+  if (adapter.empty()) return;
+  AdapterUse& u = use(adapter);
+  if (!u.pinned || u.running > 0) return;
+  slots_.unpin(adapter);
+  u.pinned = false;
+  u.slot = -1;
+  --num_pinned_;
+  if (u.draining) {
+    u.draining = false;
+    // The slot is reserved only while its beneficiary still waits without one.
+    const auto it = adapters_.find(u.drained_for);
+    if (it != adapters_.end() && it->second.waiting > 0 && !it->second.pinned) {
+      reserved_.push_back(u.drained_for);
+    }
+    u.drained_for.clear();
+  }
+}
+
+void Scheduler::forget_if_unused(const std::string& adapter) {
+  if (adapter.empty()) return;
+  const auto it = adapters_.find(adapter);
+  if (it == adapters_.end()) return;
+  const AdapterUse& u = it->second;
+  if (u.running > 0 || u.waiting > 0 || u.pinned) return;
+  adapters_.erase(it);
+  reserved_.erase(std::remove(reserved_.begin(), reserved_.end(), adapter), reserved_.end());
+}
+
+void Scheduler::preempt(Sequence& s, StepPlan& plan) {
+  free_blocks(s);
+  running_.erase(std::find(running_.begin(), running_.end(), &s));
+  s.status = Sequence::Status::kWaiting;
+  s.slot = -1;
+  waiting_.emplace(s.order, &s);
+  if (!s.adapter.empty()) {
+    AdapterUse& u = use(s.adapter);
+    --u.running;
+    ++u.waiting;
+    unpin_if_idle(s.adapter);
+  }
+  ++s.num_preemptions;
+  ++preemptions_;
+  plan.preempted.push_back(s.id);
+}
+
+bool Scheduler::ensure_blocks(Sequence& s, int64_t end, StepPlan& plan) {
+  const int64_t need = blocks_.blocks_for(end) - static_cast<int64_t>(s.blocks.size());
+  if (need <= 0) return true;
+  while (!blocks_.allocate(need, s.blocks)) {
+    // The newest running sequence not yet scheduled in this step; `s` itself is one, so the
+    // search always ends.
+    Sequence* victim = nullptr;
+    for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+      if ((*it)->planned_step != step_) {
+        victim = *it;
+        break;
+      }
+    }
+    LORAPLEX_CHECK(victim != nullptr, "scheduler: no sequence to preempt (internal error)");
+    preempt(*victim, plan);
+    if (victim == &s) return false;
+  }
+  return true;
+}
+
+void Scheduler::plan_seq(Sequence& s, int64_t n, StepPlan& plan, int64_t& budget) {
+  ScheduledSeq q;
+  q.seq = &s;
+  q.start = s.num_computed;
+  q.num_tokens = n;
+  q.sample = s.num_computed + n == s.num_tokens();
+  plan.seqs.push_back(q);
+  plan.num_tokens += n;
+  budget -= n;
+  s.planned_step = step_;
+}
+
+StepPlan Scheduler::schedule(double now) {
+  ++step_;
+  StepPlan plan;
+  int64_t budget = config_.max_num_batched_tokens;
+
+  // 1. Decodes, oldest first. Preemption removes sequences behind `i` only, or `i` itself.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence& s = *running_[i];
+    if (s.prefilling()) {
+      ++i;
+      continue;
+    }
+    if (!ensure_blocks(s, s.num_tokens(), plan)) continue;  // `s` was preempted
+    plan_seq(s, s.num_tokens() - s.num_computed, plan, budget);
+    ++i;
+  }
+  // 2. Prompts already running, in chunks.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence& s = *running_[i];
+    if (s.planned_step == step_ || !s.prefilling()) {
+      ++i;
+      continue;
+    }
+    const int64_t n = std::min(s.num_tokens() - s.num_computed, budget);
+    if (!ensure_blocks(s, s.num_computed + n, plan)) continue;
+    plan_seq(s, n, plan, budget);
+    ++i;
+  }
+  // 3. New (and preempted) sequences, unless this step had to preempt.
+  if (plan.preempted.empty()) admit_waiting(plan, budget, now);
+
+  std::set<std::string> adapters;
+  for (const ScheduledSeq& q : plan.seqs)
+    if (!q.seq->adapter.empty()) adapters.insert(q.seq->adapter);
+  plan.num_adapters = static_cast<int>(adapters.size());
+  return plan;
+}
+
+void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
+  // Reservations whose beneficiary got a slot or stopped waiting are void.
+  reserved_.erase(std::remove_if(reserved_.begin(), reserved_.end(),
+                                 [&](const std::string& a) {
+                                   const auto it = adapters_.find(a);
+                                   return it == adapters_.end() || it->second.pinned ||
+                                          it->second.waiting == 0;
+                                 }),
+                  reserved_.end());
+
+  std::set<std::string> load_polled;
+  std::map<std::string, std::string> failed;  // adapter -> error
+  std::set<std::string> starving_seen;
+  std::vector<std::pair<std::string, double>> starving;  // age order
+  const int64_t bs = blocks_.block_size();
+
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    if (static_cast<int64_t>(running_.size()) >= config_.max_num_seqs || budget <= 0) break;
+    Sequence& s = *it->second;
+    bool newly_pinned = false;
+    bool used_reservation = false;
+    if (!s.adapter.empty()) {
+      AdapterUse& u = use(s.adapter);
+      if (u.pinned) {
+        if (u.draining) {
+          ++it;
+          continue;
+        }
+      } else {
+        if (failed.count(s.adapter) != 0) {
+          ++it;
+          continue;
+        }
+        if (!slots_.ready(s.adapter)) {
+          if (!load_polled.insert(s.adapter).second) {
+            ++it;
+            continue;
+          }
+          std::string error;
+          const AdapterSlots::LoadState st = slots_.load(s.adapter, error);
+          if (st == AdapterSlots::LoadState::kFailed) {
+            failed.emplace(s.adapter, error);
+            ++it;
+            continue;
+          }
+          if (st != AdapterSlots::LoadState::kReady || !slots_.ready(s.adapter)) {
+            ++it;
+            continue;
+          }
+        }
+        const auto mine = std::find(reserved_.begin(), reserved_.end(), s.adapter);
+        const int64_t free_slots = config_.max_loras - num_pinned_ -
+                                   static_cast<int64_t>(reserved_.size()) +
+                                   (mine != reserved_.end() ? 1 : 0);
+        if (free_slots <= 0) {
+          if (starving_seen.insert(s.adapter).second)
+            starving.emplace_back(s.adapter, s.arrival_time);
+          ++it;
+          continue;
+        }
+        const int slot = slots_.pin(s.adapter);
+        if (slot < 0) {
+          ++it;
+          continue;
+        }
+        if (mine != reserved_.end()) {
+          reserved_.erase(mine);
+          used_reservation = true;
+        }
+        u.pinned = true;
+        u.slot = slot;
+        ++num_pinned_;
+        newly_pinned = true;
+      }
+    }
+
+    // Prefix-cache hits: whole blocks, never the last token (its logits are needed).
+    int64_t hit_tokens = 0;
+    if (s.num_computed == 0 && blocks_.caching()) {
+      const size_t max_hit = static_cast<size_t>((s.num_tokens() - 1) / bs);
+      const std::span<const uint64_t> hashes =
+          std::span<const uint64_t>(s.block_hashes).first(std::min(max_hit, s.block_hashes.size()));
+      s.blocks = blocks_.lookup(hashes, s.tokens, s.adapter_key);
+      hit_tokens = static_cast<int64_t>(s.blocks.size()) * bs;
+      s.num_computed = hit_tokens;
+      s.num_registered_blocks = static_cast<int64_t>(s.blocks.size());
+    }
+    const int64_t n = std::min(s.num_tokens() - s.num_computed, budget);
+    const int64_t need =
+        blocks_.blocks_for(s.num_computed + n) - static_cast<int64_t>(s.blocks.size());
+    if (!blocks_.allocate(std::max<int64_t>(need, 0), s.blocks)) {
+      free_blocks(s);
+      if (newly_pinned) unpin_if_idle(s.adapter);
+      if (used_reservation) reserved_.push_back(s.adapter);
+      break;  // first come, first served: nothing younger takes the blocks it waits for
+    }
+    if (blocks_.caching()) {
+      prefix_queries_ += s.num_tokens();
+      prefix_hits_ += hit_tokens;
+    }
+    if (s.prompt_cached_tokens < 0)
+      s.prompt_cached_tokens = std::min(hit_tokens, s.num_prompt_tokens);
+    it = waiting_.erase(it);
+    running_.push_back(&s);
+    s.status = Sequence::Status::kRunning;
+    if (!s.adapter.empty()) {
+      AdapterUse& u = use(s.adapter);
+      --u.waiting;
+      ++u.running;
+      s.slot = u.slot;
+    }
+    plan_seq(s, n, plan, budget);
+  }
+
+  for (const auto& [adapter, error] : failed) {
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      if (it->second->adapter != adapter) {
+        ++it;
+        continue;
+      }
+      const uint64_t id = it->second->id;
+      ++it;
+      plan.failed.push_back(remove(id));
+      plan.failed_errors.push_back(error);
+    }
+  }
+  plan_drains(starving, now);
+}
+
+void Scheduler::plan_drains(const std::vector<std::pair<std::string, double>>& starving,
+                            double now) {
+  // A drain whose beneficiary no longer waits for a slot is cancelled.
+  std::set<std::string> beneficiaries;
+  for (auto& [name, u] : adapters_) {
+    if (!u.draining) continue;
+    const auto it = adapters_.find(u.drained_for);
+    if (it == adapters_.end() || it->second.pinned || it->second.waiting == 0) {
+      u.draining = false;
+      u.drained_for.clear();
+    } else {
+      beneficiaries.insert(u.drained_for);
+    }
+  }
+  for (const std::string& r : reserved_) beneficiaries.insert(r);
+  for (const auto& [adapter, oldest] : starving) {
+    if (now - oldest < config_.lora_drain_after_s) continue;
+    if (beneficiaries.count(adapter) != 0) continue;
+    AdapterUse* victim = nullptr;
+    for (auto& [name, u] : adapters_) {
+      if (!u.pinned || u.draining || u.running == 0) continue;
+      if (victim == nullptr || u.running < victim->running) victim = &u;
+    }
+    if (victim == nullptr) return;  // every resident adapter already drains
+    victim->draining = true;
+    victim->drained_for = adapter;
+    beneficiaries.insert(adapter);
+  }
+}
+
+void Scheduler::complete(const StepPlan& plan, const std::vector<int32_t>& sampled) {
+  size_t k = 0;
+  const size_t bs = static_cast<size_t>(blocks_.block_size());
+  for (const ScheduledSeq& q : plan.seqs) {
+    Sequence& s = *q.seq;
+    LORAPLEX_CHECK(s.num_computed == q.start, "scheduler: sequence ", s.id, " completed at ",
+                   q.start, " but has ", s.num_computed, " computed tokens (internal error)");
+    s.num_computed += q.num_tokens;
+    if (q.sample) {
+      LORAPLEX_CHECK(k < sampled.size(), "scheduler: ", sampled.size(),
+                     " sampled tokens for more sampling sequences");
+      s.tokens.push_back(sampled[k++]);
+      update_hashes(s);
+    }
+    if (!blocks_.caching()) continue;
+    while (s.num_registered_blocks < static_cast<int64_t>(s.blocks.size()) &&
+           static_cast<size_t>(s.num_registered_blocks + 1) * bs <=
+               static_cast<size_t>(s.num_computed)) {
+      const size_t i = static_cast<size_t>(s.num_registered_blocks);
+      blocks_.cache_block(s.blocks[i], s.block_hashes[i], i == 0 ? 0 : s.block_hashes[i - 1],
+                          std::span<const int32_t>(s.tokens).subspan(i * bs, bs), s.adapter_key);
+      ++s.num_registered_blocks;
+    }
+  }
+  LORAPLEX_CHECK(k == sampled.size(), "scheduler: ", sampled.size(), " sampled tokens for ", k,
+                 " sampling sequences");
+}
+
+std::unique_ptr<Sequence> Scheduler::remove(uint64_t id) {
+  const auto found = seqs_.find(id);
+  if (found == seqs_.end()) return nullptr;
+  std::unique_ptr<Sequence> s = std::move(found->second);
+  seqs_.erase(found);
+  if (s->status == Sequence::Status::kRunning) {
+    running_.erase(std::find(running_.begin(), running_.end(), s.get()));
+    free_blocks(*s);
+    if (!s->adapter.empty()) {
+      --use(s->adapter).running;
+      unpin_if_idle(s->adapter);
+    }
+  } else {
+    waiting_.erase(s->order);
+    if (!s->adapter.empty()) --use(s->adapter).waiting;
+  }
+  forget_if_unused(s->adapter);
+  return s;
+}
+
+std::vector<std::string> Scheduler::running_adapters() const {
+  std::vector<std::string> out;
+  for (const auto& [name, u] : adapters_)
+    if (u.running > 0) out.push_back(name);
+  return out;
+}
+
+std::vector<std::string> Scheduler::waiting_adapters() const {
+  std::vector<std::string> out;
+  for (const auto& [name, u] : adapters_)
+    if (u.waiting > 0) out.push_back(name);
+  return out;
+}
+
+std::vector<std::string> Scheduler::draining_adapters() const {
+  std::vector<std::string> out;
+  for (const auto& [name, u] : adapters_)
+    if (u.draining) out.push_back(name);
+  return out;
+}
+
+}  // namespace loraplex::engine

@@ -1,0 +1,184 @@
+#pragma once
+// The engine's scheduler: which sequences run in the next step and how many of their tokens.
+// Pure logic over sequence states, the BlockManager and an AdapterSlots interface (the adapter
+// manager in the engine, a fake in tests); it never touches the model.
+//
+// Per step:
+//  1. Running sequences that decode (one token each), oldest admitted first, then running
+//     sequences still in their prompt (chunked prefill), while the token budget
+//     (max_num_batched_tokens) lasts. A sequence that needs a KV block when none is free
+//     preempts the newest running sequence not yet scheduled in this step (possibly itself): its
+//     blocks are freed and it goes back to the waiting queue, to be recomputed later as prompt +
+//     generated tokens (the prefix cache usually still holds most of it).
+//  2. Waiting sequences in arrival order (preempted ones keep their place, so they come first),
+//     unless this step preempted: while fewer than max_num_seqs run and budget remains, each takes
+//     its prefix-cache hits and a chunk of up to the remaining budget. A waiting sequence needs
+//     its adapter in a slot: an adapter that already has one is used as is; otherwise a free slot
+//     is taken when the adapter is in host memory (AdapterSlots::ready); an adapter that is not is
+//     loaded in the background (AdapterSlots::load) and its requests wait while the others go
+//     ahead. The first such request in arrival order belongs to the adapter whose oldest request
+//     has waited longest, so free slots go to adapters in that order.
+//  3. Fairness (slot draining): slots only free when an adapter's last running sequence ends,
+//     so under skewed traffic busy adapters could hold every slot for ever. When an adapter that
+//     is in host memory has waited for a slot longer than lora_drain_after_s (its oldest
+//     request's age), the scheduler picks a resident adapter to drain (the one with the fewest
+//     running sequences): its waiting requests are held back until its running ones finish, and
+//     its slot is then reserved for the waiting adapter. One drain per waiting adapter, oldest
+//     first. Requests of resident adapters that are not draining are never held back by
+//     adapters that wait.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "loraplex/engine/block_manager.h"
+
+namespace loraplex::engine {
+
+/// The adapter side of scheduling. Called only from the scheduling thread.
+class AdapterSlots {
+ public:
+  enum class LoadState { kReady, kLoading, kFailed };
+  virtual ~AdapterSlots() = default;
+  /// Whether pin(name) would return at once (the adapter is in a slot or in host memory).
+  virtual bool ready(const std::string& name) = 0;
+  /// Makes the adapter ready in the background (a no-op while it is loading); kFailed, with
+  /// `error` set, when that failed.
+  virtual LoadState load(const std::string& name, std::string& error) = 0;
+  /// Puts a ready adapter in a free slot and pins it; the slot, or -1 when it is no longer
+  /// ready (the caller retries after load()). Called only when a slot is free.
+  virtual int pin(const std::string& name) = 0;
+  /// Unpins; the slot may be reused from the next pin on.
+  virtual void unpin(const std::string& name) = 0;
+};
+
+struct SchedulerConfig {
+  int64_t max_num_seqs = 256;
+  int64_t max_num_batched_tokens = 8192;
+  int max_loras = 4;
+  /// Seconds an adapter in host memory waits for a slot before a resident one is drained for it.
+  double lora_drain_after_s = 1.0;
+};
+
+/// One request as the scheduler sees it. Created by the caller, owned by the scheduler.
+struct Sequence {
+  uint64_t id = 0;
+  uint64_t order = 0;           // arrival order (smaller = earlier); kept across preemption
+  double arrival_time = 0.0;    // seconds, on the clock passed to schedule()
+  std::string adapter;          // "" = the base model
+  uint64_t adapter_key = 0;     // names the adapter's weights in the prefix cache (0 = base)
+  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  int64_t num_prompt_tokens = 0;
+
+  // Scheduler state.
+  enum class Status { kWaiting, kRunning };
+  Status status = Status::kWaiting;
+  int64_t num_computed = 0;            // positions whose K/V are in the cache
+  std::vector<int32_t> blocks;         // KV blocks in position order
+  std::vector<uint64_t> block_hashes;  // of every full block of `tokens`
+  int64_t num_registered_blocks = 0;   // blocks offered to the prefix cache
+  int slot = -1;                       // while running with an adapter
+  int64_t num_preemptions = 0;
+  int64_t prompt_cached_tokens = -1;  // prefix-cache hits of the first admission; -1 = not yet
+  uint64_t planned_step = 0;          // the last step that scheduled it
+
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  bool prefilling() const { return num_computed + 1 < num_tokens(); }
+};
+
+/// A sequence's part in a step: tokens[start, start + num_tokens).
+struct ScheduledSeq {
+  Sequence* seq = nullptr;
+  int64_t start = 0;
+  int64_t num_tokens = 0;
+  bool sample = false;  // the chunk ends at the last token: sample the next one
+};
+
+struct StepPlan {
+  std::vector<ScheduledSeq> seqs;  // decodes first, then prefill chunks
+  int64_t num_tokens = 0;
+  int num_adapters = 0;                           // distinct adapters among seqs
+  std::vector<uint64_t> preempted;                // ids preempted while planning this step
+  std::vector<std::unique_ptr<Sequence>> failed;  // removed: their adapter failed to load
+  std::vector<std::string> failed_errors;         // same order as failed
+  bool empty() const { return seqs.empty(); }
+};
+
+class Scheduler {
+ public:
+  /// `blocks` and `slots` must outlive the scheduler.
+  Scheduler(SchedulerConfig config, BlockManager& blocks, AdapterSlots& slots);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  const SchedulerConfig& config() const { return config_; }
+
+  /// Queues a new sequence (tokens = its prompt, at least one). Its id must be new.
+  void add(std::unique_ptr<Sequence> seq);
+  /// Plans the next step at time `now` (seconds).
+  StepPlan schedule(double now);
+  /// Records that `plan` ran: each sequence's chunk is now in the KV cache and every sampling
+  /// sequence gets its token (`sampled`, in the order of the sampling entries of plan.seqs);
+  /// full blocks are offered to the prefix cache.
+  void complete(const StepPlan& plan, const std::vector<int32_t>& sampled);
+  /// Removes a sequence (finished or aborted), freeing its blocks and its adapter pin; null when
+  /// the id is unknown.
+  std::unique_ptr<Sequence> remove(uint64_t id);
+
+  Sequence* find(uint64_t id);
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  bool has_work() const { return !running_.empty() || !waiting_.empty(); }
+  /// Adapters with running sequences, and with waiting ones (sorted, no base model).
+  std::vector<std::string> running_adapters() const;
+  std::vector<std::string> waiting_adapters() const;
+  /// Adapters pinned in slots (each has running sequences); never more than max_loras.
+  int num_pinned_adapters() const { return num_pinned_; }
+  /// Adapters currently drained for a waiting one, and slots reserved after a drain.
+  std::vector<std::string> draining_adapters() const;
+
+  int64_t preemptions_total() const { return preemptions_; }
+  int64_t prefix_queries_total() const { return prefix_queries_; }  // tokens looked up
+  int64_t prefix_hits_total() const { return prefix_hits_; }        // tokens found
+
+ private:
+  struct AdapterUse {
+    int64_t running = 0;
+    int64_t waiting = 0;
+    bool pinned = false;
+    int slot = -1;
+    bool draining = false;
+    std::string drained_for;  // the waiting adapter a drain frees the slot for
+  };
+
+  bool ensure_blocks(Sequence& seq, int64_t end, StepPlan& plan);
+  void plan_seq(Sequence& seq, int64_t num_tokens, StepPlan& plan, int64_t& budget);
+  void preempt(Sequence& seq, StepPlan& plan);
+  void free_blocks(Sequence& seq);
+  void unpin_if_idle(const std::string& adapter);
+  void update_hashes(Sequence& seq);
+  void admit_waiting(StepPlan& plan, int64_t& budget, double now);
+  void plan_drains(const std::vector<std::pair<std::string, double>>& starving, double now);
+  AdapterUse& use(const std::string& adapter) { return adapters_[adapter]; }
+  void forget_if_unused(const std::string& adapter);
+
+  SchedulerConfig config_;
+  BlockManager& blocks_;
+  AdapterSlots& slots_;
+  std::unordered_map<uint64_t, std::unique_ptr<Sequence>> seqs_;
+  std::vector<Sequence*> running_;              // admission order
+  std::map<uint64_t, Sequence*> waiting_;       // by arrival order
+  std::map<std::string, AdapterUse> adapters_;  // adapters with requests ("" excluded)
+  std::vector<std::string> reserved_;           // slots freed by drains, for these adapters
+  int num_pinned_ = 0;
+  uint64_t step_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t prefix_queries_ = 0;
+  int64_t prefix_hits_ = 0;
+};
+
+}  // namespace loraplex::engine
