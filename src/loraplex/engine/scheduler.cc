@@ -14,6 +14,8 @@ Scheduler::Scheduler(SchedulerConfig config, BlockManager& blocks, AdapterSlots&
   LORAPLEX_CHECK(config_.max_num_batched_tokens >= 1, "max_num_batched_tokens ",
                  config_.max_num_batched_tokens, ", expected >= 1");
   LORAPLEX_CHECK(config_.max_loras >= 1, "max_loras ", config_.max_loras, ", expected >= 1");
+  LORAPLEX_CHECK(config_.max_loading_adapters >= 1, "max_loading_adapters ",
+                 config_.max_loading_adapters, ", expected >= 1");
 }
 
 Scheduler::~Scheduler() = default;
@@ -176,16 +178,15 @@ StepPlan Scheduler::schedule(double now) {
 }
 
 void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
-  // Reservations whose beneficiary got a slot or stopped waiting are void.
+  cancel_stale_drains();
+  // Reservations whose beneficiary got a slot, stopped waiting or left host memory (it must
+  // load again, behind older adapters) are void.
   reserved_.erase(std::remove_if(reserved_.begin(), reserved_.end(),
-                                 [&](const std::string& a) {
-                                   const auto it = adapters_.find(a);
-                                   return it == adapters_.end() || it->second.pinned ||
-                                          it->second.waiting == 0;
-                                 }),
+                                 [&](const std::string& a) { return !still_waits_ready(a); }),
                   reserved_.end());
 
   std::set<std::string> load_polled;
+  std::set<std::string> engaged;              // adapters without a slot that may load, oldest first
   std::map<std::string, std::string> failed;  // adapter -> error
   std::set<std::string> starving_seen;
   std::vector<std::pair<std::string, double>> starving;  // age order
@@ -200,6 +201,10 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
       AdapterUse& u = use(s.adapter);
       if (u.pinned) {
         if (u.draining) {
+          if (std::find(plan.held_back.begin(), plan.held_back.end(), s.adapter) ==
+              plan.held_back.end()) {
+            plan.held_back.push_back(s.adapter);
+          }
           ++it;
           continue;
         }
@@ -208,8 +213,12 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
           ++it;
           continue;
         }
+        if (engaged.count(s.adapter) == 0 &&
+            static_cast<int>(engaged.size()) < config_.max_loading_adapters) {
+          engaged.insert(s.adapter);
+        }
         if (!slots_.ready(s.adapter)) {
-          if (!load_polled.insert(s.adapter).second) {
+          if (engaged.count(s.adapter) == 0 || !load_polled.insert(s.adapter).second) {
             ++it;
             continue;
           }
@@ -248,6 +257,7 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
         u.slot = slot;
         ++num_pinned_;
         newly_pinned = true;
+        cancel_drains_for(s.adapter);
       }
     }
 
@@ -269,6 +279,7 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
       free_blocks(s);
       if (newly_pinned) unpin_if_idle(s.adapter);
       if (used_reservation) reserved_.push_back(s.adapter);
+      plan.stopped_for_blocks = true;
       break;  // first come, first served: nothing younger takes the blocks it waits for
     }
     if (blocks_.caching()) {
@@ -304,21 +315,35 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
   plan_drains(starving, now);
 }
 
-void Scheduler::plan_drains(const std::vector<std::pair<std::string, double>>& starving,
-                            double now) {
-  // A drain whose beneficiary no longer waits for a slot is cancelled.
-  std::set<std::string> beneficiaries;
+void Scheduler::cancel_drains_for(const std::string& beneficiary) {
   for (auto& [name, u] : adapters_) {
-    if (!u.draining) continue;
-    const auto it = adapters_.find(u.drained_for);
-    if (it == adapters_.end() || it->second.pinned || it->second.waiting == 0) {
+    if (u.draining && u.drained_for == beneficiary) {
       u.draining = false;
       u.drained_for.clear();
-    } else {
-      beneficiaries.insert(u.drained_for);
     }
   }
-  for (const std::string& r : reserved_) beneficiaries.insert(r);
+}
+
+bool Scheduler::still_waits_ready(const std::string& adapter) {
+  const auto it = adapters_.find(adapter);
+  return it != adapters_.end() && !it->second.pinned && it->second.waiting > 0 &&
+         slots_.ready(adapter);
+}
+
+void Scheduler::cancel_stale_drains() {
+  for (auto& [name, u] : adapters_) {
+    if (u.draining && !still_waits_ready(u.drained_for)) {
+      u.draining = false;
+      u.drained_for.clear();
+    }
+  }
+}
+
+void Scheduler::plan_drains(const std::vector<std::pair<std::string, double>>& starving,
+                            double now) {
+  std::set<std::string> beneficiaries(reserved_.begin(), reserved_.end());
+  for (const auto& [name, u] : adapters_)
+    if (u.draining) beneficiaries.insert(u.drained_for);
   for (const auto& [adapter, oldest] : starving) {
     if (now - oldest < config_.lora_drain_after_s) continue;
     if (beneficiaries.count(adapter) != 0) continue;

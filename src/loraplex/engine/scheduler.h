@@ -15,9 +15,10 @@
 //     its prefix-cache hits and a chunk of up to the remaining budget. A waiting sequence needs
 //     its adapter in a slot: an adapter that already has one is used as is; otherwise a free slot
 //     is taken when the adapter is in host memory (AdapterSlots::ready); an adapter that is not is
-//     loaded in the background (AdapterSlots::load) and its requests wait while the others go
-//     ahead. The first such request in arrival order belongs to the adapter whose oldest request
-//     has waited longest, so free slots go to adapters in that order.
+//     loaded in the background (AdapterSlots::load; at most max_loading_adapters of the oldest
+//     waiting adapters at a time) and its requests wait while the others go ahead. The first such
+//     request in arrival order belongs to the adapter whose oldest request has waited longest, so
+//     free slots go to adapters in that order.
 //  3. Fairness (slot draining): slots only free when an adapter's last running sequence ends,
 //     so under skewed traffic busy adapters could hold every slot for ever. When an adapter that
 //     is in host memory has waited for a slot longer than lora_drain_after_s (its oldest
@@ -61,6 +62,10 @@ struct SchedulerConfig {
   int max_loras = 4;
   /// Seconds an adapter in host memory waits for a slot before a resident one is drained for it.
   double lora_drain_after_s = 1.0;
+  /// Adapters without a slot that may be brought into host memory at a time (the oldest
+  /// waiting first): more would evict each other from a host cache that has room for this many
+  /// beyond the slots' adapters, and none would ever get in.
+  int max_loading_adapters = 1;
 };
 
 /// One request as the scheduler sees it. Created by the caller, owned by the scheduler.
@@ -104,6 +109,8 @@ struct StepPlan {
   std::vector<uint64_t> preempted;                // ids preempted while planning this step
   std::vector<std::unique_ptr<Sequence>> failed;  // removed: their adapter failed to load
   std::vector<std::string> failed_errors;         // same order as failed
+  bool stopped_for_blocks = false;     // admission stopped: the next waiting one found no KV blocks
+  std::vector<std::string> held_back;  // adapters whose waiting requests a drain held back
   bool empty() const { return seqs.empty(); }
 };
 
@@ -163,6 +170,10 @@ class Scheduler {
   void update_hashes(Sequence& seq);
   void admit_waiting(StepPlan& plan, int64_t& budget, double now);
   void plan_drains(const std::vector<std::pair<std::string, double>>& starving, double now);
+  void cancel_drains_for(const std::string& beneficiary);
+  void cancel_stale_drains();
+  // Waits for a slot (no pin, requests waiting) while in host memory.
+  bool still_waits_ready(const std::string& adapter);
   AdapterUse& use(const std::string& adapter) { return adapters_[adapter]; }
   void forget_if_unused(const std::string& adapter);
 

@@ -1,0 +1,116 @@
+// What Engine::submit refuses: every refusal names the offending value and the limit.
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "loraplex/engine/request_checks.h"
+
+namespace loraplex::test {
+namespace {
+
+using engine::RequestError;
+using engine::RequestLimits;
+using engine::RequestOptions;
+
+RequestLimits limits() {
+  RequestLimits l;
+  l.max_model_len = 100;
+  l.kv_cache_tokens = 80;
+  l.vocab_size = 1000;
+  l.eos_token_ids = {2, 3};
+  return l;
+}
+
+// Expects `fn` to throw a RequestError of `kind` whose message holds every one of `parts`.
+void expect_refused(const std::function<void()>& fn, RequestError::Kind kind,
+                    const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "not refused (expected a message with '" << parts.front() << "')";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    for (const std::string& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << " lacks " << p;
+  }
+}
+
+void expect_options_refused(const RequestOptions& o, const std::vector<std::string>& parts,
+                            RequestLimits l = limits()) {
+  expect_refused([&] { engine::check_request_options(o, l); }, RequestError::Kind::kInvalid, parts);
+}
+
+TEST(RequestChecks, SamplingValuesOutOfRangeAreNamed) {
+  RequestOptions o;
+  EXPECT_NO_THROW(engine::check_request_options(o, limits()));
+  o.max_tokens = 0;
+  expect_options_refused(o, {"max_tokens 0", ">= 1"});
+  o = {};
+  o.min_tokens = 20;
+  o.max_tokens = 10;
+  expect_options_refused(o, {"min_tokens 20", "max_tokens (10)"});
+  o = {};
+  o.temperature = -0.5f;
+  expect_options_refused(o, {"temperature -0.5", ">= 0"});
+  o = {};
+  o.top_p = 0.0f;
+  expect_options_refused(o, {"top_p 0", "(0, 1]"});
+  o.top_p = 1.5f;
+  expect_options_refused(o, {"top_p 1.5", "(0, 1]"});
+  o = {};
+  o.top_k = -2;
+  expect_options_refused(o, {"top_k -2"});
+  o.top_k = -1;  // vLLM's "off"
+  EXPECT_NO_THROW(engine::check_request_options(o, limits()));
+  o = {};
+  o.stop_token_ids = {5, 1000};
+  expect_options_refused(o, {"stop token id 1000", "[0, 1000)"});
+  o = {};
+  o.stop = {"ok", ""};
+  expect_options_refused(o, {"stop string 1", "empty"});
+  RequestLimits no_tok = limits();
+  no_tok.has_tokenizer = false;
+  o.stop = {"ok"};
+  expect_options_refused(o, {"tokenizer"}, no_tok);
+}
+
+TEST(RequestChecks, MinTokensBansAtMostEightIds) {
+  RequestOptions o;
+  o.min_tokens = 4;
+  o.stop_token_ids = {10, 11, 12, 13, 14, 15, 2};  // 2 is EOS too: 8 distinct ids
+  EXPECT_NO_THROW(engine::check_request_options(o, limits()));
+  EXPECT_EQ(engine::min_tokens_banned_ids(o, {2, 3}),
+            (std::vector<int32_t>{2, 3, 10, 11, 12, 13, 14, 15}));
+  o.stop_token_ids.push_back(16);
+  expect_options_refused(o, {"min_tokens 4", "9 token ids", "at most 8"});
+  o.ignore_eos = true;  // EOS is not banned then
+  EXPECT_NO_THROW(engine::check_request_options(o, limits()));
+  o.min_tokens = 0;  // nothing is banned
+  o.ignore_eos = false;
+  EXPECT_NO_THROW(engine::check_request_options(o, limits()));
+}
+
+TEST(RequestChecks, PromptLengthAgainstModelLenAndCache) {
+  RequestOptions o;
+  o.max_tokens = 30;
+  std::vector<int32_t> prompt(50, 7);
+  EXPECT_NO_THROW(engine::check_prompt(prompt, o, limits()));
+  prompt.assign(75, 7);
+  expect_refused([&] { engine::check_prompt(prompt, o, limits()); }, RequestError::Kind::kTooLong,
+                 {"prompt (75 tokens)", "max_tokens (30)", "105", "max_model_len 100"});
+  prompt.assign(55, 7);
+  expect_refused([&] { engine::check_prompt(prompt, o, limits()); }, RequestError::Kind::kTooLong,
+                 {"85", "KV cache (80 tokens)"});
+  expect_refused([&] { engine::check_prompt({}, o, limits()); }, RequestError::Kind::kInvalid,
+                 {"empty"});
+  expect_refused(
+      [&] {
+        engine::check_prompt({1, -3}, o, limits());
+      },
+      RequestError::Kind::kInvalid, {"prompt token 1", "-3", "[0, 1000)"});
+}
+
+}  // namespace
+}  // namespace loraplex::test

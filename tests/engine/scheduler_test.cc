@@ -1,0 +1,505 @@
+// The scheduler and block manager driven by a fake model (fake_engine.h): scenarios for each
+// rule of scheduler.h, and seeded random traces of thousands of steps (arrivals during running
+// batches, aborts, adapters evicted and reloaded, loads that fail) checked after every step.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+
+#include "fake_engine.h"
+#include "loraplex/engine/block_manager.h"
+#include "loraplex/engine/scheduler.h"
+
+namespace loraplex::test {
+namespace {
+
+using engine::BlockManager;
+using engine::ScheduledSeq;
+using engine::Scheduler;
+using engine::SchedulerConfig;
+using engine::Sequence;
+using engine::StepPlan;
+
+constexpr int32_t kVocab = 97;
+
+uint64_t key_of(const std::string& adapter) {
+  return adapter.empty() ? 0 : std::hash<std::string>()(adapter) | 1;
+}
+
+struct Expect {
+  std::vector<int32_t> prompt;
+  std::string adapter;
+  int64_t max_tokens = 0;
+};
+
+// A scheduler, its block manager, fake slots and a fake model; requests finish after
+// max_tokens generated tokens.
+class Harness {
+ public:
+  Harness(SchedulerConfig config, int64_t num_blocks, int64_t block_size, int host_capacity,
+          bool caching = true)
+      : config_(with_loading(config, host_capacity)),
+        blocks(num_blocks, block_size, caching),
+        slots(config.max_loras, host_capacity),
+        sched(config_, blocks, slots),
+        model(num_blocks, block_size, kVocab) {}
+
+  // The engine's rule: room in host memory beyond the slots' adapters.
+  static SchedulerConfig with_loading(SchedulerConfig c, int host_capacity) {
+    c.max_loading_adapters = std::max(1, host_capacity - c.max_loras);
+    return c;
+  }
+
+  uint64_t add(std::vector<int32_t> prompt, const std::string& adapter, int64_t max_tokens) {
+    auto s = std::make_unique<Sequence>();
+    s->id = next_id++;
+    s->order = s->id;
+    s->arrival_time = now;
+    s->adapter = adapter;
+    s->adapter_key = key_of(adapter);
+    s->tokens = prompt;
+    s->num_prompt_tokens = static_cast<int64_t>(prompt.size());
+    expect[s->id] = {std::move(prompt), adapter, max_tokens};
+    const uint64_t id = s->id;
+    live_ids.insert(id);
+    sched.add(std::move(s));
+    return id;
+  }
+
+  // One step: plan, run, complete, finish whoever is done; advances the clock and the loads.
+  StepPlan step(double dt = 0.01) {
+    std::set<uint64_t> decoding;  // running with one token to compute: decodes of this step
+    for (uint64_t id : live_ids) {
+      const Sequence* s = sched.find(id);
+      if (s->status == Sequence::Status::kRunning && !s->prefilling()) decoding.insert(id);
+    }
+    StepPlan plan = sched.schedule(now);
+    for (size_t i = 0; i < plan.failed.size(); ++i) {
+      failed[plan.failed[i]->id] = plan.failed_errors[i];
+      live_ids.erase(plan.failed[i]->id);
+    }
+    check(plan, decoding);
+    const std::vector<int32_t> sampled = model.run(plan, blocks);
+    sched.complete(plan, sampled);
+    std::vector<uint64_t> done;
+    for (const ScheduledSeq& q : plan.seqs) {
+      if (!q.sample) continue;
+      const Sequence& s = *q.seq;
+      if (s.num_tokens() - s.num_prompt_tokens >= expect.at(s.id).max_tokens) done.push_back(s.id);
+    }
+    for (uint64_t id : done) {
+      std::unique_ptr<Sequence> s = sched.remove(id);
+      finished[id].assign(s->tokens.begin() + s->num_prompt_tokens, s->tokens.end());
+      live_ids.erase(id);
+      preempted_total += s->num_preemptions;
+    }
+    slots.tick();
+    now += dt;
+    ++steps;
+    if (!plan.preempted.empty()) saw_preemption = true;
+    if (!sched.draining_adapters().empty()) saw_drain = true;
+    return plan;
+  }
+
+  void abort(uint64_t id) {
+    std::unique_ptr<Sequence> s = sched.remove(id);
+    if (s != nullptr) aborted.insert(id);
+    live_ids.erase(id);
+  }
+
+  // Every invariant that must hold after any step.
+  void check(const StepPlan& plan, const std::set<uint64_t>& decoding) {
+    ASSERT_LE(plan.num_tokens, config_.max_num_batched_tokens) << "step " << steps;
+    ASSERT_LE(static_cast<int64_t>(plan.seqs.size()), config_.max_num_seqs) << "step " << steps;
+    ASSERT_LE(sched.num_running(), config_.max_num_seqs);
+    ASSERT_LE(plan.num_adapters, config_.max_loras) << "step " << steps;
+    ASSERT_LE(slots.num_pinned(), config_.max_loras);
+    ASSERT_TRUE(slots.violations().empty()) << slots.violations().front();
+    std::set<uint64_t> ids;
+    int64_t tokens = 0;
+    bool seen_prefill = false;
+    for (const ScheduledSeq& q : plan.seqs) {
+      ASSERT_TRUE(ids.insert(q.seq->id).second) << "sequence " << q.seq->id << " twice";
+      ASSERT_GE(q.num_tokens, 1);
+      tokens += q.num_tokens;
+      ASSERT_EQ(q.sample, q.start + q.num_tokens == q.seq->num_tokens());
+      // Decodes come before any prompt chunk.
+      if (decoding.count(q.seq->id) != 0) {
+        ASSERT_FALSE(seen_prefill) << "a decode after a prefill chunk at step " << steps;
+      } else {
+        seen_prefill = true;
+      }
+      if (!q.seq->adapter.empty()) {
+        ASSERT_TRUE(slots.pinned(q.seq->adapter)) << q.seq->adapter;
+        ASSERT_EQ(q.seq->slot, slots.slot_of(q.seq->adapter));
+      } else {
+        ASSERT_EQ(q.seq->slot, -1);
+      }
+    }
+    ASSERT_EQ(tokens, plan.num_tokens);
+    // Block references are exactly the running sequences' block tables.
+    std::map<int32_t, int32_t> refs;
+    int64_t waiting_seen = 0;
+    for (uint64_t id : live_ids) {
+      const Sequence* s = sched.find(id);
+      if (s->status == Sequence::Status::kRunning) {
+        for (int32_t b : s->blocks) ++refs[b];
+      } else {
+        ++waiting_seen;
+        ASSERT_TRUE(s->blocks.empty()) << "waiting sequence " << id << " holds blocks";
+      }
+    }
+    for (int32_t b = 0; b < blocks.num_blocks(); ++b) {
+      const auto it = refs.find(b);
+      ASSERT_EQ(blocks.ref_count(b), it == refs.end() ? 0 : it->second) << "block " << b;
+    }
+    ASSERT_EQ(waiting_seen, sched.num_waiting());
+    // A waiting request whose adapter could run (base model, or resident and not drained, or in
+    // host memory with a slot free for it) is left waiting only when the step ran out of
+    // sequences, tokens or KV blocks, or preempted.
+    const bool cut_short = !plan.preempted.empty() || plan.stopped_for_blocks ||
+                           sched.num_running() >= config_.max_num_seqs ||
+                           plan.num_tokens >= config_.max_num_batched_tokens;
+    if (cut_short) return;
+    const std::vector<std::string>& draining = plan.held_back;
+    for (uint64_t id : live_ids) {
+      const Sequence* s = sched.find(id);
+      if (s->status != Sequence::Status::kWaiting) continue;
+      if (s->adapter.empty()) {
+        ADD_FAILURE() << "base-model request " << id << " waits at step " << steps;
+        continue;
+      }
+      const bool drained =
+          std::find(draining.begin(), draining.end(), s->adapter) != draining.end();
+      if (slots.pinned(s->adapter) && !drained) {
+        ADD_FAILURE() << "request " << id << " of resident adapter " << s->adapter
+                      << " waits at step " << steps;
+      }
+    }
+  }
+
+  SchedulerConfig config_;
+  BlockManager blocks;
+  FakeSlots slots;
+  Scheduler sched;
+  FakeModel model;
+  uint64_t next_id = 0;
+  double now = 0.0;
+  int64_t steps = 0;
+  int64_t preempted_total = 0;
+  bool saw_preemption = false;
+  bool saw_drain = false;
+  std::map<uint64_t, Expect> expect;
+  std::set<uint64_t> live_ids;
+  std::map<uint64_t, std::vector<int32_t>> finished;
+  std::map<uint64_t, std::string> failed;
+  std::set<uint64_t> aborted;
+};
+
+std::vector<int32_t> prompt_of(int64_t n, int32_t base) {
+  std::vector<int32_t> p;
+  for (int64_t i = 0; i < n; ++i) p.push_back(static_cast<int32_t>((base + 7 * i) % kVocab));
+  return p;
+}
+
+SchedulerConfig config(int64_t seqs, int64_t budget, int loras) {
+  SchedulerConfig c;
+  c.max_num_seqs = seqs;
+  c.max_num_batched_tokens = budget;
+  c.max_loras = loras;
+  c.lora_drain_after_s = 1e9;
+  return c;
+}
+
+TEST(Scheduler, DecodesFirstThenChunkedPrefillUnderTheBudget) {
+  Harness h(config(8, 10, 2), 64, 4, 4);
+  const uint64_t a = h.add(prompt_of(3, 1), "", 6);
+  const uint64_t b = h.add(prompt_of(3, 2), "", 6);
+  StepPlan p = h.step();  // both prompts
+  ASSERT_EQ(p.seqs.size(), 2u);
+  const uint64_t c = h.add(prompt_of(23, 3), "", 2);
+  p = h.step();  // two decodes, then 8 tokens of c's prompt
+  ASSERT_EQ(p.seqs.size(), 3u);
+  EXPECT_EQ(p.seqs[0].seq->id, a);
+  EXPECT_EQ(p.seqs[1].seq->id, b);
+  EXPECT_EQ(p.seqs[2].seq->id, c);
+  EXPECT_EQ(p.seqs[2].num_tokens, 8);
+  EXPECT_FALSE(p.seqs[2].sample);
+  p = h.step();
+  EXPECT_EQ(p.seqs[2].start, 8);
+  EXPECT_EQ(p.seqs[2].num_tokens, 8);
+  p = h.step();
+  EXPECT_EQ(p.seqs[2].num_tokens, 7);
+  EXPECT_TRUE(p.seqs[2].sample);
+  while (h.sched.has_work()) h.step();
+  for (const auto& [id, e] : h.expect) {
+    EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, key_of(e.adapter), e.max_tokens))
+        << "request " << id;
+  }
+}
+
+TEST(Scheduler, ChunkedPrefillGivesTheTokensOfAWholePrefill) {
+  for (int64_t budget : {1, 2, 3, 5, 64}) {
+    Harness h(config(4, budget, 1), 64, 4, 4);
+    h.add(prompt_of(29, 5), "", 5);
+    h.add(prompt_of(13, 6), "", 7);
+    while (h.sched.has_work()) h.step();
+    for (const auto& [id, e] : h.expect) {
+      EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, 0, e.max_tokens))
+          << "budget " << budget << " request " << id;
+    }
+  }
+}
+
+TEST(Scheduler, ResidentAdaptersGoAheadOfOnesWaitingForASlot) {
+  Harness h(config(8, 64, 1), 64, 4, 4);
+  h.slots.make_resident("a");
+  h.slots.make_resident("b");
+  h.add(prompt_of(3, 1), "a", 8);
+  h.step();  // "a" takes the only slot
+  const uint64_t wants_b = h.add(prompt_of(3, 2), "b", 2);
+  const uint64_t more_a = h.add(prompt_of(3, 3), "a", 2);
+  const uint64_t base = h.add(prompt_of(3, 4), "", 2);
+  const StepPlan p = h.step();
+  std::set<uint64_t> ran;
+  for (const ScheduledSeq& q : p.seqs) ran.insert(q.seq->id);
+  EXPECT_EQ(ran.count(wants_b), 0u);
+  EXPECT_EQ(ran.count(more_a), 1u);
+  EXPECT_EQ(ran.count(base), 1u);
+  while (h.sched.has_work()) h.step();
+  EXPECT_EQ(h.finished.size(), 4u);
+}
+
+TEST(Scheduler, AdapterLoadingInTheBackgroundBlocksNobody) {
+  Harness h(config(8, 64, 2), 64, 4, 4);
+  h.slots.set_load_delay(5);
+  const uint64_t cold = h.add(prompt_of(4, 1), "cold", 2);
+  const uint64_t base = h.add(prompt_of(4, 2), "", 2);
+  StepPlan p = h.step();
+  ASSERT_EQ(p.seqs.size(), 1u);
+  EXPECT_EQ(p.seqs[0].seq->id, base);
+  EXPECT_EQ(h.slots.loads_started(), 1);
+  int64_t waited = 1;
+  for (;;) {
+    p = h.step();
+    if (!p.seqs.empty() && p.seqs.back().seq->id == cold) break;
+    ++waited;
+    ASSERT_LT(waited, 20);
+  }
+  EXPECT_GE(waited, 4);
+  while (h.sched.has_work()) h.step();
+  EXPECT_EQ(h.finished.at(cold), h.model.reference(h.expect[cold].prompt, key_of("cold"), 2));
+}
+
+TEST(Scheduler, AFailedLoadEndsOnlyThatAdaptersRequests) {
+  Harness h(config(8, 64, 2), 64, 4, 4);
+  h.slots.set_load_delay(2);
+  h.slots.fail_loads("broken");
+  const uint64_t bad = h.add(prompt_of(4, 1), "broken", 2);
+  const uint64_t bad2 = h.add(prompt_of(5, 1), "broken", 2);
+  const uint64_t good = h.add(prompt_of(4, 2), "", 3);
+  while (h.sched.has_work()) h.step();
+  EXPECT_EQ(h.failed.size(), 2u);
+  EXPECT_EQ(h.failed.count(bad), 1u);
+  EXPECT_EQ(h.failed.count(bad2), 1u);
+  EXPECT_NE(h.failed.at(bad).find("broken"), std::string::npos);
+  EXPECT_EQ(h.finished.count(good), 1u);
+}
+
+TEST(Scheduler, TheAdapterWaitingLongestGetsTheFreedSlot) {
+  Harness h(config(8, 64, 1), 64, 4, 8);
+  for (const char* a : {"a", "b", "c"}) h.slots.make_resident(a);
+  h.add(prompt_of(3, 1), "a", 3);
+  h.step();
+  h.now += 1;
+  const uint64_t c = h.add(prompt_of(3, 2), "c", 2);  // arrives first
+  h.now += 1;
+  const uint64_t b = h.add(prompt_of(3, 3), "b", 2);
+  while (!h.finished.count(c) && !h.finished.count(b)) h.step();
+  EXPECT_EQ(h.finished.count(c), 1u) << "the younger adapter took the slot first";
+}
+
+TEST(Scheduler, ABusyAdapterIsDrainedForOneThatWaitedTooLong) {
+  SchedulerConfig c = config(8, 64, 1);
+  c.lora_drain_after_s = 0.05;
+  Harness h(c, 256, 4, 8);
+  h.slots.make_resident("busy");
+  h.slots.make_resident("rare");
+  h.add(prompt_of(3, 1), "busy", 4);
+  h.step();
+  const uint64_t rare = h.add(prompt_of(3, 2), "rare", 2);
+  // "busy" gets a new request every step; without draining it would keep the slot for ever.
+  int steps = 0;
+  while (h.finished.count(rare) == 0) {
+    h.add(prompt_of(3, 3 + steps), "busy", 4);
+    h.step();
+    ASSERT_LT(++steps, 60) << "the waiting adapter starved";
+  }
+  EXPECT_TRUE(h.saw_drain);
+  while (h.sched.has_work()) h.step();
+  for (const auto& [id, e] : h.expect) {
+    EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, key_of(e.adapter), e.max_tokens));
+  }
+}
+
+TEST(Scheduler, KvExhaustionPreemptsTheNewestAndRecomputesTheSameTokens) {
+  // 12 blocks of 4: three sequences of up to 4 + 24 tokens cannot all hold their blocks.
+  Harness h(config(8, 64, 1), 12, 4, 4);
+  const uint64_t first = h.add(prompt_of(4, 1), "", 24);
+  h.add(prompt_of(4, 2), "", 24);
+  const uint64_t newest = h.add(prompt_of(4, 3), "", 24);
+  std::vector<uint64_t> preempted;
+  while (h.sched.has_work()) {
+    const StepPlan p = h.step();
+    preempted.insert(preempted.end(), p.preempted.begin(), p.preempted.end());
+  }
+  ASSERT_FALSE(preempted.empty());
+  EXPECT_EQ(preempted.front(), newest);
+  EXPECT_EQ(std::count(preempted.begin(), preempted.end(), first), 0);
+  for (const auto& [id, e] : h.expect) {
+    EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, 0, e.max_tokens)) << id;
+  }
+  EXPECT_EQ(h.blocks.num_free_blocks(), h.blocks.num_blocks());
+}
+
+TEST(Scheduler, PrefixCacheHitsFullBlocksPerAdapterAndRecomputesTheLastToken) {
+  Harness h(config(8, 64, 2), 64, 4, 4);
+  h.slots.make_resident("x");
+  const std::vector<int32_t> prompt = prompt_of(12, 9);  // three full blocks
+  h.add(prompt, "", 3);
+  while (h.sched.has_work()) h.step();
+  const uint64_t again = h.add(prompt, "", 3);
+  StepPlan p = h.step();
+  ASSERT_EQ(p.seqs.size(), 1u);
+  // Two blocks come from the cache; the third is recomputed, since the last token's logits are
+  // needed.
+  EXPECT_EQ(p.seqs[0].start, 8);
+  EXPECT_EQ(h.sched.find(again)->prompt_cached_tokens, 8);
+  const uint64_t other = h.add(prompt, "x", 3);  // same tokens, another adapter: no hit
+  p = h.step();
+  for (const ScheduledSeq& q : p.seqs) {
+    if (q.seq->id == other) {
+      EXPECT_EQ(q.start, 0);
+    }
+  }
+  while (h.sched.has_work()) h.step();
+  for (const auto& [id, e] : h.expect) {
+    EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, key_of(e.adapter), e.max_tokens));
+  }
+  EXPECT_EQ(h.sched.prefix_hits_total(), 8);
+  EXPECT_EQ(h.sched.prefix_queries_total(), 36);
+}
+
+TEST(Scheduler, AbortFreesBlocksAndTheAdapterSlot) {
+  Harness h(config(8, 64, 2), 64, 4, 4);
+  h.slots.make_resident("a");
+  const uint64_t r = h.add(prompt_of(9, 1), "a", 50);
+  const uint64_t w = h.add(prompt_of(9, 2), "a", 50);
+  h.step();
+  h.step();
+  EXPECT_TRUE(h.slots.pinned("a"));
+  EXPECT_GT(h.blocks.num_used_blocks(), 0);
+  h.abort(r);
+  EXPECT_TRUE(h.slots.pinned("a"));  // w still runs
+  h.abort(w);
+  EXPECT_FALSE(h.slots.pinned("a"));
+  EXPECT_EQ(h.blocks.num_used_blocks(), 0);
+  EXPECT_FALSE(h.sched.has_work());
+}
+
+struct TraceParams {
+  uint64_t seed;
+  int64_t seqs, budget;
+  int loras, host_capacity;
+  int64_t blocks, block_size;
+  double drain_after;
+  int load_delay;
+};
+
+class SchedulerTrace : public ::testing::TestWithParam<TraceParams> {};
+
+TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
+  const TraceParams tp = GetParam();
+  SchedulerConfig c = config(tp.seqs, tp.budget, tp.loras);
+  c.lora_drain_after_s = tp.drain_after;
+  Harness h(c, tp.blocks, tp.block_size, tp.host_capacity);
+  h.slots.set_load_delay(tp.load_delay);
+  std::mt19937_64 rng(tp.seed);
+  const std::vector<std::string> adapters = {"", "", "a", "b", "c", "d", "e", "f", "broken"};
+  h.slots.fail_loads("broken");
+  // Shared prefixes make prefix-cache hits likely.
+  std::vector<std::vector<int32_t>> prefixes;
+  for (int i = 0; i < 4; ++i) prefixes.push_back(prompt_of(4 + 5 * i, 11 * i + 1));
+  const int64_t capacity = tp.blocks * tp.block_size;
+  std::vector<uint64_t> live;
+  const int arrival_steps = 1500;
+  for (int step = 0; step < arrival_steps || h.sched.has_work(); ++step) {
+    ASSERT_LT(step, arrival_steps + 20000) << "the trace does not drain";
+    if (step < arrival_steps) {
+      const int arrivals = static_cast<int>(rng() % 4 == 0 ? rng() % 4 : 0);
+      for (int a = 0; a < arrivals; ++a) {
+        // Zipf-like adapter popularity.
+        const size_t k =
+            std::min(adapters.size() - 1,
+                     static_cast<size_t>(std::pow(
+                         adapters.size(), std::uniform_real_distribution<double>(0, 1)(rng))) -
+                         1);
+        std::vector<int32_t> prompt;
+        if (rng() % 2 == 0) prompt = prefixes[rng() % prefixes.size()];
+        const int64_t extra = 1 + static_cast<int64_t>(rng() % 12);
+        for (int64_t i = 0; i < extra; ++i) prompt.push_back(static_cast<int32_t>(rng() % kVocab));
+        int64_t max_tokens = 1 + static_cast<int64_t>(rng() % 16);
+        max_tokens = std::min<int64_t>(max_tokens, capacity - static_cast<int64_t>(prompt.size()));
+        if (max_tokens < 1) continue;
+        live.push_back(h.add(prompt, adapters[k], max_tokens));
+      }
+      if (!live.empty() && rng() % 40 == 0) {
+        const size_t i = rng() % live.size();
+        h.abort(live[i]);
+      }
+      if (rng() % 50 == 0) h.slots.evict(adapters[2 + rng() % 6]);
+    }
+    h.step(0.003);
+    if (HasFatalFailure()) return;
+  }
+  int64_t checked = 0;
+  for (const auto& [id, e] : h.expect) {
+    const bool ended = h.finished.count(id) + h.failed.count(id) + h.aborted.count(id) == 1;
+    ASSERT_TRUE(ended) << "request " << id << " neither finished, failed nor was aborted";
+    if (h.failed.count(id) != 0) {
+      EXPECT_EQ(e.adapter, "broken");
+      continue;
+    }
+    if (h.finished.count(id) == 0) continue;
+    EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, key_of(e.adapter), e.max_tokens))
+        << "request " << id << " (adapter '" << e.adapter << "')";
+    ++checked;
+  }
+  EXPECT_GT(checked, 300);
+  EXPECT_EQ(h.blocks.num_free_blocks(), h.blocks.num_blocks());
+  EXPECT_EQ(h.slots.num_pinned(), 0);
+  EXPECT_GT(h.sched.prefix_hits_total(), 0);
+  RecordProperty("preemptions", static_cast<int>(h.sched.preemptions_total()));
+  if (tp.blocks <= 40) {
+    EXPECT_TRUE(h.saw_preemption);
+  }
+  if (tp.drain_after < 1.0 && tp.loras < 3) {
+    EXPECT_TRUE(h.saw_drain);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Traces, SchedulerTrace,
+                         ::testing::Values(TraceParams{1, 16, 32, 2, 4, 32, 4, 0.02, 0},
+                                           TraceParams{2, 6, 12, 1, 2, 24, 2, 0.0, 3},
+                                           TraceParams{3, 32, 64, 3, 8, 256, 8, 1e9, 1},
+                                           TraceParams{4, 4, 7, 2, 3, 30, 3, 0.05, 2},
+                                           TraceParams{5, 64, 128, 4, 6, 12, 16, 0.01, 0}),
+                         [](const auto& info) { return "seed" + std::to_string(info.param.seed); });
+
+}  // namespace
+}  // namespace loraplex::test
