@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# CI stage for the adapter code: the adapter stress test and the safetensors tests under
-# AddressSanitizer (+UBSan) and ThreadSanitizer, then the safetensors fuzzer for a bounded time
-# on its seed corpus. CPU only (sanitizers cannot run CUDA code here).
+# CI stage for the adapter code and the engine: the adapter stress test and the safetensors tests
+# under AddressSanitizer (+UBSan) and ThreadSanitizer, the engine tests under ThreadSanitizer,
+# then the safetensors fuzzer for a bounded time on its seed corpus. CPU only (sanitizers cannot
+# run CUDA code here).
 #
 # Usage: scripts/ci_sanitizers_and_fuzz.sh
 # Environment: JOBS (parallel build jobs, default nproc), FUZZ_SECONDS (default 60),
@@ -15,7 +16,10 @@ cd "$ROOT"
 JOBS="${JOBS:-$(nproc)}"
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
 PREFIX="${BUILD_PREFIX:-build}"
-TEST_TARGETS=(loraplex_adapters_stress_tests loraplex_safetensors_tests)
+# folder under tests/ : target
+TEST_TARGETS=(adapters:loraplex_adapters_stress_tests adapters:loraplex_safetensors_tests)
+# The engine's step loop, handles and adapter loads across threads (tiny model, CPU): TSan only.
+TSAN_ONLY_TARGETS=(engine:loraplex_engine_tests)
 
 TOTAL_START=$SECONDS
 stage() {
@@ -33,11 +37,17 @@ configure() {
   cmake -S . -B "$dir" -G Ninja -DLORAPLEX_ENABLE_CUDA=OFF "$@" >/dev/null
 }
 
+names() {
+  local t
+  for t in "$@"; do echo "${t#*:}"; done
+}
+
 run_tests() {
   local dir="$1"
+  shift
   local t
-  for t in "${TEST_TARGETS[@]}"; do
-    "$dir/tests/adapters/$t" --gtest_brief=1
+  for t in "$@"; do
+    "$dir/tests/${t%%:*}/${t#*:}" --gtest_brief=1
   done
 }
 
@@ -46,12 +56,13 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
 
 stage "asan: configure" configure "${PREFIX}-asan" -DLORAPLEX_SANITIZE=address
-stage "asan: build" ninja -C "${PREFIX}-asan" -j"$JOBS" "${TEST_TARGETS[@]}"
-stage "asan: run" run_tests "${PREFIX}-asan"
+stage "asan: build" ninja -C "${PREFIX}-asan" -j"$JOBS" $(names "${TEST_TARGETS[@]}")
+stage "asan: run" run_tests "${PREFIX}-asan" "${TEST_TARGETS[@]}"
 
 stage "tsan: configure" configure "${PREFIX}-tsan" -DLORAPLEX_SANITIZE=thread
-stage "tsan: build" ninja -C "${PREFIX}-tsan" -j"$JOBS" "${TEST_TARGETS[@]}"
-stage "tsan: run" run_tests "${PREFIX}-tsan"
+stage "tsan: build" ninja -C "${PREFIX}-tsan" -j"$JOBS" $(names "${TEST_TARGETS[@]}" \
+  "${TSAN_ONLY_TARGETS[@]}")
+stage "tsan: run" run_tests "${PREFIX}-tsan" "${TEST_TARGETS[@]}" "${TSAN_ONLY_TARGETS[@]}"
 
 FUZZ_DIR="${PREFIX}-fuzz"
 stage "fuzz: configure" configure "$FUZZ_DIR" -DCMAKE_CXX_COMPILER=clang++ \

@@ -21,6 +21,7 @@ extern const Command kBenchCommand;
 extern const Command kBenchAdapterLoadCommand;
 extern const Command kBenchE2eCommand;
 extern const Command kBenchSamplingCommand;
+extern const Command kBenchServeCommand;
 }  // namespace loraplex::cli
 
 namespace {
@@ -33,7 +34,8 @@ const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
                                     &loraplex::cli::kSelftestCommand, &loraplex::cli::kBenchCommand,
                                     &loraplex::cli::kBenchAdapterLoadCommand,
                                     &loraplex::cli::kBenchE2eCommand,
-                                    &loraplex::cli::kBenchSamplingCommand};
+                                    &loraplex::cli::kBenchSamplingCommand,
+                                    &loraplex::cli::kBenchServeCommand};
 
 std::vector<std::string> words_of(const std::string& name) {
   std::vector<std::string> out;

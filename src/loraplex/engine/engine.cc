@@ -165,6 +165,7 @@ RequestOutput RequestHandle::wait() {
     all.prompt_tokens = o.prompt_tokens;
     all.completion_tokens = o.completion_tokens;
     all.cached_tokens = o.cached_tokens;
+    all.queue_time_s = o.queue_time_s;
     if (o.finished) return all;
   }
 }
@@ -666,6 +667,7 @@ void Engine::Impl::run_step(const StepPlan& plan) {
   live.max_step_tokens = std::max(live.max_step_tokens, plan.num_tokens);
   live.max_step_adapters = std::max<int64_t>(live.max_step_adapters, plan.num_adapters);
   observe(live.iteration_tokens_total, static_cast<double>(plan.num_tokens));
+  observe(live.adapters_per_step, plan.num_adapters);
 
   // Collected first: on_token may remove the sequence.
   std::vector<std::pair<Sequence*, size_t>> sampled;
@@ -728,6 +730,7 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob) {
   }
   piece.completion_tokens = generated;
   piece.cached_tokens = std::max<int64_t>(0, s.prompt_cached_tokens);
+  piece.queue_time_s = r.first_scheduled - r.arrival;
   const uint64_t id = s.id;
   publish(r, std::move(piece), reason, stop_reason, "");
   if (reason != FinishReason::kNone) finish(id, reason, stop_reason, "");
@@ -745,6 +748,7 @@ void Engine::Impl::publish(Record& r, RequestOutput&& piece, FinishReason reason
     if (!piece.token_ids.empty()) {
       p.completion_tokens = piece.completion_tokens;
       p.cached_tokens = piece.cached_tokens;
+      p.queue_time_s = piece.queue_time_s;
     }
     if (reason != FinishReason::kNone) {
       p.finished = true;

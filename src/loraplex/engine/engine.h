@@ -108,6 +108,7 @@ struct RequestOutput {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;  // generated so far, in total
   int64_t cached_tokens = 0;      // prompt tokens served from the prefix cache
+  double queue_time_s = 0.0;      // submit -> first scheduled (set from the first token on)
 };
 
 class Engine;
@@ -178,6 +179,7 @@ struct EngineMetrics {
   Histogram request_generation_tokens;
   Histogram request_params_max_tokens;
   Histogram iteration_tokens_total;  // tokens per step
+  Histogram adapters_per_step;       // distinct adapters per step; bounds 0, 1, .. max_loras
 };
 
 class Engine {

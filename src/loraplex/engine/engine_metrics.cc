@@ -63,6 +63,9 @@ EngineMetrics empty_metrics(int max_loras, int64_t max_model_len) {
   m.request_generation_tokens = make_histogram(one_two_five_buckets(max_model_len));
   m.request_params_max_tokens = make_histogram(one_two_five_buckets(max_model_len));
   m.iteration_tokens_total = make_histogram(iteration_tokens_buckets());
+  std::vector<double> adapters;
+  for (int i = 0; i <= max_loras; ++i) adapters.push_back(i);
+  m.adapters_per_step = make_histogram(std::move(adapters));
   for (const char* reason : {"stop", "length", "abort", "error"}) m.finished_total[reason] = 0;
   return m;
 }

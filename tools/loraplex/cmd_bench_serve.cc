@@ -1,0 +1,596 @@
+// `loraplex bench serve`: the online benchmark, in process. A seeded trace of requests (Poisson
+// arrivals at --rate, or all at once; prompt and output lengths fixed or drawn; adapters drawn
+// uniform or zipf from the pool) is played against an Engine twice: with each request's
+// adapter, and the same trace on the base model. The client side measures time to first token,
+// inter-token latency and end-to-end latency per request; the engine's counters give queueing
+// time, steps, adapters per step, preemptions and prefix-cache hits.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_parse.h"
+#include "command.h"
+#include "loraplex/adapters/peft_config.h"
+#include "loraplex/core/device.h"
+#include "loraplex/core/error.h"
+#include "loraplex/engine/engine.h"
+#include "loraplex/engine/model_files.h"
+#include "loraplex/model/decoder.h"
+#include "serve_workload.h"
+
+namespace loraplex::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::ordered_json;
+
+struct ServeArgs {
+  std::string model_dir;
+  std::vector<std::string> loras;  // NAME=DIR
+  std::string lora_dir;
+  int64_t num_requests = 200;
+  double rate = 0.0;  // 0 or inf: all at once
+  std::string prompt_len = "256";
+  std::string output_len = "128";
+  std::string adapter_dist = "zipf";
+  double zipf_s = 1.0;
+  int64_t shared_prefix = 0;
+  bool no_base = false;
+  bool no_progress = false;
+  std::string json_path;
+  std::string device;
+  std::string dtype;
+  uint64_t seed = 0;
+  int64_t max_num_seqs = 256;
+  int64_t max_num_batched_tokens = 8192;
+  int max_loras = 0;      // 0: the pool's size, at most 32
+  int max_lora_rank = 0;  // 0: the largest adapter rank
+  int max_cpu_loras = 0;  // 0: the whole pool
+  int64_t num_kv_blocks = 0;
+  double gpu_memory_utilization = 0.90;
+  int64_t kv_block_size = 16;
+  int64_t max_model_len = 0;
+  bool no_prefix_caching = false;
+  double lora_drain_after = 1.0;
+};
+
+/// The model and adapter pool a benchmark serves. Built by one function from the options, so
+/// that other sources (random weights of a named shape, random adapters) slot in here.
+struct ServePool {
+  std::unique_ptr<model::Decoder> decoder;
+  std::shared_ptr<const Tokenizer> tokenizer;  // null when the model has none
+  std::vector<int32_t> eos_token_ids;
+  std::vector<std::string> adapter_names;
+  std::string description;
+  /// Loads adapter_names into the engine.
+  std::function<void(engine::Engine&)> load_adapters;
+};
+
+std::vector<std::pair<std::string, std::string>> adapter_dirs(const ServeArgs& a) {
+  namespace fs = std::filesystem;
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const std::string& l : a.loras) {
+    const size_t eq = l.find('=');
+    LORAPLEX_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < l.size(),
+                   "--lora expects NAME=DIR, got '", l, "'");
+    out.emplace_back(l.substr(0, eq), l.substr(eq + 1));
+  }
+  if (!a.lora_dir.empty()) {
+    LORAPLEX_CHECK(fs::is_directory(a.lora_dir), "--lora-dir ", a.lora_dir, ": not a directory");
+    std::vector<std::pair<std::string, std::string>> found;
+    for (const auto& entry : fs::directory_iterator(a.lora_dir)) {
+      if (entry.is_directory() && fs::exists(entry.path() / "adapter_config.json"))
+        found.emplace_back(entry.path().filename().string(), entry.path().string());
+    }
+    LORAPLEX_CHECK(!found.empty(), "--lora-dir ", a.lora_dir,
+                   ": no adapter directories (with adapter_config.json) in it");
+    std::sort(found.begin(), found.end());
+    out.insert(out.end(), found.begin(), found.end());
+  }
+  std::map<std::string, int> seen;
+  for (const auto& [name, dir] : out)
+    LORAPLEX_CHECK(seen[name]++ == 0, "adapter name '", name, "' is given twice");
+  return out;
+}
+
+ServePool make_serve_pool(const ServeArgs& a, engine::EngineOptions& o, DType dtype,
+                          Device device) {
+  namespace fs = std::filesystem;
+  LORAPLEX_CHECK(!a.model_dir.empty(), "--model DIR is required (see --help)");
+  LORAPLEX_CHECK(fs::is_directory(a.model_dir), a.model_dir, ": model directory does not exist");
+  const auto dirs = adapter_dirs(a);
+  int max_rank = 1;
+  for (const auto& [name, dir] : dirs) {
+    try {
+      max_rank = std::max(max_rank, PeftLoraConfig::from_file(adapter_config_path(dir)).max_rank());
+    } catch (const Error& e) {
+      LORAPLEX_FAIL("adapter '", name, "': ", e.what());
+    }
+  }
+  const int pool = static_cast<int>(dirs.size());
+  if (o.max_loras == 0) o.max_loras = std::clamp(pool, 1, 32);
+  if (o.max_lora_rank == 0) o.max_lora_rank = max_rank;
+  if (o.max_cpu_loras == 0) o.max_cpu_loras = std::max(o.max_loras, pool);
+
+  ServePool p;
+  p.decoder = model::Decoder::load(a.model_dir, engine::engine_decoder_options(o, dtype, device));
+  if (fs::exists(fs::path(a.model_dir) / "tokenizer.json"))
+    p.tokenizer = engine::read_tokenizer(a.model_dir);
+  p.eos_token_ids = engine::read_eos_token_ids(a.model_dir, p.decoder->config());
+  for (const auto& [name, dir] : dirs) p.adapter_names.push_back(name);
+  p.description = a.model_dir;
+  p.load_adapters = [dirs](engine::Engine& e) {
+    for (const auto& [name, dir] : dirs) e.load_adapter(name, dir);
+  };
+  return p;
+}
+
+struct RunResult {
+  std::string label;
+  double duration_s = 0.0;
+  int64_t completed = 0;
+  int64_t failed = 0;
+  int64_t input_tokens = 0;
+  int64_t output_tokens = 0;
+  std::vector<double> ttft, itl, e2e, queue;
+  std::map<int, double> first_token_wait;  // adapter -> TTFT of its first request
+  engine::EngineMetrics before, after;
+};
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+// Plays `trace` (with or without its adapters) against the engine and measures it on the
+// client side: tokens are read as they arrive by one polling loop.
+RunResult run_trace(engine::Engine& engine, const std::vector<TraceRequest>& trace,
+                    const std::vector<std::string>& adapters, bool with_lora,
+                    const std::string& label, bool progress) {
+  struct Active {
+    engine::RequestHandle handle;
+    size_t index = 0;
+    Clock::time_point submitted;
+    Clock::time_point last;
+    bool got_first = false;
+  };
+  RunResult r;
+  r.label = label;
+  r.before = engine.metrics();
+  const Clock::time_point t0 = Clock::now();
+  std::vector<Active> active;
+  size_t next = 0;
+  size_t done = 0;
+  Clock::time_point last_progress = t0;
+  const auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  while (done < trace.size()) {
+    Clock::time_point now = Clock::now();
+    while (next < trace.size() && seconds(now - t0) >= trace[next].arrival_s) {
+      const TraceRequest& t = trace[next];
+      engine::Request q;
+      q.prompt_ids = t.prompt;
+      if (with_lora && t.adapter >= 0) q.adapter = adapters[static_cast<size_t>(t.adapter)];
+      q.options.max_tokens = t.output_len;
+      q.options.temperature = 0.0f;
+      q.options.ignore_eos = true;
+      Active a;
+      a.index = next;
+      a.submitted = Clock::now();
+      a.handle = engine.submit(std::move(q));
+      active.push_back(std::move(a));
+      r.input_tokens += static_cast<int64_t>(t.prompt.size());
+      ++next;
+    }
+    bool any = false;
+    for (size_t i = 0; i < active.size();) {
+      Active& a = active[i];
+      const engine::RequestOutput o = a.handle.next(std::chrono::milliseconds(0));
+      now = Clock::now();
+      if (!o.token_ids.empty()) {
+        any = true;
+        if (!a.got_first) {
+          a.got_first = true;
+          const double ttft = seconds(now - a.submitted);
+          r.ttft.push_back(ttft);
+          const int adapter = with_lora ? trace[a.index].adapter : -1;
+          if (r.first_token_wait.count(adapter) == 0) r.first_token_wait[adapter] = ttft;
+        } else {
+          r.itl.push_back(seconds(now - a.last));
+        }
+        a.last = now;
+      }
+      if (!o.finished) {
+        ++i;
+        continue;
+      }
+      any = true;
+      ++done;
+      if (o.finish_reason == engine::FinishReason::kError) {
+        ++r.failed;
+        std::fprintf(stderr, "\nrequest %zu failed: %s\n", a.index, o.error.c_str());
+      } else {
+        ++r.completed;
+        r.output_tokens += o.completion_tokens;
+        r.e2e.push_back(seconds(now - a.submitted));
+        r.queue.push_back(o.queue_time_s);
+      }
+      active[i] = std::move(active.back());
+      active.pop_back();
+    }
+    if (progress && seconds(now - last_progress) >= 0.5) {
+      last_progress = now;
+      const engine::EngineMetrics m = engine.metrics();
+      std::fprintf(stderr, "\r  %-5s %6zu/%zu done  %4lld running  %5lld waiting  %7.1f s",
+                   label.c_str(), done, trace.size(), static_cast<long long>(m.num_running),
+                   static_cast<long long>(m.num_waiting), seconds(now - t0));
+      std::fflush(stderr);
+    }
+    if (!any) {
+      // Nothing new: wait a little, or until the next arrival.
+      Clock::time_point until = now + std::chrono::microseconds(200);
+      if (next < trace.size()) {
+        const auto arrival = t0 + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(trace[next].arrival_s));
+        until = std::min(until, arrival);
+      }
+      std::this_thread::sleep_until(until);
+    }
+  }
+  r.duration_s = seconds(Clock::now() - t0);
+  if (progress)
+    std::fprintf(stderr, "\r  %-5s %6zu/%zu done in %.1f s%40s\n", label.c_str(), done,
+                 trace.size(), r.duration_s, "");
+  r.after = engine.metrics();
+  return r;
+}
+
+ordered_json summary(const std::vector<double>& v, double scale) {
+  ordered_json j;
+  j["mean"] =
+      v.empty() ? 0.0
+                : scale * std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  j["p50"] = scale * percentile(v, 50);
+  j["p90"] = scale * percentile(v, 90);
+  j["p99"] = scale * percentile(v, 99);
+  j["max"] = v.empty() ? 0.0 : scale * *std::max_element(v.begin(), v.end());
+  return j;
+}
+
+ordered_json result_json(const RunResult& r) {
+  const engine::EngineMetrics& a = r.after;
+  const engine::EngineMetrics& b = r.before;
+  const int64_t steps = a.steps_total - b.steps_total;
+  const int64_t queries = a.prefix_cache_queries_total - b.prefix_cache_queries_total;
+  const int64_t hits = a.prefix_cache_hits_total - b.prefix_cache_hits_total;
+  ordered_json j;
+  j["duration_s"] = r.duration_s;
+  j["completed"] = r.completed;
+  j["failed"] = r.failed;
+  j["input_tokens"] = r.input_tokens;
+  j["output_tokens"] = r.output_tokens;
+  j["request_throughput"] = static_cast<double>(r.completed) / r.duration_s;
+  j["output_throughput"] = static_cast<double>(r.output_tokens) / r.duration_s;
+  j["total_token_throughput"] =
+      static_cast<double>(r.input_tokens + r.output_tokens) / r.duration_s;
+  j["ttft_ms"] = summary(r.ttft, 1e3);
+  j["itl_ms"] = summary(r.itl, 1e3);
+  j["e2e_s"] = summary(r.e2e, 1.0);
+  j["queue_ms"] = summary(r.queue, 1e3);
+  j["steps"] = steps;
+  j["seqs_per_step"] =
+      steps > 0 ? static_cast<double>(a.step_seqs_total - b.step_seqs_total) / steps : 0.0;
+  j["adapters_per_step"] =
+      steps > 0 ? static_cast<double>(a.step_adapters_total - b.step_adapters_total) / steps : 0.0;
+  // The most adapters in one step of this run: the highest bucket that counted a step.
+  int64_t max_adapters = 0;
+  const auto& ha = a.adapters_per_step;
+  const auto& hb = b.adapters_per_step;
+  for (size_t i = 0; i < ha.counts.size(); ++i) {
+    const int64_t below = i == 0 ? 0 : (ha.counts[i - 1] - hb.counts[i - 1]);
+    if (ha.counts[i] - hb.counts[i] > below) max_adapters = static_cast<int64_t>(ha.bounds[i]);
+  }
+  j["max_adapters_per_step"] = max_adapters;
+  j["preemptions"] = a.preemptions_total - b.preemptions_total;
+  j["prefix_cache_queries"] = queries;
+  j["prefix_cache_hits"] = hits;
+  j["prefix_cache_hit_rate"] = queries > 0 ? static_cast<double>(hits) / queries : 0.0;
+  std::vector<double> waits;
+  for (const auto& [adapter, w] : r.first_token_wait)
+    if (adapter >= 0) waits.push_back(w);
+  if (!waits.empty()) {
+    ordered_json f;
+    f["adapters"] = waits.size();
+    f["median_s"] = percentile(waits, 50);
+    f["max_s"] = *std::max_element(waits.begin(), waits.end());
+    f["max_over_median"] = f["median_s"].get<double>() > 0
+                               ? f["max_s"].get<double>() / f["median_s"].get<double>()
+                               : 0.0;
+    j["adapter_first_token_wait"] = f;
+  }
+  return j;
+}
+
+void print_table(const std::vector<std::pair<std::string, ordered_json>>& runs) {
+  std::printf("%-28s", "");
+  for (const auto& [label, j] : runs) std::printf("%14s", label.c_str());
+  std::printf("\n");
+  const auto row = [&](const char* name, const std::function<std::string(const ordered_json&)>& f) {
+    std::printf("%-28s", name);
+    for (const auto& [label, j] : runs) std::printf("%14s", f(j).c_str());
+    std::printf("\n");
+  };
+  const auto num = [](const char* key, const char* f) {
+    return [key, f](const ordered_json& j) { return fmt(f, j.at(key).get<double>()); };
+  };
+  const auto pct = [](const char* key, const char* p) {
+    return [key, p](const ordered_json& j) { return fmt("%.2f", j.at(key).at(p).get<double>()); };
+  };
+  row("completed / failed", [](const ordered_json& j) {
+    return std::to_string(j.at("completed").get<int64_t>()) + " / " +
+           std::to_string(j.at("failed").get<int64_t>());
+  });
+  row("duration (s)", num("duration_s", "%.2f"));
+  row("requests/s", num("request_throughput", "%.2f"));
+  row("output tokens/s", num("output_throughput", "%.1f"));
+  row("total tokens/s", num("total_token_throughput", "%.1f"));
+  for (const char* p : {"p50", "p90", "p99"}) {
+    row((std::string("TTFT ") + p + " (ms)").c_str(), pct("ttft_ms", p));
+  }
+  for (const char* p : {"p50", "p90", "p99"}) {
+    row((std::string("ITL ") + p + " (ms)").c_str(), pct("itl_ms", p));
+  }
+  for (const char* p : {"p50", "p90", "p99"}) {
+    row((std::string("queueing ") + p + " (ms)").c_str(), pct("queue_ms", p));
+  }
+  row("e2e p50 (s)",
+      [](const ordered_json& j) { return fmt("%.3f", j.at("e2e_s").at("p50").get<double>()); });
+  row("e2e p99 (s)",
+      [](const ordered_json& j) { return fmt("%.3f", j.at("e2e_s").at("p99").get<double>()); });
+  row("steps", [](const ordered_json& j) { return std::to_string(j.at("steps").get<int64_t>()); });
+  row("sequences per step", num("seqs_per_step", "%.1f"));
+  row("adapters per step (mean)", num("adapters_per_step", "%.2f"));
+  row("adapters per step (max)", [](const ordered_json& j) {
+    return std::to_string(j.at("max_adapters_per_step").get<int64_t>());
+  });
+  row("preemptions",
+      [](const ordered_json& j) { return std::to_string(j.at("preemptions").get<int64_t>()); });
+  row("prefix-cache hit rate", num("prefix_cache_hit_rate", "%.3f"));
+}
+
+const char* kHelpIntro =
+    "Plays a seeded trace of requests against the engine, in process: Poisson arrivals at "
+    "--rate (or all at once), prompt and output lengths fixed (N), uniform (A-B) or "
+    "exponential (exp:MEAN), each request's adapter drawn uniform or zipf from the pool; then "
+    "the same trace without LoRA. Reports throughput, TTFT, inter-token latency, queueing "
+    "time (p50/p90/p99), steps, adapters per step, preemptions and the prefix-cache hit rate; "
+    "--json writes them all.";
+
+int run(const std::vector<std::string>& args) {
+  ServeArgs a;
+  CLI::App app{kHelpIntro, "loraplex bench serve"};
+  app.option_defaults()->always_capture_default();
+  app.add_option("--model", a.model_dir,
+                 "checkpoint directory (config.json, weights, "
+                 "tokenizer.json)");
+  app.add_option("--lora", a.loras, "a PEFT adapter of the pool (repeatable)")
+      ->type_name("NAME=DIR")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--lora-dir", a.lora_dir,
+                 "every subdirectory with an adapter_config.json joins the pool, by its name");
+  app.add_option("--num-requests", a.num_requests, "requests in the trace")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rate", a.rate, "Poisson arrival rate in requests/s; 0 or inf: all at once")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--prompt-len", a.prompt_len, "prompt tokens: N, A-B or exp:MEAN");
+  app.add_option("--output-len", a.output_len, "generated tokens: N, A-B or exp:MEAN");
+  app.add_option("--adapter-dist", a.adapter_dist, "how requests pick adapters")
+      ->check(CLI::IsMember({"uniform", "zipf"}));
+  app.add_option("--zipf-s", a.zipf_s, "zipf exponent: the k-th adapter ~ 1/k^s")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--shared-prefix", a.shared_prefix,
+                 "tokens every prompt starts with (for the prefix cache)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--no-base-run", a.no_base, "skip the run of the same trace without LoRA");
+  app.add_flag("--no-progress", a.no_progress, "no progress line on standard error");
+  app.add_option("--json", a.json_path, "write the results as JSON");
+  app.add_option("--device", a.device, "cpu or cuda[:N] (default: cuda when present)");
+  app.add_option("--dtype", a.dtype,
+                 "float32, bfloat16 or float16 (default: bfloat16 on "
+                 "CUDA, float32 on the CPU)");
+  app.add_option("--seed", a.seed, "trace seed");
+  app.add_option("--max-num-seqs", a.max_num_seqs, "sequences in one step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-num-batched-tokens", a.max_num_batched_tokens, "tokens in one step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-loras", a.max_loras, "adapters in one step (default: pool size, <= 32)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-lora-rank", a.max_lora_rank, "default: the largest adapter rank")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-cpu-loras", a.max_cpu_loras, "adapters in host memory (default: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--num-kv-blocks", a.num_kv_blocks,
+                 "KV-cache blocks (default: from --gpu-memory-utilization on CUDA; on the CPU, "
+                 "enough for max-num-seqs of the longest requests)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--gpu-memory-utilization", a.gpu_memory_utilization,
+                 "fraction of the GPU the engine may fill");
+  app.add_option("--kv-block-size", a.kv_block_size, "tokens per KV block")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-model-len", a.max_model_len, "default: the model's positions");
+  app.add_flag("--no-prefix-caching", a.no_prefix_caching, "disable the prefix cache");
+  app.add_option("--lora-drain-after", a.lora_drain_after,
+                 "seconds an adapter waits for a slot before a busy one is drained for it")
+      ->check(CLI::NonNegativeNumber);
+
+  if (!parse_cli(app, args)) return 0;
+
+  const Device device = a.device.empty()
+                            ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu())
+                            : Device::parse(a.device);
+  LORAPLEX_CHECK(device.is_cpu() || cuda_device_count() > device.index, "--device ", device.str(),
+                 ": no such CUDA device (", cuda_device_count(), " present)");
+  const DType dtype =
+      a.dtype.empty() ? (device.is_cuda() ? DType::kBF16 : DType::kF32) : dtype_from_name(a.dtype);
+  const LengthSpec prompt_len = LengthSpec::parse("--prompt-len", a.prompt_len);
+  const LengthSpec output_len = LengthSpec::parse("--output-len", a.output_len);
+  LORAPLEX_CHECK(
+      a.shared_prefix < prompt_len.lo || prompt_len.kind == LengthSpec::Kind::kExponential,
+      "--shared-prefix ", a.shared_prefix, " must be shorter than the shortest prompt (",
+      prompt_len.lo, ")");
+
+  engine::EngineOptions o;
+  o.max_num_seqs = a.max_num_seqs;
+  o.max_num_batched_tokens = a.max_num_batched_tokens;
+  o.max_loras = a.max_loras;
+  o.max_lora_rank = a.max_lora_rank;
+  o.max_cpu_loras = a.max_cpu_loras;
+  o.gpu_memory_utilization = a.gpu_memory_utilization;
+  o.num_kv_blocks = a.num_kv_blocks;
+  o.kv_block_size = a.kv_block_size;
+  o.max_model_len = a.max_model_len;
+  o.enable_prefix_caching = !a.no_prefix_caching;
+  o.lora_drain_after_s = a.lora_drain_after;
+  o.seed = a.seed;
+  const int64_t longest = prompt_len.max() + output_len.max();
+  if (device.is_cpu() && o.num_kv_blocks == 0) {
+    o.num_kv_blocks =
+        std::max<int64_t>(1, a.max_num_seqs * ((longest + o.kv_block_size - 1) / o.kv_block_size));
+  }
+
+  const auto load_start = Clock::now();
+  ServePool pool = make_serve_pool(a, o, dtype, device);
+  const model::ModelConfig config = pool.decoder->config();
+  const int64_t max_len = o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings;
+  LORAPLEX_CHECK(longest <= max_len, "the longest request (", prompt_len.max(), " prompt + ",
+                 output_len.max(), " output tokens) exceeds max_model_len ", max_len);
+  engine::Engine engine(std::move(pool.decoder), pool.tokenizer, pool.eos_token_ids, o);
+  pool.load_adapters(engine);
+  const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
+
+  TraceOptions t;
+  t.num_requests = a.num_requests;
+  t.rate = a.rate;
+  t.prompt_len = prompt_len;
+  t.output_len = output_len;
+  t.num_adapters = static_cast<int>(pool.adapter_names.size());
+  t.zipf = a.adapter_dist == "zipf";
+  t.zipf_s = a.zipf_s;
+  t.vocab_size = static_cast<int32_t>(config.vocab_size);
+  if (pool.tokenizer != nullptr)
+    t.vocab_size = std::min(t.vocab_size, pool.tokenizer->vocab_size());
+  t.shared_prefix = a.shared_prefix;
+  t.seed = a.seed;
+  const std::vector<TraceRequest> trace = make_trace(t);
+
+  const bool progress = !a.no_progress;
+  // Warm-up (not measured): a few requests through every path once.
+  {
+    std::vector<TraceRequest> warm(trace.begin(),
+                                   trace.begin() + std::min<int64_t>(4, a.num_requests));
+    for (TraceRequest& w : warm) {
+      w.arrival_s = 0.0;
+      w.output_len = std::min<int64_t>(w.output_len, 4);
+    }
+    run_trace(engine, warm, pool.adapter_names, true, "warm", false);
+  }
+  std::vector<std::pair<std::string, ordered_json>> runs;
+  const bool has_lora = !pool.adapter_names.empty();
+  if (has_lora) {
+    runs.emplace_back(
+        "lora", result_json(run_trace(engine, trace, pool.adapter_names, true, "lora", progress)));
+  }
+  if (!has_lora || !a.no_base) {
+    runs.emplace_back(
+        "base", result_json(run_trace(engine, trace, pool.adapter_names, false, "base", progress)));
+  }
+
+  // Built apart and then put in: ordered_json keeps its members in a vector, so references
+  // into it do not survive insertions.
+  ordered_json c;
+  c["model"] = pool.description;
+  c["device"] = device.str();
+  c["dtype"] = std::string(dtype_name(dtype));
+  c["adapters"] = pool.adapter_names.size();
+  c["num_requests"] = a.num_requests;
+  c["rate"] = std::isinf(a.rate) || a.rate <= 0.0 ? ordered_json("inf") : ordered_json(a.rate);
+  c["prompt_len"] = prompt_len.str();
+  c["output_len"] = output_len.str();
+  c["adapter_dist"] = a.adapter_dist;
+  c["zipf_s"] = a.zipf_s;
+  c["shared_prefix"] = a.shared_prefix;
+  c["seed"] = a.seed;
+  c["max_num_seqs"] = o.max_num_seqs;
+  c["max_num_batched_tokens"] = o.max_num_batched_tokens;
+  c["max_loras"] = o.max_loras;
+  c["max_lora_rank"] = o.max_lora_rank;
+  c["max_cpu_loras"] = o.max_cpu_loras;
+  c["num_kv_blocks"] = engine.metrics().num_kv_blocks;
+  c["kv_block_size"] = o.kv_block_size;
+  c["prefix_caching"] = o.enable_prefix_caching;
+  c["lora_drain_after_s"] = o.lora_drain_after_s;
+  c["load_s"] = load_s;
+  ordered_json doc;
+  doc["config"] = c;
+  for (const auto& [label, j] : runs) doc[label] = j;
+  if (runs.size() == 2) {
+    const ordered_json& l = runs[0].second;
+    const ordered_json& b = runs[1].second;
+    ordered_json cmp;
+    cmp["throughput_ratio"] = l["output_throughput"].get<double>() /
+                              std::max(b["output_throughput"].get<double>(), 1e-12);
+    cmp["ttft_p99_ratio"] =
+        l["ttft_ms"]["p99"].get<double>() / std::max(b["ttft_ms"]["p99"].get<double>(), 1e-12);
+    doc["lora_vs_base"] = cmp;
+  }
+
+  std::printf(
+      "loraplex bench serve: %lld requests, %s, prompts %s, outputs %s tokens, %zu "
+      "adapters (%s), max_loras %d, %s %s\n",
+      static_cast<long long>(a.num_requests),
+      c["rate"].is_string() ? "all at once" : fmt("Poisson %.2f req/s", a.rate).c_str(),
+      prompt_len.str().c_str(), output_len.str().c_str(), pool.adapter_names.size(),
+      a.adapter_dist.c_str(), o.max_loras, device.str().c_str(),
+      std::string(dtype_name(dtype)).c_str());
+  print_table(runs);
+  if (doc.contains("lora_vs_base")) {
+    std::printf("lora / base: output throughput x%.3f, p99 TTFT x%.3f\n",
+                doc["lora_vs_base"]["throughput_ratio"].get<double>(),
+                doc["lora_vs_base"]["ttft_p99_ratio"].get<double>());
+  }
+  if (has_lora && doc["lora"].contains("adapter_first_token_wait")) {
+    const ordered_json& f = doc["lora"]["adapter_first_token_wait"];
+    std::printf("first token per adapter (%zu adapters): median %.3f s, max %.3f s (x%.2f)\n",
+                f["adapters"].get<size_t>(), f["median_s"].get<double>(), f["max_s"].get<double>(),
+                f["max_over_median"].get<double>());
+  }
+  if (!a.json_path.empty()) {
+    std::ofstream out(a.json_path);
+    LORAPLEX_CHECK(out.good(), a.json_path, ": cannot open for writing");
+    out << doc.dump(2) << "\n";
+    LORAPLEX_CHECK(out.good(), a.json_path, ": write failed");
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kBenchServeCommand = {
+    "bench serve",
+    "the online benchmark: a request trace against the engine, with and without LoRA", run};
+
+}  // namespace loraplex::cli
