@@ -185,11 +185,10 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
                                  [&](const std::string& a) { return !still_waits_ready(a); }),
                   reserved_.end());
 
-  std::set<std::string> load_polled;
+  std::set<std::string> skip;                 // adapters whose requests wait this step
   std::set<std::string> engaged;              // adapters without a slot that may load, oldest first
   std::map<std::string, std::string> failed;  // adapter -> error
-  std::set<std::string> starving_seen;
-  std::vector<std::pair<std::string, double>> starving;  // age order
+  std::vector<std::pair<std::string, double>> starving;  // in host memory, no slot; age order
   const int64_t bs = blocks_.block_size();
 
   for (auto it = waiting_.begin(); it != waiting_.end();) {
@@ -198,39 +197,38 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
     bool newly_pinned = false;
     bool used_reservation = false;
     if (!s.adapter.empty()) {
+      // Every reason below holds for the adapter's later requests too, for the rest of this
+      // pass: they are skipped at once.
+      if (skip.count(s.adapter) != 0) {
+        ++it;
+        continue;
+      }
+      const auto skip_adapter = [&] {
+        skip.insert(s.adapter);
+        ++it;
+      };
       AdapterUse& u = use(s.adapter);
       if (u.pinned) {
         if (u.draining) {
-          if (std::find(plan.held_back.begin(), plan.held_back.end(), s.adapter) ==
-              plan.held_back.end()) {
-            plan.held_back.push_back(s.adapter);
-          }
-          ++it;
+          plan.held_back.push_back(s.adapter);
+          skip_adapter();
           continue;
         }
       } else {
-        if (failed.count(s.adapter) != 0) {
-          ++it;
-          continue;
-        }
         if (engaged.count(s.adapter) == 0 &&
             static_cast<int>(engaged.size()) < config_.max_loading_adapters) {
           engaged.insert(s.adapter);
         }
         if (!slots_.ready(s.adapter)) {
-          if (engaged.count(s.adapter) == 0 || !load_polled.insert(s.adapter).second) {
-            ++it;
+          if (engaged.count(s.adapter) == 0) {
+            skip_adapter();
             continue;
           }
           std::string error;
           const AdapterSlots::LoadState st = slots_.load(s.adapter, error);
-          if (st == AdapterSlots::LoadState::kFailed) {
-            failed.emplace(s.adapter, error);
-            ++it;
-            continue;
-          }
+          if (st == AdapterSlots::LoadState::kFailed) failed.emplace(s.adapter, error);
           if (st != AdapterSlots::LoadState::kReady || !slots_.ready(s.adapter)) {
-            ++it;
+            skip_adapter();
             continue;
           }
         }
@@ -239,14 +237,13 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
                                    static_cast<int64_t>(reserved_.size()) +
                                    (mine != reserved_.end() ? 1 : 0);
         if (free_slots <= 0) {
-          if (starving_seen.insert(s.adapter).second)
-            starving.emplace_back(s.adapter, s.arrival_time);
-          ++it;
+          starving.emplace_back(s.adapter, s.arrival_time);
+          skip_adapter();
           continue;
         }
         const int slot = slots_.pin(s.adapter);
         if (slot < 0) {
-          ++it;
+          skip_adapter();
           continue;
         }
         if (mine != reserved_.end()) {
