@@ -440,23 +440,55 @@ TEST_F(EngineTinyLlama, ManyThreadsSubmitAbortAndReadMetrics) {
       std::this_thread::yield();
     }
   });
+  // "vocab" is unloaded and loaded again and again meanwhile: its requests are refused while
+  // it is away, and otherwise served with its weights.
+  std::atomic<int> reloads{0};
+  std::thread reloader([&] {
+    const std::string dir = fixture_dir("tiny-llama") + "/adapters/vocab";
+    while (!done) {
+      if (engine->unload_adapter("vocab")) {
+        for (;;) {
+          try {
+            engine->load_adapter("vocab", dir);
+            ++reloads;
+            break;
+          } catch (const Error&) {
+            std::this_thread::yield();  // its last requests have not finished yet
+          }
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  std::atomic<int> refused{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      for (size_t i = static_cast<size_t>(t); i < expected_.size(); i += 4) {
-        RequestHandle h = engine->submit(fixture_request(expected_[i]));
-        if (i % 7 == 3) {
-          h.abort();
-          EXPECT_EQ(h.wait().finish_reason, FinishReason::kAbort);
-          continue;
+      for (int round = 0; round < 2; ++round) {
+        for (size_t i = static_cast<size_t>(t); i < expected_.size(); i += 4) {
+          RequestHandle h;
+          try {
+            h = engine->submit(fixture_request(expected_[i]));
+          } catch (const RequestError& e) {
+            EXPECT_EQ(expected_[i].adapter, "vocab") << e.what();
+            ++refused;
+            continue;
+          }
+          if (i % 7 == 3) {
+            h.abort();
+            EXPECT_EQ(h.wait().finish_reason, FinishReason::kAbort);
+            continue;
+          }
+          EXPECT_EQ(h.wait().token_ids, expected_[i].output_token_ids) << "request " << i;
         }
-        EXPECT_EQ(h.wait().token_ids, expected_[i].output_token_ids) << "request " << i;
       }
     });
   }
   for (std::thread& t : threads) t.join();
   done = true;
   reader.join();
+  reloader.join();
+  EXPECT_GT(reloads.load(), 0);
   const EngineMetrics m = wait_metrics(*engine, [](const EngineMetrics& m) {
     return m.num_running == 0 && m.kv_cache_usage == 0.0;
   });
