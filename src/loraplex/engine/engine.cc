@@ -210,6 +210,16 @@ struct Engine::Impl {
   // Step loop only.
   std::unordered_map<uint64_t, Record> records;
   EngineMetrics live;
+  // Outputs of this step, delivered to the handles once the metrics that count them are
+  // published: a reader that sees a request end also sees it in the metrics.
+  struct Delivery {
+    std::shared_ptr<internal::HandleState> handle;
+    RequestOutput piece;
+    FinishReason reason = FinishReason::kNone;
+    std::string stop_reason;
+    std::string error;
+  };
+  std::vector<Delivery> outbox;
 
   mutable std::mutex metrics_mutex;
   EngineMetrics snapshot;
@@ -228,6 +238,7 @@ struct Engine::Impl {
   void on_token(Sequence& seq, int32_t token, const float* logprob);
   void publish(Record& r, RequestOutput&& piece, FinishReason reason,
                const std::string& stop_reason, const std::string& error);
+  void deliver();
   void finish(uint64_t id, FinishReason reason, const std::string& stop_reason,
               const std::string& error);
   void release_adapter(const std::string& adapter);
@@ -597,6 +608,7 @@ void Engine::Impl::loop() {
       idle = false;
     }
     publish_metrics();
+    deliver();
   }
   // Shutting down: everything in flight, and everything not yet seen, ends as aborted.
   std::vector<Pending> incoming;
@@ -608,6 +620,8 @@ void Engine::Impl::loop() {
   std::vector<uint64_t> ids;
   for (const auto& [id, r] : records) ids.push_back(id);
   for (uint64_t id : ids) finish(id, FinishReason::kAbort, "", "");
+  publish_metrics();
+  deliver();
 }
 
 void Engine::Impl::iterate(bool& idle) {
@@ -738,26 +752,33 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob) {
 
 void Engine::Impl::publish(Record& r, RequestOutput&& piece, FinishReason reason,
                            const std::string& stop_reason, const std::string& error) {
-  {
-    std::lock_guard<std::mutex> lock(r.handle->mutex);
-    RequestOutput& p = r.handle->pending;
-    if (p.finished) return;  // aborted by the client: nothing more is delivered
-    p.token_ids.insert(p.token_ids.end(), piece.token_ids.begin(), piece.token_ids.end());
-    p.text += piece.text;
-    p.logprobs.insert(p.logprobs.end(), piece.logprobs.begin(), piece.logprobs.end());
-    if (!piece.token_ids.empty()) {
-      p.completion_tokens = piece.completion_tokens;
-      p.cached_tokens = piece.cached_tokens;
-      p.queue_time_s = piece.queue_time_s;
+  outbox.push_back({r.handle, std::move(piece), reason, stop_reason, error});
+}
+
+void Engine::Impl::deliver() {
+  for (Delivery& d : outbox) {
+    {
+      std::lock_guard<std::mutex> lock(d.handle->mutex);
+      RequestOutput& p = d.handle->pending;
+      if (p.finished) continue;  // aborted by the client: nothing more is delivered
+      p.token_ids.insert(p.token_ids.end(), d.piece.token_ids.begin(), d.piece.token_ids.end());
+      p.text += d.piece.text;
+      p.logprobs.insert(p.logprobs.end(), d.piece.logprobs.begin(), d.piece.logprobs.end());
+      if (!d.piece.token_ids.empty()) {
+        p.completion_tokens = d.piece.completion_tokens;
+        p.cached_tokens = d.piece.cached_tokens;
+        p.queue_time_s = d.piece.queue_time_s;
+      }
+      if (d.reason != FinishReason::kNone) {
+        p.finished = true;
+        p.finish_reason = d.reason;
+        p.stop_reason = d.stop_reason;
+        p.error = d.error;
+      }
     }
-    if (reason != FinishReason::kNone) {
-      p.finished = true;
-      p.finish_reason = reason;
-      p.stop_reason = stop_reason;
-      p.error = error;
-    }
+    d.handle->cv.notify_all();
   }
-  r.handle->cv.notify_all();
+  outbox.clear();
 }
 
 void Engine::Impl::finish(uint64_t id, FinishReason reason, const std::string& stop_reason,
