@@ -17,7 +17,7 @@
 namespace loraplex::cli {
 namespace {
 
-std::string demangle(const char* name) {
+[[maybe_unused]] std::string demangle(const char* name) {
   if (name == nullptr) return "?";
   int status = 0;
   std::unique_ptr<char, void (*)(void*)> d(abi::__cxa_demangle(name, nullptr, nullptr, &status),
