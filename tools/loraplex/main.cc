@@ -30,12 +30,11 @@ using loraplex::cli::Command;
 
 // A name may have several words ("bench adapter-load"): the longest name that the arguments
 // start with wins.
-const Command* const kCommands[] = {&loraplex::cli::kGenerateCommand,
-                                    &loraplex::cli::kSelftestCommand, &loraplex::cli::kBenchCommand,
-                                    &loraplex::cli::kBenchAdapterLoadCommand,
-                                    &loraplex::cli::kBenchE2eCommand,
-                                    &loraplex::cli::kBenchSamplingCommand,
-                                    &loraplex::cli::kBenchServeCommand};
+const Command* const kCommands[] = {
+    &loraplex::cli::kGenerateCommand,  &loraplex::cli::kSelftestCommand,
+    &loraplex::cli::kBenchCommand,     &loraplex::cli::kBenchAdapterLoadCommand,
+    &loraplex::cli::kBenchE2eCommand,  &loraplex::cli::kBenchSamplingCommand,
+    &loraplex::cli::kBenchServeCommand};
 
 std::vector<std::string> words_of(const std::string& name) {
   std::vector<std::string> out;
