@@ -48,6 +48,7 @@ model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType
   d.max_num_seqs = options.max_num_seqs;
   d.kv_blocks = 1;  // the Engine allocates the real cache
   d.kv_block_size = options.kv_block_size;
+  d.max_model_len = options.max_model_len;
   return d;
 }
 
@@ -301,11 +302,11 @@ Engine::Engine(std::unique_ptr<model::Decoder> model, std::shared_ptr<const Toke
   LORAPLEX_CHECK(options.max_cpu_loras == 0 || options.max_cpu_loras >= options.max_loras,
                  "max_cpu_loras ", options.max_cpu_loras, ", expected 0 or >= max_loras (",
                  options.max_loras, ")");
-  LORAPLEX_CHECK(
-      options.max_model_len >= 0 && options.max_model_len <= config.max_position_embeddings,
-      "max_model_len ", options.max_model_len, " exceeds the model's ",
-      config.max_position_embeddings, " positions (max_position_embeddings)");
-  if (options.max_model_len == 0) options.max_model_len = config.max_position_embeddings;
+  // The decoder's max_model_len defaults to max_position_embeddings and refuses more.
+  LORAPLEX_CHECK(options.max_model_len >= 0 && options.max_model_len <= d.max_model_len,
+                 "max_model_len ", options.max_model_len, " exceeds the model's ", d.max_model_len,
+                 " (load it with engine_decoder_options)");
+  if (options.max_model_len == 0) options.max_model_len = d.max_model_len;
   LORAPLEX_CHECK(options.lora_drain_after_s >= 0.0, "lora_drain_after_s ",
                  options.lora_drain_after_s, ", expected >= 0");
 
