@@ -304,6 +304,36 @@ TEST(ModelOps, AddRmsNormInPlaceAndGatheredAndSiluMul) {
   test::expect_close(act, want, 1e-5, 1e-6, "silu_mul");
 }
 
+// A LoRA output handed to the op that adds it to its base output: the result equals the base
+// output plus it, and the op leaves the buffer zeroed for the next layer.
+TEST(ModelOps, LoraDeltasAreAddedAndCleared) {
+  std::mt19937_64 rng(8);
+  const int64_t rows = 5, n = 24;
+  const Tensor gu = random_tensor({rows, 2 * n}, DType::kF32, rng);
+  Tensor d = random_tensor({rows, 2 * n}, DType::kF32, rng);
+  std::vector<double> sum = gu.to_double_vector();
+  const std::vector<double> dv = d.to_double_vector();
+  for (size_t i = 0; i < sum.size(); ++i) sum[i] += dv[i];
+  const Tensor summed =
+      Tensor::from_vector(std::vector<float>(sum.begin(), sum.end()), {rows, 2 * n});
+  Tensor want = Tensor::empty({rows, n}, DType::kF32), got = Tensor::empty({rows, n}, DType::kF32);
+  throw_if_error(ops::cpu::silu_mul({DType::kF32, rows, n, summed.data_ptr(), want.data_ptr()}));
+  ops::SiluMulArgs a{DType::kF32, rows, n, gu.data_ptr(), got.data_ptr()};
+  a.delta = d.data_ptr();
+  a.clear_delta = true;
+  throw_if_error(ops::cpu::silu_mul(a));
+  test::expect_close(got, want.to_double_vector(), 1e-6, 1e-7, "silu_mul with a delta");
+  for (double v : d.to_double_vector()) ASSERT_EQ(v, 0.0);
+  // Clearing is refused where a gather would leave rows uncleared.
+  const std::vector<int32_t> pick = {0};
+  Tensor out = Tensor::empty({1, n}, DType::kF32);
+  ops::AddRmsNormArgs g{DType::kF32,   1,       n,       1e-5f,         pick.data(),
+                        gu.data_ptr(), nullptr, nullptr, gu.data_ptr(), out.data_ptr()};
+  g.delta2 = d.data_ptr();
+  g.clear_delta2 = true;
+  EXPECT_FALSE(ops::cpu::add_rms_norm(g).ok());
+}
+
 TEST(ModelOps, ArgmaxTiesGoToTheLowestIdAndNanNeverWins) {
   const std::vector<float> logits = {1.0f, 3.0f, NAN, 3.0f, -2.0f,  // row 0: tie 1 / 3
                                      NAN,  NAN,  NAN, NAN,  0.5f};  // row 1: only id 4
@@ -413,6 +443,33 @@ TEST(ModelOpsCuda, ElementwiseOpsMatchCpu) {
                                   stream));
       test::expect_close(rows_outg.to(Device::cpu(), stream), rows_out.to_double_vector(), tol, tol,
                          "gathered add_rms_norm");
+      // A second addend that the op clears after reading it (a LoRA output), on both sides.
+      Tensor lora = random_tensor({rows, hidden}, dt, rng);
+      Tensor lorag = lora.to(dev, stream);
+      ops::AddRmsNormArgs both{dt,           rows,           hidden,           1e-6f,
+                               nullptr,      res.data_ptr(), delta.data_ptr(), nullptr,
+                               w.data_ptr(), out.data_ptr()};
+      both.delta2 = lora.data_ptr();
+      both.clear_delta2 = true;
+      throw_if_error(ops::cpu::add_rms_norm(both));
+      ops::AddRmsNormArgs bothg{dt,
+                                rows,
+                                hidden,
+                                1e-6f,
+                                nullptr,
+                                resg.data_ptr(),
+                                deltag.data_ptr(),
+                                nullptr,
+                                wg.data_ptr(),
+                                outg.data_ptr()};
+      bothg.delta2 = lorag.data_ptr();
+      bothg.clear_delta2 = true;
+      throw_if_error(ops::cuda::add_rms_norm(bothg, stream));
+      test::expect_close(outg.to(Device::cpu(), stream), out.to_double_vector(), tol, tol,
+                         "add_rms_norm with a cleared second addend");
+      for (const Tensor& cleared : {lora, lorag.to(Device::cpu(), stream)}) {
+        for (double v : cleared.to_double_vector()) ASSERT_EQ(v, 0.0) << "delta2 not cleared";
+      }
     }
     // silu_mul: scalar rows (77) and 16-byte vectors (128).
     for (int64_t width : {n, int64_t{128}}) {

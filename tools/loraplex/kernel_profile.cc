@@ -91,13 +91,14 @@ std::vector<KernelRecord> KernelProfile::stop() {
 
 std::string kernel_component(const std::string& n) {
   auto has = [&](const char* s) { return n.find(s) != std::string::npos; };
-  if (has("argmax") || has("sampl")) return "sampling";
+  if (has("argmax") || has("sample_")) return "sampling";
   if (has("attention") || has("flashinfer") || has("MergeStates") || has("BatchPrefill") ||
       has("BatchDecode")) {
     return "attention";
   }
-  if (has("loraplex::kernels::") || has("lora")) return "lora";
-  if (has("loraplex::model::ops::") || has("loraplex::layer_ops")) return "norm_rope_act";
+  // Our own kernels by namespace ("loraplex" itself contains "lora").
+  if (has("loraplex::model::ops") || has("loraplex::layer_ops")) return "norm_rope_act";
+  if (has("loraplex::kernels::")) return "lora";
   if (has("gemm") || has("nvjet") || has("cutlass") || has("xmma") || has("cublas") ||
       has("Kernel2")) {
     return "base_gemm";

@@ -107,10 +107,15 @@ void memset_async(void* dst, int value, size_t bytes, StreamHandle stream) {
   check(cudaMemsetAsync(dst, value, bytes, as_stream(stream)), "cudaMemsetAsync");
 }
 
-StreamHandle stream_create(int device) {
+StreamHandle stream_create(int device, bool high_priority) {
   set_device(device);
+  int least = 0;
+  int greatest = 0;
+  check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
   cudaStream_t stream = nullptr;
-  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  check(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking,
+                                     high_priority ? greatest : least),
+        "cudaStreamCreate");
   return stream;
 }
 
@@ -170,7 +175,9 @@ GraphHandle end_capture(StreamHandle stream) {
     check(err, "cudaStreamEndCapture");
   }
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  // Node priorities keep the priority of the streams the work was captured from.
+  const cudaError_t inst =
+      cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
   cudaGraphDestroy(graph);
   check(inst, "cudaGraphInstantiate");
   return exec;
@@ -205,7 +212,7 @@ void memcpy_2d_async(void*, size_t, const void*, size_t, size_t, size_t, CopyKin
   no_cuda("memcpy");
 }
 void memset_async(void*, int, size_t, StreamHandle) { no_cuda("memset"); }
-StreamHandle stream_create(int) { no_cuda("a stream"); }
+StreamHandle stream_create(int, bool) { no_cuda("a stream"); }
 void stream_destroy(StreamHandle) {}
 void stream_synchronize(StreamHandle stream) {
   if (stream != nullptr) no_cuda("stream_synchronize");

@@ -347,11 +347,13 @@ void Decoder::allocate_step_buffers() {
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
   if (dev.is_cuda() && !c.is_moe()) {
     const int64_t o = std::min(t, kOverlapTokens);
-    deltas_.qkv = Tensor::empty({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
-    deltas_.o = Tensor::empty({o, c.hidden_size}, dt, dev);
-    deltas_.gate_up = Tensor::empty({o, 2 * c.intermediate_size}, dt, dev);
-    deltas_.down = Tensor::empty({o, c.hidden_size}, dt, dev);
-    lora_stream_ = Stream::create(dev);
+    deltas_.qkv = Tensor::zeros({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
+    deltas_.o = Tensor::zeros({o, c.hidden_size}, dt, dev);
+    deltas_.gate_up = Tensor::zeros({o, 2 * c.intermediate_size}, dt, dev);
+    deltas_.down = Tensor::zeros({o, c.hidden_size}, dt, dev);
+    // Its blocks go first when both streams have work ready: the LoRA kernels are small and
+    // latency-bound, the base GEMMs they run beside fill whatever SMs are left.
+    lora_stream_ = Stream::create(dev, true);
     fork_ = std::make_unique<Event>();
     join_ = std::make_unique<Event>();
   }
@@ -461,7 +463,7 @@ void Decoder::project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* 
   }
   fork_->record(stream_);
   fork_->wait_on(lora_stream_);
-  delta->zero_(lora_stream_);
+  // `delta` is zero here: the op that added the last LoRA output to its base output cleared it.
   layer.add_lora_to(in, *delta, *punica_, lora_stream_);
   join_->record(lora_stream_);
   layer.forward_base(in, out, stream_);
@@ -493,7 +495,12 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
     d_gu = rows_of(deltas_.gate_up, n);
     d_down = rows_of(deltas_.down, n);
   }
-  auto ptr = [&](const Tensor& t) -> const void* { return overlap ? t.data_ptr() : nullptr; };
+  auto ptr = [&](const Tensor& t) -> void* { return overlap ? t.data_ptr() : nullptr; };
+  if (overlap) {
+    // The consumers clear what they read, except the final norm's gather (d_down's other rows)
+    // and a step that failed half-way: start every step from zeros.
+    for (Tensor* d : {&d_qkv, &d_o, &d_gu, &d_down}) d->zero_(st);
+  }
   embed_->forward(
       Tensor::from_blob(in_.device_at<int32_t>(kTokenIds), {n}, DType::kI32, options_.device), x,
       pw, st);
@@ -513,6 +520,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
                                 layer.input_norm.data_ptr(),
                                 h.data_ptr()};
     in_norm.delta2 = l == 0 ? nullptr : ptr(d_down);
+    in_norm.clear_delta2 = overlap;
     throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, in_norm, st));
     project(*layer.qkv, h, qkv, overlap ? &d_qkv : nullptr);
     ops::RopeKvWriteArgs rope;
@@ -526,6 +534,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
     rope.slot_mapping = in_.device_at<int32_t>(kKvSlots);
     rope.cache = cache;
     rope.delta = ptr(d_qkv);
+    rope.clear_delta = overlap;
     throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, rope, st));
     attention_->run(qkv.data_ptr(), q + 2 * kv, cache, attn.data_ptr(), st);
     project(*layer.o, attn, delta, overlap ? &d_o : nullptr);
@@ -540,6 +549,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
                              layer.post_norm.data_ptr(),
                              h.data_ptr()};
     post.delta2 = ptr(d_o);
+    post.clear_delta2 = overlap;
     throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, post, st));
     if (layer.moe) {
       layer.moe->forward(h, delta, pw, st);
@@ -549,6 +559,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
       project(*layer.gate_up, h, gu, overlap ? &d_gu : nullptr);
       ops::SiluMulArgs sm{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()};
       sm.delta = ptr(d_gu);
+      sm.clear_delta = overlap;
       throw_if_error(ops::run(&ops::cpu::silu_mul, &ops::cuda::silu_mul, sm, st));
       project(*layer.down, act, delta, overlap ? &d_down : nullptr);
     }

@@ -46,7 +46,10 @@ struct AddRmsNormArgs {
   const void* weight = nullptr;    // [hidden] in
   void* out = nullptr;             // [num_rows, hidden] out
   /// A second addend (a LoRA output computed apart from its base output), or nullptr.
-  const void* delta2 = nullptr;  // [*, hidden] in
+  void* delta2 = nullptr;  // [*, hidden] in (zeroed after reading with clear_delta2)
+  /// Zero delta2 after reading it (rows == nullptr only), so that the caller's buffer is ready
+  /// to accumulate the next LoRA output without a memset.
+  bool clear_delta2 = false;
 };
 
 /// Paged KV cache geometry: each layer owns K and V of [num_blocks, block_size, kv_heads,
@@ -78,7 +81,8 @@ struct RopeKvWriteArgs {
   int64_t qkv_row_stride = 0;
   const int32_t* slot_mapping = nullptr;  // [num_tokens] in
   KvCacheView cache;                      // num_kv_heads and head_dim come from here
-  const void* delta = nullptr;  // [num_tokens, (heads + 2 kv_heads) * head_dim] in, or nullptr
+  void* delta = nullptr;     // [num_tokens, (heads + 2 kv_heads) * head_dim] in, or nullptr
+  bool clear_delta = false;  // zero delta after reading it (see AddRmsNormArgs::clear_delta2)
 };
 
 /// Causal attention of each token over its own sequence's cached keys 0..positions[t]
@@ -115,7 +119,8 @@ struct SiluMulArgs {
   void* out = nullptr;      // [num_rows, n] out
   /// x + delta (rounded) is what the gate and up halves are, when given (a LoRA output
   /// computed apart from the base gate_up).
-  const void* delta = nullptr;  // [num_rows, 2n] in, or nullptr
+  void* delta = nullptr;     // [num_rows, 2n] in, or nullptr
+  bool clear_delta = false;  // zero delta after reading it (see AddRmsNormArgs::clear_delta2)
 };
 
 /// ids[r] = argmax_j logits[r, j]; ties go to the lowest j. NaN never wins.

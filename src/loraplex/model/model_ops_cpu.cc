@@ -68,13 +68,14 @@ Status embedding(const EmbeddingArgs& a) {
 
 Status add_rms_norm(const AddRmsNormArgs& a) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
-                      a.weight != nullptr && a.out != nullptr,
+                      a.weight != nullptr && a.out != nullptr &&
+                      !(a.clear_delta2 && a.rows != nullptr),
                   "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
   return dispatch(a.dtype, "add_rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* res = static_cast<const T*>(a.residual);
     const T* delta = static_cast<const T*>(a.delta);
-    const T* delta2 = static_cast<const T*>(a.delta2);
+    T* delta2 = static_cast<T*>(a.delta2);
     T* res_out = static_cast<T*>(a.residual_out);
     const T* w = static_cast<const T*>(a.weight);
     T* out = static_cast<T*>(a.out);
@@ -87,7 +88,10 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
           float v = load_float(res[src * a.hidden + j]);
           if (delta != nullptr || delta2 != nullptr) {
             float add = delta != nullptr ? load_float(delta[src * a.hidden + j]) : 0.0f;
-            if (delta2 != nullptr) add += load_float(delta2[src * a.hidden + j]);
+            if (delta2 != nullptr) {
+              add += load_float(delta2[src * a.hidden + j]);
+              if (a.clear_delta2) delta2[src * a.hidden + j] = store_float<T>(0.0f);
+            }
             v = load_float(store_float<T>(v + add));
           }
           sum[static_cast<size_t>(j)] = v;
@@ -139,9 +143,10 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
         T* row = qkv + t * a.qkv_row_stride;
         if (a.delta != nullptr) {
           const int64_t width = (heads + c.num_kv_heads) * d;
-          const T* add = static_cast<const T*>(a.delta) + t * width;
+          T* add = static_cast<T*>(a.delta) + t * width;
           for (int64_t j = 0; j < width; ++j) {
             row[j] = store_float<T>(load_float(row[j]) + load_float(add[j]));
+            if (a.clear_delta) add[j] = store_float<T>(0.0f);
           }
         }
         for (int64_t h = 0; h < heads; ++h) {
@@ -245,12 +250,12 @@ Status silu_mul(const SiluMulArgs& a) {
   return dispatch(a.dtype, "silu_mul", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* x = static_cast<const T*>(a.x);
-    const T* delta = static_cast<const T*>(a.delta);
+    T* delta = static_cast<T*>(a.delta);
     T* out = static_cast<T*>(a.out);
     parallel_for(0, a.num_rows, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
         const T* row = x + r * 2 * a.n;
-        const T* add = delta != nullptr ? delta + r * 2 * a.n : nullptr;
+        T* add = delta != nullptr ? delta + r * 2 * a.n : nullptr;
         auto at = [&](int64_t j) {
           const float v = load_float(row[j]);
           return add != nullptr ? load_float(store_float<T>(v + load_float(add[j]))) : v;
@@ -260,6 +265,7 @@ Status silu_mul(const SiluMulArgs& a) {
           const float g = load_float(store_float<T>(silu(at(j))));
           out[r * a.n + j] = store_float<T>(g * at(a.n + j));
         }
+        if (add != nullptr && a.clear_delta) std::fill(add, add + 2 * a.n, store_float<T>(0.0f));
       }
     });
   });

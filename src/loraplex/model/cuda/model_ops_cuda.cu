@@ -118,9 +118,80 @@ __global__ void embedding_kernel(EmbeddingArgs a) {
   for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) out[j] = valid ? row[j] : S{};
 }
 
-// One block of kThreads per output row. The rounded sums stay in registers between the two
-// passes (up to kNormItems per thread); wider rows recompute the rest from the inputs.
+// Residual add + RMSNorm. The common case (16-byte aligned rows of up to kNormVecs 16-byte
+// vectors per thread) reads every input once with vector loads and keeps the sums in
+// registers; other rows take a scalar kernel of the same math. One block per output row.
+constexpr int kNormVecs = 4;
 constexpr int kNormItems = 16;
+
+template <typename S>
+struct alignas(16) Vec16 {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(S));
+  S v[kN];
+};
+
+template <typename E>
+__global__ void add_rms_norm_vec_kernel(AddRmsNormArgs a) {
+  using S = typename E::Storage;
+  using V = Vec16<S>;
+  constexpr int kN = V::kN;
+  __shared__ float shared[32];
+  const int64_t r = blockIdx.x;
+  const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+  const int64_t vecs = a.hidden / kN;
+  const V* res = reinterpret_cast<const V*>(static_cast<const S*>(a.residual) + src * a.hidden);
+  const V* delta = a.delta != nullptr
+                       ? reinterpret_cast<const V*>(static_cast<const S*>(a.delta) + src * a.hidden)
+                       : nullptr;
+  V* delta2 = a.delta2 != nullptr ? reinterpret_cast<V*>(static_cast<S*>(a.delta2) + src * a.hidden)
+                                  : nullptr;
+  float sum[kNormVecs][kN];
+  float squares = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kNormVecs; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (i >= vecs) continue;
+    const V x = res[i];
+    V d1{}, d2{};
+    if (delta != nullptr) d1 = delta[i];
+    if (delta2 != nullptr) {
+      d2 = delta2[i];
+      if (a.clear_delta2) delta2[i] = V{};
+    }
+#pragma unroll
+    for (int e = 0; e < kN; ++e) {
+      float v = E::load(x.v[e]);
+      if (delta != nullptr || delta2 != nullptr) {
+        float add = delta != nullptr ? E::load(d1.v[e]) : 0.0f;
+        if (delta2 != nullptr) add += E::load(d2.v[e]);
+        v = round_to<E>(v + add);
+      }
+      sum[k][e] = v;
+      squares += v * v;
+    }
+  }
+  squares = block_sum(squares, shared);
+  const float inv = 1.0f / sqrtf(squares / static_cast<float>(a.hidden) + a.eps);
+  const V* w = reinterpret_cast<const V*>(a.weight);
+  V* res_out = a.residual_out != nullptr
+                   ? reinterpret_cast<V*>(static_cast<S*>(a.residual_out) + r * a.hidden)
+                   : nullptr;
+  V* out = reinterpret_cast<V*>(static_cast<S*>(a.out) + r * a.hidden);
+#pragma unroll
+  for (int k = 0; k < kNormVecs; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (i >= vecs) continue;
+    const V wv = w[i];
+    V o, keep;
+#pragma unroll
+    for (int e = 0; e < kN; ++e) {
+      keep.v[e] = E::store(sum[k][e]);
+      o.v[e] = E::store(E::load(wv.v[e]) * round_to<E>(sum[k][e] * inv));
+    }
+    if (res_out != nullptr) res_out[i] = keep;
+    out[i] = o;
+  }
+}
 
 template <typename E>
 __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
@@ -130,8 +201,7 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   const int64_t src = a.rows != nullptr ? a.rows[r] : r;
   const S* res = static_cast<const S*>(a.residual) + src * a.hidden;
   const S* delta = a.delta != nullptr ? static_cast<const S*>(a.delta) + src * a.hidden : nullptr;
-  const S* delta2 =
-      a.delta2 != nullptr ? static_cast<const S*>(a.delta2) + src * a.hidden : nullptr;
+  S* delta2 = a.delta2 != nullptr ? static_cast<S*>(a.delta2) + src * a.hidden : nullptr;
   S* res_out = a.residual_out != nullptr ? static_cast<S*>(a.residual_out) + r * a.hidden : nullptr;
   const S* w = static_cast<const S*>(a.weight);
   S* out = static_cast<S*>(a.out) + r * a.hidden;
@@ -157,11 +227,13 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   }
   squares = block_sum(squares, shared);
   const float inv = 1.0f / sqrtf(squares / static_cast<float>(a.hidden) + a.eps);
+  // Each element's last read happens before its writes, by the same thread: in place is safe,
+  // and delta2 is cleared here, after that read.
   auto emit = [&](int64_t j, float v) {
     if (res_out != nullptr) res_out[j] = E::store(v);
+    if (delta2 != nullptr && a.clear_delta2) delta2[j] = E::store(0.0f);
     out[j] = E::store(E::load(w[j]) * round_to<E>(v * inv));
   };
-  // Every read of this row happened before block_sum's barriers, so in-place writes are safe.
 #pragma unroll
   for (int k = 0; k < kNormItems; ++k) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
@@ -169,7 +241,6 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   }
   for (int64_t j = threadIdx.x + static_cast<int64_t>(kNormItems) * blockDim.x; j < a.hidden;
        j += blockDim.x) {
-    // Each element is read and written by the same thread, so recomputing it is safe in place.
     emit(j, sum_at(j));
   }
 }
@@ -179,6 +250,7 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
 template <typename E>
 __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   using S = typename E::Storage;
+  extern __shared__ float trig[];  // [half] cos, then [half] sin: one per frequency, not per head
   const KvCacheView& c = a.cache;
   const int64_t t = blockIdx.x;
   const int64_t d = c.head_dim;
@@ -187,23 +259,30 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   const int64_t q_cols = a.num_heads * d;
   const int64_t heads = a.num_heads + c.num_kv_heads;
   const float pos = static_cast<float>(a.positions[t]);
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    const float angle = pos * a.inv_freq[i];
+    trig[i] = cosf(angle);
+    trig[half + i] = sinf(angle);
+  }
+  __syncthreads();
   const int64_t slot = a.slot_mapping[t];
   const bool store = slot >= 0 && slot < c.num_blocks * c.block_size;
   S* row = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
-  const S* add =
-      a.delta != nullptr ? static_cast<const S*>(a.delta) + t * (q_cols + 2 * kv) : nullptr;
+  S* add = a.delta != nullptr ? static_cast<S*>(a.delta) + t * (q_cols + 2 * kv) : nullptr;
   auto at = [&](int64_t j) {
     const float v = E::load(row[j]);
-    return add != nullptr ? round_to<E>(v + E::load(add[j])) : v;
+    if (add == nullptr) return v;
+    const float r = round_to<E>(v + E::load(add[j]));
+    if (a.clear_delta) add[j] = E::store(0.0f);
+    return r;
   };
   S* kc = static_cast<S*>(c.k) + (store ? slot : 0) * kv;
   S* vc = static_cast<S*>(c.v) + (store ? slot : 0) * kv;
   for (int64_t item = threadIdx.x; item < heads * half; item += blockDim.x) {
     const int64_t h = item / half;
     const int64_t i = item % half;
-    const float angle = pos * a.inv_freq[i];
-    const float cs = cosf(angle);
-    const float sn = sinf(angle);
+    const float cs = trig[i];
+    const float sn = trig[half + i];
     S* x = row + h * d;
     const float x0 = at(h * d + i);
     const float x1 = at(h * d + i + half);
@@ -217,8 +296,10 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
       kc[col + i + half] = y1;
     }
   }
-  if (!store) return;
-  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) vc[j] = E::store(at(q_cols + kv + j));
+  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) {
+    const S v = E::store(at(q_cols + kv + j));
+    if (store) vc[j] = v;
+  }
 }
 
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
@@ -321,7 +402,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
   const int64_t per_row = a.n / kVec;
   const int64_t total = a.num_rows * per_row;
   const S* x = static_cast<const S*>(a.x);
-  const S* delta = static_cast<const S*>(a.delta);
+  S* delta = static_cast<S*>(a.delta);
   S* out = static_cast<S*>(a.out);
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -333,6 +414,10 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
     if (delta != nullptr) {
       dg = *reinterpret_cast<const Pack*>(delta + r * 2 * a.n + j);
       du = *reinterpret_cast<const Pack*>(delta + r * 2 * a.n + a.n + j);
+      if (a.clear_delta) {
+        *reinterpret_cast<Pack*>(delta + r * 2 * a.n + j) = Pack{};
+        *reinterpret_cast<Pack*>(delta + r * 2 * a.n + a.n + j) = Pack{};
+      }
     }
     Pack o;
 #pragma unroll
@@ -417,10 +502,22 @@ Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
                       a.weight != nullptr && a.out != nullptr,
                   "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
+  LORAPLEX_ENSURE(!(a.clear_delta2 && a.rows != nullptr),
+                  "add_rms_norm: clear_delta2 needs rows == nullptr");
   if (a.num_rows == 0) return Status();
   return dispatch(a.dtype, "add_rms_norm", [&](auto e) {
-    add_rms_norm_kernel<decltype(e)>
-        <<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+    using E = decltype(e);
+    constexpr int kN = Vec16<typename E::Storage>::kN;
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool vec = a.hidden % kN == 0 && a.hidden <= int64_t{kNormVecs} * kThreads * kN &&
+                     aligned(a.residual) && aligned(a.delta) && aligned(a.delta2) &&
+                     aligned(a.residual_out) && aligned(a.weight) && aligned(a.out);
+    if (vec) {
+      add_rms_norm_vec_kernel<E>
+          <<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+    } else {
+      add_rms_norm_kernel<E><<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+    }
   });
 }
 
@@ -434,7 +531,8 @@ Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream) {
   if (a.num_tokens == 0) return Status();
   return dispatch(a.dtype, "rope_kv_write", [&](auto e) {
     rope_kv_write_kernel<decltype(e)>
-        <<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
+        <<<static_cast<unsigned>(a.num_tokens), kThreads,
+           static_cast<size_t>(c.head_dim) * sizeof(float), raw(stream)>>>(a);
   });
 }
 
