@@ -52,6 +52,7 @@ struct ListExpr : Expr {
   using Expr::Expr;
   Value eval(Context& context) const override;
   std::vector<ExprPtr> items;
+  bool tuple = false;  // (a, b) rather than [a, b]
 };
 
 struct DictExpr : Expr {

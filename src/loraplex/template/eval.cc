@@ -51,7 +51,7 @@ Value ListExpr::eval(Context& context) const {
   List out;
   out.reserve(items.size());
   for (const ExprPtr& e : items) out.push_back(e->eval(context));
-  return Value(std::move(out));
+  return tuple ? Value::tuple(std::move(out)) : Value(std::move(out));
 }
 
 Value DictExpr::eval(Context& context) const {

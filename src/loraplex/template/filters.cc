@@ -95,7 +95,7 @@ Value f_items(const Value& in, const List&, const Dict&, Context& c, L w) {
   if (in.is_undefined()) return Value(List{});
   if (!in.is_dict()) render_fail(c, w, std::string("items filter needs a mapping, got ") + in.type_name());
   List out;
-  for (const auto& [k, v] : in.dict()) out.emplace_back(List{Value(k), v});
+  for (const auto& [k, v] : in.dict()) out.push_back(Value::tuple({Value(k), v}));
   return Value(std::move(out));
 }
 
@@ -336,7 +336,7 @@ Value f_dictsort(const Value& in, const List& args, const Dict& kwargs, Context&
   const bool by_value = as_text(arg(args, kwargs, 1, "by", Value("key"))) == "value";
   const bool reverse = arg(args, kwargs, 2, "reverse", Value(false)).truthy();
   List items;
-  for (const auto& [k, v] : in.dict()) items.emplace_back(List{Value(k), v});
+  for (const auto& [k, v] : in.dict()) items.push_back(Value::tuple({Value(k), v}));
   std::stable_sort(items.begin(), items.end(), [&](const Value& a, const Value& b) {
     const Value& x = a.list()[by_value ? 1 : 0];
     const Value& y = b.list()[by_value ? 1 : 0];

@@ -145,7 +145,7 @@ bool string_method(const std::string& s, const std::string& name, const List& ar
 bool dict_method(const Value& d, const std::string& name, const List& args, Value* out) {
   if (name == "items") {
     List items;
-    for (const auto& [k, v] : d.dict()) items.emplace_back(List{Value(k), v});
+    for (const auto& [k, v] : d.dict()) items.push_back(Value::tuple({Value(k), v}));
     *out = Value(std::move(items));
   } else if (name == "keys") {
     List keys;

@@ -265,6 +265,7 @@ class Parser {
     ExprPtr first = with_condexpr ? parse_expression() : parse_or();
     if (!is_op(peek(), ",")) return first;
     auto list = std::make_unique<ListExpr>(at(first_token));
+    list->tuple = true;
     list->items.push_back(std::move(first));
     while (is_op(peek(), ",")) {
       next();
@@ -426,7 +427,9 @@ class Parser {
         if (t.value == "(") {
           if (is_op(peek(), ")")) {
             next();
-            return std::make_unique<ListExpr>(at(t));
+            auto empty = std::make_unique<ListExpr>(at(t));
+            empty->tuple = true;
+            return empty;
           }
           ExprPtr inner = parse_tuple(true);
           expect_op(")");

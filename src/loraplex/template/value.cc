@@ -27,6 +27,12 @@ Value::Value(std::string s) : kind_(Kind::kString), s_(std::make_shared<std::str
 Value::Value(List list) : kind_(Kind::kList), list_(std::make_shared<List>(std::move(list))) {}
 Value::Value(Dict dict) : kind_(Kind::kDict), dict_(std::make_shared<Dict>(std::move(dict))) {}
 
+Value Value::tuple(List items) {
+  Value v(std::move(items));
+  v.tuple_ = true;
+  return v;
+}
+
 Value Value::make_namespace(Dict attributes) {
   Value v(std::move(attributes));
   v.kind_ = Kind::kNamespace;
@@ -210,12 +216,13 @@ std::string Value::repr() const {
     case Kind::kString:
       return python_string_repr(*s_);
     case Kind::kList: {
-      std::string out = "[";
+      std::string out = tuple_ ? "(" : "[";
       for (size_t i = 0; i < list_->size(); ++i) {
         if (i) out += ", ";
         out += (*list_)[i].repr();
       }
-      return out + "]";
+      if (tuple_ && list_->size() == 1) out += ",";
+      return out + (tuple_ ? ")" : "]");
     }
     case Kind::kDict: {
       std::string out = "{";

@@ -47,6 +47,8 @@ class Value {
   Value(List list);             // NOLINT(google-explicit-constructor)
   Value(Dict dict);             // NOLINT(google-explicit-constructor)
   /// A namespace(): a dict whose attributes `set ns.x = ...` changes in place.
+  /// A tuple: a list that prints with parentheses (dict items, tuple literals).
+  static Value tuple(List items);
   static Value make_namespace(Dict attributes);
   static Value callable(std::shared_ptr<const Callable> fn);
   /// Keeps the key order of objects (as Python's json module does).
@@ -89,6 +91,7 @@ class Value {
  private:
   Kind kind_ = Kind::kUndefined;
   bool b_ = false;
+  bool tuple_ = false;
   int64_t i_ = 0;
   double d_ = 0.0;
   std::shared_ptr<std::string> s_;  // kString, or kUndefined's hint
