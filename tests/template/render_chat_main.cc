@@ -34,9 +34,9 @@ int main(int argc, char** argv) {
       std::ifstream t(c.at("template").get<std::string>(), std::ios::binary);
       std::ostringstream source;
       source << t.rdbuf();
-      const loraplex::jinja::ChatTemplate chat(source.str(),
-                                               c.value("special_tokens", nlohmann::ordered_json::object()),
-                                               c.at("template").get<std::string>());
+      const loraplex::jinja::ChatTemplate chat(
+          source.str(), c.value("special_tokens", nlohmann::ordered_json::object()),
+          c.at("template").get<std::string>());
       loraplex::jinja::ChatRenderOptions options;
       options.add_generation_prompt = c.value("add_generation_prompt", false);
       options.continue_final_message = c.value("continue_final_message", false);
@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
     }
     results.push_back(r);
   }
-  std::cout << results.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n";
+  std::cout << results.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)
+            << "\n";
   return 0;
 }

@@ -61,8 +61,7 @@ TEST(JinjaRender, MatchesJinja2) {
       {"{{ 1 + 2 * 3 }} {{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 ** 10 }}", "{}",
        "7 3 -4 2 3.5 1024"},
       {"{{ 'a' ~ 1 ~ none }} {{ 'ab' * 3 }} {{ [1] + [2] }}", "{}", "a1None ababab [1, 2]"},
-      {"{{ 'b' in 'abc' }} {{ 'x' not in ['x'] }} {{ 'k' in {'k': 1} }}", "{}",
-       "True False True"},
+      {"{{ 'b' in 'abc' }} {{ 'x' not in ['x'] }} {{ 'k' in {'k': 1} }}", "{}", "True False True"},
       {"{{ 'yes' if x else 'no' }}{{ 'a' if false }}", R"({"x": 0})", "no"},
       {"{{ not x is defined }} {{ x is not defined }}", "{}", "True True"},
       {"{{ 1 == 1.0 }} {{ true == 1 }} {{ [1, 2] == [1, 2] }} {{ {'a': 1} == {'a': 1} }}", "{}",
@@ -131,9 +130,13 @@ TEST(JinjaRender, RaiseExceptionCarriesTheTemplatesMessage) {
 }
 
 TEST(JinjaRender, TypeErrorsAndUndefinedArithmeticFailWithTheLocation) {
-  const char* bad[] = {"{{ 'a' + 1 }}", "{{ missing + 'x' }}", "{{ missing.attr }}",
-                       "{{ 1 // 0 }}", "{{ none | tojson(ensure_ascii=true) }}",
-                       "{% for x in none %}{% endfor %}", "{{ undefined_fn() }}",
+  const char* bad[] = {"{{ 'a' + 1 }}",
+                       "{{ missing + 'x' }}",
+                       "{{ missing.attr }}",
+                       "{{ 1 // 0 }}",
+                       "{{ none | tojson(ensure_ascii=true) }}",
+                       "{% for x in none %}{% endfor %}",
+                       "{{ undefined_fn() }}",
                        "{% set x = 1 %}{% set x.a = 2 %}"};
   for (const char* source : bad) {
     try {

@@ -62,7 +62,8 @@ struct DictExpr : Expr {
 };
 
 struct GetAttr : Expr {
-  GetAttr(Location w, ExprPtr o, std::string n) : Expr(w), object(std::move(o)), name(std::move(n)) {}
+  GetAttr(Location w, ExprPtr o, std::string n)
+      : Expr(w), object(std::move(o)), name(std::move(n)) {}
   Value eval(Context& context) const override;
   ExprPtr object;
   std::string name;

@@ -18,8 +18,8 @@ TestFn find_test(std::string_view name);
 /// Whether `name` is a method of str, dict or list that templates may call.
 bool is_known_method(std::string_view name);
 /// Calls `object.name(args...)`; returns false when `object` has no such method.
-bool call_method(const Value& object, const std::string& name, const List& args,
-                 const Dict& kwargs, Context& context, const Location& where, Value* result);
+bool call_method(const Value& object, const std::string& name, const List& args, const Dict& kwargs,
+                 Context& context, const Location& where, Value* result);
 
 /// range, namespace, dict, raise_exception, strftime_now: bound into every render.
 Dict builtin_globals();

@@ -53,7 +53,8 @@ nlohmann::ordered_json special_tokens_of(const nlohmann::ordered_json& config) {
 
 }  // namespace
 
-ChatTemplate::ChatTemplate(std::string source, nlohmann::ordered_json special_tokens, std::string origin)
+ChatTemplate::ChatTemplate(std::string source, nlohmann::ordered_json special_tokens,
+                           std::string origin)
     : template_(Template::parse(source, std::move(origin))),
       special_tokens_(std::move(special_tokens)) {}
 
@@ -73,7 +74,8 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
         source = entry.at("template").get<std::string>();
       }
     }
-    if (source.empty()) throw Error(path + ": \"chat_template\" lists no template named \"default\"");
+    if (source.empty())
+      throw Error(path + ": \"chat_template\" lists no template named \"default\"");
   } else {
     throw Error(path + ": \"chat_template\" must be a string or a list of named templates");
   }
@@ -125,7 +127,8 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& messages,
   }
   const nlohmann::ordered_json& last = messages.back();
   std::string final_text;
-  const nlohmann::ordered_json content = last.contains("content") ? last.at("content") : nlohmann::ordered_json();
+  const nlohmann::ordered_json content =
+      last.contains("content") ? last.at("content") : nlohmann::ordered_json();
   if (content.is_string()) {
     final_text = content.get<std::string>();
   } else if (content.is_array()) {

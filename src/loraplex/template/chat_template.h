@@ -39,7 +39,8 @@ class ChatTemplate {
 
   /// Renders `messages` (a JSON array of message objects). Throws TemplateRenderError for a
   /// raise_exception or a render failure, loraplex::Error for invalid options.
-  std::string render(const nlohmann::ordered_json& messages, const ChatRenderOptions& options) const;
+  std::string render(const nlohmann::ordered_json& messages,
+                     const ChatRenderOptions& options) const;
 
   const std::string& origin() const { return template_.origin(); }
   const nlohmann::ordered_json& special_tokens() const { return special_tokens_; }

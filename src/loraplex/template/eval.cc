@@ -101,7 +101,8 @@ Value SliceExpr::eval(Context& context) const {
     off = code_point_offsets(obj.str());
     n = static_cast<int64_t>(off.size()) - 1;
   } else {
-    render_fail(context, where, std::string("'") + obj.type_name() + "' object is not subscriptable");
+    render_fail(context, where,
+                std::string("'") + obj.type_name() + "' object is not subscriptable");
   }
   int64_t begin, end;
   slice_bounds(n, start_v, stop_v, step_n, &begin, &end);
@@ -113,8 +114,9 @@ Value SliceExpr::eval(Context& context) const {
   }
   std::string out;
   if (step_n == 1) {
-    if (end > begin) out = obj.str().substr(off[static_cast<size_t>(begin)],
-                                            off[static_cast<size_t>(end)] - off[static_cast<size_t>(begin)]);
+    if (end > begin)
+      out = obj.str().substr(off[static_cast<size_t>(begin)],
+                             off[static_cast<size_t>(end)] - off[static_cast<size_t>(begin)]);
     return Value(std::move(out));
   }
   for (int64_t i = begin; step_n > 0 ? i < end : i > end; i += step_n) {
@@ -135,14 +137,16 @@ Value Call::eval(Context& context) const {
     if (call_method(object, attr->name, args_v, kwargs_v, context, where, &result)) return result;
     const Value member = get_attribute(object, attr->name, context, where);
     if (member.kind() != Value::Kind::kCallable) {
-      render_fail(context, where, std::string("'") + object.type_name() + "' object has no method '" +
-                                      attr->name + "'");
+      render_fail(
+          context, where,
+          std::string("'") + object.type_name() + "' object has no method '" + attr->name + "'");
     }
     return member.fn().call(args_v, kwargs_v, context);
   }
   const Value fn = callee->eval(context);
   if (fn.kind() != Value::Kind::kCallable) {
-    if (fn.is_undefined()) render_fail(context, where, fn.undefined_hint() + " (called as a function)");
+    if (fn.is_undefined())
+      render_fail(context, where, fn.undefined_hint() + " (called as a function)");
     render_fail(context, where, std::string("'") + fn.type_name() + "' object is not callable");
   }
   eval_args(args, context, &args_v, &kwargs_v);

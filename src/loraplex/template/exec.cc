@@ -53,9 +53,10 @@ struct Macro : Callable {
         }
       }
       if (!given) {
-        values[i] = def->defaults[i] ? def->defaults[i]->eval(context)
-                                     : Value::undefined("parameter '" + def->params[i] +
-                                                        "' of macro '" + def->name + "' is missing");
+        values[i] = def->defaults[i]
+                        ? def->defaults[i]->eval(context)
+                        : Value::undefined("parameter '" + def->params[i] + "' of macro '" +
+                                           def->name + "' is missing");
       }
     }
     for (const auto& [k, v] : kwargs) {

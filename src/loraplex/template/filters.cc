@@ -26,10 +26,9 @@ std::string as_text(const Value& v) { return v.to_string(); }
 
 Value f_trim(const Value& in, const List& args, const Dict& kwargs, Context&, L) {
   const Value chars = arg(args, kwargs, 0, "chars");
-  return Value(python_strip(as_text(in),
-                            chars.is_string() ? std::optional<std::string>(chars.str())
-                                              : std::nullopt,
-                            true, true));
+  return Value(python_strip(
+      as_text(in), chars.is_string() ? std::optional<std::string>(chars.str()) : std::nullopt, true,
+      true));
 }
 
 Value f_upper(const Value& in, const List&, const Dict&, Context&, L) {
@@ -93,7 +92,8 @@ Value f_join(const Value& in, const List& args, const Dict& kwargs, Context& c, 
 
 Value f_items(const Value& in, const List&, const Dict&, Context& c, L w) {
   if (in.is_undefined()) return Value(List{});
-  if (!in.is_dict()) render_fail(c, w, std::string("items filter needs a mapping, got ") + in.type_name());
+  if (!in.is_dict())
+    render_fail(c, w, std::string("items filter needs a mapping, got ") + in.type_name());
   List out;
   for (const auto& [k, v] : in.dict()) out.push_back(Value::tuple({Value(k), v}));
   return Value(std::move(out));
@@ -106,7 +106,8 @@ Value f_tojson(const Value& in, const List& args, const Dict& kwargs, Context& c
     if (k != "indent" && k != "sort_keys" && k != "ensure_ascii") {
       render_fail(c, w, "tojson: unsupported argument '" + k + "'");
     }
-    if (k == "ensure_ascii" && v.truthy()) render_fail(c, w, "tojson: ensure_ascii=true is not supported");
+    if (k == "ensure_ascii" && v.truthy())
+      render_fail(c, w, "tojson: ensure_ascii=true is not supported");
   }
   const int n = indent.is_none() || indent.is_undefined() ? -1 : static_cast<int>(indent.as_int());
   return Value(python_json_dumps(in, n, sort_keys, c, w));
@@ -145,7 +146,8 @@ Value f_float(const Value& in, const List& args, const Dict& kwargs, Context&, L
 }
 
 Value f_abs(const Value& in, const List&, const Dict&, Context& c, L w) {
-  if (!in.is_number()) render_fail(c, w, std::string("bad operand type for abs(): ") + in.type_name());
+  if (!in.is_number())
+    render_fail(c, w, std::string("bad operand type for abs(): ") + in.type_name());
   if (in.kind() == Value::Kind::kFloat) return Value(std::fabs(in.as_double()));
   return Value(in.as_int() < 0 ? -in.as_int() : in.as_int());
 }
@@ -177,8 +179,10 @@ Value f_indent(const Value& in, const List& args, const Dict& kwargs, Context&, 
   const Value width = arg(args, kwargs, 0, "width", Value(int64_t{4}));
   const bool first = arg(args, kwargs, 1, "first", Value(false)).truthy();
   const bool blank = arg(args, kwargs, 2, "blank", Value(false)).truthy();
-  const std::string pad = width.is_string() ? width.str()
-                                            : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
+  const std::string pad =
+      width.is_string()
+          ? width.str()
+          : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
   const std::string s = as_text(in);
   std::vector<std::string> lines;
   size_t pos = 0;
@@ -296,9 +300,9 @@ Value f_sum(const Value& in, const List& args, const Dict& kwargs, Context& c, L
   const Value attribute = arg(args, kwargs, 0, "attribute");
   Value total = arg(args, kwargs, 1, "start", Value(int64_t{0}));
   for (const Value& item : iterate(in, c, w)) {
-    total = binary_op("+", total,
-                      attribute.is_undefined() ? item : get_attribute(item, as_text(attribute), c, w),
-                      c, w);
+    total = binary_op(
+        "+", total, attribute.is_undefined() ? item : get_attribute(item, as_text(attribute), c, w),
+        c, w);
   }
   return total;
 }
@@ -312,8 +316,12 @@ Value extreme(const Value& in, bool want_max, Context& c, L w) {
   }
   return best;
 }
-Value f_max(const Value& in, const List&, const Dict&, Context& c, L w) { return extreme(in, true, c, w); }
-Value f_min(const Value& in, const List&, const Dict&, Context& c, L w) { return extreme(in, false, c, w); }
+Value f_max(const Value& in, const List&, const Dict&, Context& c, L w) {
+  return extreme(in, true, c, w);
+}
+Value f_min(const Value& in, const List&, const Dict&, Context& c, L w) {
+  return extreme(in, false, c, w);
+}
 
 Value f_round(const Value& in, const List& args, const Dict& kwargs, Context& c, L w) {
   if (!in.is_number()) render_fail(c, w, "round needs a number");
@@ -321,7 +329,9 @@ Value f_round(const Value& in, const List& args, const Dict& kwargs, Context& c,
   const std::string method = as_text(arg(args, kwargs, 1, "method", Value("common")));
   const double scale = std::pow(10.0, static_cast<double>(precision));
   const double x = in.as_double() * scale;
-  const double r = method == "floor" ? std::floor(x) : method == "ceil" ? std::ceil(x) : std::round(x);
+  const double r = method == "floor"  ? std::floor(x)
+                   : method == "ceil" ? std::ceil(x)
+                                      : std::round(x);
   return Value(r / scale);
 }
 
@@ -347,18 +357,42 @@ Value f_dictsort(const Value& in, const List& args, const Dict& kwargs, Context&
 
 const std::map<std::string, FilterFn, std::less<>>& filters() {
   static const std::map<std::string, FilterFn, std::less<>> table = {
-      {"abs", f_abs},         {"capitalize", f_capitalize}, {"count", f_length},
-      {"d", f_default},       {"default", f_default},       {"dictsort", f_dictsort},
-      {"first", f_first},     {"float", f_float},           {"indent", f_indent},
-      {"int", f_int},         {"items", f_items},           {"join", f_join},
-      {"last", f_last},       {"length", f_length},         {"list", f_list},
-      {"lower", f_lower},     {"map", f_map},               {"max", f_max},
-      {"min", f_min},         {"reject", f_reject},         {"rejectattr", f_rejectattr},
-      {"replace", f_replace}, {"reverse", f_reverse},       {"round", f_round},
-      {"safe", f_safe},       {"select", f_select},         {"selectattr", f_selectattr},
-      {"sort", f_sort},       {"string", f_string},         {"sum", f_sum},
-      {"title", f_title},     {"tojson", f_tojson},         {"trim", f_trim},
-      {"unique", f_unique},   {"upper", f_upper},           {"wordcount", f_wordcount},
+      {"abs", f_abs},
+      {"capitalize", f_capitalize},
+      {"count", f_length},
+      {"d", f_default},
+      {"default", f_default},
+      {"dictsort", f_dictsort},
+      {"first", f_first},
+      {"float", f_float},
+      {"indent", f_indent},
+      {"int", f_int},
+      {"items", f_items},
+      {"join", f_join},
+      {"last", f_last},
+      {"length", f_length},
+      {"list", f_list},
+      {"lower", f_lower},
+      {"map", f_map},
+      {"max", f_max},
+      {"min", f_min},
+      {"reject", f_reject},
+      {"rejectattr", f_rejectattr},
+      {"replace", f_replace},
+      {"reverse", f_reverse},
+      {"round", f_round},
+      {"safe", f_safe},
+      {"select", f_select},
+      {"selectattr", f_selectattr},
+      {"sort", f_sort},
+      {"string", f_string},
+      {"sum", f_sum},
+      {"title", f_title},
+      {"tojson", f_tojson},
+      {"trim", f_trim},
+      {"unique", f_unique},
+      {"upper", f_upper},
+      {"wordcount", f_wordcount},
   };
   return table;
 }

@@ -186,7 +186,8 @@ void dump(const Value& v, int indent, bool sort_keys, int depth, std::string& ou
       return;
     }
     default:
-      render_fail(c, w, std::string("Object of type ") + v.type_name() + " is not JSON serializable");
+      render_fail(c, w,
+                  std::string("Object of type ") + v.type_name() + " is not JSON serializable");
   }
 }
 

@@ -146,7 +146,8 @@ class Lexer {
     while (true) {
       while (pos < src_.size() && is_space(src_[pos])) ++pos;
       if (pos >= src_.size()) {
-        fail(start, kind == '{' ? "unterminated {{ (no closing }})" : "unterminated {% (no closing %})");
+        fail(start,
+             kind == '{' ? "unterminated {{ (no closing }})" : "unterminated {% (no closing %})");
       }
       // The closing delimiter, optionally with - or + before it, ends the tag when every
       // bracket opened inside it is closed.
@@ -257,10 +258,10 @@ class Lexer {
       for (int k = 0; k < n; ++k) {
         const char h = src_[at + static_cast<size_t>(k)];
         if (!std::isxdigit(static_cast<unsigned char>(h))) fail(at, "bad hex escape in string");
-        v = v * 16 + static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h))
-                                               ? h - '0'
-                                               : std::tolower(static_cast<unsigned char>(h)) -
-                                                     'a' + 10);
+        v = v * 16 +
+            static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h))
+                                      ? h - '0'
+                                      : std::tolower(static_cast<unsigned char>(h)) - 'a' + 10);
       }
       return v;
     };

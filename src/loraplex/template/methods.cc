@@ -56,9 +56,9 @@ bool string_method(const std::string& s, const std::string& name, const List& ar
     }
     bool r = false;
     for (const std::string& p : options) {
-      r = r || (name == "startswith" ? s.compare(0, p.size(), p) == 0
-                                     : s.size() >= p.size() &&
-                                           s.compare(s.size() - p.size(), p.size(), p) == 0);
+      r = r || (name == "startswith"
+                    ? s.compare(0, p.size(), p) == 0
+                    : s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0);
     }
     *out = Value(r);
   } else if (name == "replace") {
@@ -189,16 +189,17 @@ bool list_method(const Value& l, const std::string& name, const List& args, Cont
 
 bool is_known_method(std::string_view name) {
   static const std::set<std::string, std::less<>> kNames = {
-      "strip",  "lstrip",     "rstrip", "split",   "rsplit",  "startswith", "endswith",
-      "replace", "upper",     "lower",  "title",   "capitalize", "find",    "rfind",
-      "count",  "join",       "isdigit", "isalpha", "isspace", "isalnum",   "splitlines",
-      "items",  "keys",       "values", "get",     "index"};
+      "strip",   "lstrip", "rstrip",  "split",   "rsplit",     "startswith", "endswith",
+      "replace", "upper",  "lower",   "title",   "capitalize", "find",       "rfind",
+      "count",   "join",   "isdigit", "isalpha", "isspace",    "isalnum",    "splitlines",
+      "items",   "keys",   "values",  "get",     "index"};
   return kNames.count(name) > 0;
 }
 
-bool call_method(const Value& object, const std::string& name, const List& args,
-                 const Dict& kwargs, Context& context, const Location& where, Value* result) {
-  if (!kwargs.empty()) render_fail(context, where, "keyword arguments to ." + name + "() are not supported");
+bool call_method(const Value& object, const std::string& name, const List& args, const Dict& kwargs,
+                 Context& context, const Location& where, Value* result) {
+  if (!kwargs.empty())
+    render_fail(context, where, "keyword arguments to ." + name + "() are not supported");
   if (object.is_string()) return string_method(object.str(), name, args, context, where, result);
   if (object.kind() == Value::Kind::kDict) return dict_method(object, name, args, result);
   if (object.is_list()) return list_method(object, name, args, context, where, result);

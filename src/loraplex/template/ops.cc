@@ -82,8 +82,8 @@ Value get_attribute(const Value& object, const std::string& name, Context& conte
   if (object.is_dict()) {
     if (const Value* v = object.find(name)) return *v;
   }
-  return Value::undefined(detail::concat("'", object.type_name(), "' object has no attribute '",
-                                          name, "'"));
+  return Value::undefined(
+      detail::concat("'", object.type_name(), "' object has no attribute '", name, "'"));
 }
 
 Value get_item(const Value& object, const Value& key, Context& context, const Location& where) {
@@ -135,7 +135,8 @@ List iterate(const Value& value, Context& context, const Location& where) {
       return chars;
     }
     default:
-      render_fail(context, where, std::string("'") + value.type_name() + "' object is not iterable");
+      render_fail(context, where,
+                  std::string("'") + value.type_name() + "' object is not iterable");
   }
 }
 
@@ -168,8 +169,8 @@ int64_t length_of(const Value& value, Context& context, const Location& where) {
     case Value::Kind::kNamespace:
       return static_cast<int64_t>(value.dict().size());
     default:
-      render_fail(context, where, std::string("object of type '") + value.type_name() +
-                                      "' has no len()");
+      render_fail(context, where,
+                  std::string("object of type '") + value.type_name() + "' has no len()");
   }
 }
 
@@ -182,8 +183,9 @@ Value binary_op(const std::string& op, const Value& a, const Value& b, Context& 
     bool found = false;
     if (b.is_string()) {
       if (!a.is_string()) {
-        render_fail(context, where, std::string("'in <string>' requires string as left operand, not ") +
-                                        a.type_name());
+        render_fail(
+            context, where,
+            std::string("'in <string>' requires string as left operand, not ") + a.type_name());
       }
       found = b.str().find(a.str()) != std::string::npos;
     } else if (b.is_dict()) {
@@ -196,8 +198,8 @@ Value binary_op(const std::string& op, const Value& a, const Value& b, Context& 
         }
       }
     } else if (!b.is_undefined()) {
-      render_fail(context, where, std::string("argument of type '") + b.type_name() +
-                                      "' is not iterable");
+      render_fail(context, where,
+                  std::string("argument of type '") + b.type_name() + "' is not iterable");
     }
     return Value(op == "in" ? found : !found);
   }

@@ -82,7 +82,8 @@ class Parser {
   }
   void expect_block_end() {
     const Token& t = next();
-    if (t.type != T::kBlockEnd) fail(t, "expected the end of the statement ('%}'), got " + describe(t));
+    if (t.type != T::kBlockEnd)
+      fail(t, "expected the end of the statement ('%}'), got " + describe(t));
   }
 
   // Parses statements until a block tag named in `stop` (left unconsumed: the caller reads it)
@@ -141,8 +142,8 @@ class Parser {
       return g;
     }
     static const std::set<std::string> kKnownUnsupported = {
-        "include", "import", "from",   "extends", "block", "call", "filter",
-        "with",    "raw",    "autoescape", "do",  "trans", "pluralize"};
+        "include", "import", "from",       "extends", "block", "call",     "filter",
+        "with",    "raw",    "autoescape", "do",      "trans", "pluralize"};
     if (kKnownUnsupported.count(k)) {
       fail(keyword, "'{% " + k + " %}' is not supported by loraplex's chat-template engine");
     }
@@ -327,9 +328,8 @@ class Parser {
     while (true) {
       const Token& t = peek();
       std::string op;
-      if (t.type == T::kOperator &&
-          (t.value == "==" || t.value == "!=" || t.value == "<" || t.value == ">" ||
-           t.value == "<=" || t.value == ">=")) {
+      if (t.type == T::kOperator && (t.value == "==" || t.value == "!=" || t.value == "<" ||
+                                     t.value == ">" || t.value == "<=" || t.value == ">=")) {
         op = t.value;
         next();
       } else if (is_name(t, "in")) {
@@ -370,8 +370,7 @@ class Parser {
 
   ExprPtr parse_math2() {
     ExprPtr left = parse_pow();
-    while (is_op(peek(), "*") || is_op(peek(), "/") || is_op(peek(), "//") ||
-           is_op(peek(), "%")) {
+    while (is_op(peek(), "*") || is_op(peek(), "/") || is_op(peek(), "//") || is_op(peek(), "%")) {
       const Token& op = next();
       left = std::make_unique<Binary>(at(op), op.value, std::move(left), parse_pow());
     }

@@ -23,7 +23,8 @@ Value Value::none() {
 Value::Value(bool b) : kind_(Kind::kBool), b_(b), i_(b ? 1 : 0) {}
 Value::Value(int64_t i) : kind_(Kind::kInt), i_(i) {}
 Value::Value(double d) : kind_(Kind::kFloat), d_(d) {}
-Value::Value(std::string s) : kind_(Kind::kString), s_(std::make_shared<std::string>(std::move(s))) {}
+Value::Value(std::string s)
+    : kind_(Kind::kString), s_(std::make_shared<std::string>(std::move(s))) {}
 Value::Value(List list) : kind_(Kind::kList), list_(std::make_shared<List>(std::move(list))) {}
 Value::Value(Dict dict) : kind_(Kind::kDict), dict_(std::make_shared<Dict>(std::move(dict))) {}
 

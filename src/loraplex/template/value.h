@@ -32,20 +32,31 @@ struct Callable {
 
 class Value {
  public:
-  enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace, kCallable };
+  enum class Kind {
+    kUndefined,
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kString,
+    kList,
+    kDict,
+    kNamespace,
+    kCallable
+  };
 
   /// Undefined; `hint` names what was missing, for error messages.
   Value() = default;
   static Value undefined(std::string hint);
   static Value none();
-  Value(bool b);                // NOLINT(google-explicit-constructor)
-  Value(int64_t i);             // NOLINT(google-explicit-constructor)
+  Value(bool b);                                    // NOLINT(google-explicit-constructor)
+  Value(int64_t i);                                 // NOLINT(google-explicit-constructor)
   Value(int i) : Value(static_cast<int64_t>(i)) {}  // NOLINT(google-explicit-constructor)
-  Value(double d);              // NOLINT(google-explicit-constructor)
-  Value(std::string s);         // NOLINT(google-explicit-constructor)
-  Value(const char* s) : Value(std::string(s)) {}  // NOLINT(google-explicit-constructor)
-  Value(List list);             // NOLINT(google-explicit-constructor)
-  Value(Dict dict);             // NOLINT(google-explicit-constructor)
+  Value(double d);                                  // NOLINT(google-explicit-constructor)
+  Value(std::string s);                             // NOLINT(google-explicit-constructor)
+  Value(const char* s) : Value(std::string(s)) {}   // NOLINT(google-explicit-constructor)
+  Value(List list);                                 // NOLINT(google-explicit-constructor)
+  Value(Dict dict);                                 // NOLINT(google-explicit-constructor)
   /// A namespace(): a dict whose attributes `set ns.x = ...` changes in place.
   /// A tuple: a list that prints with parentheses (dict items, tuple literals).
   static Value tuple(List items);
