@@ -1,6 +1,7 @@
 #include "loraplex/server/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include "loraplex/core/error.h"
 
@@ -30,6 +31,17 @@ class HttplibSink : public ChunkSink {
   httplib::DataSink& sink_;
 };
 
+// cpp-httplib listens with a backlog of 5, so a burst of clients connecting at once overflows
+// the accept queue and some get reset. Linux takes a second listen() on a bound socket as a
+// new backlog, and the listening socket is only reachable from a subclass.
+class BackloggedServer : public httplib::Server {
+ public:
+  void widen_backlog() {
+    const socket_t fd = svr_sock_;
+    if (fd != INVALID_SOCKET) ::listen(fd, SOMAXCONN);
+  }
+};
+
 // Compares without leaking the key's length or content through timing.
 bool same_key(const std::string& given, const std::string& key) {
   unsigned char diff = given.size() == key.size() ? 0 : 1;
@@ -44,7 +56,7 @@ bool same_key(const std::string& given, const std::string& key) {
 struct HttpServer::Impl {
   OpenAIService& service;
   HttpOptions options;
-  httplib::Server http;
+  BackloggedServer http;
 
   Impl(OpenAIService& s, HttpOptions o) : service(s), options(std::move(o)) {}
 
@@ -182,6 +194,7 @@ int HttpServer::bind() {
     LORAPLEX_CHECK(impl_->http.bind_to_port(o.host, port), "cannot listen on ", o.host, ":", port,
                    " (in use, or not an address of this machine)");
   }
+  impl_->http.widen_backlog();
   return port;
 }
 
