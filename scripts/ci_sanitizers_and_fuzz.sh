@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# CI stage for the adapter code: the adapter stress test and the safetensors tests under
-# AddressSanitizer (+UBSan) and ThreadSanitizer, then the safetensors fuzzer for a bounded time
-# on its seed corpus. CPU only (sanitizers cannot run CUDA code here).
+# CI stage for the adapter code and the server's request path: the adapter stress test, the
+# safetensors tests and the server's protocol tests under AddressSanitizer (+UBSan) and
+# ThreadSanitizer, then the safetensors and OpenAI-request fuzzers for a bounded time each on
+# their seed corpora. CPU only (sanitizers cannot run CUDA code here).
 #
 # Usage: scripts/ci_sanitizers_and_fuzz.sh
 # Environment: JOBS (parallel build jobs, default nproc), FUZZ_SECONDS (default 60),
@@ -15,7 +16,10 @@ cd "$ROOT"
 JOBS="${JOBS:-$(nproc)}"
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
 PREFIX="${BUILD_PREFIX:-build}"
-TEST_TARGETS=(loraplex_adapters_stress_tests loraplex_safetensors_tests)
+# Test binaries as paths under the build directory's tests/ (the target name is the file name).
+TEST_BINARIES=(adapters/loraplex_adapters_stress_tests adapters/loraplex_safetensors_tests
+               server/loraplex_server_protocol_tests template/loraplex_template_tests)
+TEST_TARGETS=("${TEST_BINARIES[@]##*/}")
 
 TOTAL_START=$SECONDS
 stage() {
@@ -36,8 +40,8 @@ configure() {
 run_tests() {
   local dir="$1"
   local t
-  for t in "${TEST_TARGETS[@]}"; do
-    "$dir/tests/adapters/$t" --gtest_brief=1
+  for t in "${TEST_BINARIES[@]}"; do
+    "$dir/tests/$t" --gtest_brief=1
   done
 }
 
@@ -56,10 +60,14 @@ stage "tsan: run" run_tests "${PREFIX}-tsan"
 FUZZ_DIR="${PREFIX}-fuzz"
 stage "fuzz: configure" configure "$FUZZ_DIR" -DCMAKE_CXX_COMPILER=clang++ \
   -DLORAPLEX_BUILD_FUZZERS=ON -DLORAPLEX_BUILD_TESTS=OFF
-stage "fuzz: build" ninja -C "$FUZZ_DIR" -j"$JOBS" loraplex_safetensors_fuzz
-mkdir -p "$FUZZ_DIR/corpus" "$FUZZ_DIR/artifacts"
-stage "fuzz: run ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_safetensors_fuzz" \
+stage "fuzz: build" ninja -C "$FUZZ_DIR" -j"$JOBS" loraplex_safetensors_fuzz \
+  loraplex_openai_request_fuzz
+mkdir -p "$FUZZ_DIR/corpus" "$FUZZ_DIR/corpus-openai" "$FUZZ_DIR/artifacts"
+stage "fuzz: safetensors ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_safetensors_fuzz" \
   -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 -dict=fuzz/safetensors.dict \
   -artifact_prefix="$FUZZ_DIR/artifacts/" "$FUZZ_DIR/corpus" fuzz/corpus/safetensors
+stage "fuzz: openai request ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_openai_request_fuzz" \
+  -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 -dict=fuzz/openai_request.dict \
+  -artifact_prefix="$FUZZ_DIR/artifacts/" "$FUZZ_DIR/corpus-openai" fuzz/corpus/openai_request
 
 echo "=== sanitizers and fuzzing passed in $((SECONDS - TOTAL_START)) s"

@@ -100,7 +100,7 @@ TEST(Prometheus, ExpositionFormatIsWellFormed) {
   }
   EXPECT_GT(samples, 30);
   EXPECT_EQ(types["vllm:time_to_first_token_seconds"], "histogram");
-  EXPECT_EQ(types["vllm:prompt_tokens"], "counter");
+  EXPECT_EQ(types["vllm:prompt_tokens_total"], "counter");
   EXPECT_NE(text.find("model_name=\"we\\\"ird\\\\name\""), std::string::npos);
 }
 

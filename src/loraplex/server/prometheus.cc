@@ -50,8 +50,10 @@ class Writer {
     header(name, "gauge", help);
     sample(name, base_, value);
   }
+  // prometheus_client declares a counter under its sample name (with _total), and its parser
+  // only files the samples under the family when the names agree.
   void counter(const std::string& name, const std::string& help, double value) {
-    header(name, "counter", help);
+    header(name + "_total", "counter", help);
     sample(name + "_total", base_, value);
   }
   void histogram(const std::string& name, const std::string& help,
@@ -140,7 +142,7 @@ std::string format_prometheus(const engine::EngineMetrics& m, const std::string&
             static_cast<double>(m.prefix_cache_queries_total));
   w.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
             static_cast<double>(m.prefix_cache_hits_total));
-  w.header("vllm:request_success", "counter", "Count of successfully processed requests.");
+  w.header("vllm:request_success_total", "counter", "Count of successfully processed requests.");
   for (const char* reason : {"stop", "length", "abort"}) {
     const auto it = m.finished_total.find(reason);
     Labels l = w.base();
