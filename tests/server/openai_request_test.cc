@@ -73,6 +73,18 @@ TEST(OpenAIRequest, ChatFields) {
   EXPECT_TRUE(prefill.chat.continue_final_message);
 }
 
+TEST(OpenAIRequest, DeeplyNestedBodiesAreRefusedNotRecursedInto) {
+  const std::string deep = R"({"prompt": "x", "user_data": )" + std::string(100000, '[') +
+                           std::string(100000, ']') + "}";
+  try {
+    parse_completion_request(deep);
+    FAIL() << "accepted";
+  } catch (const ApiException& e) {
+    EXPECT_EQ(e.error().status, 400);
+    EXPECT_NE(std::string(e.what()).find("nests deeper"), std::string::npos) << e.what();
+  }
+}
+
 TEST(OpenAIRequest, InvalidBodiesAre400NamingTheField) {
   struct Case {
     bool chat;

@@ -1,5 +1,6 @@
 #include "loraplex/server/openai_request.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -240,6 +241,20 @@ json flatten_content(const json& content, size_t index) {
   return text;
 }
 
+// The deepest nesting of arrays and objects in `j`, walked without recursion.
+size_t nesting_depth(const json& j) {
+  size_t deepest = 0;
+  std::vector<std::pair<const json*, size_t>> todo = {{&j, 1}};
+  while (!todo.empty()) {
+    const auto [node, depth] = todo.back();
+    todo.pop_back();
+    if (!node->is_structured()) continue;
+    deepest = std::max(deepest, depth);
+    for (const json& child : *node) todo.emplace_back(&child, depth + 1);
+  }
+  return deepest;
+}
+
 }  // namespace
 
 json parse_json_object(std::string_view body) {
@@ -249,8 +264,15 @@ json parse_json_object(std::string_view body) {
   } catch (const json::exception& e) {
     throw_api(400, std::string("the request body is not valid JSON: ") + e.what());
   }
-  if (!j.is_object())
+  if (!j.is_object()) {
     throw_api(400, std::string("the request body must be a JSON object, got ") + type_of(j));
+  }
+  // The template engine and the response writer walk values recursively; real requests nest a
+  // handful of levels (tool schemas a few more).
+  constexpr size_t kMaxDepth = 64;
+  if (nesting_depth(j) > kMaxDepth) {
+    throw_api(400, "the request body nests deeper than " + std::to_string(kMaxDepth) + " levels");
+  }
   return j;
 }
 
