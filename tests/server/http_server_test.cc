@@ -484,6 +484,7 @@ TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
 
 TEST_F(ServerTest, ConcurrentStreamsWithAReloadInTheMiddle) {
   start();
+  backend_.load_adapter("sql", (lora_dir_ / "sql").string());
   const std::vector<std::string> models = {"base-model", "sql", "pirate"};
   constexpr int kClients = 32;
   std::vector<std::string> texts(kClients);
