@@ -3,8 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <cstdlib>
 #include <map>
-#include <regex>
 #include <sstream>
 
 #include "loraplex/server/prometheus.h"
@@ -71,30 +72,85 @@ TEST(Prometheus, VllmNamesLabelsAndValues) {
   }
 }
 
+bool is_name_char(char c, bool first) {
+  return std::isalpha(static_cast<unsigned char>(c)) || c == '_' || c == ':' ||
+         (!first && std::isdigit(static_cast<unsigned char>(c)));
+}
+
+// Reads a metric name at `pos`; empty when there is none.
+std::string read_name(const std::string& line, size_t& pos) {
+  const size_t start = pos;
+  while (pos < line.size() && is_name_char(line[pos], pos == start)) ++pos;
+  return line.substr(start, pos - start);
+}
+
+// A sample line of the text format (0.0.4): name, optional {label="value",...} with escaped
+// values, one space, a number. Returns the metric name, or "" when the line is malformed.
+std::string parse_sample(const std::string& line) {
+  size_t pos = 0;
+  const std::string name = read_name(line, pos);
+  if (name.empty()) return "";
+  if (pos < line.size() && line[pos] == '{') {
+    ++pos;
+    while (pos < line.size() && line[pos] != '}') {
+      if (read_name(line, pos).empty() || pos + 1 >= line.size() || line[pos] != '=' ||
+          line[pos + 1] != '"') {
+        return "";
+      }
+      pos += 2;
+      while (pos < line.size() && line[pos] != '"') {
+        if (line[pos] == '\\') {
+          if (pos + 1 >= line.size() ||
+              std::string("\\\"n").find(line[pos + 1]) == std::string::npos) {
+            return "";
+          }
+          ++pos;
+        } else if (line[pos] == '\n') {
+          return "";
+        }
+        ++pos;
+      }
+      if (pos >= line.size()) return "";
+      ++pos;  // closing quote
+      if (pos < line.size() && line[pos] == ',') ++pos;
+    }
+    if (pos >= line.size()) return "";
+    ++pos;  // }
+  }
+  if (pos >= line.size() || line[pos] != ' ') return "";
+  const std::string value = line.substr(pos + 1);
+  if (value == "+Inf" || value == "-Inf" || value == "NaN") return name;
+  char* end = nullptr;
+  std::strtod(value.c_str(), &end);
+  return !value.empty() && end == value.c_str() + value.size() ? name : "";
+}
+
 TEST(Prometheus, ExpositionFormatIsWellFormed) {
   const std::string text = format_prometheus(sample_metrics(), "we\"ird\\name", 1.0);
-  const std::regex help(R"(# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) .+)");
-  const std::regex type(R"(# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (gauge|counter|histogram))");
-  const std::regex sample(
-      R"(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\.)*",?)*\})? ([-+0-9.e]+|\+Inf|-Inf|NaN))");
   std::map<std::string, std::string> types;
   std::string current;
   std::istringstream in(text);
   int samples = 0;
   for (std::string line; std::getline(in, line);) {
-    std::smatch m;
-    if (std::regex_match(line, m, help)) {
-      current = m[1];
+    if (line.rfind("# HELP ", 0) == 0) {
+      size_t pos = 7;
+      current = read_name(line, pos);
+      EXPECT_FALSE(current.empty()) << line;
+      EXPECT_TRUE(pos + 1 < line.size() && line[pos] == ' ') << "HELP without text: " << line;
       continue;
     }
-    if (std::regex_match(line, m, type)) {
-      EXPECT_EQ(m[1], current) << "TYPE without its HELP: " << line;
-      EXPECT_TRUE(types.emplace(m[1], m[2]).second) << "family declared twice: " << line;
+    if (line.rfind("# TYPE ", 0) == 0) {
+      size_t pos = 7;
+      const std::string name = read_name(line, pos);
+      const std::string type = pos < line.size() ? line.substr(pos + 1) : "";
+      EXPECT_EQ(name, current) << "TYPE without its HELP: " << line;
+      EXPECT_TRUE(type == "gauge" || type == "counter" || type == "histogram") << line;
+      EXPECT_TRUE(types.emplace(name, type).second) << "family declared twice: " << line;
       continue;
     }
-    ASSERT_TRUE(std::regex_match(line, m, sample)) << "not a sample line: " << line;
-    const std::string name = m[1];
-    // A sample belongs to the family declared last (suffixes _total, _bucket, _sum, _count).
+    const std::string name = parse_sample(line);
+    ASSERT_FALSE(name.empty()) << "not a sample line: " << line;
+    // A sample belongs to the family declared last (suffixes _bucket, _sum, _count).
     EXPECT_EQ(name.rfind(current, 0), 0u) << line;
     ++samples;
   }
