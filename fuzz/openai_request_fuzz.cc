@@ -51,10 +51,10 @@ class EchoBackend : public loraplex::server::ServingBackend {
     }
     return std::make_unique<Done>(std::move(request));
   }
-  AdapterInfo load_adapter(const std::string&, const std::string&) override { return {}; }
+  loraplex::AdapterInfo load_adapter(const std::string&, const std::string&) override { return {}; }
   bool unload_adapter(const std::string&) override { return false; }
   bool has_adapter(const std::string& name) const override { return name == "sql"; }
-  std::vector<AdapterInfo> list_adapters() const override { return {}; }
+  std::vector<loraplex::AdapterInfo> list_adapters() const override { return {}; }
   loraplex::engine::EngineMetrics metrics() const override { return {}; }
   int64_t max_model_len() const override { return 256; }
   std::vector<int32_t> encode(const std::string& text, bool) const override {
