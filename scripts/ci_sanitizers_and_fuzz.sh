@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# CI stage for the adapter code and the engine: the adapter stress test and the safetensors tests
-# under AddressSanitizer (+UBSan) and ThreadSanitizer, the engine tests under ThreadSanitizer,
-# then the safetensors fuzzer for a bounded time on its seed corpus. CPU only (sanitizers cannot
-# run CUDA code here).
+# CI stage for the adapter code, the engine and the server's request path: the adapter stress
+# test, the safetensors tests and the server's protocol and template tests under
+# AddressSanitizer (+UBSan) and ThreadSanitizer, the engine tests under ThreadSanitizer, then
+# the safetensors and OpenAI-request fuzzers for a bounded time each on their seed corpora.
+# CPU only (sanitizers cannot run CUDA code here).
 #
 # Usage: scripts/ci_sanitizers_and_fuzz.sh
 # Environment: JOBS (parallel build jobs, default nproc), FUZZ_SECONDS (default 60),
@@ -17,7 +18,8 @@ JOBS="${JOBS:-$(nproc)}"
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}"
 PREFIX="${BUILD_PREFIX:-build}"
 # FOLDER:TARGET[:GTEST_FILTER], FOLDER under tests/.
-TEST_TARGETS=(adapters:loraplex_adapters_stress_tests adapters:loraplex_safetensors_tests)
+TEST_TARGETS=(adapters:loraplex_adapters_stress_tests adapters:loraplex_safetensors_tests
+              server:loraplex_server_protocol_tests template:loraplex_template_tests)
 # The engine's step loop, handles, aborts and adapter loads across threads (tiny model, CPU),
 # TSan only; the tests that exercise threads (about 15 s under TSan).
 TSAN_ONLY_TARGETS=(
@@ -77,10 +79,14 @@ stage "tsan: run" run_tests "${PREFIX}-tsan" "${TEST_TARGETS[@]}" "${TSAN_ONLY_T
 FUZZ_DIR="${PREFIX}-fuzz"
 stage "fuzz: configure" configure "$FUZZ_DIR" -DCMAKE_CXX_COMPILER=clang++ \
   -DLORAPLEX_BUILD_FUZZERS=ON -DLORAPLEX_BUILD_TESTS=OFF
-stage "fuzz: build" ninja -C "$FUZZ_DIR" -j"$JOBS" loraplex_safetensors_fuzz
-mkdir -p "$FUZZ_DIR/corpus" "$FUZZ_DIR/artifacts"
-stage "fuzz: run ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_safetensors_fuzz" \
+stage "fuzz: build" ninja -C "$FUZZ_DIR" -j"$JOBS" loraplex_safetensors_fuzz \
+  loraplex_openai_request_fuzz
+mkdir -p "$FUZZ_DIR/corpus" "$FUZZ_DIR/corpus-openai" "$FUZZ_DIR/artifacts"
+stage "fuzz: safetensors ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_safetensors_fuzz" \
   -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 -dict=fuzz/safetensors.dict \
   -artifact_prefix="$FUZZ_DIR/artifacts/" "$FUZZ_DIR/corpus" fuzz/corpus/safetensors
+stage "fuzz: openai request ${FUZZ_SECONDS} s" "$FUZZ_DIR/fuzz/loraplex_openai_request_fuzz" \
+  -max_total_time="$FUZZ_SECONDS" -print_final_stats=1 -dict=fuzz/openai_request.dict \
+  -artifact_prefix="$FUZZ_DIR/artifacts/" "$FUZZ_DIR/corpus-openai" fuzz/corpus/openai_request
 
 echo "=== sanitizers and fuzzing passed in $((SECONDS - TOTAL_START)) s"

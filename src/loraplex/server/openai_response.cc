@@ -1,0 +1,146 @@
+#include "loraplex/server/openai_response.h"
+
+#include <random>
+
+namespace loraplex::server {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+json header_json(const ResponseHeader& h, const char* object) {
+  json j;
+  j["id"] = h.id;
+  j["object"] = object;
+  j["created"] = h.created;
+  j["model"] = h.model;
+  return j;
+}
+
+json finish_reason_json(const Finish& f) {
+  return f.finish_reason.empty() ? json() : json(f.finish_reason);
+}
+
+}  // namespace
+
+std::string dump_json(const json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string new_request_id(const std::string& prefix) {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  static const char* kHex = "0123456789abcdef";
+  std::string id = prefix;
+  for (int i = 0; i < 2; ++i) {
+    uint64_t bits = rng();
+    for (int k = 0; k < 16; ++k, bits >>= 4) id += kHex[bits & 0xF];
+  }
+  return id;
+}
+
+json usage_json(const Usage& u) {
+  json j;
+  j["prompt_tokens"] = u.prompt_tokens;
+  j["total_tokens"] = u.prompt_tokens + u.completion_tokens;
+  j["completion_tokens"] = u.completion_tokens;
+  j["prompt_tokens_details"] = {{"cached_tokens", u.cached_tokens}};
+  return j;
+}
+
+json completion_logprobs(const std::vector<TokenLogprob>& tokens, int64_t text_offset) {
+  json j;
+  j["text_offset"] = json::array();
+  j["token_logprobs"] = json::array();
+  j["tokens"] = json::array();
+  j["top_logprobs"] = json::array();
+  int64_t offset = text_offset;
+  for (const TokenLogprob& t : tokens) {
+    j["text_offset"].push_back(offset);
+    j["token_logprobs"].push_back(t.logprob);
+    j["tokens"].push_back(t.token);
+    j["top_logprobs"].push_back(json{{t.token, t.logprob}});
+    offset += static_cast<int64_t>(t.token.size());
+  }
+  return j;
+}
+
+json chat_logprobs(const std::vector<TokenLogprob>& tokens) {
+  json content = json::array();
+  for (const TokenLogprob& t : tokens) {
+    json bytes = json::array();
+    for (unsigned char c : t.token) bytes.push_back(static_cast<int>(c));
+    content.push_back(json{{"token", t.token},
+                           {"logprob", t.logprob},
+                           {"bytes", bytes},
+                           {"top_logprobs", json::array()}});
+  }
+  return json{{"content", content}};
+}
+
+std::string completion_body(const ResponseHeader& h, const std::string& text, const Finish& f,
+                            const Usage& usage, const json& logprobs) {
+  json j = header_json(h, "text_completion");
+  json choice;
+  choice["index"] = 0;
+  choice["text"] = text;
+  choice["logprobs"] = logprobs;
+  choice["finish_reason"] = finish_reason_json(f);
+  choice["stop_reason"] = f.stop_reason;
+  j["choices"] = json::array({choice});
+  j["usage"] = usage_json(usage);
+  return dump_json(j);
+}
+
+std::string chat_body(const ResponseHeader& h, const std::string& text, const Finish& f,
+                      const Usage& usage, const json& logprobs) {
+  json j = header_json(h, "chat.completion");
+  json message;
+  message["role"] = "assistant";
+  message["content"] = text;
+  message["tool_calls"] = json::array();
+  json choice;
+  choice["index"] = 0;
+  choice["message"] = message;
+  choice["logprobs"] = logprobs;
+  choice["finish_reason"] = finish_reason_json(f);
+  choice["stop_reason"] = f.stop_reason;
+  j["choices"] = json::array({choice});
+  j["usage"] = usage_json(usage);
+  return dump_json(j);
+}
+
+std::string completion_chunk(const ResponseHeader& h, const std::string& text, const Finish& f,
+                             const json& logprobs) {
+  json j = header_json(h, "text_completion");
+  json choice;
+  choice["index"] = 0;
+  choice["text"] = text;
+  choice["logprobs"] = logprobs;
+  choice["finish_reason"] = finish_reason_json(f);
+  choice["stop_reason"] = f.stop_reason;
+  j["choices"] = json::array({choice});
+  return dump_json(j);
+}
+
+std::string chat_chunk(const ResponseHeader& h, const json& delta, const Finish& f,
+                       const json& logprobs) {
+  json j = header_json(h, "chat.completion.chunk");
+  json choice;
+  choice["index"] = 0;
+  choice["delta"] = delta;
+  choice["logprobs"] = logprobs;
+  choice["finish_reason"] = finish_reason_json(f);
+  if (!f.finish_reason.empty()) choice["stop_reason"] = f.stop_reason;
+  j["choices"] = json::array({choice});
+  return dump_json(j);
+}
+
+std::string usage_chunk(const ResponseHeader& h, const std::string& object, const Usage& usage) {
+  json j = header_json(h, object.c_str());
+  j["choices"] = json::array();
+  j["usage"] = usage_json(usage);
+  return dump_json(j);
+}
+
+std::string sse_event(const std::string& json_text) { return "data: " + json_text + "\n\n"; }
+
+}  // namespace loraplex::server

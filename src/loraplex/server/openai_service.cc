@@ -1,0 +1,345 @@
+#include "loraplex/server/openai_service.h"
+
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+
+#include "loraplex/server/prometheus.h"
+#include "loraplex/template/errors.h"
+
+namespace loraplex::server {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+int64_t unix_now() { return static_cast<int64_t>(std::time(nullptr)); }
+
+double unix_now_precise() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+json model_card(const std::string& id, const std::string& root, const json& parent,
+                const json& max_model_len) {
+  json card;
+  card["id"] = id;
+  card["object"] = "model";
+  card["created"] = unix_now();
+  card["owned_by"] = "loraplex";
+  card["root"] = root;
+  card["parent"] = parent;
+  card["max_model_len"] = max_model_len;
+  card["permission"] = json::array({json{{"id", new_request_id("modelperm-")},
+                                         {"object", "model_permission"},
+                                         {"created", unix_now()},
+                                         {"allow_create_engine", false},
+                                         {"allow_sampling", true},
+                                         {"allow_logprobs", true},
+                                         {"allow_search_indices", false},
+                                         {"allow_view", true},
+                                         {"allow_fine_tuning", false},
+                                         {"organization", "*"},
+                                         {"group", nullptr},
+                                         {"is_blocking", false}}});
+  return card;
+}
+
+// An adapter name usable as one path component under --lora-dir.
+bool safe_component(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\\') == std::string::npos && name.find('\0') == std::string::npos;
+}
+
+HttpReply text_reply(int status, std::string body) {
+  return HttpReply{status, "text/plain; charset=utf-8", std::move(body)};
+}
+
+}  // namespace
+
+ApiError api_error_of(const engine::RequestError& e) {
+  switch (e.kind()) {
+    case engine::RequestError::Kind::kUnknownAdapter:
+      return ApiError{404, e.what(), "", "model"};
+    case engine::RequestError::Kind::kOverloaded:
+      return ApiError{503, e.what(), "", ""};
+    case engine::RequestError::Kind::kTooLong:
+      return ApiError{400, e.what(), "", "prompt"};
+    case engine::RequestError::Kind::kInvalid:
+    default:
+      return ApiError{400, e.what(), "", ""};
+  }
+}
+
+OpenAIService::OpenAIService(ServingBackend& backend, ServiceConfig config)
+    : backend_(backend), config_(std::move(config)) {}
+
+std::string OpenAIService::resolve_adapter(const std::string& model) {
+  if (model.empty() || model == config_.served_model_name) return "";
+  if (backend_.has_adapter(model)) return model;
+  if (!config_.lora_dir.empty() && safe_component(model)) {
+    const std::filesystem::path dir = std::filesystem::path(config_.lora_dir) / model;
+    std::error_code ec;
+    if (std::filesystem::is_directory(dir, ec)) {
+      // Concurrent first requests for one adapter load it once.
+      std::lock_guard<std::mutex> lock(resolve_mutex_);
+      if (backend_.has_adapter(model)) return model;
+      try {
+        backend_.load_adapter(model, dir.string());
+      } catch (const Error& e) {
+        throw_api(400, "adapter '" + model + "' (" + dir.string() + ") failed to load: " + e.what(),
+                  "model");
+      }
+      return model;
+    }
+  }
+  throw ApiException(ApiError{404, "The model `" + model + "` does not exist.", "", "model"});
+}
+
+OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
+                                               std::string_view body) {
+  Submitted s;
+  s.request = kind == GenerationRequest::Kind::kChat ? parse_chat_request(body)
+                                                     : parse_completion_request(body);
+  GenerationRequest& r = s.request;
+  engine::Request req;
+  req.adapter = resolve_adapter(r.model);
+  req.options = r.options;
+  if (kind == GenerationRequest::Kind::kChat) {
+    if (!config_.chat_template) {
+      throw_api(400,
+                "this model has no chat template: start the server with --chat-template FILE, or "
+                "use /v1/completions");
+    }
+    std::string prompt;
+    try {
+      prompt = config_.chat_template->render(r.messages, r.chat);
+    } catch (const jinja::TemplateRenderError& e) {
+      throw_api(400, std::string("the chat template failed: ") + e.what(), "messages");
+    } catch (const Error& e) {
+      throw_api(400, e.what(), "messages");
+    }
+    try {
+      req.prompt_ids = backend_.encode(prompt, r.add_special_tokens);
+    } catch (const Error& e) {
+      throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "messages");
+    }
+    if (req.prompt_ids.empty()) throw_api(400, "the chat prompt encodes to no tokens", "messages");
+    if (!r.max_tokens_given) {
+      // vLLM's default for chat: whatever context the prompt leaves.
+      const int64_t room = backend_.max_model_len() - static_cast<int64_t>(req.prompt_ids.size());
+      if (room < 1) {
+        throw_api(400,
+                  "This model's maximum context length is " +
+                      std::to_string(backend_.max_model_len()) +
+                      " tokens. However, your messages "
+                      "resulted in " +
+                      std::to_string(req.prompt_ids.size()) + " tokens.",
+                  "messages");
+      }
+      req.options.max_tokens = room;
+    }
+  } else {
+    req.prompt = r.prompt;
+    req.prompt_ids = r.prompt_ids;
+  }
+  s.header.id = new_request_id(kind == GenerationRequest::Kind::kChat ? "chatcmpl-" : "cmpl-");
+  s.header.created = unix_now();
+  s.header.model = r.model.empty() ? config_.served_model_name : r.model;
+  try {
+    s.stream = backend_.submit(std::move(req));
+  } catch (const engine::RequestError& e) {
+    throw ApiException(api_error_of(e));
+  }
+  return s;
+}
+
+std::vector<TokenLogprob> OpenAIService::logprobs_of(const engine::RequestOutput& out) const {
+  std::vector<TokenLogprob> lps;
+  for (size_t i = 0; i < out.token_ids.size() && i < out.logprobs.size(); ++i) {
+    lps.push_back({backend_.token_text(out.token_ids[i]), out.logprobs[i]});
+  }
+  return lps;
+}
+
+Finish OpenAIService::finish_of(const engine::RequestOutput& out,
+                                const GenerationRequest& request) const {
+  Finish f;
+  switch (out.finish_reason) {
+    case engine::FinishReason::kStop:
+      f.finish_reason = "stop";
+      break;
+    case engine::FinishReason::kLength:
+      f.finish_reason = "length";
+      break;
+    case engine::FinishReason::kAbort:
+      f.finish_reason = "abort";
+      break;
+    default:
+      break;
+  }
+  if (!out.stop_reason.empty()) {
+    // A stop token id is reported as a number (as vLLM does), a stop string as text.
+    bool is_id = false;
+    for (int32_t id : request.options.stop_token_ids)
+      is_id = is_id || out.stop_reason == std::to_string(id);
+    f.stop_reason = is_id ? json(std::stoll(out.stop_reason)) : json(out.stop_reason);
+  }
+  return f;
+}
+
+HttpReply OpenAIService::complete(Submitted& s) {
+  std::string text;
+  std::vector<TokenLogprob> lps;
+  engine::RequestOutput last;
+  while (true) {
+    if (stopping_) s.stream->abort();
+    engine::RequestOutput out = s.stream->next(config_.poll_interval);
+    text += out.text;
+    if (s.request.logprobs) {
+      std::vector<TokenLogprob> more = logprobs_of(out);
+      lps.insert(lps.end(), more.begin(), more.end());
+    }
+    if (out.finished) {
+      last = std::move(out);
+      break;
+    }
+  }
+  if (last.finish_reason == engine::FinishReason::kError) {
+    throw_api(500, "generation failed: " + last.error);
+  }
+  const Usage usage{last.prompt_tokens, last.completion_tokens, last.cached_tokens};
+  const Finish finish = finish_of(last, s.request);
+  const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
+  json logprobs;
+  if (s.request.logprobs) logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
+  return HttpReply{200, "application/json",
+                   chat ? chat_body(s.header, text, finish, usage, logprobs)
+                        : completion_body(s.header, text, finish, usage, logprobs)};
+}
+
+void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
+  const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
+  int64_t text_offset = 0;
+  auto send = [&](const std::string& event) {
+    if (sink.write(event)) return true;
+    s.stream->abort();
+    return false;
+  };
+  if (chat && !send(sse_event(chat_chunk(s.header, json{{"role", "assistant"}, {"content", ""}},
+                                         Finish{}, json())))) {
+    return;
+  }
+  while (true) {
+    if (stopping_ || !sink.connected()) {
+      // A client that left (or a shutdown) ends its request: nothing keeps generating.
+      s.stream->abort();
+      return;
+    }
+    engine::RequestOutput out = s.stream->next(config_.poll_interval);
+    if (out.finished && out.finish_reason == engine::FinishReason::kError) {
+      send(sse_event(error_body(ApiError{500, "generation failed: " + out.error, "", ""})));
+      send(kSseDone);
+      return;
+    }
+    if (!out.finished && out.text.empty() && out.token_ids.empty()) continue;
+    const Finish finish = out.finished ? finish_of(out, s.request) : Finish{};
+    json logprobs;
+    if (s.request.logprobs) {
+      const std::vector<TokenLogprob> lps = logprobs_of(out);
+      logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, text_offset);
+    }
+    text_offset += static_cast<int64_t>(out.text.size());
+    std::string chunk;
+    if (chat) {
+      json delta = json::object();
+      if (!out.text.empty() || !out.finished) delta["content"] = out.text;
+      chunk = chat_chunk(s.header, delta, finish, logprobs);
+    } else {
+      chunk = completion_chunk(s.header, out.text, finish, logprobs);
+    }
+    if (!send(sse_event(chunk))) return;
+    if (out.finished) {
+      if (s.request.include_usage) {
+        const Usage usage{out.prompt_tokens, out.completion_tokens, out.cached_tokens};
+        if (!send(sse_event(usage_chunk(
+                s.header, chat ? "chat.completion.chunk" : "text_completion", usage)))) {
+          return;
+        }
+      }
+      send(kSseDone);
+      return;
+    }
+  }
+}
+
+HttpReply OpenAIService::list_models() const {
+  json data = json::array();
+  data.push_back(model_card(config_.served_model_name, config_.model_root, json(),
+                            json(backend_.max_model_len())));
+  for (const AdapterInfo& a : backend_.list_adapters()) {
+    data.push_back(model_card(a.name, a.dir, json(config_.served_model_name), json()));
+  }
+  return HttpReply{200, "application/json", dump_json(json{{"object", "list"}, {"data", data}})};
+}
+
+HttpReply OpenAIService::load_adapter(std::string_view body) {
+  const json j = parse_json_object(body);
+  const std::string name = j.contains("lora_name") && j["lora_name"].is_string()
+                               ? j["lora_name"].get<std::string>()
+                               : std::string();
+  const std::string path = j.contains("lora_path") && j["lora_path"].is_string()
+                               ? j["lora_path"].get<std::string>()
+                               : std::string();
+  if (name.empty() || path.empty()) {
+    throw ApiException(ApiError{400, "Both 'lora_name' and 'lora_path' must be provided.",
+                                "InvalidUserInput", ""});
+  }
+  if (name == config_.served_model_name) {
+    throw ApiException(
+        ApiError{400, "'" + name + "' is the base model's name", "InvalidUserInput", "lora_name"});
+  }
+  if (backend_.has_adapter(name)) {
+    throw ApiException(ApiError{400, "The lora adapter '" + name + "' has already been loaded.",
+                                "InvalidUserInput", "lora_name"});
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) {
+    throw ApiException(
+        ApiError{404, "No adapter found for '" + name + "' at " + path, "", "lora_path"});
+  }
+  try {
+    std::lock_guard<std::mutex> lock(resolve_mutex_);
+    backend_.load_adapter(name, path);
+  } catch (const Error& e) {
+    // The loaded adapters keep serving: a failed load changes nothing.
+    throw_api(400, "adapter '" + name + "' failed to load: " + e.what(), "lora_path");
+  }
+  return text_reply(200, "Success: LoRA adapter '" + name + "' added successfully.");
+}
+
+HttpReply OpenAIService::unload_adapter(std::string_view body) {
+  const json j = parse_json_object(body);
+  const std::string name = j.contains("lora_name") && j["lora_name"].is_string()
+                               ? j["lora_name"].get<std::string>()
+                               : std::string();
+  if (name.empty()) {
+    throw ApiException(
+        ApiError{400, "'lora_name' must be provided.", "InvalidUserInput", "lora_name"});
+  }
+  if (!backend_.unload_adapter(name)) {
+    throw ApiException(ApiError{404, "The lora adapter '" + name + "' cannot be found.",
+                                "NotFoundError", "lora_name"});
+  }
+  return text_reply(200, "Success: LoRA adapter '" + name + "' removed successfully.");
+}
+
+HttpReply OpenAIService::metrics() const {
+  return HttpReply{
+      200, "text/plain; version=0.0.4; charset=utf-8",
+      format_prometheus(backend_.metrics(), config_.served_model_name, unix_now_precise())};
+}
+
+HttpReply OpenAIService::version() const {
+  return HttpReply{200, "application/json", dump_json(json{{"version", config_.version}})};
+}
+
+}  // namespace loraplex::server

@@ -1,0 +1,94 @@
+#pragma once
+// The OpenAI/vLLM endpoints as plain functions of request bodies, independent of the HTTP
+// library: model-name resolution (the base model, a loaded adapter, or an adapter found in
+// --lora-dir and loaded on first use), chat-template rendering, submission to the backend,
+// whole responses and server-sent-event streams, /v1/models, vLLM's LoRA load/unload,
+// /metrics and /version. Errors are ApiExceptions carrying the status and OpenAI's JSON shape.
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "loraplex/server/api_error.h"
+#include "loraplex/server/backend.h"
+#include "loraplex/server/openai_request.h"
+#include "loraplex/server/openai_response.h"
+#include "loraplex/template/chat_template.h"
+
+namespace loraplex::server {
+
+struct ServiceConfig {
+  std::string served_model_name;  // the base model's id in requests and /v1/models
+  std::string model_root;         // the base model's directory ("root" in /v1/models)
+  std::string lora_dir;           // adapters not loaded are looked up here; empty: off
+  std::shared_ptr<const jinja::ChatTemplate> chat_template;  // null: chat is refused
+  std::string version;
+  /// How often a waiting handler checks for a closed connection or a shutdown.
+  std::chrono::milliseconds poll_interval{50};
+};
+
+struct HttpReply {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+};
+
+/// Where a streamed response goes (the HTTP connection).
+class ChunkSink {
+ public:
+  virtual ~ChunkSink() = default;
+  /// Sends `data`; false when the client is gone.
+  virtual bool write(const std::string& data) = 0;
+  /// False once the client has closed the connection.
+  virtual bool connected() = 0;
+};
+
+class OpenAIService {
+ public:
+  OpenAIService(ServingBackend& backend, ServiceConfig config);
+
+  /// A parsed, submitted generation request, ready to be answered whole or streamed.
+  struct Submitted {
+    GenerationRequest request;
+    ResponseHeader header;
+    std::unique_ptr<GenerationStream> stream;
+  };
+  /// Parses `body` (completion or chat), resolves the model, renders the chat template and
+  /// submits. Throws ApiException: 400 bad request or prompt too long, 404 unknown model,
+  /// 503 overloaded.
+  Submitted submit(GenerationRequest::Kind kind, std::string_view body);
+  /// Waits for the end and returns the whole response (500 when the engine failed it).
+  HttpReply complete(Submitted& submitted);
+  /// Streams server-sent events to `sink` until [DONE]; aborts the request when the client
+  /// disconnects or the service shuts down.
+  void stream(Submitted& submitted, ChunkSink& sink);
+
+  HttpReply list_models() const;
+  HttpReply load_adapter(std::string_view body);
+  HttpReply unload_adapter(std::string_view body);
+  HttpReply metrics() const;
+  HttpReply version() const;
+
+  /// Makes every waiting handler abort its request and return.
+  void shutdown() { stopping_ = true; }
+  bool stopping() const { return stopping_; }
+
+ private:
+  std::string resolve_adapter(const std::string& model);
+  std::vector<TokenLogprob> logprobs_of(const engine::RequestOutput& out) const;
+  Finish finish_of(const engine::RequestOutput& out, const GenerationRequest& request) const;
+
+  ServingBackend& backend_;
+  ServiceConfig config_;
+  std::mutex resolve_mutex_;  // one --lora-dir load at a time
+  std::atomic<bool> stopping_{false};
+};
+
+/// The ApiError an engine refusal maps to (400, 404 or 503).
+ApiError api_error_of(const engine::RequestError& e);
+
+}  // namespace loraplex::server

@@ -1,0 +1,533 @@
+// The HTTP server end to end against the fake backend: a real server on 127.0.0.1 and a free
+// port, driven with an HTTP client and raw sockets. Expected tokens come from the fake's own
+// rule (FakeBackend::expected_tokens), never from the server's output.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "fake_backend.h"
+#include "loraplex/server/http_server.h"
+#include "loraplex/server/openai_service.h"
+
+namespace loraplex::server {
+namespace {
+
+using json = nlohmann::ordered_json;
+using testing::FakeBackend;
+
+const char* kChatml =
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+// SSE events of a response body: the JSON after each "data: ", and whether [DONE] closed it.
+struct Events {
+  std::vector<json> chunks;
+  bool done = false;
+};
+
+Events parse_sse(const std::string& body) {
+  Events e;
+  size_t pos = 0;
+  while (true) {
+    const size_t start = body.find("data: ", pos);
+    if (start == std::string::npos) break;
+    const size_t end = body.find("\n\n", start);
+    const std::string data = body.substr(start + 6, end - start - 6);
+    if (data == "[DONE]") {
+      e.done = true;
+    } else {
+      e.chunks.push_back(json::parse(data));
+    }
+    pos = end == std::string::npos ? body.size() : end + 2;
+  }
+  return e;
+}
+
+// A raw connection, for the tests that need to stop reading or hang up mid-response.
+class RawConnection {
+ public:
+  explicit RawConnection(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawConnection() { close(); }
+  bool connected() const { return connected_; }
+  void send_post(const std::string& path, const std::string& body) {
+    const std::string req =
+        "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
+        "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+        "\r\n\r\n" + body;
+    ASSERT_EQ(::send(fd_, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+  }
+  // Reads until `needle` has been seen `times` times (or the peer closes).
+  std::string read_until(const std::string& needle, int times) {
+    std::string got;
+    char buf[4096];
+    while (true) {
+      int seen = 0;
+      for (size_t p = got.find(needle); p != std::string::npos; p = got.find(needle, p + 1)) ++seen;
+      if (seen >= times) return got;
+      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) return got;
+      got.append(buf, static_cast<size_t>(n));
+    }
+  }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    lora_dir_ = std::filesystem::temp_directory_path() /
+                ("loraplex_server_test_" + std::to_string(::getpid()) + "_" +
+                 ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(lora_dir_ / "sql");
+    std::ofstream(lora_dir_ / "sql" / "adapter_config.json") << "{}";
+    std::filesystem::create_directories(lora_dir_ / "pirate");
+    std::ofstream(lora_dir_ / "pirate" / "adapter_config.json") << "{}";
+    std::filesystem::create_directories(lora_dir_ / "broken");  // no adapter_config.json
+    backend_.max_model_len_ = 400;
+  }
+
+  void start(const std::string& api_key = "", size_t max_body = 1 << 20) {
+    ServiceConfig config;
+    config.served_model_name = "base-model";
+    config.model_root = "/models/base";
+    config.lora_dir = lora_dir_.string();
+    config.chat_template =
+        std::make_shared<jinja::ChatTemplate>(kChatml, json::object(), "test template");
+    config.version = "9.9.9";
+    config.poll_interval = std::chrono::milliseconds(5);
+    service_ = std::make_unique<OpenAIService>(backend_, config);
+    HttpOptions http;
+    http.port = 0;
+    http.api_key = api_key;
+    http.max_body_bytes = max_body;
+    http.threads = 48;
+    server_ = std::make_unique<HttpServer>(*service_, http);
+    port_ = server_->bind();
+    thread_ = std::thread([this] { server_->serve(); });
+  }
+
+  void TearDown() override {
+    if (server_) server_->stop();
+    if (thread_.joinable()) thread_.join();
+    server_.reset();
+    service_.reset();
+    std::filesystem::remove_all(lora_dir_);
+  }
+
+  httplib::Client client() {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(30, 0);
+    return c;
+  }
+
+  httplib::Result post(const std::string& path, const json& body, httplib::Headers headers = {}) {
+    return client().Post(path.c_str(), headers, body.dump(), "application/json");
+  }
+
+  static json error_of(const httplib::Result& r) { return json::parse(r->body).at("error"); }
+
+  // The completion text the fake produces for a text prompt on `adapter`.
+  std::string expected_completion(const std::string& prompt, const std::string& adapter,
+                                  int64_t max_tokens) {
+    return FakeBackend::expected_text(
+        FakeBackend::expected_tokens(backend_.encode(prompt, true), adapter, max_tokens));
+  }
+
+  FakeBackend backend_;
+  std::unique_ptr<OpenAIService> service_;
+  std::unique_ptr<HttpServer> server_;
+  std::thread thread_;
+  int port_ = 0;
+  std::filesystem::path lora_dir_;
+};
+
+TEST_F(ServerTest, HealthVersionAndModels) {
+  start();
+  backend_.load_adapter("sql", (lora_dir_ / "sql").string());
+  auto c = client();
+  auto health = c.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  auto version = c.Get("/version");
+  ASSERT_TRUE(version);
+  EXPECT_EQ(json::parse(version->body).at("version"), "9.9.9");
+  auto models = c.Get("/v1/models");
+  ASSERT_TRUE(models);
+  ASSERT_EQ(models->status, 200);
+  const json m = json::parse(models->body);
+  EXPECT_EQ(m.at("object"), "list");
+  ASSERT_EQ(m.at("data").size(), 2u);
+  EXPECT_EQ(m["data"][0]["id"], "base-model");
+  EXPECT_EQ(m["data"][0]["root"], "/models/base");
+  EXPECT_TRUE(m["data"][0]["parent"].is_null());
+  EXPECT_EQ(m["data"][0]["max_model_len"], 400);
+  EXPECT_EQ(m["data"][1]["id"], "sql");
+  EXPECT_EQ(m["data"][1]["parent"], "base-model");
+  EXPECT_EQ(m["data"][1]["root"], (lora_dir_ / "sql").string());
+  EXPECT_EQ(m["data"][1]["object"], "model");
+}
+
+TEST_F(ServerTest, ApiKeyGuardsTheV1RoutesOnly) {
+  start("s3cret");
+  auto c = client();
+  auto none = c.Get("/v1/models");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 401);
+  EXPECT_EQ(error_of(none).at("code"), 401);
+  auto wrong = c.Get("/v1/models", {{"Authorization", "Bearer s3creX"}});
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 401);
+  auto longer = c.Get("/v1/models", {{"Authorization", "Bearer s3cret!"}});
+  ASSERT_TRUE(longer);
+  EXPECT_EQ(longer->status, 401);
+  auto right = c.Get("/v1/models", {{"Authorization", "Bearer s3cret"}});
+  ASSERT_TRUE(right);
+  EXPECT_EQ(right->status, 200);
+  auto completion = post("/v1/completions", {{"prompt", "x"}});
+  ASSERT_TRUE(completion);
+  EXPECT_EQ(completion->status, 401);
+  EXPECT_EQ(backend_.submitted, 0);
+  EXPECT_EQ(c.Get("/health")->status, 200);
+  EXPECT_EQ(c.Get("/metrics")->status, 200);
+}
+
+TEST_F(ServerTest, MalformedRequestsGetOpenAIErrors) {
+  start();
+  auto c = client();
+  auto bad_json = c.Post("/v1/completions", "{\"prompt\": ", "application/json");
+  ASSERT_TRUE(bad_json);
+  EXPECT_EQ(bad_json->status, 400);
+  const json e = error_of(bad_json);
+  EXPECT_EQ(e.at("type"), "BadRequestError");
+  EXPECT_EQ(e.at("code"), 400);
+  EXPECT_TRUE(e.contains("param"));
+  auto wrong_type = post("/v1/completions", {{"prompt", "x"}, {"max_tokens", "ten"}});
+  ASSERT_TRUE(wrong_type);
+  EXPECT_EQ(wrong_type->status, 400);
+  EXPECT_EQ(error_of(wrong_type).at("param"), "max_tokens");
+  auto n2 = post("/v1/chat/completions",
+                 {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"n", 2}});
+  ASSERT_TRUE(n2);
+  EXPECT_EQ(n2->status, 400);
+  EXPECT_EQ(error_of(n2).at("param"), "n");
+  auto route = c.Get("/v1/nothing");
+  ASSERT_TRUE(route);
+  EXPECT_EQ(route->status, 404);
+  EXPECT_EQ(error_of(route).at("type"), "NotFoundError");
+  EXPECT_EQ(backend_.submitted, 0);
+}
+
+TEST_F(ServerTest, OversizeBodyIs413) {
+  start("", 4096);
+  auto r = post("/v1/completions", {{"prompt", std::string(10000, 'a')}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 413);
+  EXPECT_EQ(error_of(r).at("code"), 413);
+  EXPECT_EQ(backend_.submitted, 0);
+}
+
+TEST_F(ServerTest, UnknownModelIs404AndLoraDirResolves) {
+  start();
+  auto unknown = post("/v1/completions", {{"model", "nobody"}, {"prompt", "x"}});
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 404);
+  EXPECT_EQ(error_of(unknown).at("param"), "model");
+  auto escape = post("/v1/completions", {{"model", "../sql"}, {"prompt", "x"}});
+  ASSERT_TRUE(escape);
+  EXPECT_EQ(escape->status, 404);
+  // Found in --lora-dir and loaded on first use; the second request finds it loaded.
+  for (int i = 0; i < 2; ++i) {
+    auto r = post("/v1/completions", {{"model", "pirate"}, {"prompt", "ahoy"}, {"max_tokens", 5}});
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(json::parse(r->body)["choices"][0]["text"], expected_completion("ahoy", "pirate", 5));
+  }
+  EXPECT_EQ(backend_.loads, 1);
+  auto broken = post("/v1/completions", {{"model", "broken"}, {"prompt", "x"}});
+  ASSERT_TRUE(broken);
+  EXPECT_EQ(broken->status, 400);
+  EXPECT_NE(error_of(broken).at("message").get<std::string>().find("broken"), std::string::npos);
+}
+
+TEST_F(ServerTest, CompletionWholeResponse) {
+  start();
+  backend_.load_adapter("sql", (lora_dir_ / "sql").string());
+  for (const std::string& model : std::vector<std::string>{"base-model", "sql"}) {
+    auto r = post("/v1/completions",
+                  {{"model", model}, {"prompt", "SELECT"}, {"max_tokens", 7}, {"logprobs", 0}});
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    const json j = json::parse(r->body);
+    EXPECT_EQ(j.at("object"), "text_completion");
+    EXPECT_EQ(j.at("model"), model);
+    EXPECT_EQ(j.at("id").get<std::string>().rfind("cmpl-", 0), 0u);
+    const std::string adapter = model == "sql" ? "sql" : "";
+    EXPECT_EQ(j["choices"][0]["text"], expected_completion("SELECT", adapter, 7));
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+    EXPECT_EQ(j["usage"]["prompt_tokens"], 7);  // BOS + 6 bytes
+    EXPECT_EQ(j["usage"]["completion_tokens"], 7);
+    EXPECT_EQ(j["usage"]["total_tokens"], 14);
+    EXPECT_EQ(j["choices"][0]["logprobs"]["token_logprobs"].size(), 7u);
+    EXPECT_EQ(
+        j["choices"][0]["logprobs"]["text_offset"][1],
+        static_cast<int64_t>(j["choices"][0]["logprobs"]["tokens"][0].get<std::string>().size()));
+  }
+}
+
+TEST_F(ServerTest, PromptIdsAndTooLongPrompts) {
+  start();
+  const std::vector<int32_t> ids = {5, 6, 7};
+  auto r = post("/v1/completions", {{"prompt", ids}, {"max_tokens", 3}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["text"],
+            FakeBackend::expected_text(FakeBackend::expected_tokens(ids, "", 3)));
+  auto too_long = post("/v1/completions", {{"prompt", std::string(390, 'x')}, {"max_tokens", 20}});
+  ASSERT_TRUE(too_long);
+  EXPECT_EQ(too_long->status, 400);
+  EXPECT_EQ(error_of(too_long).at("param"), "prompt");
+  EXPECT_NE(error_of(too_long).at("message").get<std::string>().find("400"), std::string::npos);
+}
+
+TEST_F(ServerTest, ChatRendersTheTemplateAndDefaultsMaxTokensToTheContext) {
+  start();
+  const json messages = json::array(
+      {{{"role", "system"}, {"content", "be brief"}}, {{"role", "user"}, {"content", "hi"}}});
+  auto r = post("/v1/chat/completions", {{"messages", messages}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  const std::string prompt =
+      "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+      "<|im_start|>assistant\n";
+  const std::vector<int32_t> ids = backend_.encode(prompt, false);
+  const int64_t room = 400 - static_cast<int64_t>(ids.size());
+  EXPECT_EQ(j.at("object"), "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"],
+            FakeBackend::expected_text(FakeBackend::expected_tokens(ids, "", room)));
+  EXPECT_EQ(j["usage"]["prompt_tokens"], static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(j["usage"]["completion_tokens"], room);
+  // Text parts are joined with newlines (vLLM's string content format).
+  auto parts = post(
+      "/v1/chat/completions",
+      {{"messages", json::array({{{"role", "user"},
+                                  {"content", json::array({{{"type", "text"}, {"text", "a"}},
+                                                           {{"type", "text"}, {"text", "b"}}})}}})},
+       {"max_tokens", 2}});
+  ASSERT_TRUE(parts);
+  ASSERT_EQ(parts->status, 200) << parts->body;
+  const std::vector<int32_t> part_ids =
+      backend_.encode("<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n", false);
+  EXPECT_EQ(json::parse(parts->body)["choices"][0]["message"]["content"],
+            FakeBackend::expected_text(FakeBackend::expected_tokens(part_ids, "", 2)));
+  auto image = post(
+      "/v1/chat/completions",
+      {{"messages",
+        json::array({{{"role", "user"}, {"content", json::array({{{"type", "image_url"}}})}}})}});
+  ASSERT_TRUE(image);
+  EXPECT_EQ(image->status, 400);
+}
+
+TEST_F(ServerTest, StreamedCompletionAndChat) {
+  start();
+  auto r = post("/v1/completions", {{"prompt", "abc"},
+                                    {"max_tokens", 9},
+                                    {"stream", true},
+                                    {"stream_options", {{"include_usage", true}}}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  EXPECT_EQ(r->get_header_value("Content-Type"), "text/event-stream");
+  Events e = parse_sse(r->body);
+  ASSERT_TRUE(e.done);
+  ASSERT_GE(e.chunks.size(), 2u);
+  std::string text;
+  for (size_t i = 0; i + 1 < e.chunks.size(); ++i) {
+    text += e.chunks[i]["choices"][0]["text"].get<std::string>();
+    const json& fr = e.chunks[i]["choices"][0]["finish_reason"];
+    EXPECT_EQ(fr.is_null(), i + 2 < e.chunks.size()) << i;
+  }
+  EXPECT_EQ(text, expected_completion("abc", "", 9));
+  const json& usage = e.chunks.back();
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 9);
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], 4);
+
+  auto no_usage = post("/v1/completions", {{"prompt", "abc"}, {"max_tokens", 3}, {"stream", true}});
+  ASSERT_TRUE(no_usage);
+  const Events e2 = parse_sse(no_usage->body);
+  ASSERT_TRUE(e2.done);
+  for (const json& c : e2.chunks) EXPECT_FALSE(c.contains("usage") && !c["usage"].is_null());
+
+  auto chat = post("/v1/chat/completions",
+                   {{"messages", json::array({{{"role", "user"}, {"content", "q"}}})},
+                    {"max_tokens", 4},
+                    {"stream", true}});
+  ASSERT_TRUE(chat);
+  const Events ec = parse_sse(chat->body);
+  ASSERT_TRUE(ec.done);
+  ASSERT_GE(ec.chunks.size(), 2u);
+  EXPECT_EQ(ec.chunks[0]["object"], "chat.completion.chunk");
+  EXPECT_EQ(ec.chunks[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string content;
+  for (const json& c : ec.chunks) content += c["choices"][0]["delta"].value("content", "");
+  const std::vector<int32_t> ids =
+      backend_.encode("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", false);
+  EXPECT_EQ(content, FakeBackend::expected_text(FakeBackend::expected_tokens(ids, "", 4)));
+  EXPECT_EQ(ec.chunks.back()["choices"][0]["finish_reason"], "length");
+}
+
+TEST_F(ServerTest, ClientThatHangsUpMidStreamAbortsItsRequest) {
+  backend_.token_delay = std::chrono::milliseconds(3);
+  start();
+  {
+    RawConnection conn(port_);
+    ASSERT_TRUE(conn.connected());
+    conn.send_post("/v1/completions",
+                   json{{"prompt", "long"}, {"max_tokens", 300}, {"stream", true}}.dump());
+    const std::string got = conn.read_until("data: ", 3);
+    ASSERT_NE(got.find("200 OK"), std::string::npos) << got;
+  }  // hang up
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (backend_.active > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(backend_.active, 0);
+  EXPECT_EQ(backend_.aborted, 1);
+  // Nothing is left running: /metrics says so too.
+  auto metrics = client().Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(
+      metrics->body.find("vllm:num_requests_running{model_name=\"base-model\",engine=\"0\"} 0.0"),
+      std::string::npos)
+      << metrics->body;
+}
+
+TEST_F(ServerTest, OverloadedIs503) {
+  backend_.token_delay = std::chrono::milliseconds(5);
+  backend_.max_active = 1;
+  start();
+  RawConnection conn(port_);
+  ASSERT_TRUE(conn.connected());
+  conn.send_post("/v1/completions",
+                 json{{"prompt", "hold"}, {"max_tokens", 300}, {"stream", true}}.dump());
+  conn.read_until("data: ", 1);
+  auto r = post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 1}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_EQ(error_of(r).at("type"), "ServiceUnavailableError");
+}
+
+TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
+  start();
+  const std::string sql = (lora_dir_ / "sql").string();
+  auto load = post("/v1/load_lora_adapter", {{"lora_name", "mine"}, {"lora_path", sql}});
+  ASSERT_TRUE(load);
+  EXPECT_EQ(load->status, 200);
+  EXPECT_EQ(load->body, "Success: LoRA adapter 'mine' added successfully.");
+  auto again = post("/v1/load_lora_adapter", {{"lora_name", "mine"}, {"lora_path", sql}});
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->status, 400);
+  EXPECT_EQ(error_of(again).at("type"), "InvalidUserInput");
+  auto missing = post("/v1/load_lora_adapter", {{"lora_name", "x"}});
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 400);
+  auto nowhere = post("/v1/load_lora_adapter", {{"lora_name", "x"}, {"lora_path", "/no/such/dir"}});
+  ASSERT_TRUE(nowhere);
+  EXPECT_EQ(nowhere->status, 404);
+  auto broken = post("/v1/load_lora_adapter",
+                     {{"lora_name", "b"}, {"lora_path", (lora_dir_ / "broken").string()}});
+  ASSERT_TRUE(broken);
+  EXPECT_EQ(broken->status, 400);
+  EXPECT_NE(error_of(broken).at("message").get<std::string>().find("adapter_config.json"),
+            std::string::npos);
+  // The loaded adapter still serves.
+  auto use = post("/v1/completions", {{"model", "mine"}, {"prompt", "q"}, {"max_tokens", 2}});
+  ASSERT_TRUE(use);
+  EXPECT_EQ(use->status, 200);
+  auto unload = post("/v1/unload_lora_adapter", {{"lora_name", "mine"}});
+  ASSERT_TRUE(unload);
+  EXPECT_EQ(unload->status, 200);
+  EXPECT_EQ(unload->body, "Success: LoRA adapter 'mine' removed successfully.");
+  auto gone = post("/v1/unload_lora_adapter", {{"lora_name", "mine"}});
+  ASSERT_TRUE(gone);
+  EXPECT_EQ(gone->status, 404);
+  auto after = post("/v1/completions", {{"model", "mine"}, {"prompt", "q"}});
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->status, 404);
+}
+
+TEST_F(ServerTest, ConcurrentStreamsWithAReloadInTheMiddle) {
+  start();
+  backend_.load_adapter("sql", (lora_dir_ / "sql").string());
+  const std::vector<std::string> models = {"base-model", "sql", "pirate"};
+  constexpr int kClients = 32;
+  std::vector<std::string> texts(kClients);
+  std::vector<int> statuses(kClients, 0);
+  std::vector<bool> done(kClients, false);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      const json body = {{"model", models[i % 3]},
+                         {"prompt", "client " + std::to_string(i)},
+                         {"max_tokens", 20 + i},
+                         {"stream", true}};
+      auto r = client().Post("/v1/completions", body.dump(), "application/json");
+      if (!r) {
+        texts[i] = "client error: " + httplib::to_string(r.error());
+        return;
+      }
+      statuses[i] = r->status;
+      const Events e = parse_sse(r->body);
+      done[i] = e.done;
+      for (const json& c : e.chunks) texts[i] += c["choices"][0]["text"].get<std::string>();
+    });
+    if (i == kClients / 2) {
+      // Reload one adapter while half the clients are streaming. Requests for it that arrive
+      // in between find it in --lora-dir, so the explicit load may find it loaded again (400).
+      EXPECT_EQ(post("/v1/unload_lora_adapter", {{"lora_name", "sql"}})->status, 200);
+      const int reload = post("/v1/load_lora_adapter",
+                              {{"lora_name", "sql"}, {"lora_path", (lora_dir_ / "sql").string()}})
+                             ->status;
+      EXPECT_TRUE(reload == 200 || reload == 400) << reload;
+      EXPECT_TRUE(backend_.has_adapter("sql"));
+    }
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    const std::string adapter = i % 3 == 0 ? "" : models[i % 3];
+    EXPECT_EQ(statuses[i], 200) << i;
+    EXPECT_TRUE(done[i]) << i;
+    EXPECT_EQ(texts[i], expected_completion("client " + std::to_string(i), adapter, 20 + i)) << i;
+  }
+  EXPECT_EQ(backend_.active, 0);
+  EXPECT_EQ(backend_.aborted, 0);
+}
+
+}  // namespace
+}  // namespace loraplex::server

@@ -1,0 +1,164 @@
+// Request parsing: valid bodies become the engine request they describe; every invalid one is
+// a 400 naming the field.
+
+#include <gtest/gtest.h>
+
+#include "loraplex/server/api_error.h"
+#include "loraplex/server/openai_request.h"
+
+namespace loraplex::server {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+TEST(OpenAIRequest, CompletionFieldsReachTheEngineRequest) {
+  const GenerationRequest r = parse_completion_request(R"({
+    "model": "sql", "prompt": "SELECT", "max_tokens": 33, "temperature": 0.7, "top_p": 0.9,
+    "top_k": 40, "seed": 7, "stop": ["\n\n", "END"], "stop_token_ids": [2, 5],
+    "ignore_eos": true, "min_tokens": 3, "logprobs": 0, "stream": true,
+    "stream_options": {"include_usage": true}, "user": "u", "unknown_field": [1]})");
+  EXPECT_EQ(r.kind, GenerationRequest::Kind::kCompletion);
+  EXPECT_EQ(r.model, "sql");
+  EXPECT_EQ(r.prompt, "SELECT");
+  EXPECT_EQ(r.options.max_tokens, 33);
+  EXPECT_TRUE(r.max_tokens_given);
+  EXPECT_FLOAT_EQ(r.options.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(r.options.top_p, 0.9f);
+  EXPECT_EQ(r.options.top_k, 40);
+  ASSERT_TRUE(r.options.seed.has_value());
+  EXPECT_EQ(*r.options.seed, 7u);
+  EXPECT_EQ(r.options.stop, (std::vector<std::string>{"\n\n", "END"}));
+  EXPECT_EQ(r.options.stop_token_ids, (std::vector<int32_t>{2, 5}));
+  EXPECT_TRUE(r.options.ignore_eos);
+  EXPECT_EQ(r.options.min_tokens, 3);
+  EXPECT_TRUE(r.options.logprobs);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+}
+
+TEST(OpenAIRequest, PromptForms) {
+  EXPECT_EQ(parse_completion_request(R"({"prompt": [1, 2, 3]})").prompt_ids,
+            (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(parse_completion_request(R"({"prompt": ["one"]})").prompt, "one");
+  EXPECT_EQ(parse_completion_request(R"({"prompt": [[9, 8]]})").prompt_ids,
+            (std::vector<int32_t>{9, 8}));
+  const GenerationRequest d = parse_completion_request(R"({"prompt": "x", "stop": "S"})");
+  EXPECT_EQ(d.options.stop, std::vector<std::string>{"S"});
+  EXPECT_FALSE(d.max_tokens_given);
+  EXPECT_EQ(parse_completion_request(R"({"prompt": "x", "top_k": -1})").options.top_k, 0);
+  EXPECT_EQ(parse_completion_request(R"({"prompt": "x", "max_tokens": 4.0})").options.max_tokens,
+            4);
+}
+
+TEST(OpenAIRequest, ChatFields) {
+  const GenerationRequest r = parse_chat_request(R"({
+    "messages": [{"role": "system", "content": "s"},
+                 {"role": "user", "content": [{"type": "text", "text": "a"},
+                                              {"type": "text", "text": "b"}]},
+                 {"role": "assistant", "content": null, "tool_calls": []}],
+    "max_tokens": 5, "max_completion_tokens": 9, "add_generation_prompt": false,
+    "chat_template_kwargs": {"enable_thinking": false}, "logprobs": true, "top_logprobs": 0})");
+  EXPECT_EQ(r.kind, GenerationRequest::Kind::kChat);
+  EXPECT_EQ(r.options.max_tokens, 9);  // max_completion_tokens wins
+  EXPECT_EQ(r.messages[1]["content"], "a\nb");
+  EXPECT_EQ(r.messages[2]["content"], "");
+  EXPECT_TRUE(r.messages[2].contains("tool_calls"));
+  EXPECT_FALSE(r.chat.add_generation_prompt);
+  EXPECT_EQ(r.chat.kwargs["enable_thinking"], false);
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_FALSE(r.add_special_tokens);
+  const GenerationRequest prefill = parse_chat_request(R"({
+    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A:"}],
+    "add_generation_prompt": false, "continue_final_message": true})");
+  EXPECT_TRUE(prefill.chat.continue_final_message);
+}
+
+TEST(OpenAIRequest, DeeplyNestedBodiesAreRefusedNotRecursedInto) {
+  const std::string deep = R"({"prompt": "x", "user_data": )" + std::string(100000, '[') +
+                           std::string(100000, ']') + "}";
+  try {
+    parse_completion_request(deep);
+    FAIL() << "accepted";
+  } catch (const ApiException& e) {
+    EXPECT_EQ(e.error().status, 400);
+    EXPECT_NE(std::string(e.what()).find("nests deeper"), std::string::npos) << e.what();
+  }
+}
+
+TEST(OpenAIRequest, InvalidBodiesAre400NamingTheField) {
+  struct Case {
+    bool chat;
+    const char* body;
+    const char* param;  // "" when the error names no field
+  };
+  const Case cases[] = {
+      {false, R"({"prompt": "x",)", ""},
+      {false, R"([1, 2])", ""},
+      {false, R"({"max_tokens": 3})", "prompt"},
+      {false, R"({"prompt": ""})", "prompt"},
+      {false, R"({"prompt": []})", "prompt"},
+      {false, R"({"prompt": ["a", "b"]})", "prompt"},
+      {false, R"({"prompt": [1, -2]})", "prompt"},
+      {false, R"({"prompt": {"a": 1}})", "prompt"},
+      {false, R"({"prompt": "x", "model": 3})", "model"},
+      {false, R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},
+      {false, R"({"prompt": "x", "max_tokens": "5"})", "max_tokens"},
+      {false, R"({"prompt": "x", "max_tokens": 1.5})", "max_tokens"},
+      {false, R"({"prompt": "x", "temperature": -0.1})", "temperature"},
+      {false, R"({"prompt": "x", "temperature": "hot"})", "temperature"},
+      {false, R"({"prompt": "x", "top_p": 0})", "top_p"},
+      {false, R"({"prompt": "x", "top_p": 1.5})", "top_p"},
+      {false, R"({"prompt": "x", "top_k": -2})", "top_k"},
+      {false, R"({"prompt": "x", "n": 2})", "n"},
+      {false, R"({"prompt": "x", "best_of": 3})", "best_of"},
+      {false, R"({"prompt": "x", "stop": 5})", "stop"},
+      {false, R"({"prompt": "x", "stop": [""]})", "stop"},
+      {false, R"({"prompt": "x", "stop_token_ids": [1.5]})", "stop_token_ids"},
+      {false, R"({"prompt": "x", "stream": "yes"})", "stream"},
+      {false, R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options"},
+      {false, R"({"prompt": "x", "logprobs": 5})", "logprobs"},
+      {false, R"({"prompt": "x", "min_tokens": 9, "max_tokens": 3})", "min_tokens"},
+      {false, R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty"},
+      {false, R"({"prompt": "x", "logit_bias": {"5": 1}})", "logit_bias"},
+      {false, R"({"prompt": "x", "echo": true})", "echo"},
+      {false, R"({"prompt": "x", "suffix": "tail"})", "suffix"},
+      {true, R"({"messages": []})", "messages"},
+      {true, R"({"messages": "hi"})", "messages"},
+      {true, R"({"messages": [{"content": "no role"}]})", "messages[0].role"},
+      {true, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content"},
+      {true, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+       "messages[0].content"},
+      {true, R"({"messages": [{"role": "user", "content": "q"}], "top_logprobs": 3})",
+       "top_logprobs"},
+      {true, R"({"messages": [{"role": "user", "content": "q"}], "continue_final_message": true})",
+       "continue_final_message"},
+      {true,
+       R"({"messages": [{"role": "user", "content": "q"}], "add_generation_prompt": false,
+           "continue_final_message": true})",
+       "continue_final_message"},
+      {true, R"({"messages": [{"role": "user", "content": "q"}], "chat_template": "{{ x }}"})",
+       "chat_template"},
+      {true, R"({"messages": [{"role": "user", "content": "q"}], "tool_choice": "required"})",
+       "tool_choice"},
+  };
+  for (const Case& c : cases) {
+    try {
+      if (c.chat) {
+        parse_chat_request(c.body);
+      } else {
+        parse_completion_request(c.body);
+      }
+      ADD_FAILURE() << "accepted: " << c.body;
+    } catch (const ApiException& e) {
+      EXPECT_EQ(e.error().status, 400) << c.body;
+      EXPECT_EQ(e.error().param, c.param) << c.body << " -> " << e.what();
+      const json body = json::parse(error_body(e.error()));
+      EXPECT_EQ(body["error"]["code"], 400);
+      EXPECT_EQ(body["error"]["type"], "BadRequestError");
+      EXPECT_FALSE(body["error"]["message"].get<std::string>().empty());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace loraplex::server
