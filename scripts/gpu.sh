@@ -8,6 +8,7 @@
 #                                 tests instead of skipping them
 #   scripts/gpu.sh e2e [ARGS]     `loraplex bench e2e` (JSON into $OUT/e2e*.json)
 #   scripts/gpu.sh kernels [ARGS] `loraplex bench kernels` (JSON into $OUT/kernels.json)
+#   scripts/gpu.sh serve [ARGS]   `loraplex bench serve` (JSON into $OUT/serve*.json)
 #   scripts/gpu.sh hf [ARGS]      the HF transformers + PEFT anchor (bench/anchors/e2e, copied
 #                                 there from ../shared/anchors before the call) on a checkpoint
 #                                 written by its make_model.py into /tmp/e2e_model
@@ -59,6 +60,16 @@ verb_e2e() {
   grep -E "^bench e2e:" "$out/$name.err" | tr '\r' '\n' | grep -v "run [0-9]" | tail -8
 }
 
+serve_runs=0
+verb_serve() {
+  serve_runs=$((serve_runs + 1))
+  local name=serve_$serve_runs
+  local start=$SECONDS
+  timeout 900 "$bin" bench serve --no-progress --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1
+  echo "bench serve $*: status $? in $((SECONDS - start)) s"
+  tail -30 "$out/$name.log"
+}
+
 verb_kernels() {
   timeout 600 "$bin" bench kernels --json "$out/kernels.json" "$@" >"$out/kernels.log" 2>&1
   echo "bench kernels status $?"
@@ -80,7 +91,7 @@ while [[ $# -gt 0 ]]; do
   shift
   args=()
   while [[ $# -gt 0 && "$1" != build && "$1" != test && "$1" != e2e && "$1" != kernels &&
-    "$1" != hf ]]; do
+    "$1" != hf && "$1" != serve ]]; do
     args+=("$1")
     shift
   done
@@ -90,6 +101,7 @@ while [[ $# -gt 0 ]]; do
     e2e) verb_e2e "${args[@]}" ;;
     kernels) verb_kernels "${args[@]}" ;;
     hf) verb_hf "${args[@]}" ;;
-    *) echo "unknown verb '$verb' (build, test, e2e, kernels, hf)"; exit 2 ;;
+    serve) verb_serve "${args[@]}" ;;
+    *) echo "unknown verb '$verb' (build, test, e2e, kernels, hf, serve)"; exit 2 ;;
   esac
 done

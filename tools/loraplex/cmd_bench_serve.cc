@@ -29,6 +29,8 @@
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
 #include "loraplex/model/decoder.h"
+#include "loraplex/model/model_shapes.h"
+#include "loraplex/model/random_adapter.h"
 #include "serve_workload.h"
 
 namespace loraplex::cli {
@@ -39,6 +41,11 @@ using nlohmann::ordered_json;
 
 struct ServeArgs {
   std::string model_dir;
+  std::string shape;        // random weights of a named shape instead of --model
+  int64_t layers = 0;       // --shape: keep this many layers (0 = all)
+  int random_adapters = 0;  // --shape: this many random PEFT adapters in the pool
+  int random_rank = 16;
+  std::string adapter_cache;       // where the random adapters are written
   std::vector<std::string> loras;  // NAME=DIR
   std::string lora_dir;
   int64_t num_requests = 200;
@@ -106,10 +113,51 @@ std::vector<std::pair<std::string, std::string>> adapter_dirs(const ServeArgs& a
   return out;
 }
 
+// Random weights of a named shape made on the device, and random PEFT adapters written once to
+// disk and loaded through the real path; prompts are token ids (no tokenizer).
+ServePool random_serve_pool(const ServeArgs& a, engine::EngineOptions& o, DType dtype,
+                            Device device) {
+  LORAPLEX_CHECK(a.model_dir.empty(), "--shape and --model exclude each other");
+  LORAPLEX_CHECK(a.random_adapters >= 0 && a.random_rank >= 1, "--adapters ", a.random_adapters,
+                 " and --rank ", a.random_rank, " must be >= 0 and >= 1");
+  const model::ModelConfig config = model::model_shape(a.shape, a.layers);
+  const int pool = a.random_adapters;
+  if (o.max_loras == 0) o.max_loras = std::clamp(pool, 1, 32);
+  if (o.max_lora_rank == 0) o.max_lora_rank = a.random_rank;
+  if (o.max_cpu_loras == 0) o.max_cpu_loras = std::max(o.max_loras, pool);
+  if (o.max_model_len == 0) o.max_model_len = config.max_position_embeddings;
+  ServePool p;
+  p.decoder =
+      model::Decoder::create_random(config, engine::engine_decoder_options(o, dtype, device), 1);
+  p.eos_token_ids = config.eos_token_ids;
+  const std::string root =
+      a.adapter_cache.empty()
+          ? (std::filesystem::temp_directory_path() / "loraplex_bench_adapters").string()
+          : a.adapter_cache;
+  std::vector<std::pair<std::string, std::string>> dirs;
+  for (int i = 0; i < pool; ++i) {
+    const std::string name = "a" + std::to_string(i);
+    const std::string dir =
+        root + "/" + a.shape + "_r" + std::to_string(a.random_rank) + "_" + name;
+    if (!std::filesystem::exists(dir + "/adapter_model.safetensors")) {
+      model::write_random_peft_adapter(dir, config, a.random_rank, model::all_linear_targets(),
+                                       100 + static_cast<uint64_t>(i));
+    }
+    dirs.emplace_back(name, dir);
+    p.adapter_names.push_back(name);
+  }
+  p.description = a.shape + " (random weights)";
+  p.load_adapters = [dirs](engine::Engine& e) {
+    for (const auto& [name, dir] : dirs) e.load_adapter(name, dir);
+  };
+  return p;
+}
+
 ServePool make_serve_pool(const ServeArgs& a, engine::EngineOptions& o, DType dtype,
                           Device device) {
   namespace fs = std::filesystem;
-  LORAPLEX_CHECK(!a.model_dir.empty(), "--model DIR is required (see --help)");
+  if (!a.shape.empty()) return random_serve_pool(a, o, dtype, device);
+  LORAPLEX_CHECK(!a.model_dir.empty(), "--model DIR or --shape NAME is required (see --help)");
   LORAPLEX_CHECK(fs::is_directory(a.model_dir), a.model_dir, ": model directory does not exist");
   const auto dirs = adapter_dirs(a);
   int max_rank = 1;
@@ -386,6 +434,13 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--model", a.model_dir,
                  "checkpoint directory (config.json, weights, "
                  "tokenizer.json)");
+  app.add_option("--shape", a.shape,
+                 "random weights of a named shape instead of --model: llama3-8b, llama3-70b, "
+                 "mistral-7b, qwen2-7b, mixtral-8x7b, tiny");
+  app.add_option("--layers", a.layers, "--shape: keep this many decoder layers (0 = all)");
+  app.add_option("--adapters", a.random_adapters, "--shape: random PEFT adapters in the pool");
+  app.add_option("--rank", a.random_rank, "--shape: their rank (all linear layers)");
+  app.add_option("--adapter-cache", a.adapter_cache, "--shape: where the random adapters go");
   app.add_option("--lora", a.loras, "a PEFT adapter of the pool (repeatable)")
       ->type_name("NAME=DIR")
       ->expected(1)
