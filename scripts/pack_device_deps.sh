@@ -11,6 +11,7 @@ mkdir -p "$dest/include" "$dest/lib" "$dest/share/cmake" "$dest/src" "$dest/lib/
 cp -r /usr/src/googletest "$dest/src/"
 cp -r /usr/include/nlohmann "$dest/include/"
 cp -r /usr/include/CLI "$dest/include/"
+cp -r /usr/share/cmake/CLI11 "$dest/share/cmake/"
 [ -f /usr/include/httplib.h ] && cp /usr/include/httplib.h "$dest/include/"
 cp -r /usr/share/cmake/nlohmann_json "$dest/share/cmake/"
 cp /usr/include/oniguruma.h /usr/include/oniggnu.h /usr/include/onigposix.h "$dest/include/"
