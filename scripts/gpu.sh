@@ -52,7 +52,7 @@ verb_test() {
 e2e_runs=0
 verb_e2e() {
   e2e_runs=$((e2e_runs + 1))
-  local name=e2e_$e2e_runs
+  local name=e2e${E2E_TAG:-}_$e2e_runs
   local args=("$@")
   local start=$SECONDS
   timeout 900 "$bin" bench e2e --json "$out/$name.json" "${args[@]}" >"$out/$name.log" 2>"$out/$name.err"
