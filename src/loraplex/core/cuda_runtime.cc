@@ -107,15 +107,10 @@ void memset_async(void* dst, int value, size_t bytes, StreamHandle stream) {
   check(cudaMemsetAsync(dst, value, bytes, as_stream(stream)), "cudaMemsetAsync");
 }
 
-StreamHandle stream_create(int device, bool high_priority) {
+StreamHandle stream_create(int device) {
   set_device(device);
-  int least = 0;
-  int greatest = 0;
-  check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
   cudaStream_t stream = nullptr;
-  check(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking,
-                                     high_priority ? greatest : least),
-        "cudaStreamCreate");
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   return stream;
 }
 
@@ -175,9 +170,7 @@ GraphHandle end_capture(StreamHandle stream) {
     check(err, "cudaStreamEndCapture");
   }
   cudaGraphExec_t exec = nullptr;
-  // Node priorities keep the priority of the streams the work was captured from.
-  const cudaError_t inst =
-      cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   check(inst, "cudaGraphInstantiate");
   return exec;
@@ -212,7 +205,7 @@ void memcpy_2d_async(void*, size_t, const void*, size_t, size_t, size_t, CopyKin
   no_cuda("memcpy");
 }
 void memset_async(void*, int, size_t, StreamHandle) { no_cuda("memset"); }
-StreamHandle stream_create(int, bool) { no_cuda("a stream"); }
+StreamHandle stream_create(int) { no_cuda("a stream"); }
 void stream_destroy(StreamHandle) {}
 void stream_synchronize(StreamHandle stream) {
   if (stream != nullptr) no_cuda("stream_synchronize");

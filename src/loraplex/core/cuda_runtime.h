@@ -31,9 +31,7 @@ void memcpy_2d_async(void* dst, size_t dst_pitch, const void* src, size_t src_pi
                      size_t row_bytes, size_t rows, CopyKind kind, StreamHandle stream);
 void memset_async(void* dst, int value, size_t bytes, StreamHandle stream);
 
-/// A non-blocking stream on `device`; `high_priority`: the device's greatest priority, so its
-/// blocks are dispatched first when both it and default streams have work ready.
-StreamHandle stream_create(int device, bool high_priority = false);
+StreamHandle stream_create(int device);  // non-blocking stream on `device`
 void stream_destroy(StreamHandle stream);
 void stream_synchronize(StreamHandle stream);
 void device_synchronize();

@@ -4,11 +4,11 @@
 
 namespace loraplex {
 
-Stream Stream::create(Device device, bool high_priority) {
+Stream Stream::create(Device device) {
   LORAPLEX_CHECK(device.is_cuda(), "Stream::create needs a CUDA device, got ", device);
   LORAPLEX_CHECK(device.index < cuda_device_count(), "device ", device, " is not available (",
                  cuda_device_count(), " CUDA devices found)");
-  cuda_rt::StreamHandle handle = cuda_rt::stream_create(device.index, high_priority);
+  cuda_rt::StreamHandle handle = cuda_rt::stream_create(device.index);
   std::shared_ptr<void> owner(handle, [](void* h) { cuda_rt::stream_destroy(h); });
   return Stream(device, handle, std::move(owner));
 }

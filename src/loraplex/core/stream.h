@@ -15,7 +15,7 @@ class Stream {
   Stream() = default;
   static Stream default_for(Device device) { return Stream(device, nullptr, nullptr); }
   /// A new non-blocking stream on a CUDA device, destroyed with its last copy.
-  static Stream create(Device device, bool high_priority = false);
+  static Stream create(Device device);
   /// Wraps a stream owned elsewhere (a caller's cudaStream_t).
   static Stream wrap(Device device, cuda_rt::StreamHandle handle) {
     return Stream(device, handle, nullptr);

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -346,19 +345,13 @@ void Decoder::allocate_step_buffers() {
   act_.rows = Tensor::empty({s, c.hidden_size}, dt, dev);
   act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
-  const char* overlap_env = std::getenv("LORAPLEX_LORA_OVERLAP");
-  const bool overlap = overlap_env == nullptr || std::string(overlap_env) != "0";
-  const char* priority_env = std::getenv("LORAPLEX_LORA_PRIORITY");
-  const bool high_priority = priority_env == nullptr || std::string(priority_env) != "0";
-  if (dev.is_cuda() && !c.is_moe() && overlap) {
+  if (dev.is_cuda() && !c.is_moe()) {
     const int64_t o = std::min(t, kOverlapTokens);
     deltas_.qkv = Tensor::zeros({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
     deltas_.o = Tensor::zeros({o, c.hidden_size}, dt, dev);
     deltas_.gate_up = Tensor::zeros({o, 2 * c.intermediate_size}, dt, dev);
     deltas_.down = Tensor::zeros({o, c.hidden_size}, dt, dev);
-    // Its blocks go first when both streams have work ready: the LoRA kernels are small and
-    // latency-bound, the base GEMMs they run beside fill whatever SMs are left.
-    lora_stream_ = Stream::create(dev, high_priority);
+    lora_stream_ = Stream::create(dev);
     fork_ = std::make_unique<Event>();
     join_ = std::make_unique<Event>();
   }

@@ -191,9 +191,10 @@ class Decoder {
   Activations act_;
   Inputs in_;
   // Small batches with LoRA (decode) run each projection's LoRA on a second stream beside its
-  // base product, which it would otherwise wait for: the LoRA kernels are latency-bound and
-  // the base GEMMs bandwidth-bound, so they overlap. The LoRA outputs land in these buffers
-  // ([kOverlapTokens, width]) and the following elementwise op adds them.
+  // base product, which it would otherwise wait for, and the following elementwise op adds the
+  // LoRA output from these buffers ([kOverlapTokens, width]). Measured on an H200 (llama3-8b
+  // shape, 32 sequences, 8 adapters): 6.86 ms per decode step against 7.02 ms in sequence; the
+  // LoRA stream at the highest priority was slower (7.36 ms: its blocks delay the GEMMs').
   static constexpr int64_t kOverlapTokens = 512;
   struct LoraDeltas {
     Tensor qkv, o, gate_up, down;
