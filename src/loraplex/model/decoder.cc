@@ -578,12 +578,6 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   final_norm.delta2 = ptr(d_down);
   throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
-  if (sampling == Sampling::kArgmax) {
-    ops::ArgmaxArgs am{
-        dt, num_sampled, c.vocab_size, logits.data_ptr(), c.vocab_size, act_.ids.data<int32_t>()};
-    throw_if_error(ops::run(&ops::cpu::argmax, &ops::cuda::argmax, am, st));
-    return;
-  }
   ops::SampleArgs sa;
   sa.dtype = dt;
   sa.num_rows = num_sampled;
@@ -635,7 +629,6 @@ StepResult Decoder::execute(const StepBatch& batch) {
   int64_t n = 0;
   int64_t num_sampled = 0;
   bool pure_decode = true;
-  bool greedy = true;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const SequenceStep& q = batch.seqs[static_cast<size_t>(i)];
     const int64_t end = q.start_position + static_cast<int64_t>(q.tokens.size());
@@ -664,8 +657,6 @@ StepResult Decoder::execute(const StepBatch& batch) {
       LORAPLEX_CHECK(q.uniform >= 0.0 && q.uniform < 1.0, "step batch: sequence ", i,
                      " has uniform draw ", q.uniform, ", expected [0, 1)");
       ++num_sampled;
-      greedy =
-          greedy && (q.sampling.temperature == 0.0f || q.sampling.top_k == 1) && q.banned.empty();
     }
     n += static_cast<int64_t>(q.tokens.size());
     pure_decode = pure_decode && q.tokens.size() == 1 && q.sample;
@@ -677,9 +668,7 @@ StepResult Decoder::execute(const StepBatch& batch) {
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
                      pure_decode && bucket > 0;
-  const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs
-                            : greedy            ? Sampling::kArgmax
-                                                : Sampling::kSample;
+  const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
   const auto [token_lora, sampler_lora] = stage(batch, padded, graph);
   const int64_t rows = graph ? padded : num_sampled;

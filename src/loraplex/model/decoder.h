@@ -152,9 +152,10 @@ class Decoder {
     // Copies the first `bytes` of a section to the device.
     void upload(Section s, size_t bytes, const Stream& stream) const;
   };
-  // How a step picks its tokens on the device: plain argmax (greedy rows, no bans), the
-  // sampling op, or the sampling op with log-probabilities.
-  enum class Sampling { kArgmax, kSample, kSampleLogprobs };
+  // How a step picks its tokens on the device: the sampling op (greedy rows included: its
+  // argmax spreads a row over a cluster, where a one-block-per-row argmax took 0.19 ms of an
+  // H200's 5.7 ms decode step at vocab 128256), with or without log-probabilities.
+  enum class Sampling { kSample, kSampleLogprobs };
 
   Decoder() = default;
   static std::unique_ptr<Decoder> create(const ModelConfig& config, const WeightSource& source,
