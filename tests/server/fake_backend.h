@@ -22,6 +22,8 @@ class FakeBackend : public ServingBackend {
   std::unique_ptr<GenerationStream> submit(engine::Request request) override;
   AdapterInfo load_adapter(const std::string& name, const std::string& dir) override;
   bool unload_adapter(const std::string& name) override;
+  /// The fake forgets an adapter at once: nothing to wait for.
+  bool wait_until_unloaded(const std::string&, std::chrono::milliseconds) override { return true; }
   bool has_adapter(const std::string& name) const override;
   std::vector<AdapterInfo> list_adapters() const override;
   engine::EngineMetrics metrics() const override;
