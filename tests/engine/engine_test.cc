@@ -441,7 +441,7 @@ TEST_F(EngineTinyLlama, WaitUntilUnloadedReturnsWhenTheLastRequestEnds) {
   RequestHandle queued = engine->submit(fixture_request(expected_[sql]));
   EXPECT_TRUE(engine->unload_adapter("sql"));
   // Its request waits behind the blocker, so the adapter cannot be gone yet.
-  EXPECT_FALSE(engine->wait_until_unloaded("sql", milliseconds(20)));
+  EXPECT_FALSE(engine->wait_until_unloaded("sql", milliseconds(10)));
   EXPECT_THROW(engine->load_adapter("sql", dir), Error);
   std::atomic<bool> returned{false};
   std::thread waiter([&] {
