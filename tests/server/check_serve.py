@@ -580,7 +580,11 @@ try:
                        ("vllm:lora_requests_info", "gauge"),
                        ("vllm:prompt_tokens", "counter"), ("vllm:generation_tokens", "counter"),
                        ("vllm:time_to_first_token_seconds", "histogram"),
-                       ("vllm:inter_token_latency_seconds", "histogram")]:
+                       ("vllm:inter_token_latency_seconds", "histogram"),
+                       ("vllm:e2e_request_latency_seconds", "histogram"),
+                       ("vllm:request_prompt_tokens", "histogram"),
+                       ("vllm:request_generation_tokens", "histogram"),
+                       ("vllm:iteration_tokens_total", "histogram")]:
         check(f"/metrics: {name} is a {kind}", name in m and m[name].type == kind)
     info = m["vllm:lora_requests_info"].samples[0]
     check("/metrics: lora_requests_info labels as vLLM's (idle: nothing running or waiting)",
@@ -590,6 +594,8 @@ try:
     ttft_count = sample(m, "vllm:time_to_first_token_seconds",
                         "vllm:time_to_first_token_seconds_count", model_name=BASE)
     check("/metrics: time to first token counted per request", ttft_count >= 100, ttft_count)
+    check("/metrics: tokens per step observed once per step",
+          sample(m, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") > 100)
     check("/metrics: generation tokens counted",
           sample(m, "vllm:generation_tokens", "vllm:generation_tokens_total") > 2000)
 
