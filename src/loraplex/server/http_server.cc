@@ -103,6 +103,12 @@ struct HttpServer::Impl {
 
   void routes() {
     http.set_payload_max_length(options.max_body_bytes);
+    // Without TCP_NODELAY a response written as headers then body waits for the client's
+    // delayed ACK (about 40 ms on Linux); every small response and SSE chunk would.
+    http.set_tcp_nodelay(true);
+    // httplib closes a keep-alive connection after 5 requests by default; clients that reuse
+    // connections (the openai client, load generators) would reconnect every few requests.
+    http.set_keep_alive_max_count(1000);
     const int threads = options.threads;
     http.new_task_queue = [threads] {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
