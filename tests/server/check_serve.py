@@ -613,17 +613,20 @@ try:
 
     # ------- a full server (every sequence slot busy, one request waiting): 503, unload order
 
-    # 32 long requests fill every sequence slot for about a second (32 x 600 tokens), so that
+    # 32 long requests fill every sequence slot for a few seconds (32 x 1000 tokens), so that
     # what follows happens while they run; the test ends them early by hanging up.
     small = Server(["--lora", f"sql={os.path.join(ADAPTERS, 'sql')}", "--max-num-seqs", "32",
-                    "--max-waiting", "1", "--num-kv-blocks", "1300"])
+                    "--max-waiting", "1", "--num-kv-blocks", "2100"])
     sp = small.port
     sql_req = sql_ref[2]
     blockers = []
-    for i in range(32):  # one at a time: a burst would exceed --max-waiting 1 itself
+    for i in range(32):
+        # One at a time (a burst would exceed --max-waiting 1 itself): each is running once
+        # its first token arrives.
         blockers.append(RawStream(sp, {"model": MODEL, "prompt": f"The function {i} returns",
-                                       "max_tokens": 600, "ignore_eos": True, "stream": True}))
-        wait_metrics(sp, lambda m: running(m) == i + 1 and waiting(m) == 0)
+                                       "max_tokens": 1000, "ignore_eos": True, "stream": True}))
+        blockers[-1].read_until(b"data: ")
+    wait_metrics(sp, lambda m: running(m) == 32 and waiting(m) == 0)
     queued = {}
 
     def queued_client():
