@@ -275,6 +275,34 @@ try:
     p = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=60)
     check("--help exits 0", p.returncode == 0 and "--lora-dir" in p.stdout, p.stderr)
 
+    # SIGTERM as soon as the server has blocked the signal (its first act), mostly while the
+    # model loads: it exits 0 at once, whether start-up had finished or not.
+    def blocked_signals(pid):
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigBlk:"):
+                    return int(line.split()[1], 16)
+        return 0
+
+    statuses = []
+    for delay in (0.0, 0.005, 0.02):
+        proc = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0",
+                                 *lora_args], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        term_bit = 1 << (signal.SIGTERM - 1)
+        deadline = time.time() + 30
+        while not blocked_signals(proc.pid) & term_bit and time.time() < deadline:
+            time.sleep(0.0005)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=30)
+            statuses.append((proc.returncode, err.strip().splitlines()[-1:]))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            statuses.append(("hung", []))
+    check("SIGTERM during start-up: exit 0", all(rc == 0 for rc, _ in statuses), statuses)
+
     # ------------------------------------------------------------------ main server
 
     main = Server(["--served-model-name", BASE, "--api-key", KEY, "--chat-template", TEMPLATE,

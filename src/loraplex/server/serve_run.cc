@@ -159,10 +159,58 @@ class StopSignals {
   sigset_t old_;
 };
 
+// The thread that acts on SIGINT/SIGTERM. During start-up (no server yet) there is nothing to
+// finish: the process exits 0 at once rather than after a model load that may take a minute.
+// Once serving, it stops the HTTP server, repeatedly until serve() has returned: httplib
+// ignores a stop that comes before its accept loop runs.
+class StopWatcher {
+ public:
+  StopWatcher(const StopSignals& signals, std::FILE* log)
+      : thread_([this, &signals, log] { watch(signals, log); }) {}
+  ~StopWatcher() { finish(); }
+  StopWatcher(const StopWatcher&) = delete;
+  StopWatcher& operator=(const StopWatcher&) = delete;
+
+  /// From now on a signal stops `http` (which must outlive finish()).
+  void serving(HttpServer* http) { http_ = http; }
+  /// Ends the watch; call once serve() has returned.
+  void finish() {
+    finished_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  bool stopping() const { return stopping_; }
+
+ private:
+  void watch(const StopSignals& signals, std::FILE* log) {
+    int sig = 0;
+    while (!finished_ && sig == 0) sig = signals.wait(std::chrono::milliseconds(100));
+    if (sig == 0) return;
+    stopping_ = true;
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    if (http_ == nullptr) {
+      std::fprintf(log, "loraplex serve: %s during start-up: exiting\n", name);
+      std::fflush(log);
+      std::_Exit(0);
+    }
+    std::fprintf(log, "loraplex serve: %s: stopping (requests in flight are aborted)\n", name);
+    std::fflush(log);
+    while (!finished_) {
+      http_.load()->stop();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  std::atomic<HttpServer*> http_{nullptr};
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
 }  // namespace
 
 int run_serve(const ServeOptions& o, std::FILE* log) {
   const StopSignals signals;
+  StopWatcher watcher(signals, log);
   const Device device = resolve_device(o.device);
   const DType dtype = resolve_dtype(o.dtype, device);
 
@@ -213,30 +261,19 @@ int run_serve(const ServeOptions& o, std::FILE* log) {
   OpenAIService service(backend, sc);
   HttpServer http(service, o.http);
   const int port = http.bind();
+  watcher.serving(&http);
   std::fprintf(log, "loraplex serve: listening on http://%s:%d\n", o.http.host.c_str(), port);
   std::fflush(log);
 
-  std::atomic<bool> served{false};
-  std::atomic<bool> stopping{false};
-  std::thread stopper([&] {
-    int sig = 0;
-    while (!served && sig == 0) sig = signals.wait(std::chrono::milliseconds(100));
-    if (sig == 0) return;
-    stopping = true;
-    std::fprintf(log, "loraplex serve: %s: stopping (requests in flight are aborted)\n",
-                 sig == SIGINT ? "SIGINT" : "SIGTERM");
-    std::fflush(log);
-    // httplib ignores a stop that comes before its accept loop has started: repeat it until
-    // serve() has returned.
-    while (!served) {
-      http.stop();
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
-  const bool listened = http.serve();
-  served = true;
-  stopper.join();
-  LORAPLEX_CHECK(listened || stopping, "the HTTP server on ", o.http.host, ":", port,
+  bool listened = false;
+  try {
+    listened = http.serve();
+  } catch (...) {
+    watcher.finish();
+    throw;
+  }
+  watcher.finish();
+  LORAPLEX_CHECK(listened || watcher.stopping(), "the HTTP server on ", o.http.host, ":", port,
                  " stopped accepting connections");
   std::fprintf(log, "loraplex serve: stopped\n");
   std::fflush(log);

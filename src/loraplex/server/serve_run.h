@@ -11,8 +11,9 @@ namespace loraplex::server {
 /// Checks the chat template, the adapters' configs and the address first (each a quick
 /// failure before a slow model load), then loads the model, tokenizer and EOS ids, sizes an
 /// Engine from the options, loads the --lora adapters and serves until SIGINT or SIGTERM:
-/// requests in flight are then aborted and it returns 0. Progress and the address it listens
-/// on go to `log` ("listening on http://HOST:PORT", which tests read to learn a --port 0 port).
+/// requests in flight are then aborted and it returns 0 (a signal during start-up ends the
+/// process with status 0 at once). Progress and the address it listens on go to `log`
+/// ("listening on http://HOST:PORT", which tests read to learn a --port 0 port).
 /// Throws loraplex::Error naming the file, adapter, flag or address at fault.
 ///
 /// Must be called before the process starts any other thread: SIGINT and SIGTERM are blocked
