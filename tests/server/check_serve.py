@@ -61,8 +61,8 @@ def check(name, cond, detail=""):
 class Server:
     """A `loraplex serve` process; its port is read from the 'listening on' line."""
 
-    def __init__(self, args):
-        self.proc = subprocess.Popen([BIN, "serve", "--model", MODEL, "--port", "0", *args],
+    def __init__(self, args, model=MODEL):
+        self.proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", "0", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.log = []
@@ -426,6 +426,32 @@ try:
               roles[0] == "assistant" and first_prompt == prompt_ids and usage is not None and
               usage.completion_tokens == 10, (text, toks, roles, usage))
 
+    # The template found in the model directory: chat_template.jinja, or tokenizer_config.json's
+    # chat_template; the same prompt as --chat-template gave.
+    main_chat_prompt = prompt_ids
+    for where in ("chat_template.jinja", "tokenizer_config.json"):
+        model_copy = os.path.join(tmp, "with-template-" + where.split(".")[0])
+        shutil.copytree(MODEL, model_copy)
+        for f in os.listdir(model_copy):
+            os.chmod(os.path.join(model_copy, f), 0o644)
+        source = open(TEMPLATE).read()
+        if where == "chat_template.jinja":
+            with open(os.path.join(model_copy, where), "w") as f:
+                f.write(source)
+        else:
+            config = json.load(open(os.path.join(model_copy, where)))
+            config["chat_template"] = source
+            with open(os.path.join(model_copy, where), "w") as f:
+                json.dump(config, f)
+        other = Server(["--num-kv-blocks", "64"], model=model_copy)
+        status, body = post(other.port, "/v1/chat/completions",
+                            {"messages": conversation, "max_tokens": 1,
+                             "return_token_ids": True}, key=None)
+        rc, _ = other.stop()
+        got = body.get("prompt_token_ids") if status == 200 else (status, body)
+        check(f"the model directory's {where} template renders the same prompt",
+              got == main_chat_prompt and rc == 0, (got, rc))
+
     # ------------------------------------------------------------------------- errors
 
     def expect_error(name, status_want, path, body=None, raw=None, param=None, needles=()):
@@ -672,6 +698,11 @@ try:
     check("/metrics while 32 run and one waits: running 32, waiting 1, waiting adapter sql",
           running(m) == 32 and waiting(m) == 1 and info.labels["waiting_lora_adapters"] == "sql"
           and info.labels["running_lora_adapters"] == "", (running(m), waiting(m), info.labels))
+    status, body = post(sp, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}]})
+    check("a model without a chat template: chat is a 400 saying so",
+          status == 400 and "no chat template" in error_of(body).get("message", ""),
+          (status, body))
     status, body = post(sp, "/v1/completions", {"model": MODEL, "prompt": "x"})
     check("overloaded (--max-waiting 1 exceeded): 503", status == 503 and
           error_of(body).get("type") == "ServiceUnavailableError", (status, body))

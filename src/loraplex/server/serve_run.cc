@@ -86,7 +86,8 @@ std::shared_ptr<const jinja::ChatTemplate> load_chat_template(const ServeOptions
     std::ifstream in(tokenizer_config, std::ios::binary);
     try {
       const nlohmann::json j = nlohmann::json::parse(in);
-      has_template = j.is_object() && j.contains("chat_template");
+      has_template =
+          j.is_object() && j.contains("chat_template") && !j.at("chat_template").is_null();
     } catch (const nlohmann::json::exception& e) {
       LORAPLEX_FAIL(tokenizer_config, ": not valid JSON: ", e.what());
     }
@@ -118,7 +119,8 @@ void check_adapter_configs(const ServeOptions& o) {
 }
 
 int64_t cpu_kv_blocks(const engine::EngineOptions& e, const model::Decoder& decoder) {
-  const int64_t max_len = e.max_model_len > 0 ? e.max_model_len : decoder.options().max_model_len;
+  int64_t max_len = e.max_model_len > 0 ? e.max_model_len : decoder.options().max_model_len;
+  if (max_len <= 0) max_len = decoder.config().max_position_embeddings;
   const int64_t per_seq = (max_len + e.kv_block_size - 1) / e.kv_block_size;
   const int64_t wanted = per_seq * e.max_num_seqs;
   const int64_t affordable = kCpuKvCacheBytes / std::max<int64_t>(1, decoder.kv_block_bytes());
