@@ -36,6 +36,7 @@ class EchoBackend : public loraplex::server::ServingBackend {
       return out;
     }
     void abort() override {}
+    std::vector<int32_t> prompt_ids() const override { return r_.prompt_ids; }
 
    private:
     loraplex::engine::Request r_;
@@ -53,6 +54,7 @@ class EchoBackend : public loraplex::server::ServingBackend {
   }
   loraplex::AdapterInfo load_adapter(const std::string&, const std::string&) override { return {}; }
   bool unload_adapter(const std::string&) override { return false; }
+  bool wait_until_unloaded(const std::string&, std::chrono::milliseconds) override { return true; }
   bool has_adapter(const std::string& name) const override { return name == "sql"; }
   std::vector<loraplex::AdapterInfo> list_adapters() const override { return {}; }
   loraplex::engine::EngineMetrics metrics() const override { return {}; }

@@ -23,7 +23,7 @@ TEST_TARGETS=(adapters:loraplex_adapters_stress_tests adapters:loraplex_safetens
 # The engine's step loop, handles, aborts and adapter loads across threads (tiny model, CPU),
 # TSan only; the tests that exercise threads (about 15 s under TSan).
 TSAN_ONLY_TARGETS=(
-  "engine:loraplex_engine_tests:*Streams*:*Abort*:*Unload*:*ManyThreads*:*Refusals*:*PrefixCache*")
+  "engine:loraplex_engine_tests:*Streams*:*Abort*:*Unload*:*ManyThreads*:*Refusals*:*PrefixCache*:*MaxWaiting*")
 
 TOTAL_START=$SECONDS
 stage() {

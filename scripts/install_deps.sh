@@ -33,3 +33,10 @@ if ! python3 -c "import jinja2, prometheus_client" 2>/dev/null; then
         python3-jinja2 python3-prometheus-client
     }
 fi
+# The official OpenAI Python client drives `loraplex serve` in its end-to-end test (Debian does
+# not package it: pip only).
+if ! python3 -c "import openai" 2>/dev/null; then
+  echo "installing Python modules: openai"
+  python3 -m pip install --quiet openai 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages openai
+fi

@@ -426,6 +426,73 @@ TEST_F(EngineTinyLlama, UnloadWhileRunningLetsRequestsFinishThenForgets) {
   EXPECT_THROW(engine->load_adapter("sql", fixture_dir("tiny-llama") + "/adapters/sql"), Error);
 }
 
+TEST_F(EngineTinyLlama, WaitUntilUnloadedReturnsWhenTheLastRequestEnds) {
+  EngineOptions o = small_options();
+  o.max_num_seqs = 1;  // the second request waits behind the first
+  auto engine = make_engine("tiny-llama", o);
+  const std::string dir = fixture_dir("tiny-llama") + "/adapters/sql";
+  using std::chrono::milliseconds;
+  EXPECT_TRUE(engine->wait_until_unloaded("sql", milliseconds(0)));      // loaded: not leaving
+  EXPECT_TRUE(engine->wait_until_unloaded("nothing", milliseconds(0)));  // never loaded
+  size_t sql = 0;
+  while (expected_[sql].adapter != "sql") ++sql;
+  Request blocker = fixture_request(expected_[0], 1000);  // base model, 1000 tokens
+  RequestHandle first = engine->submit(std::move(blocker));
+  RequestHandle queued = engine->submit(fixture_request(expected_[sql]));
+  EXPECT_TRUE(engine->unload_adapter("sql"));
+  // Its request waits behind the blocker, so the adapter cannot be gone yet.
+  EXPECT_FALSE(engine->wait_until_unloaded("sql", milliseconds(10)));
+  EXPECT_THROW(engine->load_adapter("sql", dir), Error);
+  std::atomic<bool> returned{false};
+  std::thread waiter([&] {
+    EXPECT_TRUE(engine->wait_until_unloaded("sql", std::chrono::hours(48)));
+    returned = true;
+  });
+  first.abort();
+  const RequestOutput out = queued.wait();
+  EXPECT_EQ(out.token_ids, expected_[sql].output_token_ids);
+  waiter.join();
+  EXPECT_TRUE(returned);
+  EXPECT_TRUE(engine->wait_until_unloaded("sql", milliseconds(0)));
+  engine->load_adapter("sql", dir);  // the name is free at once, no retry needed
+  EXPECT_EQ(engine->submit(fixture_request(expected_[sql])).wait().token_ids,
+            expected_[sql].output_token_ids);
+}
+
+TEST_F(EngineTinyLlama, MaxWaitingCountsRequestsTakenButNotYetScheduled) {
+  EngineOptions o = small_options();
+  o.max_num_seqs = 1;
+  o.max_waiting = 1;
+  auto engine = make_engine("tiny-llama", o);
+  RequestHandle running = engine->submit(fixture_request(expected_[0], 1000));
+  wait_metrics(*engine, [](const EngineMetrics& m) { return m.num_running == 1; });
+  // While `running` decodes, the step loop takes each new request from the inbox at a step
+  // boundary and publishes it as waiting only after the step: in between it must still count.
+  int rounds = 0;
+  for (; rounds < 40; ++rounds) {
+    if (engine->metrics().num_running != 1) break;  // the blocker ended: nothing to learn
+    RequestHandle waiting = engine->submit(fixture_request(expected_[1]));
+    // Land the next submit at varied points of a step (one step of one sequence takes about
+    // 0.1-1 ms here).
+    std::this_thread::sleep_for(std::chrono::microseconds(50 * (rounds % 8)));
+    try {
+      engine->submit(fixture_request(expected_[2]));
+      ADD_FAILURE() << "round " << rounds << ": a second waiting request was accepted";
+    } catch (const RequestError& e) {
+      EXPECT_EQ(e.kind(), RequestError::Kind::kOverloaded) << e.what();
+    }
+    waiting.abort();
+    // Gone from the engine (not merely not yet taken from the inbox) before the next round.
+    const int64_t aborted = rounds + 1;
+    wait_metrics(*engine, [aborted](const EngineMetrics& m) {
+      const auto it = m.finished_total.find("abort");
+      return m.num_waiting == 0 && it != m.finished_total.end() && it->second == aborted;
+    });
+  }
+  EXPECT_GT(rounds, 5);
+  running.abort();
+}
+
 TEST_F(EngineTinyLlama, ManyThreadsSubmitAbortAndReadMetrics) {
   EngineOptions o = small_options();
   o.max_num_seqs = 8;

@@ -47,6 +47,7 @@ class FakeStream : public GenerationStream {
     return out;
   }
   void abort() override { aborted_ = true; }
+  std::vector<int32_t> prompt_ids() const override { return prompt_; }
 
  private:
   void end(bool by_abort) {

@@ -22,6 +22,11 @@ class FakeBackend : public ServingBackend {
   std::unique_ptr<GenerationStream> submit(engine::Request request) override;
   AdapterInfo load_adapter(const std::string& name, const std::string& dir) override;
   bool unload_adapter(const std::string& name) override;
+  /// The fake forgets an adapter at once; `still_unloading` plays one whose requests in flight
+  /// outlast any wait.
+  bool wait_until_unloaded(const std::string&, std::chrono::milliseconds) override {
+    return !still_unloading;
+  }
   bool has_adapter(const std::string& name) const override;
   std::vector<AdapterInfo> list_adapters() const override;
   engine::EngineMetrics metrics() const override;
@@ -42,6 +47,7 @@ class FakeBackend : public ServingBackend {
   std::atomic<int64_t> aborted{0};
   std::atomic<int64_t> submitted{0};
   std::atomic<int64_t> loads{0};
+  std::atomic<bool> still_unloading{false};
 
  private:
   mutable std::mutex mutex_;

@@ -299,6 +299,88 @@ TEST_F(ServerTest, CompletionWholeResponse) {
   }
 }
 
+TEST_F(ServerTest, ReturnTokenIdsWholeAndStreamed) {
+  start();
+  const std::vector<int32_t> prompt = backend_.encode("SELECT", true);
+  const std::vector<int32_t> want = FakeBackend::expected_tokens(prompt, "", 6);
+  auto r = post("/v1/completions",
+                {{"prompt", "SELECT"}, {"max_tokens", 6}, {"return_token_ids", true}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json whole = json::parse(r->body);
+  EXPECT_EQ(whole["choices"][0]["token_ids"].get<std::vector<int32_t>>(), want);
+  EXPECT_EQ(whole["choices"][0]["prompt_token_ids"].get<std::vector<int32_t>>(), prompt);
+  auto plain = post("/v1/completions", {{"prompt", "SELECT"}, {"max_tokens", 6}});
+  ASSERT_TRUE(plain);
+  EXPECT_FALSE(json::parse(plain->body)["choices"][0].contains("token_ids")) << plain->body;
+
+  // Chat: the prompt's ids at the top level (the first chunk when streaming), the generated
+  // ids per choice, as vLLM writes them.
+  const json messages = json::array({{{"role", "user"}, {"content", "hi"}}});
+  const std::vector<int32_t> chat_prompt =
+      backend_.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false);
+  const std::vector<int32_t> chat_want = FakeBackend::expected_tokens(chat_prompt, "", 5);
+  auto c = post("/v1/chat/completions",
+                {{"messages", messages}, {"max_tokens", 5}, {"return_token_ids", true}});
+  ASSERT_TRUE(c);
+  ASSERT_EQ(c->status, 200) << c->body;
+  const json chat = json::parse(c->body);
+  EXPECT_EQ(chat["prompt_token_ids"].get<std::vector<int32_t>>(), chat_prompt);
+  EXPECT_EQ(chat["choices"][0]["token_ids"].get<std::vector<int32_t>>(), chat_want);
+  for (const bool is_chat : {false, true}) {
+    json body = {{"max_tokens", 5}, {"return_token_ids", true}, {"stream", true}};
+    if (is_chat) {
+      body["messages"] = messages;
+    } else {
+      body["prompt"] = "SELECT";
+    }
+    auto s = post(is_chat ? "/v1/chat/completions" : "/v1/completions", body);
+    ASSERT_TRUE(s);
+    const Events e = parse_sse(s->body);
+    ASSERT_TRUE(e.done);
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < e.chunks.size(); ++i) {
+      const json& choice = e.chunks[i]["choices"][0];
+      const json prompt_ids = is_chat ? e.chunks[i].value("prompt_token_ids", json())
+                                      : choice.value("prompt_token_ids", json());
+      EXPECT_EQ(prompt_ids.is_array(), i == 0) << "chunk " << i << ": " << e.chunks[i].dump();
+      if (prompt_ids.is_array()) {
+        EXPECT_EQ(prompt_ids.get<std::vector<int32_t>>(), is_chat ? chat_prompt : prompt);
+      }
+      if (choice.contains("token_ids")) {
+        for (const json& id : choice["token_ids"]) ids.push_back(id.get<int32_t>());
+      }
+    }
+    EXPECT_EQ(ids, is_chat ? chat_want : FakeBackend::expected_tokens(prompt, "", 5));
+  }
+  auto wrong = post("/v1/completions", {{"prompt", "x"}, {"return_token_ids", "yes"}});
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 400);
+  EXPECT_EQ(error_of(wrong).at("param"), "return_token_ids");
+}
+
+TEST_F(ServerTest, LoadingANameStillBeingUnloadedIs409) {
+  start();
+  backend_.still_unloading = true;
+  auto load = post("/v1/load_lora_adapter",
+                   {{"lora_name", "sql"}, {"lora_path", (lora_dir_ / "sql").string()}});
+  ASSERT_TRUE(load);
+  EXPECT_EQ(load->status, 409) << load->body;
+  EXPECT_EQ(error_of(load).at("type"), "ConflictError");
+  EXPECT_NE(error_of(load).at("message").get<std::string>().find("'sql' is being unloaded"),
+            std::string::npos);
+  // The --lora-dir resolver waits the same way.
+  auto r = post("/v1/completions", {{"model", "pirate"}, {"prompt", "x"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 409) << r->body;
+  EXPECT_EQ(backend_.loads, 0);
+  backend_.still_unloading = false;
+  load = post("/v1/load_lora_adapter",
+              {{"lora_name", "sql"}, {"lora_path", (lora_dir_ / "sql").string()}});
+  ASSERT_TRUE(load);
+  EXPECT_EQ(load->status, 200) << load->body;
+}
+
 TEST_F(ServerTest, PromptIdsAndTooLongPrompts) {
   start();
   const std::vector<int32_t> ids = {5, 6, 7};

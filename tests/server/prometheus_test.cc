@@ -29,6 +29,9 @@ engine::EngineMetrics sample_metrics() {
   m.inter_token_latency_s = {{0.01, 0.025}, {40, 90}, 1.5, 100};
   m.e2e_request_latency_s = {{0.3, 1.0}, {1, 4}, 6.5, 13};
   m.queue_time_s = {{0.3}, {13}, 0.1, 13};
+  m.request_prompt_tokens = {{1, 2, 5, 10}, {0, 0, 4, 13}, 80.0, 13};
+  m.request_generation_tokens = {{1, 2, 5, 10}, {0, 1, 1, 13}, 90.0, 13};
+  m.iteration_tokens_total = {{1, 8, 16}, {20, 30, 41}, 300.0, 41};
   return m;
 }
 
@@ -67,6 +70,12 @@ TEST(Prometheus, VllmNamesLabelsAndValues) {
            "vllm:time_per_output_token_seconds_count" + l + " 100.0",
            "vllm:e2e_request_latency_seconds_count" + l + " 13.0",
            "vllm:request_queue_time_seconds_count" + l + " 13.0",
+           std::string("vllm:request_prompt_tokens_bucket{model_name=\"base\",engine=\"0\","
+                       "le=\"5.0\"} 4.0"),
+           "vllm:request_generation_tokens_sum" + l + " 90.0",
+           std::string("vllm:iteration_tokens_total_bucket{model_name=\"base\",engine=\"0\","
+                       "le=\"16.0\"} 41.0"),
+           "vllm:request_decode_time_seconds_count" + l + " 0.0",
        }) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << "missing: " << line;
   }

@@ -81,6 +81,8 @@ TEST(ServeOptions, DefaultsAndHelp) {
   EXPECT_EQ(o->http.port, 8000);
   EXPECT_EQ(o->served_model_name, dir);  // vLLM names the base model after --model
   EXPECT_TRUE(o->engine.enable_prefix_caching);
+  // Port 0: any free port (the server prints the one it got).
+  EXPECT_EQ(parse_serve_options({"--model", dir, "--port", "0"}, nullptr)->http.port, 0);
   std::string help;
   EXPECT_FALSE(parse_serve_options({"--help"}, &help).has_value());
   EXPECT_NE(help.find("--lora-dir"), std::string::npos);
@@ -93,6 +95,7 @@ TEST(ServeOptions, RefusalsNameTheFlag) {
       {},
       {"--model", "/no/such/model/dir"},
       {"--model", dir, "--port", "70000"},
+      {"--model", dir, "--port", "-1"},
       {"--model", dir, "--port", "eighty"},
       {"--model", dir, "--lora", "noequals"},
       {"--model", dir, "--lora", "a=/x", "--lora", "a=/y"},

@@ -22,6 +22,7 @@ extern const Command kBenchAdapterLoadCommand;
 extern const Command kBenchE2eCommand;
 extern const Command kBenchSamplingCommand;
 extern const Command kBenchServeCommand;
+extern const Command kServeCommand;
 }  // namespace loraplex::cli
 
 namespace {
@@ -31,10 +32,10 @@ using loraplex::cli::Command;
 // A name may have several words ("bench adapter-load"): the longest name that the arguments
 // start with wins.
 const Command* const kCommands[] = {
-    &loraplex::cli::kGenerateCommand,  &loraplex::cli::kSelftestCommand,
-    &loraplex::cli::kBenchCommand,     &loraplex::cli::kBenchAdapterLoadCommand,
-    &loraplex::cli::kBenchE2eCommand,  &loraplex::cli::kBenchSamplingCommand,
-    &loraplex::cli::kBenchServeCommand};
+    &loraplex::cli::kGenerateCommand,   &loraplex::cli::kSelftestCommand,
+    &loraplex::cli::kBenchCommand,      &loraplex::cli::kBenchAdapterLoadCommand,
+    &loraplex::cli::kBenchE2eCommand,   &loraplex::cli::kBenchSamplingCommand,
+    &loraplex::cli::kBenchServeCommand, &loraplex::cli::kServeCommand};
 
 std::vector<std::string> words_of(const std::string& name) {
   std::vector<std::string> out;

@@ -107,6 +107,7 @@ struct Inbox {
   std::vector<uint64_t> aborts;
   bool stop = false;
   std::map<std::string, AdapterEntry> adapters;
+  std::condition_variable adapter_removed;  // an entry left `adapters`
   uint64_t next_id = 0;
   uint64_t next_adapter_key = 1;
 };
@@ -548,9 +549,28 @@ bool Engine::unload_adapter(const std::string& name) {
     it->second.state = AdapterEntry::State::kRemoving;
   }
   m.adapters->unload(name);
-  std::lock_guard<std::mutex> lock(m.inbox->mutex);
-  m.inbox->adapters.erase(name);
+  {
+    std::lock_guard<std::mutex> lock(m.inbox->mutex);
+    m.inbox->adapters.erase(name);
+  }
+  m.inbox->adapter_removed.notify_all();
   return true;
+}
+
+bool Engine::wait_until_unloaded(const std::string& name, std::chrono::milliseconds timeout) const {
+  Inbox& inbox = *impl_->inbox;
+  const auto gone = [&] {
+    const auto it = inbox.adapters.find(name);
+    return it == inbox.adapters.end() || (it->second.state != AdapterEntry::State::kUnloading &&
+                                          it->second.state != AdapterEntry::State::kRemoving);
+  };
+  std::unique_lock<std::mutex> lock(inbox.mutex);
+  // wait_for overflows the clock with milliseconds::max(); a day is "for ever" here.
+  if (timeout >= std::chrono::hours(24)) {
+    inbox.adapter_removed.wait(lock, gone);
+    return true;
+  }
+  return inbox.adapter_removed.wait_for(lock, timeout, gone);
 }
 
 bool Engine::has_adapter(const std::string& name) const {
@@ -593,6 +613,9 @@ void Engine::Impl::loop() {
       if (inbox->stop) break;
       incoming.swap(inbox->incoming);
       aborts.swap(inbox->aborts);
+      // submit's max_waiting check reads num_waiting plus the inbox: what is taken here counts
+      // as waiting until this step's metrics replace the count.
+      num_waiting.fetch_add(static_cast<int64_t>(incoming.size()));
     }
     try {
       for (Pending& p : incoming) {
@@ -825,8 +848,11 @@ void Engine::Impl::release_adapter(const std::string& adapter) {
     it->second.state = AdapterEntry::State::kRemoving;
   }
   adapters->unload(adapter);
-  std::lock_guard<std::mutex> lock(inbox->mutex);
-  inbox->adapters.erase(adapter);
+  {
+    std::lock_guard<std::mutex> lock(inbox->mutex);
+    inbox->adapters.erase(adapter);
+  }
+  inbox->adapter_removed.notify_all();
 }
 
 void Engine::Impl::fail_everything(const std::string& error) {

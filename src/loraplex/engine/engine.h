@@ -208,6 +208,10 @@ class Engine {
   /// Forgets an adapter: new requests for it are refused; requests in flight finish first.
   /// Returns false when it was not loaded.
   bool unload_adapter(const std::string& name);
+  /// Waits until an adapter being unloaded is gone (its last request has ended), so that the
+  /// name can be loaded again. True at once when `name` is not being unloaded; false when it
+  /// still is after `timeout`.
+  bool wait_until_unloaded(const std::string& name, std::chrono::milliseconds timeout) const;
   bool has_adapter(const std::string& name) const;
   std::vector<AdapterInfo> list_adapters() const;
 

@@ -22,6 +22,8 @@ class GenerationStream {
   virtual engine::RequestOutput next(std::chrono::milliseconds timeout) = 0;
   /// Ends the request (finish reason abort); safe to call at any time, more than once.
   virtual void abort() = 0;
+  /// The prompt as the backend runs it (text prompts tokenized).
+  virtual std::vector<int32_t> prompt_ids() const = 0;
 };
 
 class ServingBackend {
@@ -35,6 +37,9 @@ class ServingBackend {
   virtual AdapterInfo load_adapter(const std::string& name, const std::string& dir) = 0;
   /// Forgets an adapter (requests in flight finish first); false when it was not loaded.
   virtual bool unload_adapter(const std::string& name) = 0;
+  /// Waits until an adapter being unloaded has no request left, so that its name can be
+  /// loaded again; true at once when it is not being unloaded, false after `timeout`.
+  virtual bool wait_until_unloaded(const std::string& name, std::chrono::milliseconds timeout) = 0;
   virtual bool has_adapter(const std::string& name) const = 0;
   virtual std::vector<AdapterInfo> list_adapters() const = 0;
   virtual engine::EngineMetrics metrics() const = 0;

@@ -15,6 +15,7 @@ class HandleStream : public GenerationStream {
     return handle_.next(timeout);
   }
   void abort() override { handle_.abort(); }
+  std::vector<int32_t> prompt_ids() const override { return handle_.prompt_ids(); }
 
  private:
   engine::RequestHandle handle_;
@@ -31,6 +32,11 @@ AdapterInfo EngineBackend::load_adapter(const std::string& name, const std::stri
 }
 
 bool EngineBackend::unload_adapter(const std::string& name) { return engine_.unload_adapter(name); }
+
+bool EngineBackend::wait_until_unloaded(const std::string& name,
+                                        std::chrono::milliseconds timeout) {
+  return engine_.wait_until_unloaded(name, timeout);
+}
 
 bool EngineBackend::has_adapter(const std::string& name) const { return engine_.has_adapter(name); }
 

@@ -14,6 +14,7 @@ class EngineBackend : public ServingBackend {
   std::unique_ptr<GenerationStream> submit(engine::Request request) override;
   AdapterInfo load_adapter(const std::string& name, const std::string& dir) override;
   bool unload_adapter(const std::string& name) override;
+  bool wait_until_unloaded(const std::string& name, std::chrono::milliseconds timeout) override;
   bool has_adapter(const std::string& name) const override;
   std::vector<AdapterInfo> list_adapters() const override;
   engine::EngineMetrics metrics() const override;

@@ -1,7 +1,12 @@
 #include "loraplex/server/http_server.h"
 
 #include <httplib.h>
+#include <netdb.h>
 #include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "loraplex/core/error.h"
 
@@ -98,6 +103,12 @@ struct HttpServer::Impl {
 
   void routes() {
     http.set_payload_max_length(options.max_body_bytes);
+    // Without TCP_NODELAY a response written as headers then body waits for the client's
+    // delayed ACK (about 40 ms on Linux); every small response and SSE chunk would.
+    http.set_tcp_nodelay(true);
+    // httplib closes a keep-alive connection after 5 requests by default; clients that reuse
+    // connections (the openai client, load generators) would reconnect every few requests.
+    http.set_keep_alive_max_count(1000);
     const int threads = options.threads;
     http.new_task_queue = [threads] {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
@@ -198,7 +209,37 @@ int HttpServer::bind() {
   return port;
 }
 
-void HttpServer::serve() { impl_->http.listen_after_bind(); }
+bool HttpServer::serve() { return impl_->http.listen_after_bind(); }
+
+void check_can_listen(const std::string& host, int port) {
+  if (port == 0) return;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  LORAPLEX_CHECK(rc == 0, "cannot listen on ", host, ":", port, ": ", ::gai_strerror(rc));
+  int error = 0;
+  bool bound = false;
+  for (addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) {
+      error = errno;
+      continue;
+    }
+    // As httplib binds: an address in TIME_WAIT is free, one that a process listens on is not.
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    bound = ::bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    if (!bound) error = errno;
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  LORAPLEX_CHECK(
+      bound, "cannot listen on ", host, ":", port, ": ", std::strerror(error),
+      error == EADDRINUSE ? " (another process listens there; pick another --port)" : "");
+}
 
 void HttpServer::stop() {
   impl_->service.shutdown();

@@ -21,6 +21,11 @@ struct HttpOptions {
   int threads = 64;  // connections served at once (streams hold one each)
 };
 
+/// Throws loraplex::Error naming the address and the reason when `host`:`port` cannot be
+/// bound now (in use, not an address of this machine). A quick check before a slow start-up;
+/// HttpServer::bind binds for real later. Port 0 always passes.
+void check_can_listen(const std::string& host, int port);
+
 class HttpServer {
  public:
   HttpServer(OpenAIService& service, HttpOptions options);
@@ -31,8 +36,8 @@ class HttpServer {
   /// Binds the listening socket and returns its port; throws loraplex::Error naming the host
   /// and port when it cannot.
   int bind();
-  /// Serves until stop() (blocks the calling thread).
-  void serve();
+  /// Serves until stop() (blocks the calling thread); false when the accept loop failed.
+  bool serve();
   /// Stops accepting connections and makes waiting handlers abort their requests. Safe from
   /// any thread, more than once.
   void stop();

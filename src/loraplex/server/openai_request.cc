@@ -151,6 +151,7 @@ void parse_common(const json& body, GenerationRequest& r) {
     refuse_unless(*b == 1, "best_of", "only best_of=1 is supported");
   }
   if (auto s = get_bool(body, "stream")) r.stream = *s;
+  if (auto t = get_bool(body, "return_token_ids")) r.return_token_ids = *t;
   if (const json* so = field(body, "stream_options")) {
     if (!so->is_object()) bad_type("stream_options", "an object", *so);
     refuse_unless(r.stream, "stream_options",

@@ -36,8 +36,9 @@ struct GenerationRequest {
   bool add_special_tokens = false;  // chat default: the template writes BOS itself
 
   bool stream = false;
-  bool include_usage = false;  // stream_options.include_usage
-  bool logprobs = false;       // per-token log-probabilities of the sampled tokens
+  bool include_usage = false;     // stream_options.include_usage
+  bool logprobs = false;          // per-token log-probabilities of the sampled tokens
+  bool return_token_ids = false;  // vLLM's: the prompt's and the output's token ids too
 };
 
 /// POST /v1/completions. Throws ApiException (400) naming the field.

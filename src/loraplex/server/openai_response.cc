@@ -77,7 +77,8 @@ json chat_logprobs(const std::vector<TokenLogprob>& tokens) {
 }
 
 std::string completion_body(const ResponseHeader& h, const std::string& text, const Finish& f,
-                            const Usage& usage, const json& logprobs) {
+                            const Usage& usage, const json& logprobs, const json& prompt_token_ids,
+                            const json& token_ids) {
   json j = header_json(h, "text_completion");
   json choice;
   choice["index"] = 0;
@@ -85,13 +86,16 @@ std::string completion_body(const ResponseHeader& h, const std::string& text, co
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason_json(f);
   choice["stop_reason"] = f.stop_reason;
+  if (!token_ids.is_null()) choice["token_ids"] = token_ids;
+  if (!prompt_token_ids.is_null()) choice["prompt_token_ids"] = prompt_token_ids;
   j["choices"] = json::array({choice});
   j["usage"] = usage_json(usage);
   return dump_json(j);
 }
 
 std::string chat_body(const ResponseHeader& h, const std::string& text, const Finish& f,
-                      const Usage& usage, const json& logprobs) {
+                      const Usage& usage, const json& logprobs, const json& prompt_token_ids,
+                      const json& token_ids) {
   json j = header_json(h, "chat.completion");
   json message;
   message["role"] = "assistant";
@@ -103,13 +107,16 @@ std::string chat_body(const ResponseHeader& h, const std::string& text, const Fi
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason_json(f);
   choice["stop_reason"] = f.stop_reason;
+  if (!token_ids.is_null()) choice["token_ids"] = token_ids;
   j["choices"] = json::array({choice});
   j["usage"] = usage_json(usage);
+  if (!prompt_token_ids.is_null()) j["prompt_token_ids"] = prompt_token_ids;
   return dump_json(j);
 }
 
 std::string completion_chunk(const ResponseHeader& h, const std::string& text, const Finish& f,
-                             const json& logprobs) {
+                             const json& logprobs, const json& prompt_token_ids,
+                             const json& token_ids) {
   json j = header_json(h, "text_completion");
   json choice;
   choice["index"] = 0;
@@ -117,12 +124,14 @@ std::string completion_chunk(const ResponseHeader& h, const std::string& text, c
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason_json(f);
   choice["stop_reason"] = f.stop_reason;
+  if (!prompt_token_ids.is_null()) choice["prompt_token_ids"] = prompt_token_ids;
+  if (!token_ids.is_null()) choice["token_ids"] = token_ids;
   j["choices"] = json::array({choice});
   return dump_json(j);
 }
 
 std::string chat_chunk(const ResponseHeader& h, const json& delta, const Finish& f,
-                       const json& logprobs) {
+                       const json& logprobs, const json& prompt_token_ids, const json& token_ids) {
   json j = header_json(h, "chat.completion.chunk");
   json choice;
   choice["index"] = 0;
@@ -130,7 +139,9 @@ std::string chat_chunk(const ResponseHeader& h, const json& delta, const Finish&
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason_json(f);
   if (!f.finish_reason.empty()) choice["stop_reason"] = f.stop_reason;
+  if (!token_ids.is_null()) choice["token_ids"] = token_ids;
   j["choices"] = json::array({choice});
+  if (!prompt_token_ids.is_null()) j["prompt_token_ids"] = prompt_token_ids;
   return dump_json(j);
 }
 

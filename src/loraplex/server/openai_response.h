@@ -49,18 +49,30 @@ nlohmann::ordered_json completion_logprobs(const std::vector<TokenLogprob>& toke
 /// Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}.
 nlohmann::ordered_json chat_logprobs(const std::vector<TokenLogprob>& tokens);
 
+// vLLM's return_token_ids: `prompt_token_ids` (whole responses and a stream's first chunk)
+// and `token_ids` (the generated ids, or a chunk's new ones) are written where vLLM writes
+// them when they are not null (the default: left out).
+
 std::string completion_body(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                            const Usage& usage, const nlohmann::ordered_json& logprobs);
+                            const Usage& usage, const nlohmann::ordered_json& logprobs,
+                            const nlohmann::ordered_json& prompt_token_ids = {},
+                            const nlohmann::ordered_json& token_ids = {});
 std::string chat_body(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                      const Usage& usage, const nlohmann::ordered_json& logprobs);
+                      const Usage& usage, const nlohmann::ordered_json& logprobs,
+                      const nlohmann::ordered_json& prompt_token_ids = {},
+                      const nlohmann::ordered_json& token_ids = {});
 
 /// One streamed completion chunk; `finish` null fields while the choice goes on.
 std::string completion_chunk(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                             const nlohmann::ordered_json& logprobs);
+                             const nlohmann::ordered_json& logprobs,
+                             const nlohmann::ordered_json& prompt_token_ids = {},
+                             const nlohmann::ordered_json& token_ids = {});
 /// One streamed chat chunk; `delta` is {"role": "assistant", "content": ""} first, then
 /// {"content": "..."}.
 std::string chat_chunk(const ResponseHeader& h, const nlohmann::ordered_json& delta,
-                       const Finish& finish, const nlohmann::ordered_json& logprobs);
+                       const Finish& finish, const nlohmann::ordered_json& logprobs,
+                       const nlohmann::ordered_json& prompt_token_ids = {},
+                       const nlohmann::ordered_json& token_ids = {});
 /// The closing usage chunk (choices: []), of object `object`.
 std::string usage_chunk(const ResponseHeader& h, const std::string& object, const Usage& usage);
 

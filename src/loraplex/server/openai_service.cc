@@ -72,6 +72,18 @@ ApiError api_error_of(const engine::RequestError& e) {
 OpenAIService::OpenAIService(ServingBackend& backend, ServiceConfig config)
     : backend_(backend), config_(std::move(config)) {}
 
+void OpenAIService::wait_until_unloaded(const std::string& name, const std::string& param) {
+  // An unloaded adapter keeps its name until its last request in flight has finished (they
+  // finish first, on its weights); only then can the name be loaded again.
+  if (!backend_.wait_until_unloaded(name, config_.unload_wait)) {
+    throw ApiException(ApiError{409,
+                                "adapter '" + name +
+                                    "' is being unloaded and its requests in flight have not "
+                                    "finished yet; load it again once they have",
+                                "", param});
+  }
+}
+
 std::string OpenAIService::resolve_adapter(const std::string& model) {
   if (model.empty() || model == config_.served_model_name) return "";
   if (backend_.has_adapter(model)) return model;
@@ -79,6 +91,7 @@ std::string OpenAIService::resolve_adapter(const std::string& model) {
     const std::filesystem::path dir = std::filesystem::path(config_.lora_dir) / model;
     std::error_code ec;
     if (std::filesystem::is_directory(dir, ec)) {
+      wait_until_unloaded(model, "model");
       // Concurrent first requests for one adapter load it once.
       std::lock_guard<std::mutex> lock(resolve_mutex_);
       if (backend_.has_adapter(model)) return model;
@@ -189,11 +202,13 @@ Finish OpenAIService::finish_of(const engine::RequestOutput& out,
 HttpReply OpenAIService::complete(Submitted& s) {
   std::string text;
   std::vector<TokenLogprob> lps;
+  std::vector<int32_t> ids;
   engine::RequestOutput last;
   while (true) {
     if (stopping_) s.stream->abort();
     engine::RequestOutput out = s.stream->next(config_.poll_interval);
     text += out.text;
+    ids.insert(ids.end(), out.token_ids.begin(), out.token_ids.end());
     if (s.request.logprobs) {
       std::vector<TokenLogprob> more = logprobs_of(out);
       lps.insert(lps.end(), more.begin(), more.end());
@@ -211,9 +226,16 @@ HttpReply OpenAIService::complete(Submitted& s) {
   const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
   json logprobs;
   if (s.request.logprobs) logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
-  return HttpReply{200, "application/json",
-                   chat ? chat_body(s.header, text, finish, usage, logprobs)
-                        : completion_body(s.header, text, finish, usage, logprobs)};
+  json prompt_ids;
+  json token_ids;
+  if (s.request.return_token_ids) {
+    prompt_ids = s.stream->prompt_ids();
+    token_ids = ids;
+  }
+  return HttpReply{
+      200, "application/json",
+      chat ? chat_body(s.header, text, finish, usage, logprobs, prompt_ids, token_ids)
+           : completion_body(s.header, text, finish, usage, logprobs, prompt_ids, token_ids)};
 }
 
 void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
@@ -224,9 +246,15 @@ void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
     s.stream->abort();
     return false;
   };
-  if (chat && !send(sse_event(chat_chunk(s.header, json{{"role", "assistant"}, {"content", ""}},
-                                         Finish{}, json())))) {
-    return;
+  // vLLM's return_token_ids: the prompt's ids go with the first chunk only.
+  json prompt_ids;
+  if (s.request.return_token_ids) prompt_ids = s.stream->prompt_ids();
+  if (chat) {
+    if (!send(sse_event(chat_chunk(s.header, json{{"role", "assistant"}, {"content", ""}}, Finish{},
+                                   json(), prompt_ids)))) {
+      return;
+    }
+    prompt_ids = json();
   }
   while (true) {
     if (stopping_ || !sink.connected()) {
@@ -248,13 +276,16 @@ void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
       logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, text_offset);
     }
     text_offset += static_cast<int64_t>(out.text.size());
+    json token_ids;
+    if (s.request.return_token_ids) token_ids = out.token_ids;
     std::string chunk;
     if (chat) {
       json delta = json::object();
       if (!out.text.empty() || !out.finished) delta["content"] = out.text;
-      chunk = chat_chunk(s.header, delta, finish, logprobs);
+      chunk = chat_chunk(s.header, delta, finish, logprobs, json(), token_ids);
     } else {
-      chunk = completion_chunk(s.header, out.text, finish, logprobs);
+      chunk = completion_chunk(s.header, out.text, finish, logprobs, prompt_ids, token_ids);
+      prompt_ids = json();
     }
     if (!send(sse_event(chunk))) return;
     if (out.finished) {
@@ -306,6 +337,7 @@ HttpReply OpenAIService::load_adapter(std::string_view body) {
     throw ApiException(
         ApiError{404, "No adapter found for '" + name + "' at " + path, "", "lora_path"});
   }
+  wait_until_unloaded(name, "lora_name");
   try {
     std::lock_guard<std::mutex> lock(resolve_mutex_);
     backend_.load_adapter(name, path);

@@ -29,6 +29,9 @@ struct ServiceConfig {
   std::string version;
   /// How often a waiting handler checks for a closed connection or a shutdown.
   std::chrono::milliseconds poll_interval{50};
+  /// How long a load of an adapter name that is being unloaded waits for the old adapter's
+  /// requests to finish (then 409).
+  std::chrono::milliseconds unload_wait{60000};
 };
 
 struct HttpReply {
@@ -79,6 +82,7 @@ class OpenAIService {
 
  private:
   std::string resolve_adapter(const std::string& model);
+  void wait_until_unloaded(const std::string& name, const std::string& param);
   std::vector<TokenLogprob> logprobs_of(const engine::RequestOutput& out) const;
   Finish finish_of(const engine::RequestOutput& out, const GenerationRequest& request) const;
 
@@ -88,7 +92,8 @@ class OpenAIService {
   std::atomic<bool> stopping_{false};
 };
 
-/// The ApiError an engine refusal maps to (400, 404 or 503).
+/// The ApiError an engine refusal maps to (400 invalid or too long, 404 unknown adapter, 503
+/// overloaded).
 ApiError api_error_of(const engine::RequestError& e);
 
 }  // namespace loraplex::server

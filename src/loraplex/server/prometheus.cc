@@ -161,6 +161,22 @@ std::string format_prometheus(const engine::EngineMetrics& m, const std::string&
               m.e2e_request_latency_s);
   w.histogram("vllm:request_queue_time_seconds",
               "Histogram of time spent in WAITING phase for request.", m.queue_time_s);
+  w.histogram("vllm:request_inference_time_seconds",
+              "Histogram of time spent in RUNNING phase for request.", m.request_inference_time_s);
+  w.histogram("vllm:request_prefill_time_seconds",
+              "Histogram of time spent in PREFILL phase for request.", m.request_prefill_time_s);
+  w.histogram("vllm:request_decode_time_seconds",
+              "Histogram of time spent in DECODE phase for request.", m.request_decode_time_s);
+  w.histogram("vllm:request_time_per_output_token_seconds",
+              "Histogram of time_per_output_token_seconds per request.", m.time_per_output_token_s);
+  w.histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+              m.request_prompt_tokens);
+  w.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+              m.request_generation_tokens);
+  w.histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+              m.request_params_max_tokens);
+  w.histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+              m.iteration_tokens_total);
   return std::move(w.out());
 }
 

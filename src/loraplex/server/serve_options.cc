@@ -25,8 +25,9 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
                  "a request naming an adapter that is not loaded loads DIR/NAME on first use")
       ->check(CLI::ExistingDirectory);
   app.add_option("--host", o.http.host, "address to listen on")->capture_default_str();
-  app.add_option("--port", o.http.port, "port to listen on")
-      ->check(CLI::Range(1, 65535))
+  app.add_option("--port", o.http.port,
+                 "port to listen on (0: any free port; the address is printed when listening)")
+      ->check(CLI::Range(0, 65535))
       ->capture_default_str();
   app.add_option("--api-key", o.http.api_key,
                  "clients must send 'Authorization: Bearer KEY' on /v1/* (also read from "
@@ -67,7 +68,10 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
                  "fraction of the GPU the KV cache may fill, less the rest")
       ->check(CLI::Range(0.01, 1.0))
       ->capture_default_str();
-  app.add_option("--num-kv-blocks", e.num_kv_blocks, "exactly this many KV blocks (CPU: required)")
+  app.add_option(
+         "--num-kv-blocks", e.num_kv_blocks,
+         "exactly this many KV blocks (0: on a GPU what --gpu-memory-utilization leaves; on "
+         "the CPU what --max-num-seqs sequences of --max-model-len need, at most 1 GiB)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--block-size", e.kv_block_size, "tokens per KV block")
