@@ -4,6 +4,8 @@
 #include <exception>
 #include <utility>
 
+#include "loraplex/core/cuda_runtime.h"
+
 namespace loraplex {
 
 // One loaded adapter. A new load() of the same name after unload() is a new Entry, so leases
@@ -99,6 +101,8 @@ AdapterManager::AdapterManager(const LoraTargetRegistry& registry, AdapterManage
                  "lora_dtype must be float32, float16 or bfloat16, got ", config_.lora_dtype);
   state_->slots.resize(static_cast<size_t>(config_.max_loras));
   if (config_.device.is_cuda()) {
+    // Events belong to the device current when they are made; the copy stream is this one.
+    cuda_rt::set_device(config_.device.index);
     copy_stream_ = Stream::create(config_.device);
     for (auto& s : state_->slots) s.uploaded = std::make_unique<Event>();
   }

@@ -29,6 +29,13 @@ class Communicator {
   virtual void all_gather(const Tensor& in, Tensor& out, int dim, const Stream& stream) = 0;
   /// "in-process rank 1 of 4", for messages.
   virtual std::string describe() const = 0;
+  /// Stops the group after a failure (a rank that threw, a step that timed out): collectives
+  /// blocked in it (on the host, or for NCCL on the device) return, and later ones throw. The
+  /// group cannot be used afterwards. May be called from any thread, more than once.
+  virtual void abort() {}
+  /// An error the group has met in the background (NCCL's asynchronous errors: a peer that
+  /// failed or went away), or "" when none.
+  virtual std::string async_error() { return {}; }
 };
 
 /// A group of one: all_reduce_sum does nothing, all_gather copies (or does nothing when `out`

@@ -59,6 +59,8 @@ class InProcessCommunicator final : public Communicator {
   void all_reduce_sum(Tensor& tensor, const Stream& stream) override;
   void all_gather(const Tensor& in, Tensor& out, int dim, const Stream& stream) override;
   std::string describe() const override;
+  /// Aborts the whole group (InProcessGroup::abort).
+  void abort() override { group_->abort(); }
   InProcessGroup& group() { return *group_; }
 
  private:

@@ -64,11 +64,61 @@ NcclCommunicator::NcclCommunicator(const NcclUniqueId& id, int rank, int size, i
   std::memcpy(&nid, id.bytes.data(), sizeof(nid));
   ncclComm_t comm = nullptr;
   check_nccl(ncclCommInitRank(&comm, size, nid, rank), "ncclCommInitRank", rank);
-  comm_ = comm;
+  comm_.store(comm);
+}
+
+NcclCommunicator::NcclCommunicator(Adopt, void* comm, int rank, int size, int device)
+    : comm_(comm), rank_(rank), size_(size), device_(device) {}
+
+std::vector<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create_group(
+    const std::vector<int>& devices) {
+  const int n = static_cast<int>(devices.size());
+  LORAPLEX_CHECK(n >= 1, "NcclCommunicator::create_group: no devices");
+  for (int d : devices) {
+    LORAPLEX_CHECK(d >= 0 && d < cuda_rt::device_count(), "NcclCommunicator: CUDA device ", d,
+                   " does not exist (", cuda_rt::device_count(), " devices)");
+  }
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  std::vector<ncclComm_t> comms(devices.size(), nullptr);
+  const int previous = cuda_rt::current_device();
+  const ncclResult_t result = ncclCommInitAll(comms.data(), n, devices.data());
+  cuda_rt::set_device(previous);
+  check_nccl(result, "ncclCommInitAll", -1);
+  std::vector<std::unique_ptr<NcclCommunicator>> out;
+  for (int r = 0; r < n; ++r) {
+    out.emplace_back(new NcclCommunicator(Adopt{}, comms[static_cast<size_t>(r)], r, n,
+                                          devices[static_cast<size_t>(r)]));
+  }
+  return out;
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (comm_ != nullptr) ncclCommDestroy(as_comm(comm_));
+  void* comm = comm_.exchange(nullptr);
+  if (comm != nullptr) ncclCommDestroy(as_comm(comm));
+}
+
+void* NcclCommunicator::live(const std::string& who) const {
+  void* comm = comm_.load();
+  LORAPLEX_CHECK(comm != nullptr, who, ": the communicator was aborted (a rank failed or a step ",
+                 "timed out)");
+  return comm;
+}
+
+void NcclCommunicator::abort() {
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  void* comm = comm_.exchange(nullptr);
+  if (comm != nullptr) ncclCommAbort(as_comm(comm));
+}
+
+std::string NcclCommunicator::async_error() {
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  void* comm = comm_.load();
+  if (comm == nullptr) return {};
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t result = ncclCommGetAsyncError(as_comm(comm), &state);
+  if (result != ncclSuccess) return std::string("ncclCommGetAsyncError: ") + ncclGetErrorString(result);
+  if (state == ncclSuccess || state == ncclInProgress) return {};
+  return detail::concat(describe(), ": ", ncclGetErrorString(state));
 }
 
 std::string NcclCommunicator::describe() const {
@@ -81,11 +131,12 @@ void NcclCommunicator::all_reduce_sum(Tensor& tensor, const Stream& stream) {
   LORAPLEX_CHECK(tensor.device() == Device::cuda(device_), who, ": tensor on ", tensor.device(),
                  ", expected cuda:", device_);
   const ncclDataType_t type = nccl_type(tensor.dtype(), who.c_str());
+  void* comm = live(who);
   if (tensor.numel() == 0) return;
   cuda_rt::set_device(device_);
   check_nccl(
       ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
-                    ncclSum, as_comm(comm_), static_cast<cudaStream_t>(stream.handle())),
+                    ncclSum, as_comm(comm), static_cast<cudaStream_t>(stream.handle())),
       "ncclAllReduce", rank_);
 }
 
@@ -95,6 +146,7 @@ void NcclCommunicator::all_gather(const Tensor& in, Tensor& out, int dim, const 
   LORAPLEX_CHECK(in.device() == Device::cuda(device_), who, ": tensors on ", in.device(),
                  ", expected cuda:", device_);
   const ncclDataType_t type = nccl_type(in.dtype(), who.c_str());
+  ncclComm_t comm = as_comm(live(who));
   if (in.numel() == 0) return;
   cuda_rt::set_device(device_);
   const auto count = static_cast<size_t>(in.numel());
@@ -102,17 +154,17 @@ void NcclCommunicator::all_gather(const Tensor& in, Tensor& out, int dim, const 
   int64_t outer = 1;
   for (int i = 0; i < d; ++i) outer *= in.size(i);
   if (outer == 1) {
-    check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), count, type, as_comm(comm_), cu_stream),
+    check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), count, type, comm, cu_stream),
                "ncclAllGather", rank_);
     return;
   }
   const int64_t need = static_cast<int64_t>(in.nbytes()) * size_;
   if (!staging_.defined() || staging_.numel() < need) {
+    if (staging_.defined()) retired_.push_back(staging_);
     staging_ = Tensor::empty({need}, DType::kU8, Device::cuda(device_));
   }
-  check_nccl(
-      ncclAllGather(in.data_ptr(), staging_.data_ptr(), count, type, as_comm(comm_), cu_stream),
-      "ncclAllGather", rank_);
+  check_nccl(ncclAllGather(in.data_ptr(), staging_.data_ptr(), count, type, comm, cu_stream),
+             "ncclAllGather", rank_);
   // staging is [size, outer, inner]; out is [outer, size, inner].
   const int64_t inner = in.numel() / outer;
   Tensor gathered = Tensor::from_blob(staging_.data_ptr(), {size_, outer, inner}, in.dtype(),

@@ -8,7 +8,11 @@
 // set to 0 unless the environment already sets it.
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "loraplex/dist/communicator.h"
 
@@ -27,6 +31,9 @@ class NcclCommunicator final : public Communicator {
   /// Joins the group `id` as `rank` of `size` on CUDA device `device` (blocks until every
   /// rank has joined). Throws loraplex::Error naming the NCCL error.
   NcclCommunicator(const NcclUniqueId& id, int rank, int size, int device);
+  /// One group over `devices` of this process (rank r on devices[r]), made at once by one
+  /// thread (ncclCommInitAll): no rank waits for others that may never come.
+  static std::vector<std::unique_ptr<NcclCommunicator>> create_group(const std::vector<int>& devices);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -40,13 +47,27 @@ class NcclCommunicator final : public Communicator {
   /// buffer (grown on first use, then reused) and rearranges with strided copies.
   void all_gather(const Tensor& in, Tensor& out, int dim, const Stream& stream) override;
   std::string describe() const override;
+  /// ncclCommAbort: NCCL kernels waiting for a peer that will not come return, and every later
+  /// collective throws. Meant for a thread other than the one enqueuing collectives (a
+  /// watchdog) once that rank has stopped, or for the rank's own thread.
+  void abort() override;
+  /// ncclCommGetAsyncError, as text ("" when none).
+  std::string async_error() override;
 
  private:
-  void* comm_ = nullptr;  // ncclComm_t
+  struct Adopt {};
+  NcclCommunicator(Adopt, void* comm, int rank, int size, int device);
+  // The communicator, or throws naming `who` when it was aborted.
+  void* live(const std::string& who) const;
+
+  std::atomic<void*> comm_{nullptr};  // ncclComm_t; null once aborted
+  std::mutex abort_mutex_;            // abort() against async_error()
   int rank_;
   int size_;
   int device_;
   Tensor staging_;
+  // Earlier, smaller staging buffers: a captured CUDA graph may still gather through them.
+  std::vector<Tensor> retired_;
 };
 
 }  // namespace loraplex

@@ -49,6 +49,8 @@ model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType
   d.kv_blocks = 1;  // the Engine allocates the real cache
   d.kv_block_size = options.kv_block_size;
   d.max_model_len = options.max_model_len;
+  d.tensor_parallel_size = options.tensor_parallel_size;
+  d.fully_sharded_loras = options.fully_sharded_loras;
   return d;
 }
 
@@ -196,7 +198,7 @@ void RequestHandle::abort() {
 
 struct Engine::Impl {
   EngineOptions options;
-  std::unique_ptr<model::Decoder> decoder;
+  std::unique_ptr<model::ModelExecutor> decoder;
   std::shared_ptr<const Tokenizer> tokenizer;
   std::vector<int32_t> eos;
   RequestLimits limits;
@@ -255,14 +257,19 @@ template <typename... Args>
   throw RequestError(kind, detail::concat(args...));
 }
 
-int64_t kv_blocks_for(const EngineOptions& o, const model::Decoder& decoder) {
+int64_t kv_blocks_for(const EngineOptions& o, const model::ModelExecutor& decoder) {
   if (o.num_kv_blocks > 0) return o.num_kv_blocks;
   const Device device = decoder.options().device;
   LORAPLEX_CHECK(device.is_cuda(), "EngineOptions::num_kv_blocks must be set on the CPU (got ",
                  o.num_kv_blocks, ")");
   LORAPLEX_CHECK(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0,
                  "gpu_memory_utilization ", o.gpu_memory_utilization, ", expected (0, 1]");
-  const cuda_rt::MemoryInfo mem = cuda_rt::memory_info(device.index);
+  // Every rank holds the same number of blocks (of its own KV heads): the fullest GPU decides.
+  cuda_rt::MemoryInfo mem = cuda_rt::memory_info(device.index);
+  for (const Device& d : decoder.devices()) {
+    const cuda_rt::MemoryInfo m = cuda_rt::memory_info(d.index);
+    if (m.free < mem.free) mem = m;
+  }
   const size_t free_bytes = mem.free;
   const size_t total_bytes = mem.total;
   // Whatever is in use now (weights, workspaces, other processes) stays; the cache takes what
@@ -279,7 +286,7 @@ int64_t kv_blocks_for(const EngineOptions& o, const model::Decoder& decoder) {
 
 }  // namespace
 
-Engine::Engine(std::unique_ptr<model::Decoder> model, std::shared_ptr<const Tokenizer> tokenizer,
+Engine::Engine(std::unique_ptr<model::ModelExecutor> model, std::shared_ptr<const Tokenizer> tokenizer,
                std::vector<int32_t> eos_token_ids, EngineOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
@@ -686,7 +693,9 @@ void Engine::Impl::run_step(const StepPlan& plan) {
 
   model::StepResult result;
   try {
-    for (const std::string& a : step_adapters) slots->wait_ready(a, decoder->stream());
+    for (const std::string& a : step_adapters) {
+      for (const Stream& s : decoder->streams()) slots->wait_ready(a, s);
+    }
     const auto layers_lock = adapters->lock_layers();
     result = decoder->execute(batch);
   } catch (const std::exception& e) {

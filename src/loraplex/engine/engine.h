@@ -17,6 +17,7 @@
 
 #include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/model/decoder.h"
+#include "loraplex/model/executor.h"
 #include "loraplex/tokenizer/tokenizer.h"
 
 namespace loraplex::engine {
@@ -65,10 +66,16 @@ struct EngineOptions {
   /// Adapters reloaded from disk in the background at once; 0 = max(1, max_cpu_loras -
   /// max_loras), so that adapters loaded for waiting requests do not evict each other.
   int max_loading_adapters = 0;
+  /// GPUs the model is sharded over (rank r on cuda:(device + r); CPU threads on the CPU), as
+  /// vLLM's --tensor-parallel-size. The model is loaded with model::load_model.
+  int tensor_parallel_size = 1;
+  /// vLLM's --fully-sharded-loras: adapters are sharded like the layers they modify.
+  bool fully_sharded_loras = false;
 };
 
-/// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size),
-/// for loading the model an Engine will run. The KV cache is sized later, by the Engine.
+/// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size,
+/// tensor parallelism), for loading the model an Engine will run (model::load_model). The KV
+/// cache is sized later, by the Engine.
 model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType dtype,
                                              Device device);
 
@@ -188,7 +195,7 @@ class Engine {
   /// prompts are ids, no text comes back and stop strings are refused) and the EOS ids. Throws
   /// when options do not fit the model (see engine_decoder_options). Starts the step loop
   /// thread.
-  Engine(std::unique_ptr<model::Decoder> model, std::shared_ptr<const Tokenizer> tokenizer,
+  Engine(std::unique_ptr<model::ModelExecutor> model, std::shared_ptr<const Tokenizer> tokenizer,
          std::vector<int32_t> eos_token_ids, EngineOptions options);
   /// Aborts everything in flight and stops the loop.
   ~Engine();

@@ -11,7 +11,7 @@
 #include "loraplex/core/error.h"
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
-#include "loraplex/model/decoder.h"
+#include "loraplex/model/load_model.h"
 
 namespace loraplex::engine {
 namespace {
@@ -116,8 +116,10 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   opts.seed = cfg.seed;
   size_for(prompts, max_tokens, opts);
 
+  opts.tensor_parallel_size = cfg.tensor_parallel_size;
+  opts.fully_sharded_loras = cfg.fully_sharded_loras;
   Engine engine(
-      model::Decoder::load(cfg.model_dir, engine_decoder_options(opts, cfg.dtype, cfg.device)),
+      model::load_model(cfg.model_dir, engine_decoder_options(opts, cfg.dtype, cfg.device)),
       tokenizer, read_eos_token_ids(cfg.model_dir, config), opts);
   for (const auto& [name, dir] : cfg.loras) engine.load_adapter(name, dir);
   // Request adapter names are resolved once every adapter has loaded cleanly.

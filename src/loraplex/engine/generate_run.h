@@ -41,6 +41,8 @@ struct GenerateConfig {
   std::optional<int> max_lora_rank;     // default: the largest adapter rank
   std::optional<int64_t> max_num_seqs;  // default: all requests
   int64_t kv_block_size = 16;
+  int tensor_parallel_size = 1;  // ranks (GPUs from `device` on, or CPU threads)
+  bool fully_sharded_loras = false;
 };
 
 struct GenerateOutput {

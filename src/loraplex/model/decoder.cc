@@ -13,6 +13,7 @@
 #include "loraplex/model/model_ops.h"
 #include "loraplex/model/sampler.h"
 #include "loraplex/model/sampling_ops.h"
+#include "loraplex/model/shard_layout.h"
 #include "loraplex/model/weight_source.h"
 
 namespace loraplex::model {
@@ -76,9 +77,18 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
       "decoder options: max_loras ", options.max_loras, ", max_lora_rank ", options.max_lora_rank,
       ", max_num_tokens ", options.max_num_tokens, ", max_num_seqs ", options.max_num_seqs,
       ", kv_block_size ", options.kv_block_size, " must all be >= 1");
+  const int tp = options.comm != nullptr ? options.comm->size() : 1;
+  LORAPLEX_CHECK(options.tensor_parallel_size == tp, "decoder options: tensor_parallel_size ",
+                 options.tensor_parallel_size, " but ",
+                 options.comm != nullptr ? options.comm->describe() : "no communicator",
+                 " (a sharded model is loaded with model::load_model, which builds the group)");
+  check_shard_layout(config, tp, options.fully_sharded_loras);
   std::unique_ptr<Decoder> d(new Decoder());
   d->config_ = config;
+  d->local_ = rank_config(config, tp);
   d->options_ = options;
+  d->tp_size_ = tp;
+  d->tp_rank_ = options.comm != nullptr ? options.comm->rank() : 0;
   if (d->options_.max_model_len == 0) {
     d->options_.max_model_len = std::max<int64_t>(config.max_position_embeddings, 1);
   }
@@ -93,7 +103,7 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
   const std::vector<float> inv = rope_inv_freq(d->config_);
   d->inv_freq_ = Tensor::from_vector(inv, {static_cast<int64_t>(inv.size())});
   if (options.device.is_cuda()) d->inv_freq_ = d->inv_freq_.to(options.device, d->stream_);
-  d->kv_ = std::make_unique<KvCache>(d->config_, options.kv_blocks, options.kv_block_size,
+  d->kv_ = std::make_unique<KvCache>(d->local_, options.kv_blocks, options.kv_block_size,
                                      options.dtype, options.device);
   d->punica_ =
       std::make_unique<PunicaWrapper>(options.max_loras, static_cast<int>(options.max_num_tokens),
@@ -159,7 +169,11 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   const ModelConfig& c = config_;
   const DType dt = options_.dtype;
   const Device dev = options_.device;
-  const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt, false};
+  const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt,
+                        options_.fully_sharded_loras};
+  // Every sharded layer takes this rank's part of the full weights it is given (views of the
+  // memory-mapped checkpoint: only that part is read).
+  Communicator* comm = options_.comm;
   const int max_tokens = static_cast<int>(options_.max_num_tokens);
   const int64_t h = c.hidden_size;
   auto weight = [&](const std::string& name, const Shape& s) { return src.get(name, s); };
@@ -183,7 +197,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
 
   const Tensor embed = weight("model.embed_tokens.weight", {c.vocab_size, h});
   embed_ =
-      std::make_unique<VocabEmbeddingWithLora>(c.vocab_size, h, dt, lora, nullptr, dev, max_tokens);
+      std::make_unique<VocabEmbeddingWithLora>(c.vocab_size, h, dt, lora, comm, dev, max_tokens);
   embed_->load_base(embed, &upload);
   add("model.embed_tokens", LoraLayerHandle::of<LoraSliceWeights>(*embed_, "model.embed_tokens", 1),
       0, c.vocab_size, h, TargetKind::kEmbedding, host_only(embed));
@@ -191,7 +205,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
                  ": no lm_head.weight and tie_word_embeddings is false");
   const Tensor head = c.tie_word_embeddings ? embed : weight("lm_head.weight", {c.vocab_size, h});
   lm_head_ = std::make_unique<LogitsProcessorWithLora>(
-      h, c.vocab_size, dt, lora, nullptr, dev, static_cast<int>(options_.max_num_seqs), workspace_);
+      h, c.vocab_size, dt, lora, comm, dev, static_cast<int>(options_.max_num_seqs), workspace_);
   lm_head_->load_base(head, Tensor(), &upload);
   add("lm_head", LoraLayerHandle::of<LoraSliceWeights>(*lm_head_, "lm_head", 1), 0, h, c.vocab_size,
       TargetKind::kLmHead, host_only(head));
@@ -207,7 +221,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
     layer.post_norm = norm(p + "post_attention_layernorm.weight");
     const std::string a = p + "self_attn.";
     layer.qkv = std::make_unique<LoraLinear>(
-        LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), lora, nullptr, dev,
+        LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), lora, comm, dev,
         max_tokens, workspace_);
     std::vector<Tensor> qkv_b;
     if (c.qkv_bias) {
@@ -217,7 +231,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
     layer.qkv->load_base({weight(a + "q_proj.weight", {q, h}), weight(a + "k_proj.weight", {kv, h}),
                           weight(a + "v_proj.weight", {kv, h})},
                          qkv_b, &upload);
-    layer.o = std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, nullptr, dev,
+    layer.o = std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, comm, dev,
                                            max_tokens, workspace_);
     std::vector<Tensor> o_b;
     if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
@@ -232,7 +246,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
     if (!c.is_moe()) {
       const std::string m = p + "mlp.";
       layer.gate_up = std::make_unique<LoraLinear>(LinearSpec::merged_column(h, {inter, inter}, dt),
-                                                   lora, nullptr, dev, max_tokens, workspace_);
+                                                   lora, comm, dev, max_tokens, workspace_);
       std::vector<Tensor> gu_b;
       if (c.mlp_bias) {
         gu_b = {weight(m + "gate_proj.bias", {inter}), weight(m + "up_proj.bias", {inter})};
@@ -240,7 +254,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       layer.gate_up->load_base(
           {weight(m + "gate_proj.weight", {inter, h}), weight(m + "up_proj.weight", {inter, h})},
           gu_b, &upload);
-      layer.down = std::make_unique<LoraLinear>(LinearSpec::row(inter, h, dt), lora, nullptr, dev,
+      layer.down = std::make_unique<LoraLinear>(LinearSpec::row(inter, h, dt), lora, comm, dev,
                                                 max_tokens, workspace_);
       std::vector<Tensor> down_b;
       if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
@@ -260,7 +274,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       spec.dtype = dt;
       spec.renormalize = true;
       layer.moe =
-          std::make_unique<FusedMoeWithLora>(spec, lora, nullptr, dev, max_tokens, workspace_);
+          std::make_unique<FusedMoeWithLora>(spec, lora, comm, dev, max_tokens, workspace_);
       // transformers 5 still saves Mixtral with the 4.x names (block_sparse_moe.experts.N.wK);
       // a checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
       const std::string old_p = p + "block_sparse_moe.";
@@ -317,18 +331,19 @@ void Decoder::allocate_kv_cache(int64_t num_blocks) {
   // Captured graphs hold the old cache's addresses.
   graphs_.clear();
   kv_.reset();
-  kv_ = std::make_unique<KvCache>(config_, num_blocks, options_.kv_block_size, options_.dtype,
+  kv_ = std::make_unique<KvCache>(local_, num_blocks, options_.kv_block_size, options_.dtype,
                                   options_.device);
   options_.kv_blocks = num_blocks;
 }
 
 int64_t Decoder::kv_block_bytes() const {
-  return 2 * config_.num_layers * options_.kv_block_size * config_.num_kv_heads * config_.head_dim *
+  return 2 * local_.num_layers * options_.kv_block_size * local_.num_kv_heads * local_.head_dim *
          static_cast<int64_t>(dtype_size(options_.dtype));
 }
 
 void Decoder::allocate_step_buffers() {
-  const ModelConfig& c = config_;
+  // This rank's widths (heads, MLP columns); hidden size and vocabulary are whole.
+  const ModelConfig& c = local_;
   const DType dt = options_.dtype;
   const Device dev = options_.device;
   const int64_t t = options_.max_num_tokens;
@@ -345,7 +360,9 @@ void Decoder::allocate_step_buffers() {
   act_.rows = Tensor::empty({s, c.hidden_size}, dt, dev);
   act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
-  if (dev.is_cuda() && !c.is_moe()) {
+  // The LoRA-overlap path runs on one device: a sharded layer's collective needs its LoRA
+  // output added before it.
+  if (dev.is_cuda() && !c.is_moe() && tp_size_ == 1) {
     const int64_t o = std::min(t, kOverlapTokens);
     deltas_.qkv = Tensor::zeros({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
     deltas_.o = Tensor::zeros({o, c.hidden_size}, dt, dev);
@@ -470,7 +487,7 @@ void Decoder::project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* 
 
 void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool sampler_lora,
                          Sampling sampling) {
-  const ModelConfig& c = config_;
+  const ModelConfig& c = local_;
   const DType dt = options_.dtype;
   const Stream& st = stream_;
   punica_->build_metadata(static_cast<int>(n), static_cast<int>(num_sampled), token_lora,
@@ -621,7 +638,7 @@ void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora, Samplin
   cuda_rt::graph_launch(it->second->exec, stream_.handle());
 }
 
-StepResult Decoder::execute(const StepBatch& batch) {
+Decoder::BatchSummary Decoder::summarize(const StepBatch& batch) const {
   const int64_t num_seqs = static_cast<int64_t>(batch.seqs.size());
   LORAPLEX_CHECK(num_seqs >= 1 && num_seqs <= options_.max_num_seqs, "step batch has ", num_seqs,
                  " sequences, expected 1..max_num_seqs ", options_.max_num_seqs);
@@ -663,7 +680,13 @@ StepResult Decoder::execute(const StepBatch& batch) {
   }
   LORAPLEX_CHECK(n <= options_.max_num_tokens, "step batch has ", n,
                  " tokens, more than max_num_tokens ", options_.max_num_tokens);
+  return {n, num_sampled, pure_decode, greedy};
+}
 
+void Decoder::check(const StepBatch& batch) const { summarize(batch); }
+
+StepResult Decoder::execute(const StepBatch& batch) {
+  const auto [n, num_sampled, pure_decode, greedy] = summarize(batch);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&

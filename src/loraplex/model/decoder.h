@@ -27,6 +27,7 @@
 #include "loraplex/layers/workspace.h"
 #include "loraplex/model/checkpoint.h"
 #include "loraplex/model/config.h"
+#include "loraplex/model/executor.h"
 #include "loraplex/model/kv_cache.h"
 #include "loraplex/model/paged_attention.h"
 #include "loraplex/model/step_batch.h"
@@ -36,63 +37,50 @@ namespace loraplex::model {
 
 class WeightSource;
 
-struct DecoderOptions {
-  DType dtype = DType::kF32;  // activations, weights on the device, KV cache, LoRA
-  Device device = Device::cpu();
-  int max_loras = 1;
-  int max_lora_rank = 8;
-  int64_t max_num_tokens = 256;  // tokens of one step
-  int64_t max_num_seqs = 16;     // sequences of one step
-  int64_t kv_blocks = 64;
-  int64_t kv_block_size = 16;
-  /// Longest sequence (prompt + generated); 0 = the model's max_position_embeddings.
-  int64_t max_model_len = 0;
-  /// Capture pure decode steps in CUDA graphs (CUDA only; MoE models always run eagerly, their
-  /// expert grouping reads the routing on the host).
-  bool cuda_graphs = true;
-};
-
-/// How the last step ran, for benchmarks and tests.
-struct StepStats {
-  int64_t num_tokens = 0;  // tokens of the batch, before padding
-  int64_t padded_tokens = 0;
-  bool graph = false;  // replayed a captured CUDA graph
-};
-
-class Decoder {
+/// One model replica on one device: the whole model, or (options.comm set) one
+/// tensor-parallel rank's shard of it, whose steps every rank of the group runs together.
+class Decoder final : public ModelExecutor {
  public:
   /// Loads config.json and the weights of `dir`; throws naming the directory, file, tensor or
-  /// field at fault.
+  /// field at fault. Each weight is read from the memory-mapped checkpoint only where this
+  /// rank's shard lies.
   static std::unique_ptr<Decoder> load(const std::string& dir, const DecoderOptions& options);
   /// A model of `config`'s shapes with random weights made on options.device (see
-  /// RandomWeights): the same values on the CPU and the GPU for the same seed.
+  /// RandomWeights): the same values on the CPU and the GPU for the same seed, and every rank
+  /// of a group keeps its shard of the same full weights.
   static std::unique_ptr<Decoder> create_random(const ModelConfig& config,
                                                 const DecoderOptions& options, uint64_t seed);
+  /// A model of `config` whose weights come from `source` (copied through `upload` when given:
+  /// its stream orders device sources before their copies).
+  static std::unique_ptr<Decoder> create(const ModelConfig& config, const WeightSource& source,
+                                         const DecoderOptions& options,
+                                         WeightUpload* upload = nullptr);
 
-  const ModelConfig& config() const { return config_; }
-  const DecoderOptions& options() const { return options_; }
+  const ModelConfig& config() const override { return config_; }
+  const DecoderOptions& options() const override { return options_; }
   KvCache& kv_cache() { return *kv_; }
-  /// Replaces the KV cache with one of `num_blocks` blocks (options().kv_block_size tokens
-  /// each); every sequence's cached state is lost. The engine sizes the cache this way once the
-  /// weights are on the device.
-  void allocate_kv_cache(int64_t num_blocks);
-  /// Device bytes of one KV block over all layers (K and V).
-  int64_t kv_block_bytes() const;
+  void allocate_kv_cache(int64_t num_blocks) override;
+  int64_t kv_block_bytes() const override;
 
-  /// Runs one step and samples the next token of every sequence that asks for it; only the
-  /// sampled ids (and log-probabilities) come back to the host. Throws loraplex::Error naming
-  /// the sequence and value when the batch is inconsistent (blocks short of its positions,
-  /// more tokens than max_num_tokens, a slot outside [-1, max_loras), bad sampling values).
-  StepResult execute(const StepBatch& batch);
-  const StepStats& last_step() const { return last_step_; }
+  StepResult execute(const StepBatch& batch) override;
+  const StepStats& last_step() const override { return last_step_; }
+  /// execute()'s checks of `batch`, on the host alone (throws as execute does); a
+  /// tensor-parallel group runs them once before any rank starts the step.
+  void check(const StepBatch& batch) const;
 
   /// The stream every step runs on.
   const Stream& stream() const { return stream_; }
+  std::vector<Device> devices() const override { return {options_.device}; }
+  std::vector<Stream> streams() const override { return {stream_}; }
+  /// This replica's rank in its tensor-parallel group and the group's size (0 and 1 alone).
+  int tp_rank() const { return tp_rank_; }
+  int tp_size() const { return tp_size_; }
 
   /// Every module an adapter may target (PEFT module paths without "base_model.model.":
   /// "model.layers.0.self_attn.q_proj", "lm_head", "model.layers.1.mlp.experts" (3-D),
-  /// "model.layers.1.block_sparse_moe.experts.5.w1", ...), for the adapter manager.
-  const LoraTargetRegistry& targets() const { return targets_; }
+  /// "model.layers.1.block_sparse_moe.experts.5.w1", ...), for the adapter manager. This
+  /// replica's layers only.
+  const LoraTargetRegistry& targets() const override { return targets_; }
 
  private:
   struct Layer {
@@ -158,9 +146,14 @@ class Decoder {
   enum class Sampling { kSample, kSampleLogprobs };
 
   Decoder() = default;
-  static std::unique_ptr<Decoder> create(const ModelConfig& config, const WeightSource& source,
-                                         const DecoderOptions& options,
-                                         WeightUpload* upload = nullptr);
+  // What execute() needs to know of a batch, after checking it.
+  struct BatchSummary {
+    int64_t tokens = 0;
+    int64_t sampled = 0;
+    bool pure_decode = true;  // one token per sequence, every sequence sampled
+    bool greedy = true;       // every sampled row takes its argmax, with nothing banned
+  };
+  BatchSummary summarize(const StepBatch& batch) const;
   void bind(const WeightSource& source, WeightUpload& upload);
   void allocate_step_buffers();
   // The host half of a step: fills the staging inputs for `batch` (padded to `padded`
@@ -178,7 +171,11 @@ class Decoder {
   void replay(int64_t bucket, bool token_lora, bool sampler_lora, Sampling sampling);
 
   ModelConfig config_;
+  // config_ as this rank sees it: its attention heads, KV heads and MLP columns.
+  ModelConfig local_;
   DecoderOptions options_;
+  int tp_rank_ = 0;
+  int tp_size_ = 1;
   Stream stream_;
   std::shared_ptr<LayerWorkspace> workspace_;
   std::unique_ptr<VocabEmbeddingWithLora> embed_;

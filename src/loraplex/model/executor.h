@@ -1,0 +1,94 @@
+#pragma once
+// What runs a model's steps, as the engine and the benchmarks see it: one Decoder on one device
+// (decoder.h), or a tensor-parallel group of Decoders, one per GPU (or per CPU thread), driven
+// in lockstep (tensor_parallel.h). load_model.h picks one from DecoderOptions.
+
+#include <cstdint>
+#include <vector>
+
+#include "loraplex/adapters/lora_targets.h"
+#include "loraplex/core/device.h"
+#include "loraplex/core/dtype.h"
+#include "loraplex/core/stream.h"
+#include "loraplex/model/config.h"
+#include "loraplex/model/step_batch.h"
+
+namespace loraplex {
+class Communicator;
+}  // namespace loraplex
+
+namespace loraplex::model {
+
+struct DecoderOptions {
+  DType dtype = DType::kF32;  // activations, weights on the device, KV cache, LoRA
+  /// The device, or the first of a tensor-parallel group's (rank r runs on cuda:(index + r)).
+  Device device = Device::cpu();
+  int max_loras = 1;
+  int max_lora_rank = 8;
+  int64_t max_num_tokens = 256;  // tokens of one step
+  int64_t max_num_seqs = 16;     // sequences of one step
+  int64_t kv_blocks = 64;
+  int64_t kv_block_size = 16;
+  /// Longest sequence (prompt + generated); 0 = the model's max_position_embeddings.
+  int64_t max_model_len = 0;
+  /// Capture pure decode steps in CUDA graphs (CUDA only; MoE models always run eagerly, their
+  /// expert grouping reads the routing on the host).
+  bool cuda_graphs = true;
+
+  /// Ranks the model is sharded over (GPUs; on the CPU, threads). load_model builds the group;
+  /// a Decoder itself is one rank and takes its group in `comm`.
+  int tensor_parallel_size = 1;
+  /// vLLM's --fully-sharded-loras: column layers also shard LoRA-A by rank and row layers
+  /// LoRA-B by output rows, embedding and lm_head LoRA keep only their vocab shard.
+  bool fully_sharded_loras = false;
+  /// One Decoder's tensor-parallel group (tensor_parallel_size ranks), or nullptr for one
+  /// device. Set by TensorParallelDecoder; must outlive the Decoder.
+  Communicator* comm = nullptr;
+  /// A tensor-parallel step that has not finished after this many seconds (a GPU that stopped
+  /// or failed, a rank stuck in a collective) stops the group with an error instead of
+  /// hanging.
+  double step_timeout_s = 120.0;
+};
+
+/// How the last step ran, for benchmarks and tests.
+struct StepStats {
+  int64_t num_tokens = 0;  // tokens of the batch, before padding
+  int64_t padded_tokens = 0;
+  bool graph = false;  // replayed a captured CUDA graph
+};
+
+class ModelExecutor {
+ public:
+  virtual ~ModelExecutor() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  /// The options the model was built with (device: the first rank's).
+  virtual const DecoderOptions& options() const = 0;
+
+  /// Replaces the KV cache with one of `num_blocks` blocks (options().kv_block_size tokens
+  /// each) on every device; every sequence's cached state is lost. The engine sizes the cache
+  /// this way once the weights are on the device(s).
+  virtual void allocate_kv_cache(int64_t num_blocks) = 0;
+  /// Device bytes of one KV block over all layers (K and V), on each device.
+  virtual int64_t kv_block_bytes() const = 0;
+
+  /// Runs one step and samples the next token of every sequence that asks for it; only the
+  /// sampled ids (and log-probabilities) come back to the host. Throws loraplex::Error naming
+  /// the sequence and value when the batch is inconsistent (blocks short of its positions,
+  /// more tokens than max_num_tokens, a slot outside [-1, max_loras), bad sampling values).
+  virtual StepResult execute(const StepBatch& batch) = 0;
+  virtual const StepStats& last_step() const = 0;
+
+  /// Every module an adapter may target, for the adapter manager; a tensor-parallel group's
+  /// targets write every rank's layers (each keeps its shard of the full weights).
+  virtual const LoraTargetRegistry& targets() const = 0;
+
+  /// The devices the model runs on, one per rank (the KV cache is sized by the fullest).
+  virtual std::vector<Device> devices() const = 0;
+  /// The stream every step runs on, one per rank: a forward that uses an adapter slot must be
+  /// ordered after the slot's upload on each of them (AdapterManager::Lease::wait_ready).
+  virtual std::vector<Stream> streams() const = 0;
+  int tensor_parallel_size() const { return static_cast<int>(devices().size()); }
+};
+
+}  // namespace loraplex::model
