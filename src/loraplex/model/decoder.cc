@@ -99,6 +99,7 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
     if (upload == nullptr) upload = &own.emplace(options.device);
     d->bind(source, *upload);
     upload->finish();
+    d->weight_bytes_ = upload->bytes();
   }
   const std::vector<float> inv = rope_inv_freq(d->config_);
   d->inv_freq_ = Tensor::from_vector(inv, {static_cast<int64_t>(inv.size())});

@@ -72,6 +72,9 @@ class Decoder final : public ModelExecutor {
   const Stream& stream() const { return stream_; }
   std::vector<Device> devices() const override { return {options_.device}; }
   std::vector<Stream> streams() const override { return {stream_}; }
+  /// Bytes of base weights this replica copied to its device at load: its shard of every
+  /// tensor (whole norms and routers).
+  int64_t weight_bytes() const { return weight_bytes_; }
   /// This replica's rank in its tensor-parallel group and the group's size (0 and 1 alone).
   int tp_rank() const { return tp_rank_; }
   int tp_size() const { return tp_size_; }
@@ -176,6 +179,7 @@ class Decoder final : public ModelExecutor {
   DecoderOptions options_;
   int tp_rank_ = 0;
   int tp_size_ = 1;
+  int64_t weight_bytes_ = 0;
   Stream stream_;
   std::shared_ptr<LayerWorkspace> workspace_;
   std::unique_ptr<VocabEmbeddingWithLora> embed_;

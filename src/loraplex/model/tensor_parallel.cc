@@ -186,10 +186,13 @@ struct TensorParallelDecoder::Group {
       if (why.empty() && timeout_s > 0 && seconds_between(start, now) > timeout_s) {
         std::string running;
         for (const auto& r : ranks) {
-          if (r->busy) running += detail::concat(running.empty() ? "" : ", ", r->index, " (", r->device, ")");
+          if (r->busy) {
+            running += detail::concat(running.empty() ? "" : ", ", "rank ", r->index, " (",
+                                      r->device, ")");
+          }
         }
         why = detail::concat(what, " did not finish within step_timeout_s ", timeout_s,
-                             " s; still running: rank ", running);
+                             " s; still running: ", running);
       }
       if (!why.empty()) {
         reason = why;
