@@ -57,6 +57,25 @@ with tempfile.TemporaryDirectory() as tmp:
               list(got[0].keys()) == ["prompt", "adapter", "prompt_token_ids",
                                       "output_token_ids", "output_text"], str(got[0].keys()))
 
+    # Sharded over CPU threads (-tp, as vLLM spells it), adapters fully sharded: the same file.
+    out_tp = os.path.join(tmp, "out_tp.jsonl")
+    code, out, err = run(base + lora_args() + ["--requests", os.path.join(FIX, "requests.jsonl"),
+                                               "--output", out_tp, "-tp", "2",
+                                               "--fully-sharded-loras"])
+    check("-tp 2 --fully-sharded-loras succeeds", code == 0, err)
+    if code == 0:
+        check("-tp 2 output equals the PEFT reference",
+              [json.loads(l)["output_token_ids"] for l in open(out_tp)] ==
+              [e["output_token_ids"] for e in expected])
+
+    code, out, err = run(base + ["--requests", os.path.join(FIX, "requests.jsonl"),
+                                 "--tensor-parallel-size", "3"])
+    check("tensor-parallel size that does not divide the heads names both",
+          code != 0 and "tensor-parallel size 3" in err and "num_attention_heads 4" in err, err)
+
+    code, out, err = run(base + ["--requests", os.path.join(FIX, "requests.jsonl"), "-tp", "0"])
+    check("-tp 0 is refused", code != 0 and "-tp" in err, err)
+
     code, out, err = run(["--help"])
     check("--help exits 0", code == 0 and "usage: loraplex generate" in out, err)
 

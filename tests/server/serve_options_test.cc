@@ -111,5 +111,20 @@ TEST(ServeOptions, RefusalsNameTheFlag) {
   }
 }
 
+TEST(ServeOptions, TensorParallelSizeAsVllmSpellsIt) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  EXPECT_EQ(parse_serve_options({"--model", dir}, nullptr)->engine.tensor_parallel_size, 1);
+  const auto short_form = parse_serve_options({"--model", dir, "-tp", "4"}, nullptr);
+  EXPECT_EQ(short_form->engine.tensor_parallel_size, 4);
+  EXPECT_FALSE(short_form->engine.fully_sharded_loras);
+  const auto long_form = parse_serve_options(
+      {"--model", dir, "--tensor-parallel-size=2", "--fully-sharded-loras"}, nullptr);
+  EXPECT_EQ(long_form->engine.tensor_parallel_size, 2);
+  EXPECT_TRUE(long_form->engine.fully_sharded_loras);
+  EXPECT_EQ(parse_serve_options({"--model", dir, "-tp=3"}, nullptr)->engine.tensor_parallel_size,
+            3);
+  EXPECT_THROW(parse_serve_options({"--model", dir, "-tp", "0"}, nullptr), Error);
+}
+
 }  // namespace
 }  // namespace loraplex::server

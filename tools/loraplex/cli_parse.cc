@@ -8,8 +8,16 @@
 namespace loraplex::cli {
 
 bool parse_cli(CLI::App& app, const std::vector<std::string>& args) {
-  // CLI11 takes a vector of arguments in reverse order.
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  // CLI11 takes a vector of arguments in reverse order, and no short names of two letters:
+  // vLLM's -tp is spelled out here.
+  std::vector<std::string> reversed;
+  for (auto it = args.rbegin(); it != args.rend(); ++it) {
+    if (*it == "-tp" || it->starts_with("-tp=")) {
+      reversed.push_back("--tensor-parallel-size" + it->substr(3));
+    } else {
+      reversed.push_back(*it);
+    }
+  }
   try {
     app.parse(reversed);
   } catch (const CLI::CallForHelp&) {

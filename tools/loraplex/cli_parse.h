@@ -8,8 +8,9 @@
 
 namespace loraplex::cli {
 
-/// Parses `args` (the words after the subcommand's name) into `app`'s options. Returns false
-/// when --help was asked for (and printed); throws loraplex::Error on a bad command line.
+/// Parses `args` (the words after the subcommand's name) into `app`'s options; -tp N is
+/// --tensor-parallel-size N. Returns false when --help was asked for (and printed); throws
+/// loraplex::Error on a bad command line.
 bool parse_cli(CLI::App& app, const std::vector<std::string>& args);
 
 }  // namespace loraplex::cli

@@ -28,7 +28,7 @@
 #include "loraplex/core/error.h"
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
-#include "loraplex/model/decoder.h"
+#include "loraplex/model/load_model.h"
 #include "loraplex/model/model_shapes.h"
 #include "loraplex/model/random_adapter.h"
 #include "serve_workload.h"
@@ -72,12 +72,14 @@ struct ServeArgs {
   int64_t max_model_len = 0;
   bool no_prefix_caching = false;
   double lora_drain_after = 1.0;
+  int tensor_parallel_size = 1;
+  bool fully_sharded_loras = false;
 };
 
 /// The model and adapter pool a benchmark serves. Built by one function from the options, so
 /// that other sources (random weights of a named shape, random adapters) slot in here.
 struct ServePool {
-  std::unique_ptr<model::Decoder> decoder;
+  std::unique_ptr<model::ModelExecutor> decoder;
   std::shared_ptr<const Tokenizer> tokenizer;  // null when the model has none
   std::vector<int32_t> eos_token_ids;
   std::vector<std::string> adapter_names;
@@ -128,7 +130,7 @@ ServePool random_serve_pool(const ServeArgs& a, engine::EngineOptions& o, DType 
   if (o.max_model_len == 0) o.max_model_len = config.max_position_embeddings;
   ServePool p;
   p.decoder =
-      model::Decoder::create_random(config, engine::engine_decoder_options(o, dtype, device), 1);
+      model::create_random_model(config, engine::engine_decoder_options(o, dtype, device), 1);
   p.eos_token_ids = config.eos_token_ids;
   const std::string root =
       a.adapter_cache.empty()
@@ -174,7 +176,7 @@ ServePool make_serve_pool(const ServeArgs& a, engine::EngineOptions& o, DType dt
   if (o.max_cpu_loras == 0) o.max_cpu_loras = std::max(o.max_loras, pool);
 
   ServePool p;
-  p.decoder = model::Decoder::load(a.model_dir, engine::engine_decoder_options(o, dtype, device));
+  p.decoder = model::load_model(a.model_dir, engine::engine_decoder_options(o, dtype, device));
   if (fs::exists(fs::path(a.model_dir) / "tokenizer.json"))
     p.tokenizer = engine::read_tokenizer(a.model_dir);
   p.eos_token_ids = engine::read_eos_token_ids(a.model_dir, p.decoder->config());
@@ -491,6 +493,11 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--lora-drain-after", a.lora_drain_after,
                  "seconds an adapter waits for a slot before a busy one is drained for it")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--tensor-parallel-size", a.tensor_parallel_size,
+                 "-tp: GPUs the model is sharded over, from --device on (CPU: threads)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--fully-sharded-loras", a.fully_sharded_loras,
+               "shard the adapters like the layers they modify (LoRA-A by rank too)");
 
   if (!parse_cli(app, args)) return 0;
 
@@ -521,6 +528,8 @@ int run(const std::vector<std::string>& args) {
   o.enable_prefix_caching = !a.no_prefix_caching;
   o.lora_drain_after_s = a.lora_drain_after;
   o.seed = a.seed;
+  o.tensor_parallel_size = a.tensor_parallel_size;
+  o.fully_sharded_loras = a.fully_sharded_loras;
   const int64_t longest = prompt_len.max() + output_len.max();
   if (device.is_cpu() && o.num_kv_blocks == 0) {
     o.num_kv_blocks =
@@ -598,6 +607,8 @@ int run(const std::vector<std::string>& args) {
   c["kv_block_size"] = o.kv_block_size;
   c["prefix_caching"] = o.enable_prefix_caching;
   c["lora_drain_after_s"] = o.lora_drain_after_s;
+  c["tensor_parallel_size"] = o.tensor_parallel_size;
+  c["fully_sharded_loras"] = o.fully_sharded_loras;
   c["load_s"] = load_s;
   ordered_json doc;
   doc["config"] = c;

@@ -44,6 +44,11 @@ const char* kHelp =
     "  --max-loras N          distinct adapters in one batch (default: the number of --lora)\n"
     "  --max-lora-rank R      largest adapter rank (default: the largest among the adapters)\n"
     "  --max-num-seqs N       sequences in one batch (default: all requests)\n"
+    "  --tensor-parallel-size N, -tp N\n"
+    "                         shard the model over N GPUs from --device on (on the CPU over\n"
+    "                         N threads); default 1\n"
+    "  --fully-sharded-loras  shard the adapters like the layers they modify (LoRA-A by rank\n"
+    "                         in column layers, LoRA-B by rows in row layers)\n"
     "  --stats                print load/generation times and batch sizes to standard error\n";
 
 int run(const std::vector<std::string>& args) {
@@ -63,6 +68,10 @@ int run(const std::vector<std::string>& args) {
     }
     if (flag == "--stats") {
       stats = true;
+      continue;
+    }
+    if (flag == "--fully-sharded-loras") {
+      cfg.fully_sharded_loras = true;
       continue;
     }
     LORAPLEX_CHECK(i + 1 < args.size(), flag, " expects a value (see --help)");
@@ -104,6 +113,8 @@ int run(const std::vector<std::string>& args) {
       cfg.max_lora_rank = static_cast<int>(parse_int(flag, value, 1));
     } else if (flag == "--max-num-seqs") {
       cfg.max_num_seqs = parse_int(flag, value, 1);
+    } else if (flag == "--tensor-parallel-size" || flag == "-tp") {
+      cfg.tensor_parallel_size = static_cast<int>(parse_int(flag, value, 1));
     } else {
       LORAPLEX_FAIL("unknown option '", flag, "' (see --help)");
     }

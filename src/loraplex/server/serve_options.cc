@@ -89,8 +89,19 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--seed", e.seed, "seed for requests that give none")->capture_default_str();
+  app.add_option("--tensor-parallel-size", e.tensor_parallel_size,
+                 "-tp: GPUs the model is sharded over, from --device on (CPU: threads)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_flag("--fully-sharded-loras", e.fully_sharded_loras,
+               "shard the adapters like the layers they modify (LoRA-A by rank too)");
 
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  // CLI11 has no two-letter short names: vLLM's -tp is spelled out.
+  std::vector<std::string> reversed;
+  for (auto it = args.rbegin(); it != args.rend(); ++it) {
+    const bool tp = *it == "-tp" || it->starts_with("-tp=");
+    reversed.push_back(tp ? "--tensor-parallel-size" + it->substr(3) : *it);
+  }
   try {
     app.parse(reversed);
   } catch (const CLI::CallForHelp&) {
