@@ -6,6 +6,9 @@
 // the mean decode step, the floor (weight bytes per decode step over the measured copy
 // bandwidth, prefill FLOPs over the measured bf16 matmul rate) and the percent of it reached,
 // and where a step's time goes (CUPTI kernel records by component, and the host's gaps).
+// With --tensor-parallel-size N the model is sharded over N GPUs: the floor is one GPU's share
+// of the weights and FLOPs, plus the decode step's collectives timed alone (the breakdown then
+// sums the kernels of every GPU).
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "cli_parse.h"
+#include "collective_timing.h"
 #include "command.h"
 #include "kernel_profile.h"
 #include "loraplex/adapters/adapter_manager.h"
@@ -27,7 +31,7 @@
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/layers/linear_base.h"
-#include "loraplex/model/decoder.h"
+#include "loraplex/model/load_model.h"
 #include "loraplex/model/model_shapes.h"
 #include "loraplex/model/random_adapter.h"
 
@@ -61,6 +65,8 @@ struct Options {
   std::string commit;
   uint64_t seed = 0;
   std::string device = "cuda:0";
+  int tensor_parallel_size = 1;
+  bool fully_sharded_loras = false;
 };
 
 double seconds(Clock::time_point a, Clock::time_point b) {
@@ -113,7 +119,7 @@ struct RunResult {
 
 // Runs the requests in waves of max_num_seqs: the wave's prompts in steps of at most
 // max_batched_tokens tokens (a prompt may be split), then gen_len - 1 decode steps.
-RunResult run_workload(model::Decoder& d, const std::vector<Request>& reqs, const Options& o,
+RunResult run_workload(model::ModelExecutor& d, const std::vector<Request>& reqs, const Options& o,
                        int64_t max_seqs, int64_t max_tokens, bool profile) {
   RunResult r;
   r.outputs.resize(reqs.size());
@@ -225,13 +231,19 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--adapter-dir", o.adapter_dir, "where the random adapters are written");
   app.add_option("--commit", o.commit, "source commit to record (default $LORAPLEX_COMMIT)");
   app.add_option("--seed", o.seed, "random weights and prompts");
-  app.add_option("--device", o.device, "cuda:N");
+  app.add_option("--device", o.device, "cuda:N (the first GPU with --tensor-parallel-size)");
+  app.add_option("--tensor-parallel-size", o.tensor_parallel_size,
+                 "-tp: GPUs the model is sharded over, from --device on")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--fully-sharded-loras", o.fully_sharded_loras,
+               "shard the adapters like the layers they modify (LoRA-A by rank too)");
   if (!parse_cli(app, args)) return 0;
 
   const Device dev = Device::parse(o.device);
   LORAPLEX_CHECK(dev.is_cuda() && cuda_device_count() > dev.index,
                  "bench e2e needs a CUDA device (", o.device, "; ", cuda_device_count(),
                  " present)");
+  const int tp = o.tensor_parallel_size;
   LORAPLEX_CHECK(
       o.requests >= 1 && o.prompt_len >= 1 && o.gen_len >= 1 && o.repeats >= 1 && o.adapters >= 1 &&
           o.rank >= 1,
@@ -265,11 +277,25 @@ int run(const std::vector<std::string>& args) {
   dopts.max_model_len = o.prompt_len + o.gen_len;
   dopts.kv_blocks = max_seqs * ((o.prompt_len + o.gen_len + 15) / 16);
   dopts.cuda_graphs = o.cuda_graphs;
+  dopts.tensor_parallel_size = tp;
+  dopts.fully_sharded_loras = o.fully_sharded_loras;
+  // The decode step's collectives alone (tp > 1): 2 all-reduces per layer and the embedding's,
+  // and the lm_head's all-gather, over the wave's rows.
+  double collective_ms = 0.0;
+  if (tp > 1) {
+    std::vector<int> devices;
+    for (int r = 0; r < tp; ++r) devices.push_back(dev.index + r);
+    LORAPLEX_CHECK(dev.index + tp <= cuda_device_count(), "--tensor-parallel-size ", tp, " needs ",
+                   tp, " GPUs from ", o.device, " on; ", cuda_device_count(), " present");
+    collective_ms = decode_collectives_ms(
+        devices, dtype, max_seqs, config.hidden_size, (config.vocab_size + tp - 1) / tp,
+        static_cast<int>(2 * config.num_layers + 1), 20);
+  }
   progress("bench e2e: loading %s\n", o.model_dir.empty() ? o.shape : o.model_dir);
   const auto l0 = Clock::now();
-  std::unique_ptr<model::Decoder> d = o.model_dir.empty()
-                                          ? model::Decoder::create_random(config, dopts, o.seed + 1)
-                                          : model::Decoder::load(o.model_dir, dopts);
+  std::unique_ptr<model::ModelExecutor> d = o.model_dir.empty()
+                                                ? model::create_random_model(config, dopts, o.seed + 1)
+                                                : model::load_model(o.model_dir, dopts);
   const double load_s = seconds(l0, Clock::now());
 
   // Adapters: written as PEFT directories and loaded through the adapter manager.
@@ -298,7 +324,7 @@ int run(const std::vector<std::string>& args) {
       }
       manager.load(name, dir);
       leases.push_back(manager.acquire(name));
-      leases.back().wait_ready(d->stream());
+      for (const Stream& s : d->streams()) leases.back().wait_ready(s);
     }
     adapter_s = seconds(a0, Clock::now());
   }
@@ -326,7 +352,9 @@ int run(const std::vector<std::string>& args) {
     mixed_slots.push_back(leases.empty() ? -1 : leases[static_cast<size_t>(adapter_of(i))].slot());
 
   const int64_t weight_bytes = model::decode_weight_bytes(config, dtype);
-  const double decode_floor_s = static_cast<double>(weight_bytes) / (copy_gbs * 1e9);
+  // Each GPU reads its shard (norms and routers, a few MB, are whole on every rank).
+  const double decode_floor_s =
+      static_cast<double>(weight_bytes) / tp / (copy_gbs * 1e9) + collective_ms * 1e-3;
   json doc;
   doc["command"] = "bench e2e";
   doc["device"] = info.name;
@@ -343,12 +371,17 @@ int run(const std::vector<std::string>& args) {
                      {"rank", o.rank},
                      {"targets", o.targets},
                      {"distribution", o.distribution},
-                     {"cuda_graphs", o.cuda_graphs}};
+                     {"cuda_graphs", o.cuda_graphs},
+                     {"tensor_parallel_size", tp}};
   doc["copy_bandwidth_gbs"] = copy_gbs;
   doc["matmul_tflops_bf16"] = tflops;
   doc["load_s"] = load_s;
   doc["adapter_load_s"] = adapter_s;
   doc["decode_weight_bytes"] = weight_bytes;
+  doc["tensor_parallel_size"] = tp;
+  doc["fully_sharded_loras"] = o.fully_sharded_loras;
+  doc["decode_weight_bytes_per_gpu"] = weight_bytes / tp;
+  doc["decode_collectives_ms"] = collective_ms;
   doc["decode_step_floor_ms"] = decode_floor_s * 1e3;
   std::fprintf(stderr,
                "bench e2e: %s, %s %s (%lld layers), copy %.0f GB/s, bf16 matmul %.0f TFLOP/s, "
@@ -374,7 +407,7 @@ int run(const std::vector<std::string>& args) {
     const double prefill_flops =
         model::step_flops(config, r.prefill_tokens, r.attention_pairs, o.requests);
     const double floor_s =
-        prefill_flops / (tflops * 1e12) + static_cast<double>(r.decode_steps) * decode_floor_s;
+        prefill_flops / (tflops * 1e12 * tp) + static_cast<double>(r.decode_steps) * decode_floor_s;
     json j;
     j["tok_s"] = static_cast<double>(generated) / total;
     j["total_s"] = total;
