@@ -25,12 +25,12 @@
 namespace loraplex::test {
 namespace {
 
-#define LORAPLEX_REQUIRE_GPUS(n)                                                        \
-  do {                                                                                  \
-    if (cuda_device_count() < (n)) {                                                    \
-      GTEST_SKIP() << "needs " << (n) << " CUDA devices, " << cuda_device_count()       \
-                   << " present (or a build without CUDA)";                             \
-    }                                                                                   \
+#define LORAPLEX_REQUIRE_GPUS(n)                                                  \
+  do {                                                                            \
+    if (cuda_device_count() < (n)) {                                              \
+      GTEST_SKIP() << "needs " << (n) << " CUDA devices, " << cuda_device_count() \
+                   << " present (or a build without CUDA)";                       \
+    }                                                                             \
   } while (0)
 
 TEST(TensorParallelCuda, FixturesMatchPeftOnTwoAndFourGpus) {
@@ -52,8 +52,8 @@ TEST(TensorParallelCuda, FixturesMatchPeftOnTwoAndFourGpus) {
         ASSERT_EQ(report.outputs.size(), expected.size());
         for (size_t i = 0; i < expected.size(); ++i) {
           EXPECT_EQ(report.outputs[i].output_token_ids, expected[i].output_token_ids)
-              << fixture << " tp " << tp << (fully_sharded ? " fully sharded" : "")
-              << " request " << i;
+              << fixture << " tp " << tp << (fully_sharded ? " fully sharded" : "") << " request "
+              << i;
         }
       }
     }

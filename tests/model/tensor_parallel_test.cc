@@ -98,7 +98,7 @@ int64_t expected_rank_bytes(const model::ModelConfig& c, int tp, int r) {
   const int64_t inter = c.intermediate_size / tp;
   int64_t n = 2 * vocab_rows * h + h;  // embedding, lm_head (tied or not), final norm
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    n += 2 * h;                    // norms
+    n += 2 * h;                     // norms
     n += (q + 2 * kv) * h + q * h;  // qkv, o
     if (c.qkv_bias) n += q + 2 * kv;
     if (c.is_moe()) {
@@ -186,8 +186,8 @@ TEST(TensorParallelRefusals, ShapesThatCannotBeSplitNameTheValue) {
 
 TEST(TensorParallelRefusals, MoreRanksThanGpusNamesBoth) {
   const int present = cuda_device_count();
-  const std::string e = creation_error(small_config(8, 8, 4, 32), present + 2, false,
-                                       Device::cuda(0));
+  const std::string e =
+      creation_error(small_config(8, 8, 4, 32), present + 2, false, Device::cuda(0));
   EXPECT_TRUE(contains(e, "tensor-parallel size " + std::to_string(present + 2)) &&
               contains(e, std::to_string(present) + " CUDA device"))
       << e;

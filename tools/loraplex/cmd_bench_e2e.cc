@@ -287,15 +287,15 @@ int run(const std::vector<std::string>& args) {
     for (int r = 0; r < tp; ++r) devices.push_back(dev.index + r);
     LORAPLEX_CHECK(dev.index + tp <= cuda_device_count(), "--tensor-parallel-size ", tp, " needs ",
                    tp, " GPUs from ", o.device, " on; ", cuda_device_count(), " present");
-    collective_ms = decode_collectives_ms(
-        devices, dtype, max_seqs, config.hidden_size, (config.vocab_size + tp - 1) / tp,
-        static_cast<int>(2 * config.num_layers + 1), 20);
+    collective_ms = decode_collectives_ms(devices, dtype, max_seqs, config.hidden_size,
+                                          (config.vocab_size + tp - 1) / tp,
+                                          static_cast<int>(2 * config.num_layers + 1), 20);
   }
   progress("bench e2e: loading %s\n", o.model_dir.empty() ? o.shape : o.model_dir);
   const auto l0 = Clock::now();
-  std::unique_ptr<model::ModelExecutor> d = o.model_dir.empty()
-                                                ? model::create_random_model(config, dopts, o.seed + 1)
-                                                : model::load_model(o.model_dir, dopts);
+  std::unique_ptr<model::ModelExecutor> d =
+      o.model_dir.empty() ? model::create_random_model(config, dopts, o.seed + 1)
+                          : model::load_model(o.model_dir, dopts);
   const double load_s = seconds(l0, Clock::now());
 
   // Adapters: written as PEFT directories and loaded through the adapter manager.

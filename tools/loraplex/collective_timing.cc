@@ -20,8 +20,9 @@ namespace loraplex::cli {
 double decode_collectives_ms(const std::vector<int>& devices, DType dtype, int64_t rows,
                              int64_t hidden, int64_t vocab_shard, int all_reduces, int repeats) {
 #if LORAPLEX_WITH_CUDA
-  LORAPLEX_CHECK(!devices.empty() && rows >= 1 && repeats >= 1, "decode_collectives_ms: ",
-                 devices.size(), " devices, ", rows, " rows, ", repeats, " repeats");
+  LORAPLEX_CHECK(!devices.empty() && rows >= 1 && repeats >= 1,
+                 "decode_collectives_ms: ", devices.size(), " devices, ", rows, " rows, ", repeats,
+                 " repeats");
   auto comms = NcclCommunicator::create_group(devices);
   const size_t n = devices.size();
   std::vector<double> times;

@@ -2,6 +2,7 @@
 
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -105,18 +106,23 @@ void* NcclCommunicator::live(const std::string& who) const {
 }
 
 void NcclCommunicator::abort() {
-  std::lock_guard<std::mutex> lock(abort_mutex_);
+  // A collective being enqueued finishes first, unless it is blocked on a peer (the first
+  // collectives connect to the peers): then the abort is what unblocks it.
+  std::unique_lock<std::shared_timed_mutex> lock(use_mutex_, std::defer_lock);
+  (void)lock.try_lock_for(std::chrono::seconds(2));
   void* comm = comm_.exchange(nullptr);
   if (comm != nullptr) ncclCommAbort(as_comm(comm));
 }
 
 std::string NcclCommunicator::async_error() {
-  std::lock_guard<std::mutex> lock(abort_mutex_);
+  std::unique_lock<std::shared_timed_mutex> lock(use_mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return {};  // a collective is being enqueued: ask again later
   void* comm = comm_.load();
   if (comm == nullptr) return {};
   ncclResult_t state = ncclSuccess;
   const ncclResult_t result = ncclCommGetAsyncError(as_comm(comm), &state);
-  if (result != ncclSuccess) return std::string("ncclCommGetAsyncError: ") + ncclGetErrorString(result);
+  if (result != ncclSuccess)
+    return std::string("ncclCommGetAsyncError: ") + ncclGetErrorString(result);
   if (state == ncclSuccess || state == ncclInProgress) return {};
   return detail::concat(describe(), ": ", ncclGetErrorString(state));
 }
@@ -131,6 +137,7 @@ void NcclCommunicator::all_reduce_sum(Tensor& tensor, const Stream& stream) {
   LORAPLEX_CHECK(tensor.device() == Device::cuda(device_), who, ": tensor on ", tensor.device(),
                  ", expected cuda:", device_);
   const ncclDataType_t type = nccl_type(tensor.dtype(), who.c_str());
+  std::shared_lock<std::shared_timed_mutex> in_use(use_mutex_);
   void* comm = live(who);
   if (tensor.numel() == 0) return;
   cuda_rt::set_device(device_);
@@ -146,6 +153,7 @@ void NcclCommunicator::all_gather(const Tensor& in, Tensor& out, int dim, const 
   LORAPLEX_CHECK(in.device() == Device::cuda(device_), who, ": tensors on ", in.device(),
                  ", expected cuda:", device_);
   const ncclDataType_t type = nccl_type(in.dtype(), who.c_str());
+  std::shared_lock<std::shared_timed_mutex> in_use(use_mutex_);
   ncclComm_t comm = as_comm(live(who));
   if (in.numel() == 0) return;
   cuda_rt::set_device(device_);

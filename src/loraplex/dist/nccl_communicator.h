@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "loraplex/dist/communicator.h"
@@ -33,7 +34,8 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(const NcclUniqueId& id, int rank, int size, int device);
   /// One group over `devices` of this process (rank r on devices[r]), made at once by one
   /// thread (ncclCommInitAll): no rank waits for others that may never come.
-  static std::vector<std::unique_ptr<NcclCommunicator>> create_group(const std::vector<int>& devices);
+  static std::vector<std::unique_ptr<NcclCommunicator>> create_group(
+      const std::vector<int>& devices);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -48,8 +50,7 @@ class NcclCommunicator final : public Communicator {
   void all_gather(const Tensor& in, Tensor& out, int dim, const Stream& stream) override;
   std::string describe() const override;
   /// ncclCommAbort: NCCL kernels waiting for a peer that will not come return, and every later
-  /// collective throws. Meant for a thread other than the one enqueuing collectives (a
-  /// watchdog) once that rank has stopped, or for the rank's own thread.
+  /// collective throws. Callable from any thread (a watchdog, another rank's thread).
   void abort() override;
   /// ncclCommGetAsyncError, as text ("" when none).
   std::string async_error() override;
@@ -61,7 +62,10 @@ class NcclCommunicator final : public Communicator {
   void* live(const std::string& who) const;
 
   std::atomic<void*> comm_{nullptr};  // ncclComm_t; null once aborted
-  std::mutex abort_mutex_;            // abort() against async_error()
+  // Held shared while a collective is enqueued, exclusively by abort() and async_error(): the
+  // communicator is not freed under a call that is using it, unless that call is itself stuck
+  // waiting for a peer (abort() then goes ahead after a while; that is what it is for).
+  std::shared_timed_mutex use_mutex_;
   int rank_;
   int size_;
   int device_;

@@ -286,8 +286,9 @@ int64_t kv_blocks_for(const EngineOptions& o, const model::ModelExecutor& decode
 
 }  // namespace
 
-Engine::Engine(std::unique_ptr<model::ModelExecutor> model, std::shared_ptr<const Tokenizer> tokenizer,
-               std::vector<int32_t> eos_token_ids, EngineOptions options)
+Engine::Engine(std::unique_ptr<model::ModelExecutor> model,
+               std::shared_ptr<const Tokenizer> tokenizer, std::vector<int32_t> eos_token_ids,
+               EngineOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   LORAPLEX_CHECK(model != nullptr, "Engine needs a model");

@@ -232,8 +232,8 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
     layer.qkv->load_base({weight(a + "q_proj.weight", {q, h}), weight(a + "k_proj.weight", {kv, h}),
                           weight(a + "v_proj.weight", {kv, h})},
                          qkv_b, &upload);
-    layer.o = std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, comm, dev,
-                                           max_tokens, workspace_);
+    layer.o = std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, comm, dev, max_tokens,
+                                           workspace_);
     std::vector<Tensor> o_b;
     if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
     layer.o->load_base({weight(a + "o_proj.weight", {h, q})}, o_b, &upload);
@@ -274,8 +274,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       spec.intermediate = inter;
       spec.dtype = dt;
       spec.renormalize = true;
-      layer.moe =
-          std::make_unique<FusedMoeWithLora>(spec, lora, comm, dev, max_tokens, workspace_);
+      layer.moe = std::make_unique<FusedMoeWithLora>(spec, lora, comm, dev, max_tokens, workspace_);
       // transformers 5 still saves Mixtral with the 4.x names (block_sparse_moe.experts.N.wK);
       // a checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
       const std::string old_p = p + "block_sparse_moe.";

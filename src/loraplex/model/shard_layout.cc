@@ -11,9 +11,10 @@ void check_shard_layout(const ModelConfig& c, int tp, bool fully_sharded_loras) 
   if (tp == 1) return;
   LORAPLEX_CHECK(c.num_heads % tp == 0, "tensor-parallel size ", tp, ": num_attention_heads ",
                  c.num_heads, " is not divisible by it");
-  LORAPLEX_CHECK(c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0, "tensor-parallel size ", tp,
-                 ": num_key_value_heads ", c.num_kv_heads,
-                 " is neither divisible by it nor a divisor of it (each rank needs whole KV heads)");
+  LORAPLEX_CHECK(
+      c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0, "tensor-parallel size ", tp,
+      ": num_key_value_heads ", c.num_kv_heads,
+      " is neither divisible by it nor a divisor of it (each rank needs whole KV heads)");
   LORAPLEX_CHECK(c.intermediate_size % tp == 0, "tensor-parallel size ", tp, ": intermediate_size ",
                  c.intermediate_size, " is not divisible by it");
   const int64_t vocab_shard = (c.vocab_size + tp - 1) / tp;

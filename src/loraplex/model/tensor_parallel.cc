@@ -231,8 +231,9 @@ struct TensorParallelDecoder::Group {
   std::vector<std::unique_ptr<Event>> copied;
 };
 
-std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(
-    const ModelConfig& config, const DecoderOptions& options, const RankFactory& make_rank) {
+std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(const ModelConfig& config,
+                                                                     const DecoderOptions& options,
+                                                                     const RankFactory& make_rank) {
   const int tp = options.tensor_parallel_size;
   check_shard_layout(config, tp, options.fully_sharded_loras);
   std::vector<std::unique_ptr<Communicator>> owned;
@@ -259,7 +260,8 @@ std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(
   for (int r = 0; r < tp; ++r) {
     auto rank = std::make_unique<Group::Rank>();
     rank->index = r;
-    rank->device = options.device.is_cuda() ? Device::cuda(options.device.index + r) : options.device;
+    rank->device =
+        options.device.is_cuda() ? Device::cuda(options.device.index + r) : options.device;
     rank->comm = comms[static_cast<size_t>(r)];
     d->group_->ranks.push_back(std::move(rank));
   }
@@ -287,7 +289,8 @@ std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(
   for (int r = 0; r < tp; ++r) {
     auto rank = std::make_unique<Group::Rank>();
     rank->index = r;
-    rank->device = options.device.is_cuda() ? Device::cuda(options.device.index + r) : options.device;
+    rank->device =
+        options.device.is_cuda() ? Device::cuda(options.device.index + r) : options.device;
     rank->comm = comms[static_cast<size_t>(r)];
     d->group_->ranks.push_back(std::move(rank));
   }
@@ -422,13 +425,14 @@ StepResult TensorParallelDecoder::execute(const StepBatch& batch) {
   // A batch the model refuses is refused here, before any rank starts: no rank throws alone.
   group_->ranks[0]->decoder->check(batch);
   std::vector<StepResult> results(group_->ranks.size());
-  group_->run([&results, &batch](Group::Rank& r) {
-    results[static_cast<size_t>(r.index)] = r.decoder->execute(batch);
-  },
-              options_.step_timeout_s, "a step");
+  group_->run(
+      [&results, &batch](Group::Rank& r) {
+        results[static_cast<size_t>(r.index)] = r.decoder->execute(batch);
+      },
+      options_.step_timeout_s, "a step");
   for (size_t r = 1; r < results.size(); ++r) {
-    LORAPLEX_CHECK(results[r].token_ids == results[0].token_ids,
-                   "tensor-parallel rank ", r, " sampled other tokens than rank 0 from the same "
+    LORAPLEX_CHECK(results[r].token_ids == results[0].token_ids, "tensor-parallel rank ", r,
+                   " sampled other tokens than rank 0 from the same "
                    "logits (the ranks' all-gathered logits must be identical)");
   }
   last_step_ = group_->ranks[0]->decoder->last_step();
