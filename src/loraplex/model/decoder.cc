@@ -112,6 +112,9 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
   d->allocate_step_buffers();
   d->workspace_->allocate();
   d->stream_.synchronize();
+  // Random weights are made whole and each layer copies its shard out: what they occupied is
+  // free now. Returned to the driver, so that the KV cache (sized from the free memory) gets it.
+  if (options.device.is_cuda()) cuda_allocator_empty_cache(options.device.index);
   return d;
 }
 

@@ -246,6 +246,8 @@ std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(const Model
     std::vector<int> devices;
     for (int r = 0; r < tp; ++r) devices.push_back(options.device.index + r);
     for (auto& c : NcclCommunicator::create_group(devices)) owned.push_back(std::move(c));
+#else
+    LORAPLEX_FAIL("tensor parallelism on ", options.device, " needs the CUDA backend");
 #endif
   } else {
     for (auto& c : InProcessCommunicator::create_group(tp)) owned.push_back(std::move(c));
