@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
 #include <numeric>
@@ -16,12 +17,14 @@
 
 #include "faulty_communicator.h"
 #include "fixture_support.h"
+#include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/core/error.h"
 #include "loraplex/dist/in_process_communicator.h"
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
 #include "loraplex/model/decoder.h"
 #include "loraplex/model/load_model.h"
+#include "loraplex/model/random_adapter.h"
 #include "loraplex/model/shard_layout.h"
 #include "loraplex/model/tensor_parallel.h"
 
@@ -129,6 +132,68 @@ TEST(TensorParallelShards, EachRankLoadsOnlyItsShard) {
         EXPECT_EQ(group.rank(r).tp_rank(), r);
         EXPECT_EQ(group.rank(r).weight_bytes(), expected_rank_bytes(c, tp, r))
             << fixture << " tp " << tp << " rank " << r;
+      }
+    }
+  }
+}
+
+// Random weights and random adapters (attention and every expert's w1, w2, w3) of a small MoE
+// shape: each rank keeps its shard of the same full tensors, so tp 2 and 4 compute what one
+// device computes, with and without the adapter.
+TEST(TensorParallelShards, RandomMoeWithExpertAdaptersEqualsOneDevice) {
+  model::ModelConfig c;
+  c.arch = model::Architecture::kMixtral;
+  c.vocab_size = 500;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.max_position_embeddings = 256;
+  const std::string dir = ::testing::TempDir() + "/loraplex_tp_moe_adapter";
+  const std::vector<std::string> targets = model::all_linear_targets(c);
+  EXPECT_EQ(targets.back(), "w3");
+  model::write_random_peft_adapter(dir, c, 8, targets, 21);
+  std::vector<model::StepResult> results;
+  for (int tp : {1, 2, 4}) {
+    for (bool fully_sharded : {false, true}) {
+      if (tp == 1 && fully_sharded) continue;
+      model::DecoderOptions o;
+      o.max_loras = 1;
+      o.max_lora_rank = 8;
+      o.kv_blocks = 16;
+      o.kv_block_size = 4;
+      o.tensor_parallel_size = tp;
+      o.fully_sharded_loras = fully_sharded;
+      auto m = model::create_random_model(c, o, 77);
+      AdapterManagerConfig mc;
+      mc.max_loras = 1;
+      mc.max_lora_rank = 8;
+      mc.lora_dtype = DType::kF32;
+      AdapterManager manager(m->targets(), mc);
+      const AdapterInfo info = manager.load("experts", dir);
+      EXPECT_EQ(info.modules.size(), static_cast<size_t>(c.num_layers * (4 + 3 * c.num_experts)));
+      AdapterManager::Lease lease = manager.acquire("experts");
+      model::StepBatch b;
+      for (int32_t slot : {-1, lease.slot()}) {
+        model::SequenceStep s;
+        s.tokens = {3, 141, 59, 265, 358, 97, 93};
+        s.blocks = slot < 0 ? std::vector<int32_t>{0, 1} : std::vector<int32_t>{2, 3};
+        s.lora_slot = slot;
+        s.sample = true;
+        b.seqs.push_back(s);
+      }
+      b.want_logprobs = true;
+      results.push_back(m->execute(b));
+      const model::StepResult& r = results.back();
+      ASSERT_EQ(r.logprobs.size(), 2u);
+      EXPECT_GT(std::abs(r.logprobs[0] - r.logprobs[1]), 1e-4) << "the adapter changed nothing";
+      EXPECT_EQ(r.token_ids, results[0].token_ids) << "tp " << tp;
+      for (size_t i = 0; i < 2; ++i) {
+        EXPECT_NEAR(r.logprobs[i], results[0].logprobs[i], 1e-5) << "tp " << tp << " row " << i;
       }
     }
   }

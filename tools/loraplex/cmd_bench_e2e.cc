@@ -49,7 +49,7 @@ struct Options {
   std::string dtype = "bfloat16";
   int adapters = 8;
   int rank = 16;
-  std::vector<std::string> targets = model::all_linear_targets();
+  std::vector<std::string> targets;  // empty: every linear projection of the model
   std::string distribution = "uniform";
   int64_t requests = 32;
   int64_t prompt_len = 128;
@@ -214,7 +214,8 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--dtype", o.dtype, "bfloat16 (default), float16 or float32");
   app.add_option("--adapters", o.adapters, "random PEFT adapters (default 8)");
   app.add_option("--rank", o.rank, "their rank (default 16)");
-  app.add_option("--targets", o.targets, "their target modules (default: all 7 linear)")
+  app.add_option("--targets", o.targets,
+                 "their target modules (default: all 7 linear; MoE: attention and w1, w2, w3)")
       ->delimiter(',');
   app.add_option("--distribution", o.distribution, "requests over adapters: uniform or zipf");
   app.add_option("--requests", o.requests, "requests (default 32)");
@@ -266,6 +267,7 @@ int run(const std::vector<std::string>& args) {
   } else {
     config = model::ModelConfig::from_file(o.model_dir + "/config.json");
   }
+  if (o.targets.empty()) o.targets = model::all_linear_targets(config);
   model::DecoderOptions dopts;
   dopts.dtype = dtype;
   dopts.device = dev;

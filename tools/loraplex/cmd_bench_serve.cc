@@ -142,7 +142,8 @@ ServePool random_serve_pool(const ServeArgs& a, engine::EngineOptions& o, DType 
     const std::string dir =
         root + "/" + a.shape + "_r" + std::to_string(a.random_rank) + "_" + name;
     if (!std::filesystem::exists(dir + "/adapter_model.safetensors")) {
-      model::write_random_peft_adapter(dir, config, a.random_rank, model::all_linear_targets(),
+      model::write_random_peft_adapter(dir, config, a.random_rank,
+                                       model::all_linear_targets(config),
                                        100 + static_cast<uint64_t>(i));
     }
     dirs.emplace_back(name, dir);

@@ -15,6 +15,11 @@ std::vector<std::string> all_linear_targets() {
   return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 }
 
+std::vector<std::string> all_linear_targets(const ModelConfig& config) {
+  if (!config.is_moe()) return all_linear_targets();
+  return {"q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"};
+}
+
 void write_random_peft_adapter(const std::string& dir, const ModelConfig& c, int rank,
                                const std::vector<std::string>& targets, uint64_t seed) {
   LORAPLEX_CHECK(rank >= 1, "random adapter: rank ", rank, ", expected >= 1");
@@ -26,13 +31,19 @@ void write_random_peft_adapter(const std::string& dir, const ModelConfig& c, int
     if (t == "o_proj") return {c.q_size(), h};
     if (t == "gate_proj" || t == "up_proj") return {h, c.intermediate_size};
     if (t == "down_proj") return {c.intermediate_size, h};
+    if (t == "w1" || t == "w3") return {h, c.intermediate_size};
+    if (t == "w2") return {c.intermediate_size, h};
     LORAPLEX_FAIL("random adapter: unknown target module '", t,
-                  "' (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)");
+                  "' (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; w1, w2, w3 "
+                  "of MoE experts)");
   };
   for (const std::string& t : targets) {
     dims(t);
-    LORAPLEX_CHECK(!c.is_moe() || (t != "gate_proj" && t != "up_proj" && t != "down_proj"),
-                   "random adapter: ", t, " is an expert projection of this MoE model");
+    const bool expert = t == "w1" || t == "w2" || t == "w3";
+    const bool mlp = t == "gate_proj" || t == "up_proj" || t == "down_proj";
+    LORAPLEX_CHECK(!(c.is_moe() && mlp) && (c.is_moe() || !expert), "random adapter: ", t,
+                   c.is_moe() ? " is an expert projection of this MoE model (w1, w2, w3)"
+                              : " is an expert projection, and this model has no experts");
   }
   std::filesystem::create_directories(dir);
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -45,13 +56,24 @@ void write_random_peft_adapter(const std::string& dir, const ModelConfig& c, int
     return t;
   };
   for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string layer = "base_model.model.model.layers." + std::to_string(l);
     for (const std::string& t : targets) {
       const auto [in, out] = dims(t);
       const bool attn = t == "q_proj" || t == "k_proj" || t == "v_proj" || t == "o_proj";
-      const std::string p = "base_model.model.model.layers." + std::to_string(l) +
-                            (attn ? ".self_attn." : ".mlp.") + t;
-      tensors.emplace_back(p + ".lora_A.weight", random(rank, in, 0.04f));
-      tensors.emplace_back(p + ".lora_B.weight", random(out, rank, 0.02f));
+      const bool expert = t == "w1" || t == "w2" || t == "w3";
+      // Experts in transformers 4.x's names (block_sparse_moe.experts.E.wK), one pair each.
+      std::vector<std::string> modules;
+      if (expert) {
+        for (int64_t e = 0; e < c.num_experts; ++e) {
+          modules.push_back(layer + ".block_sparse_moe.experts." + std::to_string(e) + "." + t);
+        }
+      } else {
+        modules.push_back(layer + (attn ? ".self_attn." : ".mlp.") + t);
+      }
+      for (const std::string& p : modules) {
+        tensors.emplace_back(p + ".lora_A.weight", random(rank, in, 0.04f));
+        tensors.emplace_back(p + ".lora_B.weight", random(out, rank, 0.02f));
+      }
     }
   }
   write_safetensors(dir + "/adapter_model.safetensors", tensors, {{"format", "pt"}});
