@@ -683,13 +683,13 @@ Decoder::BatchSummary Decoder::summarize(const StepBatch& batch) const {
   }
   LORAPLEX_CHECK(n <= options_.max_num_tokens, "step batch has ", n,
                  " tokens, more than max_num_tokens ", options_.max_num_tokens);
-  return {n, num_sampled, pure_decode, greedy};
+  return {n, num_sampled, pure_decode};
 }
 
 void Decoder::check(const StepBatch& batch) const { summarize(batch); }
 
 StepResult Decoder::execute(const StepBatch& batch) {
-  const auto [n, num_sampled, pure_decode, greedy] = summarize(batch);
+  const auto [n, num_sampled, pure_decode] = summarize(batch);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&

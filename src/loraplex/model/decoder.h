@@ -154,7 +154,6 @@ class Decoder final : public ModelExecutor {
     int64_t tokens = 0;
     int64_t sampled = 0;
     bool pure_decode = true;  // one token per sequence, every sequence sampled
-    bool greedy = true;       // every sampled row takes its argmax, with nothing banned
   };
   BatchSummary summarize(const StepBatch& batch) const;
   void bind(const WeightSource& source, WeightUpload& upload);
