@@ -254,21 +254,7 @@ std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(const Model
   }
   std::vector<Communicator*> comms;
   for (const auto& c : owned) comms.push_back(c.get());
-  std::unique_ptr<TensorParallelDecoder> d(new TensorParallelDecoder());
-  d->config_ = config;
-  d->options_ = options;
-  d->group_ = std::make_shared<Group>();
-  d->group_->owned_comms = std::move(owned);
-  for (int r = 0; r < tp; ++r) {
-    auto rank = std::make_unique<Group::Rank>();
-    rank->index = r;
-    rank->device =
-        options.device.is_cuda() ? Device::cuda(options.device.index + r) : options.device;
-    rank->comm = comms[static_cast<size_t>(r)];
-    d->group_->ranks.push_back(std::move(rank));
-  }
-  d->build(make_rank);
-  return d;
+  return build(config, options, make_rank, comms, std::move(owned));
 }
 
 std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(
@@ -284,23 +270,31 @@ std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(
                    "tensor-parallel communicator ", r, " is ",
                    c != nullptr ? c->describe() : "null", ", expected rank ", r, " of ", tp);
   }
+  return build(config, options, make_rank, comms, {});
+}
+
+std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::build(
+    const ModelConfig& config, const DecoderOptions& options, const RankFactory& make_rank,
+    const std::vector<Communicator*>& comms, std::vector<std::unique_ptr<Communicator>> owned) {
   std::unique_ptr<TensorParallelDecoder> d(new TensorParallelDecoder());
   d->config_ = config;
   d->options_ = options;
   d->group_ = std::make_shared<Group>();
-  for (int r = 0; r < tp; ++r) {
+  d->group_->owned_comms = std::move(owned);
+  for (size_t r = 0; r < comms.size(); ++r) {
     auto rank = std::make_unique<Group::Rank>();
-    rank->index = r;
-    rank->device =
-        options.device.is_cuda() ? Device::cuda(options.device.index + r) : options.device;
-    rank->comm = comms[static_cast<size_t>(r)];
+    rank->index = static_cast<int>(r);
+    rank->device = options.device.is_cuda()
+                       ? Device::cuda(options.device.index + static_cast<int>(r))
+                       : options.device;
+    rank->comm = comms[r];
     d->group_->ranks.push_back(std::move(rank));
   }
-  d->build(make_rank);
+  d->start(make_rank);
   return d;
 }
 
-void TensorParallelDecoder::build(const RankFactory& make_rank) {
+void TensorParallelDecoder::start(const RankFactory& make_rank) {
   Group& g = *group_;
   for (auto& r : g.ranks) {
     Group::Rank* rank = r.get();

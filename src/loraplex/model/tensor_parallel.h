@@ -75,7 +75,11 @@ class TensorParallelDecoder final : public ModelExecutor {
  private:
   struct Group;
   TensorParallelDecoder() = default;
-  void build(const RankFactory& make_rank);
+  static std::unique_ptr<TensorParallelDecoder> build(
+      const ModelConfig& config, const DecoderOptions& options, const RankFactory& make_rank,
+      const std::vector<Communicator*>& comms, std::vector<std::unique_ptr<Communicator>> owned);
+  // Starts the rank threads and loads every rank.
+  void start(const RankFactory& make_rank);
   void build_targets();
 
   ModelConfig config_;
