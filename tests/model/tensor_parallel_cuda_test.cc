@@ -183,7 +183,7 @@ TEST(TensorParallelCuda, AStalledRankIsAbortedAtTheTimeout) {
   o.tensor_parallel_size = 2;
   o.kv_blocks = 8;
   o.kv_block_size = 4;
-  o.step_timeout_s = 2.0;
+  o.step_timeout_s = 10.0;  // the first step (plans, NCCL connections) must fit
   const std::string dir = fixture_dir("tiny-llama") + "/model";
   auto m = model::TensorParallelDecoder::create(
       model::ModelConfig::from_file(dir + "/config.json"), o,
@@ -202,11 +202,12 @@ TEST(TensorParallelCuda, AStalledRankIsAbortedAtTheTimeout) {
     m->execute(b);
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("step_timeout_s 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("step_timeout_s 10"), std::string::npos) << e.what();
   }
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(waited, 40.0);
+  EXPECT_GE(waited, 10.0);
+  EXPECT_LT(waited, 60.0);
   EXPECT_THROW(m->execute(b), Error);
 #endif
 }
