@@ -22,7 +22,7 @@
 #include "loraplex/core/error.h"
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
-#include "loraplex/model/decoder.h"
+#include "loraplex/model/load_model.h"
 #include "loraplex/server/engine_backend.h"
 #include "loraplex/server/http_server.h"
 #include "loraplex/server/openai_service.h"
@@ -118,7 +118,7 @@ void check_adapter_configs(const ServeOptions& o) {
   }
 }
 
-int64_t cpu_kv_blocks(const engine::EngineOptions& e, const model::Decoder& decoder) {
+int64_t cpu_kv_blocks(const engine::EngineOptions& e, const model::ModelExecutor& decoder) {
   int64_t max_len = e.max_model_len > 0 ? e.max_model_len : decoder.options().max_model_len;
   if (max_len <= 0) max_len = decoder.config().max_position_embeddings;
   const int64_t per_seq = (max_len + e.kv_block_size - 1) / e.kv_block_size;
@@ -229,8 +229,8 @@ int run_serve(const ServeOptions& o, std::FILE* log) {
 
   const auto t0 = std::chrono::steady_clock::now();
   engine::EngineOptions options = o.engine;
-  std::unique_ptr<model::Decoder> decoder =
-      model::Decoder::load(o.model_dir, engine::engine_decoder_options(options, dtype, device));
+  std::unique_ptr<model::ModelExecutor> decoder =
+      model::load_model(o.model_dir, engine::engine_decoder_options(options, dtype, device));
   if (options.num_kv_blocks == 0 && device.is_cpu()) {
     options.num_kv_blocks = cpu_kv_blocks(options, *decoder);
   }
@@ -243,12 +243,16 @@ int run_serve(const ServeOptions& o, std::FILE* log) {
     }
   }
   const engine::EngineMetrics m = engine.metrics();
+  std::string where = device.str();
+  if (options.tensor_parallel_size > 1) {
+    where += " (tensor-parallel size " + std::to_string(options.tensor_parallel_size) + ")";
+  }
   std::fprintf(log,
                "loraplex serve: %s (%s) on %s, %s: %lld KV blocks of %lld tokens, max_model_len "
                "%lld, %zu adapter(s) loaded, chat template: %s; ready in %.2f s\n",
-               o.served_model_name.c_str(), model::architecture_name(config.arch),
-               device.str().c_str(), std::string(dtype_name(dtype)).c_str(),
-               static_cast<long long>(m.num_kv_blocks), static_cast<long long>(m.kv_block_size),
+               o.served_model_name.c_str(), model::architecture_name(config.arch), where.c_str(),
+               std::string(dtype_name(dtype)).c_str(), static_cast<long long>(m.num_kv_blocks),
+               static_cast<long long>(m.kv_block_size),
                static_cast<long long>(engine.options().max_model_len), o.loras.size(),
                chat_template ? chat_template->origin().c_str() : "none",
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
