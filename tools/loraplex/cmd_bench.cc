@@ -27,8 +27,8 @@
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/cuda/lora_tuning.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::cli {
@@ -52,7 +52,7 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
+    "sweep (the fields of src/loraplex/kernels/cuda/lora_tuning.h; an unknown key is an\n"
     "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
     "expand case that ran the prefill shrink or a tensor-core expand, one cold call's per-CTA\n"
     "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines, and per\n"
@@ -69,7 +69,7 @@ struct Options {
   std::vector<std::string> only;  // op, rank, adapters, tokens, slices; "*" matches anything
   Device device = Device::cuda(0);
   std::string commit;
-  kc::KernelTuning tuning;
+  kc::LoraTuning tuning;
   std::string trace_path;
 };
 
@@ -115,7 +115,7 @@ Options parse(const std::vector<std::string>& args) {
     } else if (flag == "--trace") {
       o.trace_path = value();
     } else if (flag == "--tune") {
-      throw_if_error(kc::parse_kernel_tuning(value(), o.tuning));
+      throw_if_error(kc::parse_lora_tuning(value(), o.tuning));
     } else {
       LORAPLEX_FAIL("unknown option '", flag, "' (see `loraplex bench kernels --help`)");
     }
@@ -269,8 +269,9 @@ std::vector<int64_t> widths_of(int slices) {
 
 // All tensors of one case: activations, a pool of weight sets, the wrapper with its metadata.
 struct CaseData {
-  CaseData(const Case& c, Device device, const Stream& stream)
+  CaseData(const Case& c, Device device, const Stream& stream, const kc::LoraTuning& tuning)
       : wrapper(c.adapters, c.tokens, 1, device), ranks(c.slices, c.adapters, c.rank, device) {
+    wrapper.set_lora_tuning(tuning);
     widths = widths_of(c.slices);
     for (int64_t n : widths) width += n;
     std::vector<int32_t> slots(static_cast<size_t>(c.tokens));
@@ -307,6 +308,7 @@ struct CaseData {
         off += b_elems;
       }
     }
+    wrapper.reserve_lora_linear(y, x, a[0], b[0], ranks, ws);
     stream.synchronize();
   }
 
@@ -376,7 +378,6 @@ int run_kernels(const Options& o) {
   LORAPLEX_CHECK(cuda_device_count() > o.device.index, "bench kernels needs a CUDA device (",
                  o.device, "); this machine has ", cuda_device_count());
   cuda_rt::set_device(o.device.index);
-  throw_if_error(kc::set_kernel_tuning(o.tuning));
   const Stream stream = Stream::create(o.device);
   const kc::DeviceInfo info = kc::device_info(o.device.index);
   const double copy_gbs = kc::copy_bandwidth_gbs(size_t{1} << 30, 10, stream.handle());
@@ -414,7 +415,7 @@ int run_kernels(const Options& o) {
     LORAPLEX_CHECK(trace_out.good(), "cannot write ", o.trace_path);
   }
   for (const Case& c : cases) {
-    CaseData d(c, o.device, stream);
+    CaseData d(c, o.device, stream, o.tuning);
     const Bytes by = count_bytes(c);
     const std::string path = path_of(d);
     struct Op {
@@ -473,7 +474,7 @@ int run_kernels(const Options& o) {
   if (o.path_comparison) {
     for (const Case& c : cases) {
       if (c.tokens > 256) continue;
-      CaseData d(c, o.device, stream);
+      CaseData d(c, o.device, stream, o.tuning);
       const Bytes by = count_bytes(c);
       json row;
       row["rank"] = c.rank;
@@ -481,15 +482,17 @@ int run_kernels(const Options& o) {
       row["tokens"] = c.tokens;
       row["slices"] = c.slices;
       // split (shrink + expand kernels), the persistent decode kernel, the per-token pair, the
-      // one-kernel cluster layer: {token limit, persistent, cluster}.
-      const int configs[][3] = {{0, 0, 0}, {1 << 20, 1, 0}, {1 << 20, 0, 0}, {1 << 20, 0, 2}};
-      for (const auto& [limit, persistent, cluster] : configs) {
-        kc::set_fused_linear_max_tokens(limit);
-        kc::KernelTuning tuning = o.tuning;
-        tuning.decode_persistent = persistent;
+      // one-kernel cluster layer, each as far as it goes: {decode tokens, pair's token x rank
+      // limit, cluster}.
+      const int configs[][3] = {
+          {0, 1 << 30, 0}, {1 << 20, 0, 0}, {1 << 20, 1 << 30, 0}, {1 << 20, 1 << 30, 2}};
+      for (const auto& [limit, pair_limit, cluster] : configs) {
+        kc::LoraTuning tuning = o.tuning;
+        tuning.decode_max_tokens = limit;
+        tuning.gather_max_token_ranks = pair_limit;
         tuning.decode_cluster = cluster;
-        tuning.gather_max_token_ranks = 1 << 30;  // the comparison runs each path as far as it goes
-        throw_if_error(kc::set_kernel_tuning(tuning));
+        d.wrapper.set_lora_tuning(tuning);
+        d.wrapper.reserve_lora_linear(d.y, d.x, d.a[0], d.b[0], d.ranks, d.ws);
         const std::string path = path_of(d);
         const Timings t = bench.time(
             [&](int s) {
@@ -499,8 +502,6 @@ int run_kernels(const Options& o) {
         row[path + "_graph_us"] = t.graph_us;
         row[path + "_graph_rotating_us"] = t.rotating_us;
       }
-      kc::set_fused_linear_max_tokens(-1);
-      throw_if_error(kc::set_kernel_tuning(o.tuning));
       row["roofline_us"] = (by.x + by.a + by.b + by.y) / (copy_gbs * 1e9) * 1e6;
       comparison.push_back(row);
     }
@@ -534,7 +535,7 @@ int run_kernels(const Options& o) {
     doc["copy_bandwidth_gbs"] = copy_gbs;
     doc["sm_clock_mhz_start"] = clock_start;
     doc["sm_clock_mhz_end"] = kc::measured_sm_clock_mhz(stream.handle());
-    for (const auto& [name, value] : kc::kernel_tuning_values(o.tuning)) {
+    for (const auto& [name, value] : kc::lora_tuning_values(o.tuning)) {
       doc["tuning"][name] = value;
     }
     doc["dtype"] = "bfloat16";

@@ -16,6 +16,14 @@ Status select_device(const Stream& stream) {
   return Status();
 }
 
+const kernels::cuda::LoraDevice& or_default(const kernels::cuda::LoraDevice* lora_device,
+                                            const Stream& stream,
+                                            kernels::cuda::LoraDevice& storage) {
+  if (lora_device != nullptr) return *lora_device;
+  storage = kernels::cuda::lora_device(stream.device().index);
+  return storage;
+}
+
 }  // namespace
 
 Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
@@ -28,17 +36,21 @@ Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
 }
 
 Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::LoraMetaView& meta,
-                            const Stream& stream) {
+                            const Stream& stream, const kernels::cuda::LoraDevice* lora_device) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_shrink(args, meta);
   LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::lora_shrink(args, meta, stream.handle());
+  kernels::cuda::LoraDevice storage;
+  return kernels::cuda::lora_shrink(args, meta, or_default(lora_device, stream, storage),
+                                    stream.handle());
 }
 
 Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
-                            const Stream& stream) {
+                            const Stream& stream, const kernels::cuda::LoraDevice* lora_device) {
   if (stream.device().is_cpu()) return kernels::cpu::lora_expand(args, meta);
   LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::lora_expand(args, meta, stream.handle());
+  kernels::cuda::LoraDevice storage;
+  return kernels::cuda::lora_expand(args, meta, or_default(lora_device, stream, storage),
+                                    stream.handle());
 }
 
 Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
@@ -56,20 +68,36 @@ Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* toke
 }
 
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
-                            const kernels::LoraMetaView& meta, const Stream& stream) {
+                            const kernels::LoraMetaView& meta, const Stream& stream,
+                            const kernels::cuda::LoraDevice* lora_device) {
   if (stream.device().is_cpu()) {
     LORAPLEX_RETURN_IF_ERROR(kernels::cpu::lora_shrink(shrink, meta));
     return kernels::cpu::lora_expand(expand, meta);
   }
   LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::lora_linear(shrink, expand, meta, stream.handle());
+  kernels::cuda::LoraDevice storage;
+  return kernels::cuda::lora_linear(shrink, expand, meta, or_default(lora_device, stream, storage),
+                                    stream.handle());
 }
 
 std::string lora_linear_path_of(const kernels::ShrinkArgs& shrink,
                                 const kernels::ExpandArgs& expand,
-                                const kernels::LoraMetaView& meta, Device device) {
+                                const kernels::LoraMetaView& meta, Device device,
+                                const kernels::cuda::LoraDevice& lora_device) {
   if (device.is_cpu()) return "cpu";
-  return kernels::cuda::lora_linear_path(shrink, expand, meta);
+  return kernels::cuda::path_name(
+      kernels::cuda::plan_lora_linear(kernels::cuda::linear_shape(shrink, expand, meta),
+                                      lora_device)
+          .path);
+}
+
+int64_t lora_linear_scratch_of(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
+                               const kernels::LoraMetaView& meta, Device device,
+                               const kernels::cuda::LoraDevice& lora_device) {
+  if (device.is_cpu()) return 0;
+  return kernels::cuda::plan_lora_linear(kernels::cuda::linear_shape(shrink, expand, meta),
+                                         lora_device)
+      .workspace.scratch_floats;
 }
 
 Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,

@@ -3,13 +3,16 @@
 //
 //   tuning  op  dtype  tokens  max_loras  max_rank  hidden  widths  settled  path  launches
 //
-// where a launch is kernel<template args>|grid x,y,z|threads|dynamic smem|cluster x|pdl|params,
-// params being a 64-bit FNV-1a hash of the kernel's parameter bytes (fake device pointers, the
-// same in every build). Built by scripts/record_lora_launches.sh against a build's
-// libloraplex_kernels.a, once per API generation (RECORD_OLD_API: the KernelTuning global of
-// kernels/cuda/kernel_tuning.h; otherwise the explicit LoraDevice of kernels/cuda/lora_plan.h).
+// tuning: a name defined by a header line "# NAME key=value,..." (lora_tuning.h's keys over the
+// defaults), or "-" for the defaults; op: linear
+// (lora_linear), shrink or expand (alone); a launch is
+// kernel<template args>|grid x,y,z|threads|dynamic smem|cluster x|pdl[|params], params being a
+// 64-bit FNV-1a hash of the kernel's parameter bytes (fake device pointers, the same in every
+// build). Built by record.sh against a build's libloraplex_kernels.a, once per API generation
+// (RECORD_OLD_API: the KernelTuning global that preceded kernels/cuda/lora_plan.h).
 //
-// usage: record_launches KERNEL_INFO {table|full} [--scratch formula|ample]
+// usage: record_launches KERNEL_INFO {table|full} [--no-params]
+//   table: the grid of lora_launches_h100.tsv; full: a wider one, for comparing two builds.
 
 #include <cxxabi.h>
 
@@ -96,8 +99,8 @@ struct Shape {
   std::vector<int64_t> widths;
 };
 
-// The bench grid of `loraplex bench kernels` and the cases of the CUDA linear tests.
-std::vector<Shape> table_shapes() {
+// The bench grid of `loraplex bench kernels`.
+std::vector<Shape> bench_shapes() {
   std::vector<Shape> out;
   for (int r : {16, 64})
     for (int a : {1, 8, 32})
@@ -107,7 +110,12 @@ std::vector<Shape> table_shapes() {
               {DType::kBF16, t, a, r, 4096,
                s == 1 ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 1024, 1024}});
         }
-  const std::vector<Shape> tests = {
+  return out;
+}
+
+// The cases of the CUDA linear tests (tests/kernels_cuda/linear_cuda_test.cc).
+std::vector<Shape> test_shapes() {
+  return {
       {DType::kBF16, 1, 1, 16, 4096, {4096}},
       {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}},
       {DType::kBF16, 64, 32, 64, 1024, {512, 128, 128}},
@@ -125,34 +133,46 @@ std::vector<Shape> table_shapes() {
       {DType::kF32, 33, 4, 8, 96, {40, 24}},
       {DType::kBF16, 17, 3, 12, 100, {36, 20}},
       {DType::kF16, 199, 5, 16, 77, {33}},
-      // The traced-kernel tests.
+      // The traced-kernel and chained-layer tests.
       {DType::kBF16, 300, 8, 16, 2048, {1024}},
       {DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}},
       {DType::kBF16, 1100, 4, 128, 1024, {512, 128, 128}},
+      {DType::kBF16, 16, 8, 16, 1024, {1024}},
+      {DType::kBF16, 64, 8, 16, 1024, {1024}},
+      {DType::kBF16, 320, 8, 16, 1024, {1024}},
   };
-  out.insert(out.end(), tests.begin(), tests.end());
-  return out;
 }
 
-// A wider grid of tokens x slices x ranks x adapters x dtypes (models' projections), for the
-// old/new comparison of a refactor.
-std::vector<Shape> full_shapes() {
-  std::vector<Shape> out = table_shapes();
+// Tokens x slices x ranks x adapters over models' projections: q/k/v, gate/up, down, o, eight
+// slices; with `wide` more of each (for comparing two builds; too many lines to commit).
+std::vector<Shape> grid_shapes(bool wide) {
   const std::vector<std::pair<int64_t, std::vector<int64_t>>> layers = {
       {4096, {4096}},           {4096, {4096, 1024, 1024}},
       {4096, {14336, 14336}},   {14336, {4096}},
       {2048, {2048, 256, 256}}, {8192, {8192, 1024, 1024}},
       {3584, {3584, 512, 512}}, {1024, {256, 256, 256, 256, 256, 256, 256, 256}},
   };
+  const std::vector<int> ranks =
+      wide ? std::vector<int>{8, 16, 32, 64, 128, 256} : std::vector<int>{8, 16, 64, 256};
+  const std::vector<int> adapters =
+      wide ? std::vector<int>{1, 4, 16, 64} : std::vector<int>{1, 16, 64};
+  const std::vector<int> tokens =
+      wide ? std::vector<int>{1,  2,   3,   8,   15,  16,  17,   32,   33,   48,   64,  65,
+                              96, 128, 200, 256, 257, 512, 1000, 2048, 2049, 4096, 8192}
+           : std::vector<int>{1, 3, 16, 17, 33, 64, 65, 200, 257, 1000, 2049, 8192};
+  std::vector<Shape> out;
   for (DType d : {DType::kBF16, DType::kF16})
     for (const auto& [k, w] : layers)
-      for (int r : {8, 16, 32, 64, 128, 256})
-        for (int a : {1, 4, 16, 64})
-          for (int t : {1,  2,   3,   8,   15,  16,  17,   32,   33,   48,   64,  65,
-                        96, 128, 200, 256, 257, 512, 1000, 2048, 2049, 4096, 8192}) {
-            if (d == DType::kF16 && (a == 4 || r == 32 || r == 128)) continue;
+      for (int r : ranks)
+        for (int a : adapters)
+          for (int t : tokens) {
+            if (d == DType::kF16 && (!wide || a == 4 || r == 32 || r == 128)) continue;
             out.push_back({d, t, a, r, k, w});
           }
+  if (!wide) {
+    // float32 layers take the generic kernels.
+    for (int t : {1, 64, 300}) out.push_back({DType::kF32, t, 4, 16, 4096, {4096, 1024, 1024}});
+  }
   return out;
 }
 
@@ -203,15 +223,21 @@ uint64_t fnv1a(const std::vector<unsigned char>& bytes) {
   return h;
 }
 
+bool g_params = true;  // hashes of the parameter bytes in the launches
+
 std::string launches_text(const Status& status) {
   std::string out;
   for (const fake_cudart::Launch& l : fake_cudart::take_launches()) {
     char buf[512];
-    std::snprintf(buf, sizeof(buf), "%s|%u,%u,%u|%u|%zu|%d|%d|%016llx", demangled(l.name).c_str(),
-                  l.grid[0], l.grid[1], l.grid[2], l.block, l.smem, l.cluster_x, l.pdl ? 1 : 0,
-                  static_cast<unsigned long long>(fnv1a(l.params)));
+    std::snprintf(buf, sizeof(buf), "%s|%u,%u,%u|%u|%zu|%d|%d", demangled(l.name).c_str(),
+                  l.grid[0], l.grid[1], l.grid[2], l.block, l.smem, l.cluster_x, l.pdl ? 1 : 0);
+    std::string one = buf;
+    if (g_params) {
+      std::snprintf(buf, sizeof(buf), "|%016llx", static_cast<unsigned long long>(fnv1a(l.params)));
+      one += buf;
+    }
     if (!out.empty()) out += " ";
-    out += buf;
+    out += one;
   }
   if (!status.ok()) {
     std::string msg = status.message();
@@ -229,7 +255,7 @@ struct Call {
   lk::LoraMetaView meta;
 };
 
-Call make_call(const Shape& sh, bool settled, bool ample_scratch) {
+Call make_call(const Shape& sh, bool settled) {
   Call c;
   const int slices = static_cast<int>(sh.widths.size());
   int64_t width = 0;
@@ -275,10 +301,11 @@ Call make_call(const Shape& sh, bool settled, bool ample_scratch) {
   m.lora_token_start_loc = static_cast<const int32_t*>(fake(0x70400000000ull));
   m.num_active_loras = static_cast<const int32_t*>(fake(0x70500000000ull));
   m.scratch = static_cast<float*>(fake(0x80000000000ull));
-  // LoraBatchMeta's sizes for max_num_tokens = tokens, or enough for any plan.
+  // Scratch enough for any plan (the metadata's before lora_plan.h was smaller: a decode kernel
+  // that did not find enough took another path), counters as LoraBatchMeta's for
+  // max_num_tokens = tokens.
   const int64_t n = sh.tokens;
-  m.scratch_floats =
-      ample_scratch ? (int64_t{1} << 40) : std::max(std::min<int64_t>(n, 64) * 16 * 1024, n * 512);
+  m.scratch_floats = int64_t{1} << 40;
   m.counters = static_cast<int32_t*>(fake(0x90000000000ull));
   m.num_counters = std::max<int64_t>((int64_t{sh.max_loras} + 1) * lk::kMaxSlices,
                                      (n + 63) / 64 + sh.max_loras + 1);
@@ -342,10 +369,10 @@ std::string widths_text(const std::vector<int64_t>& w) {
   return s;
 }
 
-void record(Api& api, const std::string& name, const std::vector<Shape>& shapes, bool ample) {
+void record(Api& api, const std::string& tuning, const std::vector<Shape>& shapes) {
   for (const Shape& sh : shapes) {
     for (bool settled : {false, true}) {
-      const Call c = make_call(sh, settled, ample);
+      const Call c = make_call(sh, settled);
       char key[256];
       std::snprintf(key, sizeof(key), "%s\t%d\t%d\t%d\t%lld\t%s\t%d",
                     std::string(loraplex::dtype_name(sh.dtype)).c_str(), sh.tokens, sh.max_loras,
@@ -354,43 +381,53 @@ void record(Api& api, const std::string& name, const std::vector<Shape>& shapes,
       fake_cudart::take_launches();
       const std::string path = api.path(c);
       const Status lin = api.linear(c);
-      std::printf("%s\tlinear\t%s\t%s\t%s\n", name.c_str(), key, path.c_str(),
+      std::printf("%s\tlinear\t%s\t%s\t%s\n", tuning.c_str(), key, path.c_str(),
                   launches_text(lin).c_str());
       if (settled) continue;  // the shrink and expand alone do not read `settled`
       const Status shr = api.shrink(c);
-      std::printf("%s\tshrink\t%s\t-\t%s\n", name.c_str(), key, launches_text(shr).c_str());
+      std::printf("%s\tshrink\t%s\t-\t%s\n", tuning.c_str(), key, launches_text(shr).c_str());
       const Status exp = api.expand(c);
-      std::printf("%s\texpand\t%s\t-\t%s\n", name.c_str(), key, launches_text(exp).c_str());
+      std::printf("%s\texpand\t%s\t-\t%s\n", tuning.c_str(), key, launches_text(exp).c_str());
     }
   }
+}
+
+std::vector<Shape> concat(std::vector<Shape> a, const std::vector<Shape>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s KERNEL_INFO {table|full} [--scratch formula|ample]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s KERNEL_INFO {table|full} [--no-params]\n", argv[0]);
     return 2;
   }
   fake_cudart::load_kernel_info(argv[1]);
   const bool full = std::strcmp(argv[2], "full") == 0;
-  bool ample = true;
-  if (argc >= 5 && std::strcmp(argv[3], "--scratch") == 0)
-    ample = std::strcmp(argv[4], "ample") == 0;
+  g_params = !(argc >= 4 && std::strcmp(argv[3], "--no-params") == 0);
   Api api;
-  const std::vector<Shape> shapes = full ? full_shapes() : table_shapes();
+  const std::vector<Shape> decode_and_tests = concat(bench_shapes(), test_shapes());
+  // Tunings are named t0, t1, ... in the rows ("-": the defaults) and defined in header lines.
+  std::vector<std::string> names;
+  auto declare = [&](const std::string& text) {
+    const std::string name = "t" + std::to_string(names.size());
+    std::printf("# %s %s\n", name.c_str(), text.c_str());
+    names.push_back(name);
+    return name;
+  };
   for (const Config& c : configs()) {
     api.set(c, "", c.limit);
-    record(api, c.name, c.name == std::string("default") ? shapes : table_shapes(), ample);
+    const bool defaults = c.name == std::string("default");
+    record(api, defaults ? "-" : declare(c.new_tuning),
+           defaults ? concat(decode_and_tests, grid_shapes(full)) : decode_and_tests);
   }
-  int i = 0;
   for (const std::string& t : tuned_shapes()) {
     for (int limit : {0, kBig}) {
       api.set(Config{"tuned", "", "", limit}, t, limit);
-      record(api, "tuned" + std::to_string(i) + "_limit" + std::to_string(limit), table_shapes(),
-             ample);
+      record(api, declare(t + ",decode_max_tokens=" + std::to_string(limit)), test_shapes());
     }
-    ++i;
   }
   return 0;
 }

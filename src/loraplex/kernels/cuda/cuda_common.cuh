@@ -60,8 +60,6 @@ bool dispatch_device_dtype(DType dtype, Fn&& fn) {
 
 /// Multiprocessor count of the current device (cached per device).
 int sm_count();
-/// The most shared memory one block of the current device may opt in to (cached per device).
-int max_smem_optin();
 /// Sets the largest dynamic shared memory `kernel` may use, once per kernel and device.
 Status allow_dynamic_smem(const void* kernel, int bytes);
 
@@ -361,10 +359,6 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
 }
-
-/// Rank tables ([num_slices, max_loras] ints) up to this many entries are copied to shared
-/// memory by the prefill shrink and the tensor-core expands (16 KB at most).
-inline constexpr int kMaxCachedRanks = 4096;
 
 /// Work tiles of `tile_rows` tokens per metadata entry (entries with slot -1, and those past
 /// the active ones, get none): prefix[e] = first tile of entry e, prefix[n] = total, over all

@@ -24,10 +24,11 @@ uint64_t* kernel_trace() { return nullptr; }
 Status build_lora_meta(int32_t, int32_t, const cpu::LoraMetaBuffers&, StreamHandle) {
   return no_cuda("build_lora_meta");
 }
-Status lora_shrink(const ShrinkArgs&, const LoraMetaView&, StreamHandle) {
+LoraDevice lora_device(int) { return LoraDevice{}; }
+Status lora_shrink(const ShrinkArgs&, const LoraMetaView&, const LoraDevice&, StreamHandle) {
   return no_cuda("lora_shrink");
 }
-Status lora_expand(const ExpandArgs&, const LoraMetaView&, StreamHandle) {
+Status lora_expand(const ExpandArgs&, const LoraMetaView&, const LoraDevice&, StreamHandle) {
   return no_cuda("lora_expand");
 }
 Status bgmv_shrink(const ShrinkArgs&, const int32_t*, StreamHandle) {
@@ -36,13 +37,10 @@ Status bgmv_shrink(const ShrinkArgs&, const int32_t*, StreamHandle) {
 Status bgmv_expand(const ExpandArgs&, const int32_t*, StreamHandle) {
   return no_cuda("bgmv_expand");
 }
-Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, StreamHandle) {
+Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, const LoraDevice&,
+                   StreamHandle) {
   return no_cuda("lora_linear");
 }
-std::string lora_linear_path(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&) {
-  return "none";
-}
-void set_fused_linear_max_tokens(int) {}
 Status lora_expand_fp8(const ExpandFp8Args&, const LoraMetaView&, StreamHandle) {
   return no_cuda("lora_expand_fp8");
 }
