@@ -102,8 +102,8 @@ std::string expand_launches(const kc::ExpandPlan& p, const kc::ExpandShape& e) {
       return launch("expand_pipe<" + t + "," + std::to_string(p.steps) + ",0>", p.grid, 1, 1,
                     kc::expand_kernel::kThreads, p.smem, 0, p.pdl);
     case kc::ExpandKernel::kTensorCore:
-      return launch("expand_tc<" + t + "," + std::to_string(p.bk) + ",0>", p.grid, 1, 1,
-                    kc::expand_kernel::kThreads, p.smem, 0, false);
+      return launch("expand_tc<" + t + ",64,0>", p.grid, 1, 1, kc::expand_kernel::kThreads, p.smem,
+                    0, false);
     case kc::ExpandKernel::kGeneric:
       break;
   }

@@ -646,10 +646,9 @@ ExpandPlan plan_lora_expand(const ExpandShape& a, const LoraDevice& dev, bool af
   } else if (tensor_core_expand_applies(a)) {
     p.kernel = ExpandKernel::kTensorCore;
     p.cache_sorted = a.tokens <= kCachedTokens;
-    p.bk = a.max_rank <= 16 ? 16 : 64;
     const int per_sm = knob > 0 ? knob : 4;
     p.grid = static_cast<unsigned>(std::min<int64_t>(p.items, int64_t{per_sm} * sms));
-    p.smem = tc_fixed_bytes(p.bk) + table_bytes(a, p);
+    p.smem = tc_fixed_bytes() + table_bytes(a, p);
   } else {
     p.kernel = ExpandKernel::kGeneric;
     int64_t total = 0;

@@ -134,9 +134,10 @@ constexpr int pipelined_fixed_bytes(int steps) {
   return 2 * kTileRows * kYPitch * 2 + kTileCols * pipelined_b_pitch(steps) * 2 +
          kTokSets * kTileRows * 4;
 }
-/// The one-item-at-a-time expand's shared memory besides the item tables (kBK ranks a chunk).
-constexpr int tc_fixed_bytes(int bk) {
-  return (kTileRows * kYPitch + kTileRows * (bk + 8) + kTileCols * (bk + 8)) * 2 + kTileRows * 4;
+/// The one-item-at-a-time expand's shared memory besides the item tables (64 ranks a chunk).
+constexpr int tc_fixed_bytes() {
+  constexpr int kBK = 64;
+  return (kTileRows * kYPitch + kTileRows * (kBK + 8) + kTileCols * (kBK + 8)) * 2 + kTileRows * 4;
 }
 }  // namespace expand_kernel
 
@@ -285,12 +286,12 @@ struct ShrinkPlan {
   unsigned generic_grid[2] = {1, 1};
 };
 
-/// Which kernel runs an expand.
+/// Which kernel runs an expand: the pipelined tensor-core expand up to max_rank 64, the one that
+/// takes one item at a time above it, the generic one where neither applies.
 enum class ExpandKernel { kPipelined, kTensorCore, kGeneric };
 struct ExpandPlan {
   ExpandKernel kernel = ExpandKernel::kGeneric;
   int steps = 1;     // pipelined: 16-deep rank steps (1 or 4)
-  int bk = 64;       // tensor-core: ranks per staged chunk (16 or 64)
   bool pdl = false;  // pipelined, after this layer's prefill shrink
   bool cache_ranks = false;
   bool cache_sorted = false;

@@ -171,7 +171,7 @@ namespace {
 constexpr int kTcThreads = 128;         // 4 warps, 16 token rows each
 constexpr int kTcBM = kExpandTileRows;  // tokens per tile
 static_assert(kTcThreads == 2 * kTcBM, "threads kTcBM.. write an item's token indices");
-constexpr int kTcBK = 64;                   // rank elements per staged chunk (ranks above 16)
+constexpr int kTcBK = 64;                   // rank elements per staged chunk
 constexpr int kExpandBN = kExpandTileCols;  // output columns per expand item
 constexpr int kYPitch = kExpandYPitch;
 
@@ -202,14 +202,12 @@ __device__ __forceinline__ void expand_mma(float (&acc)[16][4], const T* a_rows,
 constexpr int expand_smem_bytes(int bk) {
   return (kTcBM * kYPitch + kTcBM * (bk + 8) + kExpandBN * (bk + 8)) * 2 + kTcBM * 4;
 }
-static_assert(expand_smem_bytes(16) == expand_kernel::tc_fixed_bytes(16) &&
-                  expand_smem_bytes(kTcBK) == expand_kernel::tc_fixed_bytes(kTcBK),
+static_assert(expand_smem_bytes(kTcBK) == expand_kernel::tc_fixed_bytes(),
               "the planner's shared memory of the tensor-core expand");
 
-// Four CTAs per SM, the default grid (expand_ctas_per_sm 0). kBK = 64 (any rank, in chunks):
-// 45 KB of shared memory and ~125 registers. kBK = 16 (max_rank <= 16): 27 KB, and a quarter of
-// the staging work. Five CTAs per SM of the kBK = 16 variant (registers capped at 102) measured
-// slower at 4096 tokens (BENCHMARKS.md, 2026-11-24).
+// Four CTAs per SM, the default grid (expand_ctas_per_sm 0): 45 KB of shared memory and ~125
+// registers. kBK ranks per staged chunk (64: any rank, in chunks); the launcher instantiates 64,
+// for the ranks above the pipelined expand's.
 template <typename T, int kBK, bool kTrace>
 __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTileParams p) {
   constexpr int kTcPitch = kBK + 8;  // padded rows: fragment loads are bank-conflict free
@@ -447,17 +445,13 @@ Status launch_expand_tc(const ExpandPlan& plan, const ExpandArgs& a, const LoraM
     kernel<<<plan.grid, kTcThreads, plan.smem, s>>>(p);
     return Status();
   };
-  const bool small = plan.bk == 16;
   // The traced instantiations only for bf16 (the benchmark's dtype) while tracing.
   if (a.dtype == DType::kBF16 && p.trace != nullptr) {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16, true>)
-                                   : run(&expand_tc_kernel<bf16, kTcBK, true>));
+    LORAPLEX_RETURN_IF_ERROR(run(&expand_tc_kernel<bf16, kTcBK, true>));
   } else if (a.dtype == DType::kBF16) {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16, false>)
-                                   : run(&expand_tc_kernel<bf16, kTcBK, false>));
+    LORAPLEX_RETURN_IF_ERROR(run(&expand_tc_kernel<bf16, kTcBK, false>));
   } else {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<f16, 16, false>)
-                                   : run(&expand_tc_kernel<f16, kTcBK, false>));
+    LORAPLEX_RETURN_IF_ERROR(run(&expand_tc_kernel<f16, kTcBK, false>));
   }
   return launch_status("expand_tc_kernel");
 }
