@@ -89,8 +89,8 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
 /// more); else ceil(items / grid) each, which leaves the last CTAs idle (2048 items on 528 CTAs:
 /// 512 CTAs with 4, 16 with none). The pipelined expand is 1-3% faster balanced at 4096 tokens;
 /// the one-item-at-a-time expand, which reuses the token rows and intermediate of consecutive
-/// items, up to 5% slower (rank 64, q/k/v), so it keeps ceil-sized runs (H200, BENCHMARKS.md
-/// 2026-11-24). 32-bit (the launchers check that the items fit): a 64-bit division is a call to
+/// items, up to 5% slower (rank 64, q/k/v), so it keeps ceil-sized runs (H200). 32-bit (the
+/// launchers check that the items fit): a 64-bit division is a call to
 /// a subroutine at the end of the kernel's code, one more instruction-cache miss in the cold
 /// chain before the first load.
 __device__ __forceinline__ int run_begin(int items, int cta, bool balanced) {

@@ -277,9 +277,10 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
   issue_y(p, cur, ybuf, tokbuf, tid);
   issue_b<T, kSteps>(p, cur, bs, tid);
   cp_async_commit();
-  // Under PDL (split_pdl) the first item's y and B fly while the shrink finishes: y was written
-  // before the shrink started (the shrink is launched without PDL and this grid only once every
-  // shrink CTA has started), B and the metadata before that. The intermediate is the shrink's.
+  // Under PDL (after the prefill shrink) the first item's y and B fly while the shrink finishes: y
+  // was written before the shrink started (the shrink is launched without PDL and this grid only
+  // once every shrink CTA has started), B and the metadata before that. The intermediate is the
+  // shrink's.
   if (p.pdl) pdl_wait();
   // The A fragments and the (tile, slice) they hold (none yet).
   uint32_t af[kSteps][4];

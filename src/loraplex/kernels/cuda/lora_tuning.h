@@ -13,7 +13,7 @@
 namespace loraplex::kernels::cuda {
 
 /// Launch-shape values of the LoRA kernels. The defaults are the sm_90 table, measured on
-/// H100 and H200 (BENCHMARKS.md); 0 in a field documented as automatic picks by the planner's
+/// H100 and H200; 0 in a field documented as automatic picks by the planner's
 /// measured rule.
 struct LoraTuning {
   /// Largest batch (tokens) that runs a decode kernel (the per-token pair or the persistent

@@ -287,7 +287,7 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
 // them with all kQuads x kParts loads issued at once (one round trip: kParts <= 8, <= 2 quads a
 // thread). The same sums as reduce_parts, in the same order. reduce_parts' layout (a fixed
 // column per thread, the same loads here) measured 0.3-1 us slower in this short kernel, which
-// is one latency chain (H100, bench/results/sweeps_20261125_session13/run6_flat_sum_kernel).
+// is one latency chain (H100).
 template <typename T, int kQuads, int kParts, typename Load>
 __device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int step, int mrows,
                                           int ntiles, const int* tok, const int* tile_slice,
@@ -380,9 +380,9 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   } else {
     // Long tiles go through shared memory (free after the K loop), so that the global stores
     // are whole rows of 16-byte quads instead of 8 bytes per thread and 32 per row and warp
-    // instruction: rank 16 q/k/v at 4096 tokens 0-3.5% faster in three H100 runs (eleventh
-    // session). Short ones (32 adapters x 256-1024 tokens) measured 2-3% slower that way: the extra
-    // barrier and shared-memory round trip cost more than the stores they merge.
+    // instruction: rank 16 q/k/v at 4096 tokens 0-3.5% faster (H100). Short ones (32 adapters x
+    // 256-1024 tokens) measured 2-3% slower that way: the extra barrier and shared-memory round
+    // trip cost more than the stores they merge.
     for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
       *reinterpret_cast<float2*>(red + row * p.red_pitch + col) = make_float2(v0, v1);
     });
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
   trace_at<kTrace>(p.trace, 0);
   trace_at<kTrace>(p.trace, 1);
-  // The kernel after it (the sum kernel, or the layer's pipelined expand under split_pdl) may
+  // The kernel after it (the sum kernel, or the layer's pipelined expand under PDL) may
   // become resident as this grid's CTAs leave; its pdl_wait still waits for the whole grid. This
   // kernel is launched without PDL, after every earlier kernel finished.
   if (p.defer_sum || p.expand_follows) pdl_launch_dependents();
@@ -536,8 +536,8 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   // x row m, and rows m >= mrows are never stored, so whatever their shared memory holds (an
   // earlier stage's bytes) stays in them; zero-filling them would cost a 128-token tile of a
   // slot with 8 tokens 120 of its 128 x copies per stage (no time difference measured at 32
-  // adapters x 256 tokens, run 3 of the ninth session). Rows past K's end and A rows past a
-  // slice's rank are still zero-filled: they meet live rows.
+  // adapters x 256 tokens). Rows past K's end and A rows past a slice's rank are still
+  // zero-filled: they meet live rows.
   // Each copy's source (x itself for a zero-filled row, so that every address is valid) and
   // size, kept in registers: the compiler would otherwise recompute them from threadIdx for
   // every copy of every stage.
@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams 
   const int item = static_cast<int>(blockIdx.x) / kBlocks;
   const int r0 = (static_cast<int>(blockIdx.x) % kBlocks) * kSumRows;
   const int tid = static_cast<int>(threadIdx.x);
-  // The layer's expand (split_pdl) may become resident as the shrink's and this grid's CTAs
+  // The layer's expand (under PDL) may become resident as the shrink's and this grid's CTAs
   // leave; it reads the sums only after its own wait, which waits for this grid. Before this
   // grid's own wait, so only for a dependent that reads nothing of the shrink's before its wait.
   if (p.expand_follows) pdl_launch_dependents();
