@@ -24,6 +24,15 @@ const kernels::cuda::LoraDevice& or_default(const kernels::cuda::LoraDevice* lor
   return storage;
 }
 
+// An op with a CPU version and a CUDA version on a stream handle.
+template <typename Args>
+Status route(Status (*cpu_fn)(const Args&), Status (*cuda_fn)(const Args&, cuda_rt::StreamHandle),
+             const Args& args, const Stream& stream) {
+  if (stream.device().is_cpu()) return cpu_fn(args);
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return cuda_fn(args, stream.handle());
+}
+
 }  // namespace
 
 Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
@@ -130,6 +139,44 @@ Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stre
   if (stream.device().is_cpu()) return kernels::cpu::fused_moe_lora(args);
   LORAPLEX_RETURN_IF_ERROR(select_device(stream));
   return kernels::cuda::fused_moe_lora(args, stream.handle());
+}
+
+Status dispatch_fill_uniform(const kernels::FillUniformArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::fill_uniform, &kernels::cuda::fill_uniform, args, stream);
+}
+Status dispatch_add_rms_norm(const kernels::AddRmsNormArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::add_rms_norm, &kernels::cuda::add_rms_norm, args, stream);
+}
+Status dispatch_rope_kv_write(const kernels::RopeKvWriteArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::rope_kv_write, &kernels::cuda::rope_kv_write, args, stream);
+}
+Status dispatch_paged_attention(const kernels::PagedAttentionArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::paged_attention, &kernels::cuda::paged_attention, args, stream);
+}
+Status dispatch_silu_mul(const kernels::SiluMulArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::silu_mul, &kernels::cuda::silu_mul, args, stream);
+}
+Status dispatch_argmax(const kernels::ArgmaxArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::argmax, &kernels::cuda::argmax, args, stream);
+}
+
+Status dispatch_embedding_rows(const kernels::EmbeddingRowsArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::embedding_rows, &kernels::cuda::embedding_rows, args, stream);
+}
+Status dispatch_shard_token_ids(const kernels::ShardTokenIdsArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::shard_token_ids, &kernels::cuda::shard_token_ids, args, stream);
+}
+Status dispatch_topk_softmax(const kernels::TopkSoftmaxArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::topk_softmax, &kernels::cuda::topk_softmax, args, stream);
+}
+Status dispatch_gather_rows(const kernels::GatherRowsArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::gather_rows, &kernels::cuda::gather_rows, args, stream);
+}
+Status dispatch_scatter_rows(const kernels::ScatterRowsArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::scatter_rows, &kernels::cuda::scatter_rows, args, stream);
+}
+Status dispatch_sum_topk(const kernels::SumTopkArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::sum_topk, &kernels::cuda::sum_topk, args, stream);
 }
 
 }  // namespace loraplex

@@ -10,7 +10,9 @@
 #include "loraplex/core/stream.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
 #include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/layer_ops.h"
 #include "loraplex/kernels/lora_ops.h"
+#include "loraplex/kernels/model_ops.h"
 
 namespace loraplex {
 
@@ -51,5 +53,21 @@ Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArg
 Status dispatch_lora_embedding(const kernels::EmbeddingLoraArgs& args, const Stream& stream);
 Status dispatch_moe_lora_align(const kernels::MoeAlignArgs& args, const Stream& stream);
 Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stream& stream);
+
+// The decoder's non-LoRA ops (kernels/model_ops.h).
+Status dispatch_fill_uniform(const kernels::FillUniformArgs& args, const Stream& stream);
+Status dispatch_add_rms_norm(const kernels::AddRmsNormArgs& args, const Stream& stream);
+Status dispatch_rope_kv_write(const kernels::RopeKvWriteArgs& args, const Stream& stream);
+Status dispatch_paged_attention(const kernels::PagedAttentionArgs& args, const Stream& stream);
+Status dispatch_silu_mul(const kernels::SiluMulArgs& args, const Stream& stream);
+Status dispatch_argmax(const kernels::ArgmaxArgs& args, const Stream& stream);
+
+// The embedding and MoE layers' row ops (kernels/layer_ops.h).
+Status dispatch_embedding_rows(const kernels::EmbeddingRowsArgs& args, const Stream& stream);
+Status dispatch_shard_token_ids(const kernels::ShardTokenIdsArgs& args, const Stream& stream);
+Status dispatch_topk_softmax(const kernels::TopkSoftmaxArgs& args, const Stream& stream);
+Status dispatch_gather_rows(const kernels::GatherRowsArgs& args, const Stream& stream);
+Status dispatch_scatter_rows(const kernels::ScatterRowsArgs& args, const Stream& stream);
+Status dispatch_sum_topk(const kernels::SumTopkArgs& args, const Stream& stream);
 
 }  // namespace loraplex

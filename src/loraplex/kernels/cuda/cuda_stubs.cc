@@ -6,6 +6,8 @@
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/cuda/table_write.h"
+#include "loraplex/kernels/layer_ops.h"
+#include "loraplex/kernels/model_ops.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -55,6 +57,26 @@ Status fused_moe_lora(const FusedMoeLoraArgs&, StreamHandle) { return no_cuda("f
 Status write_column(int32_t*, int64_t, int64_t, int64_t, const ColumnValues&, StreamHandle) {
   return no_cuda("write_column");
 }
+
+Status fill_uniform(const FillUniformArgs&, StreamHandle) { return no_cuda("fill_uniform"); }
+Status add_rms_norm(const AddRmsNormArgs&, StreamHandle) { return no_cuda("add_rms_norm"); }
+Status rope_kv_write(const RopeKvWriteArgs&, StreamHandle) { return no_cuda("rope_kv_write"); }
+Status paged_attention(const PagedAttentionArgs&, StreamHandle) {
+  return no_cuda("paged_attention");
+}
+Status silu_mul(const SiluMulArgs&, StreamHandle) { return no_cuda("silu_mul"); }
+Status argmax(const ArgmaxArgs&, StreamHandle) { return no_cuda("argmax"); }
+
+Status embedding_rows(const EmbeddingRowsArgs&, StreamHandle) {
+  return no_cuda("embedding_lookup");
+}
+Status shard_token_ids(const ShardTokenIdsArgs&, StreamHandle) {
+  return no_cuda("shard_token_ids");
+}
+Status topk_softmax(const TopkSoftmaxArgs&, StreamHandle) { return no_cuda("topk_softmax"); }
+Status gather_rows(const GatherRowsArgs&, StreamHandle) { return no_cuda("gather_rows"); }
+Status scatter_rows(const ScatterRowsArgs&, StreamHandle) { return no_cuda("scatter_rows"); }
+Status sum_topk(const SumTopkArgs&, StreamHandle) { return no_cuda("sum_topk"); }
 
 DeviceInfo device_info(int) { throw_no_cuda("device_info"); }
 Graph::~Graph() = default;

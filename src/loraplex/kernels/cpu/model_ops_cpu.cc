@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "loraplex/core/parallel.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/kernels/model_ops.h"
 
-namespace loraplex::model::ops::cpu {
+namespace loraplex::kernels::cpu {
 namespace {
 
 bool is_activation(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
@@ -48,22 +48,6 @@ Status fill_uniform(const FillUniformArgs& a) {
       for (int64_t i = lo; i < hi; ++i) out[i] = store_float<T>(uniform_at(a, i));
     });
   });
-}
-
-Status embedding(const EmbeddingArgs& a) {
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    LORAPLEX_ENSURE(a.ids[t] >= 0 && a.ids[t] < a.vocab, "embedding: token ", t, " has id ",
-                    a.ids[t], ", expected 0..", a.vocab - 1);
-  }
-  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
-  const auto* table = static_cast<const unsigned char*>(a.table);
-  auto* out = static_cast<unsigned char*>(a.out);
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    std::copy_n(table + static_cast<size_t>(a.ids[t]) * row_bytes, row_bytes,
-                out + static_cast<size_t>(t) * row_bytes);
-  }
-  return Status();
 }
 
 Status add_rms_norm(const AddRmsNormArgs& a) {
@@ -295,4 +279,4 @@ Status argmax(const ArgmaxArgs& a) {
   });
 }
 
-}  // namespace loraplex::model::ops::cpu
+}  // namespace loraplex::kernels::cpu
