@@ -141,6 +141,13 @@ Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stre
   return kernels::cuda::fused_moe_lora(args, stream.handle());
 }
 
+Status dispatch_gemm_xwt(const kernels::GemmArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::gemm_xwt, &kernels::cuda::gemm_xwt, args, stream);
+}
+Status dispatch_write_column(const kernels::WriteColumnArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::write_column, &kernels::cuda::write_column, args, stream);
+}
+
 Status dispatch_fill_uniform(const kernels::FillUniformArgs& args, const Stream& stream) {
   return route(&kernels::cpu::fill_uniform, &kernels::cuda::fill_uniform, args, stream);
 }

@@ -10,9 +10,11 @@
 #include "loraplex/core/stream.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
 #include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/gemm.h"
 #include "loraplex/kernels/layer_ops.h"
 #include "loraplex/kernels/lora_ops.h"
 #include "loraplex/kernels/model_ops.h"
+#include "loraplex/kernels/table_write.h"
 
 namespace loraplex {
 
@@ -53,6 +55,11 @@ Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArg
 Status dispatch_lora_embedding(const kernels::EmbeddingLoraArgs& args, const Stream& stream);
 Status dispatch_moe_lora_align(const kernels::MoeAlignArgs& args, const Stream& stream);
 Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stream& stream);
+
+/// y = x W^T (+ bias): the blocked CPU GEMM or cuBLASLt (kernels/gemm.h).
+Status dispatch_gemm_xwt(const kernels::GemmArgs& args, const Stream& stream);
+/// A few int32 entries of a table, in stream order (kernels/table_write.h).
+Status dispatch_write_column(const kernels::WriteColumnArgs& args, const Stream& stream);
 
 // The decoder's non-LoRA ops (kernels/model_ops.h).
 Status dispatch_fill_uniform(const kernels::FillUniformArgs& args, const Stream& stream);

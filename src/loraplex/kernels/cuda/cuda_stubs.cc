@@ -5,9 +5,10 @@
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/table_write.h"
+#include "loraplex/kernels/gemm.h"
 #include "loraplex/kernels/layer_ops.h"
 #include "loraplex/kernels/model_ops.h"
+#include "loraplex/kernels/table_write.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -54,9 +55,8 @@ Status moe_lora_align_block_size(const MoeAlignArgs&, StreamHandle) {
   return no_cuda("moe_lora_align_block_size");
 }
 Status fused_moe_lora(const FusedMoeLoraArgs&, StreamHandle) { return no_cuda("fused_moe_lora"); }
-Status write_column(int32_t*, int64_t, int64_t, int64_t, const ColumnValues&, StreamHandle) {
-  return no_cuda("write_column");
-}
+Status write_column(const WriteColumnArgs&, StreamHandle) { return no_cuda("write_column"); }
+Status gemm_xwt(const GemmArgs&, StreamHandle) { return no_cuda("linear_base"); }
 
 Status fill_uniform(const FillUniformArgs&, StreamHandle) { return no_cuda("fill_uniform"); }
 Status add_rms_norm(const AddRmsNormArgs&, StreamHandle) { return no_cuda("add_rms_norm"); }
