@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "cli_parse.h"
 #include "command.h"
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
@@ -73,54 +74,49 @@ struct Options {
   std::string trace_path;
 };
 
-Options parse(const std::vector<std::string>& args) {
-  Options o;
+// Returns false when --help was printed.
+bool parse(const std::vector<std::string>& args, Options& o) {
   const char* env_commit = std::getenv("LORAPLEX_COMMIT");
   o.commit = env_commit != nullptr ? env_commit : "unknown";
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    auto value = [&]() -> const std::string& {
-      LORAPLEX_CHECK(i + 1 < args.size(), flag, " expects a value");
-      return args[++i];
-    };
-    if (flag == "--json") {
-      o.json_path = value();
-    } else if (flag == "--iters") {
-      const std::string& v = value();
-      o.iters = std::atoi(v.c_str());
-      LORAPLEX_CHECK(o.iters >= 1, "--iters expects an integer >= 1, got '", v, "'");
-    } else if (flag == "--quick") {
-      o.quick = true;
-    } else if (flag == "--no-path-comparison") {
-      o.path_comparison = false;
-    } else if (flag == "--no-metadata") {
-      o.metadata = false;
-    } else if (flag == "--only") {
-      const std::string& v = value();
-      o.only.clear();
-      size_t start = 0;
-      while (true) {
-        const size_t colon = v.find(':', start);
-        o.only.push_back(v.substr(start, colon == std::string::npos ? colon : colon - start));
-        if (colon == std::string::npos) break;
-        start = colon + 1;
-      }
-      LORAPLEX_CHECK(o.only.size() == 5, "--only expects OP:RANK:ADAPTERS:TOKENS:SLICES, got '", v,
-                     "'");
-    } else if (flag == "--device") {
-      o.device = Device::parse(value());
-      LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
-    } else if (flag == "--commit") {
-      o.commit = value();
-    } else if (flag == "--trace") {
-      o.trace_path = value();
-    } else if (flag == "--tune") {
-      throw_if_error(kc::parse_lora_tuning(value(), o.tuning));
-    } else {
-      LORAPLEX_FAIL("unknown option '", flag, "' (see `loraplex bench kernels --help`)");
-    }
-  }
-  return o;
+  CLI::App app{kHelp, "loraplex bench kernels"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--json", o.json_path, "write the results as JSON")->type_name("FILE");
+  add_int(app, "--iters", o.iters, 1, "cold calls per case (median)");
+  app.add_flag("--quick", o.quick, "a small subset of the grid");
+  app.add_option_function<std::string>(
+         "--device",
+         [&](const std::string& v) {
+           o.device = Device::parse(v);
+           LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
+         },
+         "cuda:N")
+      ->type_name("DEVICE");
+  app.add_option("--commit", o.commit, "source commit to record")->type_name("HASH");
+  app.add_flag("!--no-path-comparison", o.path_comparison, "skip the decode paths side by side");
+  app.add_flag("!--no-metadata", o.metadata, "skip the metadata build");
+  app.add_option_function<std::string>(
+         "--only",
+         [&](const std::string& v) {
+           o.only.clear();
+           size_t start = 0;
+           while (true) {
+             const size_t colon = v.find(':', start);
+             o.only.push_back(v.substr(start, colon == std::string::npos ? colon : colon - start));
+             if (colon == std::string::npos) break;
+             start = colon + 1;
+           }
+           LORAPLEX_CHECK(o.only.size() == 5,
+                          "--only expects OP:RANK:ADAPTERS:TOKENS:SLICES, got '", v, "'");
+         },
+         "restrict the grid")
+      ->type_name("OP:RANK:ADAPTERS:TOKENS:SLICES");
+  app.add_option_function<std::string>(
+         "--tune",
+         [&](const std::string& v) { throw_if_error(kc::parse_lora_tuning(v, o.tuning)); },
+         "tuning values over the defaults")
+      ->type_name("K=V,...");
+  app.add_option("--trace", o.trace_path, "per-CTA timelines as JSON lines")->type_name("FILE");
+  return parse_cli(app, args);
 }
 
 constexpr int64_t kHidden = 4096;
@@ -563,14 +559,9 @@ int run(const std::vector<std::string>& args) {
   LORAPLEX_CHECK(args[0] == "kernels", "unknown benchmark '", args[0],
                  "'; available: kernels, adapter-load (see `loraplex bench kernels --help`, "
                  "`loraplex bench adapter-load --help`)");
-  const std::vector<std::string> rest(args.begin() + 1, args.end());
-  for (const std::string& a : rest) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kHelp, stdout);
-      return 0;
-    }
-  }
-  return run_kernels(parse(rest));
+  Options o;
+  if (!parse(std::vector<std::string>(args.begin() + 1, args.end()), o)) return 0;
+  return run_kernels(o);
 }
 
 }  // namespace
