@@ -14,8 +14,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -76,8 +74,7 @@ struct Options {
 
 // Returns false when --help was printed.
 bool parse(const std::vector<std::string>& args, Options& o) {
-  const char* env_commit = std::getenv("LORAPLEX_COMMIT");
-  o.commit = env_commit != nullptr ? env_commit : "unknown";
+  o.commit = env_commit();
   CLI::App app{kHelp, "loraplex bench kernels"};
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--json", o.json_path, "write the results as JSON")->type_name("FILE");
@@ -332,13 +329,6 @@ Bytes count_bytes(const Case& c) {
   by.y = double(c.tokens) * total_n * 2 * 2;
   by.mid = double(c.slices) * c.tokens * c.rank * 4;
   return by;
-}
-
-std::string iso_date() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
-  return buf;
 }
 
 json entry(const char* op, const Case& c, const std::string& path, double bytes, const Timings& t,

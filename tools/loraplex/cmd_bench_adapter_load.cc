@@ -18,8 +18,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -94,8 +92,7 @@ constexpr int kServed = 4;  // adapters leased in both phases
 
 // Returns false when --help was printed.
 bool parse(const std::vector<std::string>& args, Options& o) {
-  const char* env_commit = std::getenv("LORAPLEX_COMMIT");
-  o.commit = env_commit != nullptr ? env_commit : "unknown";
+  o.commit = env_commit();
   CLI::App app{kHelp, "loraplex bench adapter-load"};
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option_function<std::string>(
@@ -356,13 +353,6 @@ struct Loader {
   std::atomic<bool> stop{false};
   std::exception_ptr error;
 };
-
-std::string iso_date() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
-  return buf;
-}
 
 int run_bench(const Options& o) {
   const bool gpu = o.device.is_cuda();

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_args.h"
 #include "cli_parse.h"
 #include "command.h"
 #include "kernel_profile.h"
@@ -195,8 +196,7 @@ RunResult run_workload(model::Decoder& d, const std::vector<Request>& reqs, cons
 
 int run(const std::vector<std::string>& args) {
   Options o;
-  const char* env_commit = std::getenv("LORAPLEX_COMMIT");
-  o.commit = env_commit != nullptr ? env_commit : "unknown";
+  o.commit = env_commit();
   CLI::App app{
       "loraplex bench e2e: the offline end-to-end benchmark (random weights of a real shape, or "
       "a checkpoint), with and without LoRA, against the floor measured in the same run"};
@@ -331,6 +331,7 @@ int run(const std::vector<std::string>& args) {
   doc["command"] = "bench e2e";
   doc["device"] = info.name;
   doc["commit"] = o.commit;
+  doc["date"] = iso_date();
   doc["shape"] = o.model_dir.empty() ? o.shape : o.model_dir;
   doc["layers"] = config.num_layers;
   doc["dtype"] = o.dtype;
