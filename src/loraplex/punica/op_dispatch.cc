@@ -118,27 +118,21 @@ Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
 
 Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArgs& args,
                                           const Stream& stream) {
-  if (stream.device().is_cpu()) return kernels::cpu::quantize_intermediate_fp8(args);
-  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::quantize_intermediate_fp8(args, stream.handle());
+  return route(&kernels::cpu::quantize_intermediate_fp8, &kernels::cuda::quantize_intermediate_fp8,
+               args, stream);
 }
 
 Status dispatch_lora_embedding(const kernels::EmbeddingLoraArgs& args, const Stream& stream) {
-  if (stream.device().is_cpu()) return kernels::cpu::lora_embedding(args);
-  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::lora_embedding(args, stream.handle());
+  return route(&kernels::cpu::lora_embedding, &kernels::cuda::lora_embedding, args, stream);
 }
 
 Status dispatch_moe_lora_align(const kernels::MoeAlignArgs& args, const Stream& stream) {
-  if (stream.device().is_cpu()) return kernels::cpu::moe_lora_align_block_size(args);
-  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::moe_lora_align_block_size(args, stream.handle());
+  return route(&kernels::cpu::moe_lora_align_block_size, &kernels::cuda::moe_lora_align_block_size,
+               args, stream);
 }
 
 Status dispatch_fused_moe_lora(const kernels::FusedMoeLoraArgs& args, const Stream& stream) {
-  if (stream.device().is_cpu()) return kernels::cpu::fused_moe_lora(args);
-  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
-  return kernels::cuda::fused_moe_lora(args, stream.handle());
+  return route(&kernels::cpu::fused_moe_lora, &kernels::cuda::fused_moe_lora, args, stream);
 }
 
 Status dispatch_gemm_xwt(const kernels::GemmArgs& args, const Stream& stream) {
