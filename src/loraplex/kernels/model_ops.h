@@ -134,6 +134,11 @@ struct FillUniformArgs {
   void* out = nullptr;  // [n] out
 };
 
+/// Argument checks shared by both versions (sizes and pointers only, never device memory), so
+/// both reject the same inputs with the same messages.
+Status check_rope_kv_write_args(const RopeKvWriteArgs& a);
+Status check_paged_attention_args(const PagedAttentionArgs& a);
+
 namespace cpu {
 Status fill_uniform(const FillUniformArgs& a);
 Status add_rms_norm(const AddRmsNormArgs& a);

@@ -22,14 +22,6 @@ Status dispatch(DType dtype, const char* op, Fn&& fn) {
   return Status();
 }
 
-Status check_cache(const KvCacheView& c, const char* op) {
-  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
-                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
-                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
-                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
-  return Status();
-}
-
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 // Where sequence `seq`'s block table starts in a.block_tables.
@@ -94,14 +86,10 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
 }
 
 Status rope_kv_write(const RopeKvWriteArgs& a) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+  LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
   const KvCacheView& c = a.cache;
   const int64_t d = c.head_dim;
   const int64_t kv = c.num_kv_heads * d;
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && d % 2 == 0 &&
-                      a.qkv_row_stride >= a.num_heads * d + 2 * kv,
-                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
-                  ", head dim ", d, ", row stride ", a.qkv_row_stride, ")");
   const int64_t num_slots = c.num_blocks * c.block_size;
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     LORAPLEX_ENSURE(a.slot_mapping[t] >= -1 && a.slot_mapping[t] < num_slots,
@@ -154,13 +142,8 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
 }
 
 Status paged_attention(const PagedAttentionArgs& a) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+  LORAPLEX_RETURN_IF_ERROR(check_paged_attention_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(
-      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
-          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
-      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
-      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     LORAPLEX_ENSURE(a.token_seq[t] >= 0 && a.token_seq[t] < a.num_seqs && a.positions[t] >= 0 &&
                         a.positions[t] < a.max_context,

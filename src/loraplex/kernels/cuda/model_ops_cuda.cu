@@ -460,14 +460,6 @@ __global__ void argmax_kernel(ArgmaxArgs a) {
   if (threadIdx.x == 0) a.ids[r] = best_i[0] < 0 ? 0 : best_i[0];
 }
 
-Status check_cache(const KvCacheView& c, const char* op) {
-  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
-                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
-                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
-                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
-  return Status();
-}
-
 }  // namespace
 
 Status fill_uniform(const FillUniformArgs& a, cuda_rt::StreamHandle stream) {
@@ -502,12 +494,8 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
 }
 
 Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+  LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && c.head_dim % 2 == 0 &&
-                      a.qkv_row_stride >= (a.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
-                  ", head dim ", c.head_dim, ", row stride ", a.qkv_row_stride, ")");
   if (a.num_tokens == 0) return Status();
   return dispatch(a.dtype, "rope_kv_write", [&](auto e) {
     rope_kv_write_kernel<decltype(e)>
@@ -517,13 +505,8 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
 }
 
 Status paged_attention(const PagedAttentionArgs& a, cuda_rt::StreamHandle stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+  LORAPLEX_RETURN_IF_ERROR(check_paged_attention_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(
-      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
-          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
-      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
-      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
   LORAPLEX_ENSURE(c.head_dim <= 4 * kThreads, "paged_attention: head_dim ", c.head_dim, " exceeds ",
                   4 * kThreads);
   if (a.num_tokens == 0) return Status();
