@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # The one script for GPU work, run on the GPU machine from the repository root:
 #
-#   scripts/gpu.sh build          configure and build everything in ./build (dependencies packed
-#                                 by scripts/pack_device_deps.sh into .device/deps)
-#   scripts/gpu.sh test [REGEX]   the whole CTest suite (or the tests matching REGEX) with
-#                                 LORAPLEX_REQUIRE_GPU=1: a missing or broken GPU fails the CUDA
-#                                 tests instead of skipping them
-#   scripts/gpu.sh e2e [ARGS]     `loraplex bench e2e` (JSON into $OUT/e2e*.json)
-#   scripts/gpu.sh kernels [ARGS] `loraplex bench kernels` (JSON into $OUT/kernels.json)
-#   scripts/gpu.sh serve [ARGS]   `loraplex bench serve` (JSON into $OUT/serve*.json)
-#   scripts/gpu.sh hf [ARGS]      the HF transformers + PEFT anchor (bench/anchors/e2e, copied
-#                                 there from ../shared/anchors before the call) on a checkpoint
-#                                 written by its make_model.py into /tmp/e2e_model
+#   scripts/gpu.sh build            configure and build everything in ./build (dependencies
+#                                   packed by scripts/pack_device_deps.sh into .device/deps)
+#   scripts/gpu.sh test [REGEX]     the whole CTest suite (or the tests matching REGEX) with
+#                                   LORAPLEX_REQUIRE_GPU set to the machine's GPU count: a test
+#                                   that needs up to that many GPUs fails instead of skipping
+#                                   when they are missing or broken (on two GPUs the NCCL
+#                                   tensor-parallel tests run); the skipped tests are listed
+#   scripts/gpu.sh generate         `loraplex generate` on the tiny Llama with its four adapters,
+#                                   float32 and bfloat16, compared with PEFT's tokens
+#   scripts/gpu.sh kernels [ARGS]   `loraplex bench kernels` (JSON into $OUT/kernels.json)
+#   scripts/gpu.sh sweep ONLY@TUNE...  one `bench kernels --only ONLY --tune TUNE` per entry
+#                                   (TUNE "-": the defaults), then a table of them all
+#   scripts/gpu.sh profile REGEX ONLY [TUNE]  Nsight Compute (--set full, the GPU's own clocks)
+#                                   on one launch of the kernels matching REGEX in
+#                                   `bench kernels --only ONLY`: report, details, SASS with
+#                                   stall samples into $OUT
+#   scripts/gpu.sh e2e [ARGS]       `loraplex bench e2e` (JSON into $OUT/e2e*.json)
+#   scripts/gpu.sh serve [ARGS]     `loraplex bench serve` (JSON into $OUT/serve*.json)
+#   scripts/gpu.sh adapter-load [ARGS]  `loraplex bench adapter-load` (JSON into $OUT)
+#   scripts/gpu.sh probes           the copy-bandwidth and decode-floor probes (bench/probes/)
+#   scripts/gpu.sh hf [ARGS]        the HF transformers + PEFT anchor (bench/anchors/e2e, copied
+#                                   there from ../shared/anchors before the call) on a checkpoint
+#                                   written by its make_model.py into /tmp/e2e_model
 #
-# Several verbs run in order: `scripts/gpu.sh build test e2e`. Logs and JSON go to $OUT (the
-# device tool brings it back); each verb prints a short summary last.
+# Several verbs run in order: `scripts/gpu.sh build test kernels`. Logs and JSON go to $OUT
+# (the device tool brings it back); each verb prints a short summary last.
 set -uo pipefail
 out=${OUT:-/tmp/loraplex_out}
 mkdir -p "$out"
@@ -23,6 +35,7 @@ export LD_LIBRARY_PATH="$deps/lib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LORAPLEX_COMMIT=${LORAPLEX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 bin=$PWD/build/tools/loraplex
+verbs=" build test generate kernels sweep profile e2e serve adapter-load probes hf "
 
 verb_build() {
   local start=$SECONDS
@@ -42,37 +55,97 @@ verb_test() {
   local start=$SECONDS
   local filter=()
   if [[ $# -gt 0 && "$1" != -* ]]; then filter=(-R "$1"); fi
-  LORAPLEX_REQUIRE_GPU=1 ctest --test-dir build -j8 --output-on-failure --timeout 600 \
+  local gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [[ $gpus -lt 1 ]] && gpus=1
+  LORAPLEX_REQUIRE_GPU=$gpus ctest --test-dir build -j8 --output-on-failure --timeout 600 \
     "${filter[@]}" >"$out/ctest.log" 2>&1
-  echo "ctest status $? in $((SECONDS - start)) s"
+  echo "ctest status $? in $((SECONDS - start)) s on $gpus GPU(s) (LORAPLEX_REQUIRE_GPU=$gpus)"
   grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$out/ctest.log" | head -40
   echo "skipped: $(grep -c '\*\*\*Skipped' "$out/ctest.log")"
+  grep '\*\*\*Skipped' "$out/ctest.log" | sed 's/ *\.\.\..*//; s/^.*Test *#[0-9]*: /  /' | head -40
 }
 
-e2e_runs=0
-verb_e2e() {
-  e2e_runs=$((e2e_runs + 1))
-  local name=e2e${E2E_TAG:-}_$e2e_runs
-  local args=("$@")
-  local start=$SECONDS
-  timeout 900 "$bin" bench e2e --json "$out/$name.json" "${args[@]}" >"$out/$name.log" 2>"$out/$name.err"
-  echo "bench e2e ${args[*]}: status $? in $((SECONDS - start)) s"
-  grep -E "^bench e2e:" "$out/$name.err" | tr '\r' '\n' | grep -v "run [0-9]" | tail -8
-}
-
-serve_runs=0
-verb_serve() {
-  serve_runs=$((serve_runs + 1))
-  local name=serve_$serve_runs
-  local start=$SECONDS
-  timeout 900 "$bin" bench serve --no-progress --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1
-  echo "bench serve $*: status $? in $((SECONDS - start)) s"
-  tail -30 "$out/$name.log"
+verb_generate() {
+  local fx=testdata/tiny-llama
+  for dt in float32 bfloat16; do
+    "$bin" generate --model $fx/model --lora sql=$fx/adapters/sql \
+      --lora pirate=$fx/adapters/pirate --lora rslora=$fx/adapters/rslora \
+      --lora vocab=$fx/adapters/vocab --requests $fx/requests.jsonl --max-tokens 12 \
+      --ignore-eos --device cuda --dtype "$dt" --output "$out/generate_$dt.jsonl" \
+      >/dev/null 2>"$out/generate_$dt.err"
+    echo "generate $dt status $?"
+    python3 - "$out/generate_$dt.jsonl" $fx/expected.jsonl <<'PY'
+import json, sys
+got = [json.loads(l) for l in open(sys.argv[1])]
+exp = [json.loads(l) for l in open(sys.argv[2])]
+same = sum(g["output_token_ids"] == e["output_token_ids"] for g, e in zip(got, exp))
+first = sum(g["output_token_ids"][:1] == e["output_token_ids"][:1] for g, e in zip(got, exp))
+print(f"  {len(got)} requests: all 12 tokens equal in {same}, first token equal in {first}")
+PY
+  done
 }
 
 verb_kernels() {
   timeout 600 "$bin" bench kernels --json "$out/kernels.json" "$@" >"$out/kernels.log" 2>&1
   echo "bench kernels status $?"
+  python3 scripts/benchmarks_md.py --summary --kernels "$out/kernels.json" 2>&1 | tail -30
+}
+
+verb_sweep() {
+  [[ $# -gt 0 ]] || { echo "sweep needs ONLY@TUNE entries"; return; }
+  for entry in "$@"; do
+    local only=${entry%@*} spec=${entry#*@}
+    local name
+    name=$(echo "${only}_$spec" | tr ':*=,' '_x__')
+    local tune=()
+    [[ "$spec" != "-" ]] && tune=(--tune "$spec")
+    timeout 300 "$bin" bench kernels --iters "${ITERS:-30}" --no-path-comparison --no-metadata \
+      --only "$only" "${tune[@]}" --json "$out/sweep_$name.json" >"$out/sweep_$name.log" 2>&1
+    echo "sweep $name: status $?"
+  done
+  python3 scripts/sweep_table.py "$out"/sweep_*.json | tee "$out/sweep_table.txt"
+}
+
+verb_profile() {
+  local regex=${1:?profile needs a kernel regex} only=${2:?profile needs an --only spec}
+  local tune=()
+  [[ $# -ge 3 ]] && tune=(--tune "$3")
+  local name
+  name=$(echo "$only" | tr ':*' '_x')
+  timeout 300 ncu --set full --clock-control none --import-source no -k "regex:$regex" -s 2 -c 1 \
+    -o "$out/$name" "$bin" bench kernels --iters 3 --no-path-comparison --no-metadata \
+    --only "$only" "${tune[@]}" >"$out/$name.ncu.log" 2>&1
+  echo "ncu $regex $only status $?"
+  ncu --import "$out/$name.ncu-rep" --page details >"$out/$name.txt" 2>&1
+  ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass >"$out/$name.sass.csv" 2>&1
+  grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Warp Cycles Per Issued" \
+    "$out/$name.txt" | head -20
+}
+
+runs=0
+verb_bench() {  # verb_bench NAME ARGS...: `loraplex bench NAME`, JSON into $OUT/NAME_<n>.json
+  local name=$1
+  shift
+  runs=$((runs + 1))
+  local file=${name}_$runs start=$SECONDS
+  timeout 900 "$bin" bench "$name" --json "$out/$file.json" "$@" >"$out/$file.log" \
+    2>"$out/$file.err"
+  echo "bench $name $*: status $? in $((SECONDS - start)) s"
+  grep -E "^bench $name:" "$out/$file.err" | tr '\r' '\n' | grep -v "run [0-9]" | tail -8
+  tail -4 "$out/$file.log"
+}
+
+verb_probes() {
+  local nvcc
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  for probe in stream_probe decode_floor_probe; do
+    "$nvcc" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "$out/$probe" \
+      "bench/probes/$probe.cu" >"$out/${probe}_build.log" 2>&1 || { echo "$probe: no build"; continue; }
+    timeout 120 "$out/$probe" >"$out/$probe.txt" 2>&1
+    echo "$probe status $?:"
+    cat "$out/$probe.txt"
+  done
 }
 
 verb_hf() {
@@ -90,18 +163,22 @@ while [[ $# -gt 0 ]]; do
   verb=$1
   shift
   args=()
-  while [[ $# -gt 0 && "$1" != build && "$1" != test && "$1" != e2e && "$1" != kernels &&
-    "$1" != hf && "$1" != serve ]]; do
+  while [[ $# -gt 0 && "$verbs" != *" $1 "* ]]; do
     args+=("$1")
     shift
   done
   case $verb in
     build) verb_build ;;
     test) verb_test "${args[@]}" ;;
-    e2e) verb_e2e "${args[@]}" ;;
+    generate) verb_generate ;;
     kernels) verb_kernels "${args[@]}" ;;
+    sweep) verb_sweep "${args[@]}" ;;
+    profile) verb_profile "${args[@]}" ;;
+    e2e) verb_bench e2e "${args[@]}" ;;
+    serve) verb_bench serve "${args[@]}" ;;
+    adapter-load) verb_bench adapter-load "${args[@]}" ;;
+    probes) verb_probes ;;
     hf) verb_hf "${args[@]}" ;;
-    serve) verb_serve "${args[@]}" ;;
-    *) echo "unknown verb '$verb' (build, test, e2e, kernels, hf, serve)"; exit 2 ;;
+    *) echo "unknown verb '$verb' (${verbs# })"; exit 2 ;;
   esac
 done

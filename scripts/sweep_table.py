@@ -1,12 +1,11 @@
 #!/usr/bin/env python3
-"""Summarises the JSON files of scripts/device_tuning_sweep.sh: one line per (file, case) with
-the tuning, the op, the case and the graph-rotating and cold times."""
+"""Summarises the JSON files of `scripts/gpu.sh sweep`: one line per (file, case) with the op,
+the case, the graph-rotating and cold times and the tuning values."""
 import gzip
 import json
 import sys
 
 for path in sys.argv[1:]:
-    # Sweep results are kept gzip-compressed in bench/results.
     doc = json.load(gzip.open(path, "rt") if path.endswith(".gz") else open(path))
     tune = ",".join(f"{k}={v}" for k, v in doc.get("tuning", {}).items())
     for r in doc["results"]:

@@ -1,6 +1,6 @@
 // How many thread-block clusters of 16, 8 and 4 CTAs (256 threads) can be resident at once
 // (cudaOccupancyMaxActiveClusters) for a range of dynamic shared memory sizes: the one-wave
-// capacity of the cluster layer (bench/NOTES.md). A trivial kernel: registers do not limit it
+// capacity of the cluster layer. A trivial kernel: registers do not limit it
 // here (the cluster layer's 64 registers per thread cap it at 4 CTAs per SM). Not built by
 // CMake; run on the GPU machine as
 //   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o /tmp/occ

@@ -1,6 +1,6 @@
 // Where the CTAs of a one-wave grid land: the wgmma prefill shrink's 132 one-per-SM CTAs (227 KB
-// of shared memory each) were placed on only 120 SMs, 8 of them taking two (bench/NOTES.md,
-// 2026-11-25), with and without clusters. Here an otherwise empty kernel records each CTA's SM
+// of shared memory each) were placed on only 120 SMs, 8 of them taking two (that launch had
+// in fact fallen back to clusters of 4). Here an otherwise empty kernel records each CTA's SM
 // (%smid) and start time and then spins for 20 us, so that every CTA that can be resident at
 // once is; for several shared-memory sizes and grids, alone and right after a 512 MB read (as
 // the bench's cold timing runs it), with the default shared-memory carveout and with the largest.

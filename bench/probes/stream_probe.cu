@@ -1,4 +1,4 @@
-// Memory-pattern probes behind the prefill notes in bench/NOTES.md: what the expand's and the
+// Memory-pattern probes behind the prefill kernels' ceilings: what the expand's and the
 // shrink's access patterns reach with no arithmetic, against a plain stream. y is 4096 rows of
 // 4096 bf16 (32 MB), eight copies used in turn so L2 (50 MB) never holds the next one.
 //   rmw_tile_smem: the expand's pattern: 64-row x 128-column items, a contiguous run per CTA

@@ -15,6 +15,7 @@
 #include "adapter_test_support.h"
 #include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/layers/lora_linear.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -53,7 +54,7 @@ struct Attention {
 };
 
 void check_manager_upload(Device device, DType dt) {
-  if (device.is_cuda() && cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (device.is_cuda()) LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(77);
   std::vector<Tensor> base;
   for (int m = 0; m < 4; ++m) base.push_back(test::random_tensor({out_of(m), in_of(m)}, dt, rng));

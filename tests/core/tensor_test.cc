@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "loraplex/core/device.h"
+#include "support/gpu_check.h"
 
 namespace loraplex {
 namespace {
@@ -94,7 +95,7 @@ TEST(Tensor, StridedCopyConvertsDType) {
 }
 
 TEST(Tensor, CudaRoundTrip) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   Tensor t = iota_tensor({5, 7});
   Stream stream = Stream::create(Device::cuda(0));
   Tensor d = t.to(Device::cuda(0), stream);
@@ -110,7 +111,7 @@ TEST(Tensor, CudaRoundTrip) {
 }
 
 TEST(Tensor, CudaCachingAllocatorReusesBlocks) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   { Tensor a = Tensor::empty({1 << 20}, DType::kF32, Device::cuda(0)); }
   const int64_t before = cuda_allocator_stats(0).driver_allocations;
   for (int i = 0; i < 10; ++i) {
@@ -130,7 +131,7 @@ TEST(Tensor, CopyFromAsyncWithinTheCpuCopiesAtOnce) {
 }
 
 TEST(Tensor, PinnedViewsUploadWithoutWaiting) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   Tensor pinned = Tensor::empty_with({4, 6}, DType::kF32, Device::cpu(), pinned_host_allocator());
   pinned.copy_from(iota_tensor({4, 6}));
   const Tensor block = pinned.narrow(0, 1, 2).narrow(1, 2, 3);

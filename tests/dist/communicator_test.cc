@@ -9,6 +9,7 @@
 
 #include "loraplex/core/device.h"
 #include "loraplex/dist/in_process_communicator.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 #if LORAPLEX_WITH_CUDA
 #include "loraplex/dist/nccl_communicator.h"
@@ -168,7 +169,7 @@ TEST(SingleDeviceCommunicator, ReduceIsIdentityAndGatherCopies) {
 }
 
 TEST(NcclCommunicator, AllReduceAndAllGatherMatchInProcess_tp2) {
-  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << cuda_device_count();
+  LORAPLEX_REQUIRE_GPUS(2);
 #if LORAPLEX_WITH_CUDA
   const std::vector<Tensor> inputs = per_rank_inputs(2, {6, 10}, DType::kF32, 9);
   std::vector<double> ref_sum(60, 0.0);

@@ -1,6 +1,6 @@
 #pragma once
 // Helpers of the CUDA op tests: every test runs an op on the GPU and the CPU reference on
-// the same inputs and compares. Without a GPU the tests skip.
+// the same inputs and compares. Without a GPU the tests skip (support/gpu_check.h).
 
 #include <gtest/gtest.h>
 
@@ -10,16 +10,10 @@
 #include "loraplex/core/device.h"
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex::test {
-
-#define LORAPLEX_REQUIRE_GPU()                                    \
-  do {                                                            \
-    if (::loraplex::cuda_device_count() == 0) {                   \
-      GTEST_SKIP() << "no CUDA device (or a build without CUDA)"; \
-    }                                                             \
-  } while (0)
 
 inline Device gpu() { return Device::cuda(0); }
 

@@ -15,8 +15,8 @@
 #include "cuda_test_util.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/cuda/lora_tuning.h"
 #include "loraplex/punica/op_dispatch.h"
 #include "loraplex/punica/punica_wrapper.h"
 
@@ -99,16 +99,20 @@ std::vector<Tensor> to_device(const std::vector<Tensor>& ts, Device device, cons
   return out;
 }
 
-// A layer case on `device`: the wrapper with the case's metadata, the ranks, the weights, x and
-// a fresh copy of y0.
+using kernels::cuda::LoraTuning;
+
+// A layer case on `device`: the wrapper with the case's metadata and the CUDA kernels' tuning
+// table, the ranks, the weights, x and a fresh copy of y0.
 struct LayerOnDevice {
-  LayerOnDevice(const LayerCase& c, const LayerData& d, Device device, const Stream& stream)
+  LayerOnDevice(const LayerCase& c, const LayerData& d, Device device, const Stream& stream,
+                const LoraTuning& tuning = {})
       : wrapper(c.max_loras, c.tokens, 1, device),
         ranks(make_ranks(c, d, device, stream)),
         a(to_device(d.a, device, stream)),
         b(to_device(d.b, device, stream)),
         x(d.x.to(device, stream)),
         y(d.y0.clone().to(device, stream)) {
+    wrapper.set_lora_tuning(tuning);
     wrapper.update_metadata(d.slots, {}, stream);
   }
   PunicaWrapper wrapper;
@@ -117,13 +121,15 @@ struct LayerOnDevice {
   Tensor x, y;
 };
 
-// y0 + LoRA(x) for the whole layer through PunicaWrapper::add_lora_linear on `device`.
+// y0 + LoRA(x) for the whole layer through PunicaWrapper::add_lora_linear on `device`, with
+// `tuning` on CUDA (and the metadata scratch its plan needs).
 Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const Stream& stream,
-                  std::string* path = nullptr, float scale = 0.5f) {
+                  std::string* path = nullptr, float scale = 0.5f, const LoraTuning& tuning = {}) {
   const int slices = static_cast<int>(c.widths.size());
-  LayerOnDevice l(c, d, device, stream);
+  LayerOnDevice l(c, d, device, stream, tuning);
   Tensor ws =
       Tensor::empty({slices * static_cast<int64_t>(c.tokens) * c.max_rank}, DType::kF32, device);
+  l.wrapper.reserve_lora_linear(l.y, l.x, l.a, l.b, l.ranks, ws);
   if (path != nullptr) *path = l.wrapper.lora_linear_path(l.y, l.x, l.a, l.b, l.ranks, ws);
   if (device.is_cpu()) {
     l.wrapper.add_lora_linear(l.y, l.x, l.a, l.b, l.ranks, scale, ws, stream);
@@ -175,7 +181,6 @@ TEST(CudaLoraLinear, DefaultPathMatchesCpu) {
   std::mt19937_64 rng(101);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  kernels::cuda::set_fused_linear_max_tokens(-1);
   for (const LayerCase& c : linear_cases()) {
     const LayerData d = make_layer(c, rng);
     const Tensor got = run_linear(c, d, test::gpu(), stream);
@@ -190,33 +195,31 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
   std::mt19937_64 rng(202);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  // limit 0: never fused (shrink + expand kernels, and no decode-kernel shrink); 1 << 20: the
-  // decode-sized paths wherever they apply: the one-kernel cluster layer (cluster 1), else
-  // the persistent kernel (persistent 1) or the per-token PDL pair (persistent 0).
+  // decode_max_tokens 0: never fused (shrink + expand kernels, and no decode-kernel shrink);
+  // 1 << 20: the decode-sized paths wherever they apply: the one-kernel cluster layer (cluster
+  // 2), else the persistent kernel (gather_max_token_ranks 0) or the per-token PDL pair (the
+  // pair on every case it supports).
   struct Config {
     int limit;
-    int persistent;
+    int gather_max_token_ranks;
     int cluster;
     const char* name;
   };
-  const Config configs[] = {{0, 0, 0, "split"},
-                            {1 << 20, 1, 0, "fused"},
-                            {1 << 20, 0, 0, "gather"},
-                            {1 << 20, 0, 2, "cluster"}};
+  const Config configs[] = {{0, 1 << 30, 0, "split"},
+                            {1 << 20, 0, 0, "fused"},
+                            {1 << 20, 1 << 30, 0, "gather"},
+                            {1 << 20, 1 << 30, 2, "cluster"}};
   for (const Config& cfg : configs) {
-    kernels::cuda::set_fused_linear_max_tokens(cfg.limit);
-    kernels::cuda::KernelTuning tuning = defaults;
-    tuning.decode_persistent = cfg.persistent;
+    LoraTuning tuning;
+    tuning.decode_max_tokens = cfg.limit;
+    tuning.gather_max_token_ranks = cfg.gather_max_token_ranks;
     tuning.decode_cluster = cfg.cluster;
-    tuning.gather_max_token_ranks = 1 << 30;  // the pair on every case it supports
-    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
     int ran = 0;
     for (const LayerCase& c : linear_cases()) {
       if (c.dtype == DType::kF32) continue;
       const LayerData d = make_layer(c, rng);
       std::string path;
-      const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
+      const Tensor got = run_linear(c, d, test::gpu(), stream, &path, 0.5f, tuning);
       ran += path == cfg.name ? 1 : 0;
       const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
       const double rtol = test::default_rtol(c.dtype);
@@ -225,8 +228,6 @@ TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
     // The configuration reached its path for most cases (the rest fall back).
     EXPECT_GE(ran, 5) << cfg.name;
   }
-  kernels::cuda::set_fused_linear_max_tokens(-1);
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // The per-CTA timelines of `loraplex bench kernels --trace` come from separate kernel
@@ -239,26 +240,24 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
   std::mt19937_64 rng(404);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  // 300 tokens over 8 slots (the prefill shrink, clusters; the pipelined expand at rank 16) and
-  // 1100 tokens at rank 64 over 3 slices, pipelined (expand_pipelined 0) and one item at a time
-  // (1).
-  struct TraceCase {
-    LayerCase c;
-    int expand_pipelined;
-  };
-  const LayerCase rank16 = {
-      DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false};
-  const LayerCase rank64 = {
-      DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0, false};
-  const std::vector<TraceCase> cases = {{rank16, 0}, {rank64, 0}, {rank64, 1}};
+  // 300 tokens over 8 slots (the prefill shrink, clusters; the pipelined expand at rank 16),
+  // 1100 tokens at rank 64 over 3 slices (the pipelined expand) and at rank 128 (the expand one
+  // item at a time).
+  const std::vector<LayerCase> cases = {
+      {DType::kBF16, 300, 8, 16, 2048, {1024}, test::SlotDistribution::kUniform, 0.0, false},
+      {DType::kBF16, 1100, 4, 64, 1024, {512, 128, 128}, test::SlotDistribution::kZipf, 0.0, false},
+      {DType::kBF16,
+       1100,
+       4,
+       128,
+       1024,
+       {512, 128, 128},
+       test::SlotDistribution::kZipf,
+       0.0,
+       false}};
   constexpr int64_t kRows = 4096;
   const int sms = kernels::cuda::device_info(test::gpu().index).sm_count;
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  for (const TraceCase& tc : cases) {
-    const LayerCase& c = tc.c;
-    kernels::cuda::KernelTuning tuning = defaults;
-    tuning.expand_pipelined = tc.expand_pipelined;
-    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
+  for (const LayerCase& c : cases) {
     const LayerData d = make_layer(c, rng);
     const int slices = static_cast<int>(c.widths.size());
     auto run = [&](Device device, const Stream& st, bool trace, Tensor& mid_out, Tensor& y_out,
@@ -315,7 +314,6 @@ TEST(CudaKernelTrace, TracedShrinkAndExpandMatchCpuAndRecordOrderedTimelines) {
     EXPECT_GT(rows[0], 0) << case_name(c) << ": no shrink CTA recorded a timeline";
     EXPECT_GT(rows[1], 0) << case_name(c) << ": no expand CTA recorded a timeline";
   }
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // The q/k/v decode case both traced-layer tests run (ranks 0-16, tokens without LoRA), through
@@ -334,15 +332,12 @@ Tensor traced_decode_layer(uint64_t seed, int cluster, const std::string& expect
   const LayerData d = make_layer(c, rng);
   Tensor buf =
       Tensor::zeros({kTraceRows * kernels::cuda::kTraceSlots}, DType::kI64, test::gpu(), stream);
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  kernels::cuda::KernelTuning tuning = defaults;
+  LoraTuning tuning;
   tuning.decode_cluster = cluster;
-  EXPECT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
   kernels::cuda::set_kernel_trace(reinterpret_cast<uint64_t*>(buf.data_ptr()));
   std::string path;
-  const Tensor got = run_linear(c, d, test::gpu(), stream, &path);
+  const Tensor got = run_linear(c, d, test::gpu(), stream, &path, 0.5f, tuning);
   kernels::cuda::set_kernel_trace(nullptr);
-  EXPECT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
   EXPECT_EQ(path, expected_path);
   const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
   const double rtol = test::default_rtol(c.dtype);
@@ -409,127 +404,101 @@ TEST(CudaKernelTrace, TracedClusterLayerMatchesCpuAndRecordsOrderedTimelines) {
   EXPECT_GT(finished, 0);
 }
 
-// Every launch shape the tuning knobs reach must stay correct: the fused (decode) kernel with
+// Every launch shape the tuning values reach must stay correct: the fused (decode) kernel with
 // few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
-// the expand up to rank 64 one item at a time and pipelined, the shrink's ring 3, 5 and 6 stages
-// deep, capped at 2 CTAs per SM, its split-K sums met in a cluster and in global memory, its MMA on
-// mma.sync and on wgmma (clusters of 8, or 8 parts through global memory, summed in the last
-// CTA or by a second kernel), the pair's
-// shrink on FMA and on tensor cores with groups of 1, 2 and 4 tokens, the cluster layer with
-// clusters of 1, 2 and 16.
+// its ring 3 and 4 stages deep, its split-K sums met in a cluster and in global memory, its MMA
+// on mma.sync and on wgmma (clusters of 8, or 8 parts through global memory, summed in the last
+// CTA or by a second kernel), the expands with 1 to 16 CTAs per SM, the pair's shrink on FMA and
+// on tensor cores with groups of 1 and 2 tokens and 8 or 16 rows, with and without PDL, the
+// cluster layer with clusters of 1, 2 and 16. Each with the decode kernels off and everywhere.
 TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(303);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
-  const std::vector<kernels::cuda::KernelTuning> shapes = {
-      {.decode_k_chunks = 1,
+  const std::vector<LoraTuning> shapes = {
+      {.decode_cluster = 0,
+       .gather_max_token_ranks = 1 << 30,
+       .gather_group = 1,
+       .gather_rows = 8,
+       .gather_shrink = 2,
+       .decode_k_chunks = 1,
        .decode_cols = 256,
        .prefill_k_split = 1,
        .prefill_ctas_per_sm = 1,
        .prefill_stages = 3,
-       .expand_ctas_per_sm = 1,
-       .expand_pipelined = 1,
-       .decode_ctas_per_sm = 1,
-       .decode_persistent = 0,
-       .gather_group = 1,
+       .expand_ctas_per_sm = 1},
+      {.decode_cluster = 0,
        .gather_max_token_ranks = 1 << 30,
-       .gather_shrink = 2,
+       .gather_group = 2,
        .gather_rows = 8,
-       .decode_cluster = 0},
-      {.decode_k_chunks = 4,
+       .gather_shrink = 2,
+       .decode_k_chunks = 4,
        .decode_cols = 64,
+       .prefill_mma = 1,
        .prefill_k_split = 8,
        .prefill_ctas_per_sm = 8,
-       .prefill_stages = 5,
-       .prefill_max_ctas_per_sm = 2,
+       .prefill_stages = 4,
        .prefill_reduce = 1,
-       .prefill_mma = 1,
-       .expand_ctas_per_sm = 16,
-       .expand_pipelined = 2,
-       .decode_ctas_per_sm = 2,
-       .decode_persistent = 0,
-       .gather_group = 4,
+       .expand_ctas_per_sm = 16},
+      {.decode_cluster = 0,
+       .layer_pdl = 2,
        .gather_max_token_ranks = 1 << 30,
-       .gather_shrink = 2,
+       .gather_group = 2,
        .gather_rows = 8,
-       .decode_cluster = 0},
-      {.gather_group = 2,
+       .gather_shrink = 1},
+      {.decode_cluster = 0,
+       .layer_pdl = 0,
        .gather_max_token_ranks = 1 << 30,
-       .gather_shrink = 1,
-       .gather_rows = 8,
-       .decode_cluster = 0,
-       .layer_pdl = 2},
-      {.gather_group = 2,
-       .gather_max_token_ranks = 1 << 30,
-       .gather_shrink = 2,
-       .decode_cluster = 0,
-       .layer_pdl = 0},
-      {.decode_k_chunks = 8,
+       .gather_group = 2,
+       .gather_shrink = 2},
+      {.decode_cluster = 0,
+       .gather_max_token_ranks = 0,
+       .decode_k_chunks = 8,
        .decode_cols = 8,
+       .prefill_mma = 1,
        .prefill_k_split = 2,
        .prefill_ctas_per_sm = 4,
-       .prefill_stages = 6,
-       .prefill_mma = 1,
-       .expand_ctas_per_sm = 2,
-       .decode_ctas_per_sm = 0,
-       .decode_persistent = 1,
-       .decode_cluster = 0},
-      {.prefill_k_split = 8, .prefill_ctas_per_sm = 8, .prefill_reduce = 1, .prefill_mma = 2},
-      {.prefill_k_split = 8,
+       .prefill_stages = 4,
+       .expand_ctas_per_sm = 2},
+      {.prefill_mma = 2, .prefill_k_split = 8, .prefill_ctas_per_sm = 8, .prefill_reduce = 1},
+      {.prefill_mma = 2,
+       .prefill_k_split = 8,
        .prefill_ctas_per_sm = 8,
        .prefill_stages = 3,
-       .prefill_reduce = 2,
-       .prefill_mma = 2},
+       .prefill_reduce = 2},
       {.prefill_mma = 1},
       {.prefill_k_split = 8, .prefill_ctas_per_sm = 8, .prefill_reduce = 2, .prefill_sum = 2},
-      {.prefill_k_split = 4,
+      {.prefill_mma = 1,
+       .prefill_k_split = 4,
        .prefill_ctas_per_sm = 8,
        .prefill_reduce = 2,
-       .prefill_mma = 1,
        .prefill_sum = 2},
       {.decode_cluster = 2, .cluster_size = 1},
       {.decode_cluster = 2, .cluster_size = 2},
-      {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16},
-      // The split path's expand after the shrink without PDL.
-      {.split_pdl = 0},
-      // The wgmma shrink's next stage's copies before its MMAs (the order before mma_first), with
-      // clusters and with parts in global memory.
-      {.prefill_mma = 2, .prefill_mma_first = 0},
-      {.prefill_k_split = 8,
-       .prefill_ctas_per_sm = 8,
-       .prefill_reduce = 2,
-       .prefill_mma = 2,
-       .prefill_sum = 2,
-       .prefill_mma_first = 0}};
-  for (const kernels::cuda::KernelTuning& t : shapes) {
-    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
+      {.decode_cluster = 2, .layer_pdl = 2, .cluster_size = 16}};
+  for (LoraTuning t : shapes) {
     for (int limit : {0, 1 << 20}) {
-      kernels::cuda::set_fused_linear_max_tokens(limit);
+      t.decode_max_tokens = limit;
+      // The values that differ from the defaults, for the failure messages.
+      std::string name;
+      const auto defaults = kernels::cuda::lora_tuning_values(LoraTuning{});
+      const auto values = kernels::cuda::lora_tuning_values(t);
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (values[i].second != defaults[i].second) {
+          name += " " + values[i].first + "=" + std::to_string(values[i].second);
+        }
+      }
       for (const LayerCase& c : linear_cases()) {
         if (c.dtype == DType::kF32) continue;
         const LayerData d = make_layer(c, rng);
-        const Tensor got = run_linear(c, d, test::gpu(), stream);
+        const Tensor got = run_linear(c, d, test::gpu(), stream, nullptr, 0.5f, t);
         const Tensor ref = run_linear(c, d, Device::cpu(), cpu);
         const double rtol = test::default_rtol(c.dtype);
-        test::expect_matches(
-            got, ref, stream, rtol, rtol * 2,
-            case_name(c) + " k_chunks " + std::to_string(t.decode_k_chunks) + " cols " +
-                std::to_string(t.decode_cols) + " k_split " + std::to_string(t.prefill_k_split) +
-                " group " + std::to_string(t.gather_group) + " cluster " +
-                std::to_string(t.decode_cluster) + "x" + std::to_string(t.cluster_size) +
-                " shrink " + std::to_string(t.gather_shrink) + " rows " +
-                std::to_string(t.gather_rows) + " pdl " + std::to_string(t.layer_pdl) +
-                " pipelined " + std::to_string(t.expand_pipelined) + " stages " +
-                std::to_string(t.prefill_stages) + " reduce " + std::to_string(t.prefill_reduce) +
-                " mma " + std::to_string(t.prefill_mma) + " split_pdl " +
-                std::to_string(t.split_pdl) + " mma_first " + std::to_string(t.prefill_mma_first));
+        test::expect_matches(got, ref, stream, rtol, rtol * 2, case_name(c) + name);
       }
     }
   }
-  kernels::cuda::set_fused_linear_max_tokens(-1);
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // The shrink output through PunicaWrapper::add_shrink; entries past each slot's rank and rows
@@ -717,18 +686,17 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
       {DType::kBF16, 300, 8, 32, 1024, {1024}, D::kZipf, 0.1, true},                // split
       {DType::kF32, 40, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},                // generic
   };
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
   // The decode-sized case runs the cluster layer (mode 2), the per-token PDL pair (mode 0) and
   // the persistent kernel with its arrival counters (mode 1): each must replay correctly.
   for (int mode : {2, 0, 1}) {
-    kernels::cuda::KernelTuning tuning = defaults;
-    tuning.decode_persistent = mode == 1 ? 1 : 0;
+    LoraTuning tuning;
+    if (mode == 1) tuning.gather_max_token_ranks = 0;
     tuning.decode_cluster = mode == 2 ? 2 : 0;
-    ASSERT_TRUE(kernels::cuda::set_kernel_tuning(tuning).ok());
     for (const LayerCase& c : cases) {
       const LayerData d = make_layer(c, rng);
       const int slices = static_cast<int>(c.widths.size());
       PunicaWrapper wrapper(c.max_loras, c.tokens, 1, test::gpu());
+      wrapper.set_lora_tuning(tuning);
       const SlotRanks ranks = make_ranks(c, d, test::gpu(), stream);
       const auto a = to_device(d.a, test::gpu(), stream);
       const auto b = to_device(d.b, test::gpu(), stream);
@@ -764,7 +732,6 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
                            case_name(c) + " graph replay, decode mode " + std::to_string(mode));
     }
   }
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 // The wrapper marks its metadata settled (LoraMetaView::settled: kernels may read it before
@@ -809,7 +776,7 @@ TEST(CudaLoraLinear, MetadataSettlesOnlyOnTheBuildStream) {
 // from the second layer after each build the layers read the (settled) metadata and weights
 // before their wait. 16 tokens (the pair's FMA shrink) and 64 (its tensor-core shrink); 320
 // tokens: every layer on the split path, the prefill shrink letting the layer's expand launch
-// under PDL at its start (split_pdl), that expand reading y before its wait.
+// under PDL at its start, that expand reading y before its wait.
 class ChainedLayers : public ::testing::TestWithParam<int> {};
 INSTANTIATE_TEST_SUITE_P(CudaLoraLinear, ChainedLayers, ::testing::Values(16, 64, 320));
 TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
@@ -826,7 +793,7 @@ TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
   const std::vector<int32_t> slots2 = test::make_slots(D::kZipf, c.tokens, c.max_loras, rng, 0.2);
   struct PathConfig {
     int cluster;  // decode_cluster
-    int limit;    // set_fused_linear_max_tokens
+    int limit;    // decode_max_tokens
     const char* name;
   };
   // Every pair of neighbours: pair -> pair, pair -> cluster, cluster -> pair, metadata ->
@@ -838,7 +805,6 @@ TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
   const PathConfig split{0, 0, "split"};
   const bool prefill = c.tokens > 64;
   auto config = [&](int i) { return prefill ? split : decode_configs[i]; };
-  const kernels::cuda::KernelTuning defaults = kernels::cuda::kernel_tuning();
 
   struct Chain {
     PunicaWrapper wrapper;
@@ -863,11 +829,11 @@ TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
   auto run_layers = [&](Chain& ch, const Stream& s, const std::function<void(int)>& set_mapping) {
     for (int i = 0; i < kLayers; ++i) {
       if (i == 0 || i == 4) set_mapping(i);
-      kernels::cuda::KernelTuning t = defaults;
+      LoraTuning t;
       t.decode_cluster = config(i).cluster;
       t.layer_pdl = 2;  // every layer's first kernel with PDL, whatever its size
-      ASSERT_TRUE(kernels::cuda::set_kernel_tuning(t).ok());
-      kernels::cuda::set_fused_linear_max_tokens(config(i).limit);
+      t.decode_max_tokens = config(i).limit;
+      ch.wrapper.set_lora_tuning(t);
       if (s.device().is_cuda()) {
         EXPECT_EQ(ch.wrapper.lora_linear_path(ch.buf[(i + 1) % 2], ch.buf[i % 2], ch.a[i], ch.b[i],
                                               ch.ranks[i], ch.ws),
@@ -914,8 +880,6 @@ TEST_P(ChainedLayers, WithProgrammaticLaunchMatchCpu) {
     g.replay(stream.handle());
     check("graph replay " + std::to_string(r));
   }
-  kernels::cuda::set_fused_linear_max_tokens(-1);
-  ASSERT_TRUE(kernels::cuda::set_kernel_tuning(defaults).ok());
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // The CPU backend's GEMM (y = x W^T + bias) against a double loop: odd sizes around the tile
 // edges, strided rows, every activation dtype, accumulate mode.
 
-#include "loraplex/kernels/cpu/gemm_cpu.h"
+#include "loraplex/kernels/gemm.h"
 
 #include <gtest/gtest.h>
 
@@ -22,11 +22,10 @@ struct GemmCase {
   int64_t pad;  // extra columns in every row stride
 };
 
-void check_gemm(DType dtype, const GemmCase& c, kernels::cpu::GemmIsa isa, std::mt19937_64& rng) {
-  const std::string name =
-      std::string(isa == kernels::cpu::GemmIsa::kAuto ? "auto " : "baseline ") +
-      std::string(dtype_name(dtype)) + " m" + std::to_string(c.m) + " n" + std::to_string(c.n) +
-      " k" + std::to_string(c.k);
+void check_gemm(DType dtype, const GemmCase& c, kernels::GemmIsa isa, std::mt19937_64& rng) {
+  const std::string name = std::string(isa == kernels::GemmIsa::kAuto ? "auto " : "baseline ") +
+                           std::string(dtype_name(dtype)) + " m" + std::to_string(c.m) + " n" +
+                           std::to_string(c.n) + " k" + std::to_string(c.k);
   const Tensor x = test::random_tensor({c.m, c.k + c.pad}, dtype, rng);
   const Tensor w = test::random_tensor({c.n, c.k + c.pad}, dtype, rng);
   const Tensor bias = test::random_tensor({c.n}, dtype, rng);
@@ -52,7 +51,7 @@ void check_gemm(DType dtype, const GemmCase& c, kernels::cpu::GemmIsa isa, std::
       scale = std::max(scale, mag);
     }
   }
-  kernels::cpu::GemmArgs a;
+  kernels::GemmArgs a;
   a.dtype = dtype;
   a.m = c.m;
   a.n = c.n;
@@ -85,8 +84,8 @@ TEST(CpuGemm, MatchesDoubleLoop) {
   std::mt19937_64 rng(3);
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (const GemmCase& c : cases) {
-      check_gemm(dtype, c, kernels::cpu::GemmIsa::kAuto, rng);
-      check_gemm(dtype, c, kernels::cpu::GemmIsa::kBaseline, rng);
+      check_gemm(dtype, c, kernels::GemmIsa::kAuto, rng);
+      check_gemm(dtype, c, kernels::GemmIsa::kBaseline, rng);
     }
   }
 }
@@ -95,7 +94,7 @@ TEST(CpuGemm, EmptyInnerDimensionGivesBias) {
   std::mt19937_64 rng(4);
   const Tensor bias = test::random_tensor({5}, DType::kF32, rng);
   Tensor y = test::random_tensor({2, 5}, DType::kF32, rng);
-  kernels::cpu::GemmArgs a;
+  kernels::GemmArgs a;
   a.dtype = DType::kF32;
   a.m = 2;
   a.n = 5;
@@ -110,7 +109,7 @@ TEST(CpuGemm, EmptyInnerDimensionGivesBias) {
 }
 
 TEST(CpuGemm, RejectsBadArguments) {
-  kernels::cpu::GemmArgs a;
+  kernels::GemmArgs a;
   a.dtype = DType::kI32;
   a.m = a.n = a.k = 1;
   a.x_row_stride = a.w_row_stride = a.y_row_stride = 1;

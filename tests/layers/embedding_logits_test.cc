@@ -14,6 +14,7 @@
 #include "loraplex/core/device.h"
 #include "loraplex/layers/logits_processor.h"
 #include "loraplex/layers/vocab_embedding.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -118,8 +119,7 @@ std::vector<double> run_embedding(const EmbeddingProblem& p, Backend backend, in
 }
 
 void check_embedding(Backend backend, int tp, bool fully_sharded) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   const EmbeddingProblem p = make_embedding_problem(21 + tp);
   const std::vector<double> ref = embedding_reference(p);
   const std::vector<double> got = run_embedding(p, backend, tp, fully_sharded);
@@ -255,8 +255,7 @@ std::vector<double> run_logits(const LogitsProblem& p, Backend backend, int tp,
 }
 
 void check_logits(Backend backend, int tp, bool fully_sharded) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   const LogitsProblem p = make_logits_problem(31 + tp);
   const std::vector<double> ref = logits_reference(p);
   const std::vector<double> got = run_logits(p, backend, tp, fully_sharded);

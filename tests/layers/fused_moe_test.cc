@@ -16,6 +16,7 @@
 #include "layers/layer_test_util.h"
 #include "loraplex/core/device.h"
 #include "loraplex/layers/fused_moe.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -260,8 +261,7 @@ void expect_same_split(const std::vector<double>& got, const std::vector<double>
 }
 
 void check_moe(const MoeProblem& p, Backend backend, int tp, bool fully_sharded) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   const std::vector<double> ref = reference(p);
   const std::string name = std::string(test::backend_name(backend)) + " tp" + std::to_string(tp) +
                            (fully_sharded ? " fully sharded" : "");

@@ -27,14 +27,16 @@ const char* backend_name(Backend b) {
   return "?";
 }
 
-bool backend_unavailable(Backend b, int tp, std::string& why) {
-  if (b == Backend::kCpu) return false;
-  const int gpus = cuda_device_count();
-  const int need = b == Backend::kCuda ? 1 : tp;
-  if (gpus >= need) return false;
-  why = std::string(backend_name(b)) + " needs " + std::to_string(need) + " GPU(s), found " +
-        std::to_string(gpus);
-  return true;
+int backend_gpus(Backend b, int tp) {
+  switch (b) {
+    case Backend::kCpu:
+      return 0;
+    case Backend::kCuda:
+      return 1;
+    case Backend::kNccl:
+      return tp;
+  }
+  return 0;
 }
 
 Device backend_device(Backend b, int rank) {

@@ -21,7 +21,8 @@ enum class Backend {
 
 const char* backend_name(Backend b);
 /// True (and the reason in `why`) when the machine cannot run `backend` at size `tp`.
-bool backend_unavailable(Backend b, int tp, std::string& why);
+/// GPUs a backend needs at tensor-parallel size tp (0 on the CPU), for LORAPLEX_REQUIRE_GPUS.
+int backend_gpus(Backend b, int tp);
 /// The device of `rank` under `backend`.
 Device backend_device(Backend b, int rank);
 

@@ -9,6 +9,7 @@
 
 #include "layers/layer_test_util.h"
 #include "loraplex/core/device.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -42,7 +43,7 @@ TEST(LinearBase, CpuMatchesDoubleReference) {
 }
 
 TEST(LinearBase, CublasLtMatchesDoubleReference) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) check_linear_base(Device::cuda(0), dt);
 }
 

@@ -11,6 +11,7 @@
 #include "layers/layer_test_util.h"
 #include "loraplex/core/device.h"
 #include "loraplex/layers/lora_linear.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -227,8 +228,7 @@ void expect_same_within_rounding(const std::vector<double>& got, const std::vect
 // The layer at size `tp` equals the double reference and (tp > 1) the single-rank layer.
 void check_kind(const LinearSpec& spec, Backend backend, int tp, bool bias = true,
                 bool fully_sharded = false) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   const Problem p = make_problem(spec, bias, 1234 + tp);
   const std::vector<double> ref = reference(p);
   const std::string name = spec.kind + " on " + test::backend_name(backend) + " tp" +
@@ -244,8 +244,7 @@ void check_kind(const LinearSpec& spec, Backend backend, int tp, bool bias = tru
 
 // Fully sharded equals not fully sharded (and both the reference) at size `tp`.
 void check_sharded(const LinearSpec& spec, Backend backend, int tp) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   const Problem p = make_problem(spec, true, 777 + tp);
   const std::vector<double> ref = reference(p);
   const std::vector<double> plain = run_layer(p, {backend, tp, false});

@@ -20,6 +20,7 @@
 #include "loraplex/layers/logits_processor.h"
 #include "loraplex/layers/lora_linear.h"
 #include "loraplex/layers/vocab_embedding.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -140,8 +141,7 @@ int64_t lora_out(const LinearSpec& spec, int s) {
 }
 
 void check_linear(const LinearSpec& spec, Backend backend, int tp, bool fully_sharded) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   std::mt19937_64 rng(11 + tp);
   const DType dt = spec.dtype;
   std::vector<Tensor> weights;
@@ -287,8 +287,7 @@ std::vector<Install> one_slice_sequence(int64_t a_cols, int64_t b_rows, DType dt
 
 void check_embedding(Backend backend, int tp, bool fully_sharded, DType dt) {
   const int64_t vocab = backend == Backend::kCpu ? kVocab : kGpuVocab;
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   std::mt19937_64 rng(21 + tp);
   const Tensor table = test::random_tensor({vocab, kHidden}, dt, rng);
   const std::vector<Install> seq = one_slice_sequence(vocab, kHidden, dt, rng);
@@ -326,8 +325,7 @@ void check_embedding(Backend backend, int tp, bool fully_sharded, DType dt) {
 
 void check_logits(Backend backend, int tp, bool fully_sharded, DType dt) {
   const int64_t vocab = backend == Backend::kCpu ? kVocab : kGpuVocab;
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   constexpr int kSeqs = 9;
   std::mt19937_64 rng(31 + tp);
   const Tensor head = test::random_tensor({vocab, kHidden}, dt, rng);
@@ -440,8 +438,7 @@ MoeLoraWeights unflatten(const std::vector<LoraSliceWeights>& flat) {
 }
 
 void check_moe(Backend backend, int tp, bool fully_sharded, DType dt) {
-  std::string why;
-  if (test::backend_unavailable(backend, tp, why)) GTEST_SKIP() << why;
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
   std::mt19937_64 rng(41 + tp);
   MoeSpec spec;
   spec.num_experts = kExperts;

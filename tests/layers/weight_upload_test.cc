@@ -10,6 +10,7 @@
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
 #include "loraplex/layers/weight_upload.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex {
@@ -46,7 +47,7 @@ TEST(WeightUpload, CpuCopiesEqualPlainConversion) {
 }
 
 TEST(WeightUploadCuda, ChunkedUploadsAreBitIdenticalToThePlainPath) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   const Device dev = Device::cuda(0);
   std::mt19937_64 rng(6);
   // 4 KB buffers: a 199 x 61 bf16 source is split over many chunks and reuses every buffer.

@@ -13,6 +13,7 @@
 #include "loraplex/model/decoder.h"
 #include "loraplex/model/model_shapes.h"
 #include "loraplex/model/random_adapter.h"
+#include "support/gpu_check.h"
 
 namespace loraplex::model {
 namespace {
@@ -184,7 +185,7 @@ TEST(RandomDecoder, RandomPeftAdaptersLoadAndMoveTheOutput) {
 }
 
 TEST(RandomDecoderCuda, GraphStepsEqualEagerStepsAndTheCpu) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   const std::vector<Seq> seqs = three_sequences();
   for (DType dt : {DType::kF32, DType::kBF16}) {
     auto graphs = make(Device::cuda(0), dt, true);

@@ -11,6 +11,7 @@
 #include "fixture_support.h"
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
+#include "support/gpu_check.h"
 
 namespace loraplex::test {
 namespace {
@@ -243,9 +244,7 @@ TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
 // token wherever the reference's first-step margin is clear. Skipped without a GPU.
 class GenerateCuda : public ::testing::TestWithParam<const char*> {
  protected:
-  void SetUp() override {
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  }
+  void SetUp() override { LORAPLEX_REQUIRE_GPU(); }
 };
 
 TEST_P(GenerateCuda, Float32MatchesPeft) {

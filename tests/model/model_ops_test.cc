@@ -13,9 +13,11 @@
 
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
+#include "loraplex/layers/layer_ops.h"
 #include "loraplex/model/kv_cache.h"
 #include "loraplex/model/model_ops.h"
 #include "loraplex/model/sampler.h"
+#include "support/gpu_check.h"
 #include "support/random_data.h"
 
 namespace loraplex::model {
@@ -390,7 +392,7 @@ TEST(KvCache, SizesBlocksAndViewsLayers) {
 
 // CUDA kernels against the CPU versions (skipped without a GPU).
 TEST(ModelOpsCuda, PagedAttentionMatchesCpu) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
     std::mt19937_64 rng(12);
     const AttentionCase c = make_case(dtype, rng);
@@ -402,7 +404,7 @@ TEST(ModelOpsCuda, PagedAttentionMatchesCpu) {
 }
 
 TEST(ModelOpsCuda, ElementwiseOpsMatchCpu) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  LORAPLEX_REQUIRE_GPU();
   const Device dev = Device::cuda(0);
   const Stream stream = Stream::create(dev);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -501,14 +503,13 @@ TEST(ModelOpsCuda, ElementwiseOpsMatchCpu) {
         }
       }
     }
-    // embedding gather and argmax
+    // embedding gather (the embedding layers' op, over the whole vocabulary) and argmax
     const std::vector<int32_t> ids = {3, 0, 8, 8, 1};
-    const Tensor idg = Tensor::from_vector(ids, {5}).to(dev, stream);
+    const Tensor id_cpu = Tensor::from_vector(ids, {5});
+    const Tensor idg = id_cpu.to(dev, stream);
     Tensor rows_cpu = Tensor::empty({5, n}, dt), rows_gpu = Tensor::empty({5, n}, dt, dev);
-    throw_if_error(
-        ops::cpu::embedding({dt, 5, n, rows, ids.data(), x.data_ptr(), rows_cpu.data_ptr()}));
-    throw_if_error(ops::cuda::embedding(
-        {dt, 5, n, rows, idg.data<int32_t>(), xg.data_ptr(), rows_gpu.data_ptr()}, stream));
+    layer_ops::embedding_lookup(x, id_cpu, 0, rows, rows_cpu, Stream());
+    layer_ops::embedding_lookup(xg, idg, 0, rows, rows_gpu, stream);
     test::expect_close(rows_gpu.to(Device::cpu(), stream), rows_cpu.to_double_vector(), 0, 0,
                        "embedding");
     std::vector<int32_t> am_cpu(static_cast<size_t>(rows));

@@ -1,5 +1,7 @@
 #include "cli_args.h"
 
+#include <cstdlib>
+#include <ctime>
 #include <exception>
 
 #include "loraplex/core/error.h"
@@ -30,6 +32,18 @@ float parse_float(const std::string& flag, const std::string& value) {
   LORAPLEX_CHECK(used == value.size() && !value.empty(), flag, " expects a number, got '", value,
                  "'");
   return v;
+}
+
+std::string iso_date() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+std::string env_commit() {
+  const char* commit = std::getenv("LORAPLEX_COMMIT");
+  return commit != nullptr ? commit : "unknown";
 }
 
 }  // namespace loraplex::cli

@@ -10,4 +10,9 @@ namespace loraplex::cli {
 int64_t parse_int(const std::string& flag, const std::string& value, int64_t lo);
 float parse_float(const std::string& flag, const std::string& value);
 
+/// Today's date (UTC) as YYYY-MM-DD, for the benchmarks' JSON.
+std::string iso_date();
+/// The source commit the benchmarks record: $LORAPLEX_COMMIT, else "unknown".
+std::string env_commit();
+
 }  // namespace loraplex::cli

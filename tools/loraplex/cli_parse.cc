@@ -23,6 +23,10 @@ bool parse_cli(CLI::App& app, const std::vector<std::string>& args) {
   } catch (const CLI::CallForHelp&) {
     std::fputs(app.help().c_str(), stdout);
     return false;
+  } catch (const CLI::ExtrasError&) {
+    const std::vector<std::string> extra = app.remaining();
+    LORAPLEX_FAIL("unknown option '", extra.empty() ? std::string() : extra.front(),
+                  "' (see --help)");
   } catch (const CLI::ParseError& e) {
     LORAPLEX_FAIL(e.what(), " (see --help)");
   }

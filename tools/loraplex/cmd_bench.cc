@@ -14,8 +14,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -23,12 +21,13 @@
 #include <utility>
 #include <vector>
 
+#include "cli_parse.h"
 #include "command.h"
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/cuda/lora_tuning.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::cli {
@@ -52,7 +51,7 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (the fields of src/loraplex/kernels/cuda/kernel_tuning.h; an unknown key is an\n"
+    "sweep (the fields of src/loraplex/kernels/cuda/lora_tuning.h; an unknown key is an\n"
     "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
     "expand case that ran the prefill shrink or a tensor-core expand, one cold call's per-CTA\n"
     "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines, and per\n"
@@ -69,58 +68,52 @@ struct Options {
   std::vector<std::string> only;  // op, rank, adapters, tokens, slices; "*" matches anything
   Device device = Device::cuda(0);
   std::string commit;
-  kc::KernelTuning tuning;
+  kc::LoraTuning tuning;
   std::string trace_path;
 };
 
-Options parse(const std::vector<std::string>& args) {
-  Options o;
-  const char* env_commit = std::getenv("LORAPLEX_COMMIT");
-  o.commit = env_commit != nullptr ? env_commit : "unknown";
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    auto value = [&]() -> const std::string& {
-      LORAPLEX_CHECK(i + 1 < args.size(), flag, " expects a value");
-      return args[++i];
-    };
-    if (flag == "--json") {
-      o.json_path = value();
-    } else if (flag == "--iters") {
-      const std::string& v = value();
-      o.iters = std::atoi(v.c_str());
-      LORAPLEX_CHECK(o.iters >= 1, "--iters expects an integer >= 1, got '", v, "'");
-    } else if (flag == "--quick") {
-      o.quick = true;
-    } else if (flag == "--no-path-comparison") {
-      o.path_comparison = false;
-    } else if (flag == "--no-metadata") {
-      o.metadata = false;
-    } else if (flag == "--only") {
-      const std::string& v = value();
-      o.only.clear();
-      size_t start = 0;
-      while (true) {
-        const size_t colon = v.find(':', start);
-        o.only.push_back(v.substr(start, colon == std::string::npos ? colon : colon - start));
-        if (colon == std::string::npos) break;
-        start = colon + 1;
-      }
-      LORAPLEX_CHECK(o.only.size() == 5, "--only expects OP:RANK:ADAPTERS:TOKENS:SLICES, got '", v,
-                     "'");
-    } else if (flag == "--device") {
-      o.device = Device::parse(value());
-      LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
-    } else if (flag == "--commit") {
-      o.commit = value();
-    } else if (flag == "--trace") {
-      o.trace_path = value();
-    } else if (flag == "--tune") {
-      throw_if_error(kc::parse_kernel_tuning(value(), o.tuning));
-    } else {
-      LORAPLEX_FAIL("unknown option '", flag, "' (see `loraplex bench kernels --help`)");
-    }
-  }
-  return o;
+// Returns false when --help was printed.
+bool parse(const std::vector<std::string>& args, Options& o) {
+  o.commit = env_commit();
+  CLI::App app{kHelp, "loraplex bench kernels"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--json", o.json_path, "write the results as JSON")->type_name("FILE");
+  add_int(app, "--iters", o.iters, 1, "cold calls per case (median)");
+  app.add_flag("--quick", o.quick, "a small subset of the grid");
+  app.add_option_function<std::string>(
+         "--device",
+         [&](const std::string& v) {
+           o.device = Device::parse(v);
+           LORAPLEX_CHECK(o.device.is_cuda(), "--device must be a CUDA device, got ", o.device);
+         },
+         "cuda:N")
+      ->type_name("DEVICE");
+  app.add_option("--commit", o.commit, "source commit to record")->type_name("HASH");
+  app.add_flag("!--no-path-comparison", o.path_comparison, "skip the decode paths side by side");
+  app.add_flag("!--no-metadata", o.metadata, "skip the metadata build");
+  app.add_option_function<std::string>(
+         "--only",
+         [&](const std::string& v) {
+           o.only.clear();
+           size_t start = 0;
+           while (true) {
+             const size_t colon = v.find(':', start);
+             o.only.push_back(v.substr(start, colon == std::string::npos ? colon : colon - start));
+             if (colon == std::string::npos) break;
+             start = colon + 1;
+           }
+           LORAPLEX_CHECK(o.only.size() == 5,
+                          "--only expects OP:RANK:ADAPTERS:TOKENS:SLICES, got '", v, "'");
+         },
+         "restrict the grid")
+      ->type_name("OP:RANK:ADAPTERS:TOKENS:SLICES");
+  app.add_option_function<std::string>(
+         "--tune",
+         [&](const std::string& v) { throw_if_error(kc::parse_lora_tuning(v, o.tuning)); },
+         "tuning values over the defaults")
+      ->type_name("K=V,...");
+  app.add_option("--trace", o.trace_path, "per-CTA timelines as JSON lines")->type_name("FILE");
+  return parse_cli(app, args);
 }
 
 constexpr int64_t kHidden = 4096;
@@ -269,8 +262,9 @@ std::vector<int64_t> widths_of(int slices) {
 
 // All tensors of one case: activations, a pool of weight sets, the wrapper with its metadata.
 struct CaseData {
-  CaseData(const Case& c, Device device, const Stream& stream)
+  CaseData(const Case& c, Device device, const Stream& stream, const kc::LoraTuning& tuning)
       : wrapper(c.adapters, c.tokens, 1, device), ranks(c.slices, c.adapters, c.rank, device) {
+    wrapper.set_lora_tuning(tuning);
     widths = widths_of(c.slices);
     for (int64_t n : widths) width += n;
     std::vector<int32_t> slots(static_cast<size_t>(c.tokens));
@@ -307,6 +301,7 @@ struct CaseData {
         off += b_elems;
       }
     }
+    wrapper.reserve_lora_linear(y, x, a[0], b[0], ranks, ws);
     stream.synchronize();
   }
 
@@ -334,13 +329,6 @@ Bytes count_bytes(const Case& c) {
   by.y = double(c.tokens) * total_n * 2 * 2;
   by.mid = double(c.slices) * c.tokens * c.rank * 4;
   return by;
-}
-
-std::string iso_date() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
-  return buf;
 }
 
 json entry(const char* op, const Case& c, const std::string& path, double bytes, const Timings& t,
@@ -376,7 +364,6 @@ int run_kernels(const Options& o) {
   LORAPLEX_CHECK(cuda_device_count() > o.device.index, "bench kernels needs a CUDA device (",
                  o.device, "); this machine has ", cuda_device_count());
   cuda_rt::set_device(o.device.index);
-  throw_if_error(kc::set_kernel_tuning(o.tuning));
   const Stream stream = Stream::create(o.device);
   const kc::DeviceInfo info = kc::device_info(o.device.index);
   const double copy_gbs = kc::copy_bandwidth_gbs(size_t{1} << 30, 10, stream.handle());
@@ -414,7 +401,7 @@ int run_kernels(const Options& o) {
     LORAPLEX_CHECK(trace_out.good(), "cannot write ", o.trace_path);
   }
   for (const Case& c : cases) {
-    CaseData d(c, o.device, stream);
+    CaseData d(c, o.device, stream, o.tuning);
     const Bytes by = count_bytes(c);
     const std::string path = path_of(d);
     struct Op {
@@ -473,7 +460,7 @@ int run_kernels(const Options& o) {
   if (o.path_comparison) {
     for (const Case& c : cases) {
       if (c.tokens > 256) continue;
-      CaseData d(c, o.device, stream);
+      CaseData d(c, o.device, stream, o.tuning);
       const Bytes by = count_bytes(c);
       json row;
       row["rank"] = c.rank;
@@ -481,15 +468,17 @@ int run_kernels(const Options& o) {
       row["tokens"] = c.tokens;
       row["slices"] = c.slices;
       // split (shrink + expand kernels), the persistent decode kernel, the per-token pair, the
-      // one-kernel cluster layer: {token limit, persistent, cluster}.
-      const int configs[][3] = {{0, 0, 0}, {1 << 20, 1, 0}, {1 << 20, 0, 0}, {1 << 20, 0, 2}};
-      for (const auto& [limit, persistent, cluster] : configs) {
-        kc::set_fused_linear_max_tokens(limit);
-        kc::KernelTuning tuning = o.tuning;
-        tuning.decode_persistent = persistent;
+      // one-kernel cluster layer, each as far as it goes: {decode tokens, pair's token x rank
+      // limit, cluster}.
+      const int configs[][3] = {
+          {0, 1 << 30, 0}, {1 << 20, 0, 0}, {1 << 20, 1 << 30, 0}, {1 << 20, 1 << 30, 2}};
+      for (const auto& [limit, pair_limit, cluster] : configs) {
+        kc::LoraTuning tuning = o.tuning;
+        tuning.decode_max_tokens = limit;
+        tuning.gather_max_token_ranks = pair_limit;
         tuning.decode_cluster = cluster;
-        tuning.gather_max_token_ranks = 1 << 30;  // the comparison runs each path as far as it goes
-        throw_if_error(kc::set_kernel_tuning(tuning));
+        d.wrapper.set_lora_tuning(tuning);
+        d.wrapper.reserve_lora_linear(d.y, d.x, d.a[0], d.b[0], d.ranks, d.ws);
         const std::string path = path_of(d);
         const Timings t = bench.time(
             [&](int s) {
@@ -499,8 +488,6 @@ int run_kernels(const Options& o) {
         row[path + "_graph_us"] = t.graph_us;
         row[path + "_graph_rotating_us"] = t.rotating_us;
       }
-      kc::set_fused_linear_max_tokens(-1);
-      throw_if_error(kc::set_kernel_tuning(o.tuning));
       row["roofline_us"] = (by.x + by.a + by.b + by.y) / (copy_gbs * 1e9) * 1e6;
       comparison.push_back(row);
     }
@@ -534,7 +521,7 @@ int run_kernels(const Options& o) {
     doc["copy_bandwidth_gbs"] = copy_gbs;
     doc["sm_clock_mhz_start"] = clock_start;
     doc["sm_clock_mhz_end"] = kc::measured_sm_clock_mhz(stream.handle());
-    for (const auto& [name, value] : kc::kernel_tuning_values(o.tuning)) {
+    for (const auto& [name, value] : kc::lora_tuning_values(o.tuning)) {
       doc["tuning"][name] = value;
     }
     doc["dtype"] = "bfloat16";
@@ -562,14 +549,9 @@ int run(const std::vector<std::string>& args) {
   LORAPLEX_CHECK(args[0] == "kernels", "unknown benchmark '", args[0],
                  "'; available: kernels, adapter-load (see `loraplex bench kernels --help`, "
                  "`loraplex bench adapter-load --help`)");
-  const std::vector<std::string> rest(args.begin() + 1, args.end());
-  for (const std::string& a : rest) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kHelp, stdout);
-      return 0;
-    }
-  }
-  return run_kernels(parse(rest));
+  Options o;
+  if (!parse(std::vector<std::string>(args.begin() + 1, args.end()), o)) return 0;
+  return run_kernels(o);
 }
 
 }  // namespace

@@ -18,8 +18,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -30,7 +28,7 @@
 #include <thread>
 #include <vector>
 
-#include "cli_args.h"
+#include "cli_parse.h"
 #include "command.h"
 #include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/adapters/safetensors.h"
@@ -92,58 +90,43 @@ struct Options {
 
 constexpr int kServed = 4;  // adapters leased in both phases
 
-Options parse(const std::vector<std::string>& args) {
-  Options o;
-  const char* env_commit = std::getenv("LORAPLEX_COMMIT");
-  o.commit = env_commit != nullptr ? env_commit : "unknown";
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    LORAPLEX_CHECK(i + 1 < args.size(), flag,
-                   " expects a value (see `loraplex bench adapter-load --help`)");
-    const std::string& value = args[++i];
-    auto as_int = [&](int64_t lo) { return static_cast<int>(parse_int(flag, value, lo)); };
-    if (flag == "--device") {
-      o.device = Device::parse(value);
-    } else if (flag == "--json") {
-      o.json_path = value;
-    } else if (flag == "--steps") {
-      o.steps = as_int(1);
-    } else if (flag == "--warmup") {
-      o.warmup = as_int(0);
-    } else if (flag == "--layers") {
-      o.layers = as_int(1);
-    } else if (flag == "--hidden") {
-      o.hidden = parse_int(flag, value, 1);
-    } else if (flag == "--kv-hidden") {
-      o.kv_hidden = parse_int(flag, value, 1);
-    } else if (flag == "--intermediate") {
-      o.intermediate = parse_int(flag, value, 1);
-    } else if (flag == "--tokens") {
-      o.tokens = as_int(1);
-    } else if (flag == "--adapters") {
-      o.adapters = as_int(kServed + 1);
-    } else if (flag == "--rank") {
-      o.rank = as_int(1);
-    } else if (flag == "--max-loras") {
-      o.max_loras = as_int(kServed + 1);
-    } else if (flag == "--max-lora-rank") {
-      o.max_lora_rank = as_int(1);
-    } else if (flag == "--dtype") {
-      o.dtype = dtype_from_name(value);
-    } else if (flag == "--upload") {
-      LORAPLEX_CHECK(value == "async" || value == "sync", "--upload expects async or sync, got '",
-                     value, "'");
-      o.async_upload = value == "async";
-    } else if (flag == "--min-loads") {
-      o.min_loads = as_int(0);
-    } else if (flag == "--seed") {
-      o.seed = static_cast<uint64_t>(parse_int(flag, value, 0));
-    } else if (flag == "--commit") {
-      o.commit = value;
-    } else {
-      LORAPLEX_FAIL("unknown option '", flag, "' (see `loraplex bench adapter-load --help`)");
-    }
-  }
+// Returns false when --help was printed.
+bool parse(const std::vector<std::string>& args, Options& o) {
+  o.commit = env_commit();
+  CLI::App app{kHelp, "loraplex bench adapter-load"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option_function<std::string>(
+         "--device", [&](const std::string& v) { o.device = Device::parse(v); }, "cuda:N or cpu")
+      ->type_name("DEVICE");
+  app.add_option("--json", o.json_path, "write the results as JSON")->type_name("FILE");
+  add_int(app, "--steps", o.steps, 1, "forward steps per phase");
+  add_int(app, "--warmup", o.warmup, 0, "steps before timing");
+  add_int(app, "--layers", o.layers, 1, "decoder layers");
+  add_int(app, "--hidden", o.hidden, 1, "hidden size");
+  add_int(app, "--kv-hidden", o.kv_hidden, 1, "k and v width");
+  add_int(app, "--intermediate", o.intermediate, 1, "MLP width");
+  add_int(app, "--tokens", o.tokens, 1, "tokens per step");
+  add_int(app, "--adapters", o.adapters, kServed + 1, "generated adapters");
+  add_int(app, "--rank", o.rank, 1, "their rank");
+  add_int(app, "--max-loras", o.max_loras, kServed + 1, "GPU slots");
+  add_int(app, "--max-lora-rank", o.max_lora_rank, 1, "the slots' rank");
+  app.add_option_function<std::string>(
+         "--dtype", [&](const std::string& v) { o.dtype = dtype_from_name(v); },
+         "bfloat16, float16 or float32")
+      ->type_name("DTYPE");
+  app.add_option_function<std::string>(
+         "--upload",
+         [&](const std::string& value) {
+           LORAPLEX_CHECK(value == "async" || value == "sync",
+                          "--upload expects async or sync, got '", value, "'");
+           o.async_upload = value == "async";
+         },
+         "async (the copy stream) or sync (set_lora)")
+      ->type_name("MODE");
+  add_int(app, "--min-loads", o.min_loads, 0, "adapters phase B loads at least");
+  add_int(app, "--seed", o.seed, 0, "random weights");
+  app.add_option("--commit", o.commit, "source commit to record")->type_name("HASH");
+  if (!parse_cli(app, args)) return false;
   const bool cpu = o.device.is_cpu();
   auto fill = [&](auto& field, auto gpu_default, auto cpu_default) {
     if (field < 0) field = cpu ? cpu_default : gpu_default;
@@ -162,7 +145,7 @@ Options parse(const std::vector<std::string>& args) {
                  o.max_lora_rank);
   LORAPLEX_CHECK(o.tokens >= kServed, "--tokens must be >= ", kServed,
                  " (every served adapter gets tokens), got ", o.tokens);
-  return o;
+  return true;
 }
 
 // Counter-based uniform values in +-[scale/8, scale] (never zero), as the tests' random data.
@@ -370,13 +353,6 @@ struct Loader {
   std::atomic<bool> stop{false};
   std::exception_ptr error;
 };
-
-std::string iso_date() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%d", std::gmtime(&now));
-  return buf;
-}
 
 int run_bench(const Options& o) {
   const bool gpu = o.device.is_cuda();
@@ -608,13 +584,9 @@ int run_bench(const Options& o) {
 }
 
 int run(const std::vector<std::string>& args) {
-  for (const std::string& a : args) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kHelp, stdout);
-      return 0;
-    }
-  }
-  return run_bench(parse(args));
+  Options o;
+  if (!parse(args, o)) return 0;
+  return run_bench(o);
 }
 
 }  // namespace

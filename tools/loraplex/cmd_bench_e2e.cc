@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_args.h"
 #include "cli_parse.h"
 #include "collective_timing.h"
 #include "command.h"
@@ -201,8 +202,7 @@ RunResult run_workload(model::ModelExecutor& d, const std::vector<Request>& reqs
 
 int run(const std::vector<std::string>& args) {
   Options o;
-  const char* env_commit = std::getenv("LORAPLEX_COMMIT");
-  o.commit = env_commit != nullptr ? env_commit : "unknown";
+  o.commit = env_commit();
   CLI::App app{
       "loraplex bench e2e: the offline end-to-end benchmark (random weights of a real shape, or "
       "a checkpoint), with and without LoRA, against the floor measured in the same run"};
@@ -361,6 +361,7 @@ int run(const std::vector<std::string>& args) {
   doc["command"] = "bench e2e";
   doc["device"] = info.name;
   doc["commit"] = o.commit;
+  doc["date"] = iso_date();
   doc["shape"] = o.model_dir.empty() ? o.shape : o.model_dir;
   doc["layers"] = config.num_layers;
   doc["dtype"] = o.dtype;

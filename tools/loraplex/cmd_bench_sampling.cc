@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cli_args.h"
+#include "cli_parse.h"
 #include "command.h"
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/device.h"
@@ -43,37 +43,31 @@ struct Options {
   std::string json_path;
 };
 
-Options parse(const std::vector<std::string>& args) {
-  Options o;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    auto value = [&]() -> const std::string& {
-      LORAPLEX_CHECK(i + 1 < args.size(), flag, " needs a value");
-      return args[++i];
-    };
-    if (flag == "--rows") {
-      o.rows.clear();
-      const std::string v = value();
-      for (size_t at = 0; at <= v.size();) {
-        const size_t comma = std::min(v.find(',', at), v.size());
-        o.rows.push_back(parse_int(flag, v.substr(at, comma - at), 1));
-        at = comma + 1;
-      }
-    } else if (flag == "--vocab") {
-      o.vocab = parse_int(flag, value(), 1);
-    } else if (flag == "--dtype") {
-      o.dtype = dtype_from_name(value());
-    } else if (flag == "--logprobs") {
-      o.logprobs = true;
-    } else if (flag == "--replays") {
-      o.replays = static_cast<int>(parse_int(flag, value(), 1));
-    } else if (flag == "--json") {
-      o.json_path = value();
-    } else {
-      LORAPLEX_CHECK(false, "unknown option '", flag, "' (see `loraplex bench sampling --help`)");
-    }
-  }
-  return o;
+// Returns false when --help was printed.
+bool parse(const std::vector<std::string>& args, Options& o) {
+  CLI::App app{kHelp, "loraplex bench sampling"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option_function<std::string>(
+         "--rows",
+         [&](const std::string& v) {
+           o.rows.clear();
+           for (size_t at = 0; at <= v.size();) {
+             const size_t comma = std::min(v.find(',', at), v.size());
+             o.rows.push_back(parse_int("--rows", v.substr(at, comma - at), 1));
+             at = comma + 1;
+           }
+         },
+         "batch sizes (default 1,32,256)")
+      ->type_name("N[,N...]");
+  add_int(app, "--vocab", o.vocab, 1, "vocabulary (default 128256)");
+  app.add_option_function<std::string>(
+         "--dtype", [&](const std::string& v) { o.dtype = dtype_from_name(v); },
+         "bfloat16 (default), float16 or float32")
+      ->type_name("DTYPE");
+  app.add_flag("--logprobs", o.logprobs, "also the picked ids' log-probabilities");
+  add_int(app, "--replays", o.replays, 1, "graph replays per figure (default 20)");
+  app.add_option("--json", o.json_path, "write the results as JSON")->type_name("FILE");
+  return parse_cli(app, args);
 }
 
 struct ParamSet {
@@ -102,13 +96,8 @@ struct DeviceCopy {
 };
 
 int run(const std::vector<std::string>& args) {
-  for (const std::string& a : args) {
-    if (a == "--help" || a == "-h") {
-      std::fputs(kHelp, stdout);
-      return 0;
-    }
-  }
-  const Options o = parse(args);
+  Options o;
+  if (!parse(args, o)) return 0;
   LORAPLEX_CHECK(cuda_device_count() > 0, "bench sampling needs a CUDA device");
   const Stream stream = Stream::create(Device::cuda(0));
   const int64_t max_rows = *std::max_element(o.rows.begin(), o.rows.end());

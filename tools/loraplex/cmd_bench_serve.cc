@@ -28,6 +28,8 @@
 #include "loraplex/core/error.h"
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
+#include "loraplex/kernels/cuda/device_timing.h"
+#include "loraplex/model/decoder.h"
 #include "loraplex/model/load_model.h"
 #include "loraplex/model/model_shapes.h"
 #include "loraplex/model/random_adapter.h"
@@ -589,6 +591,9 @@ int run(const std::vector<std::string>& args) {
   ordered_json c;
   c["model"] = pool.description;
   c["device"] = device.str();
+  c["device_name"] = device.is_cuda() ? kernels::cuda::device_info(device.index).name : "cpu";
+  c["commit"] = env_commit();
+  c["date"] = iso_date();
   c["dtype"] = std::string(dtype_name(dtype));
   c["adapters"] = pool.adapter_names.size();
   c["num_requests"] = a.num_requests;

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "cli_args.h"
+#include "cli_parse.h"
 #include "command.h"
 #include "loraplex/core/error.h"
 #include "loraplex/punica/punica_wrapper.h"
@@ -31,33 +31,25 @@ const char* kHelp =
     "usage: loraplex selftest [--device cpu|cuda] [--dtype float32|float16|bfloat16]\n"
     "                         [--tokens N] [--loras N] [--rank R] [--hidden H] [--seed S]\n"
     "Runs a q/k/v LoRA layer with mixed adapters on random data and compares it with a\n"
-    "double-precision reference. Exit status 0 when every output is within tolerance.\n";
+    "double-precision reference. Exit status 0 when every output is within tolerance.";
 
-Options parse(const std::vector<std::string>& args) {
-  Options o;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    LORAPLEX_CHECK(i + 1 < args.size(), flag, " expects a value");
-    const std::string& value = args[++i];
-    if (flag == "--device") {
-      o.device = Device::parse(value);
-    } else if (flag == "--dtype") {
-      o.dtype = dtype_from_name(value);
-    } else if (flag == "--tokens") {
-      o.tokens = parse_int(flag, value, 1);
-    } else if (flag == "--loras") {
-      o.loras = parse_int(flag, value, 1);
-    } else if (flag == "--rank") {
-      o.rank = parse_int(flag, value, 1);
-    } else if (flag == "--hidden") {
-      o.hidden = parse_int(flag, value, 1);
-    } else if (flag == "--seed") {
-      o.seed = static_cast<uint64_t>(parse_int(flag, value, 0));
-    } else {
-      LORAPLEX_FAIL("unknown option '", flag, "'");
-    }
-  }
-  return o;
+// Returns false when --help was printed.
+bool parse(const std::vector<std::string>& args, Options& o) {
+  CLI::App app{kHelp, "loraplex selftest"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option_function<std::string>(
+         "--device", [&](const std::string& v) { o.device = Device::parse(v); }, "cpu or cuda[:N]")
+      ->type_name("DEVICE");
+  app.add_option_function<std::string>(
+         "--dtype", [&](const std::string& v) { o.dtype = dtype_from_name(v); },
+         "float32, float16 or bfloat16 (default bfloat16)")
+      ->type_name("DTYPE");
+  add_int(app, "--tokens", o.tokens, 1, "tokens (default 77)");
+  add_int(app, "--loras", o.loras, 1, "adapter slots (default 8)");
+  add_int(app, "--rank", o.rank, 1, "largest rank (default 16)");
+  add_int(app, "--hidden", o.hidden, 1, "input width (default 256)");
+  add_int(app, "--seed", o.seed, 0, "random data (default 1)");
+  return parse_cli(app, args);
 }
 
 Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng) {
@@ -69,11 +61,8 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng) {
 }
 
 int run(const std::vector<std::string>& args) {
-  if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
-  const Options o = parse(args);
+  Options o;
+  if (!parse(args, o)) return 0;
   std::mt19937_64 rng(o.seed);
   const std::vector<int64_t> widths = {o.hidden, o.hidden / 4 + 1, o.hidden / 4 + 1};
   const int slices = static_cast<int>(widths.size());

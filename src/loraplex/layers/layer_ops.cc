@@ -1,14 +1,9 @@
 #include "loraplex/layers/layer_ops.h"
 
 #include <algorithm>
-#include <cmath>
-#include <vector>
 
 #include "loraplex/core/error.h"
-#include "loraplex/core/parallel.h"
-#if LORAPLEX_WITH_CUDA
-#include "loraplex/layers/layer_ops_cuda.h"
-#endif
+#include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex::layer_ops {
 namespace {
@@ -34,21 +29,6 @@ void check_same(const Tensor& a, const Tensor& b, const char* op) {
   LORAPLEX_CHECK(a.device() == b.device(), op, ": tensors on ", a.device(), " and ", b.device());
 }
 
-template <typename Fn>
-void on_dtype(DType dtype, Fn&& fn) {
-  dispatch_activation_dtype(dtype, std::forward<Fn>(fn));
-}
-
-#if LORAPLEX_WITH_CUDA
-void* cu(const Stream& s) { return s.handle(); }
-#else
-[[noreturn]] void no_cuda(const char* op) {
-  LORAPLEX_FAIL(op, ": CUDA tensors need the CUDA backend, which this build does not have");
-}
-#endif
-
-float silu(float v) { return v / (1.0f + std::exp(-v)); }
-
 }  // namespace
 
 void embedding_lookup(const Tensor& weight, const Tensor& ids, int64_t vocab_start, int64_t vocab,
@@ -62,41 +42,18 @@ void embedding_lookup(const Tensor& weight, const Tensor& ids, int64_t vocab_sta
   check_i32(ids, t_count, op, "token ids");
   LORAPLEX_CHECK(out.size(1) == weight.size(1) && out.dtype() == weight.dtype(), op, ": out is ",
                  out.describe(), ", weight is ", weight.describe());
-  const int64_t rows = weight.size(0);
-  const int64_t hidden = weight.size(1);
-  if (weight.device().is_cpu()) {
-    const int32_t* id = ids.data<int32_t>();
-    for (int64_t t = 0; t < t_count; ++t) {
-      LORAPLEX_CHECK(id[t] >= 0 && id[t] < vocab, op, ": token id ", id[t], " at position ", t,
-                     " outside the vocabulary [0, ", vocab, ")");
-    }
-    on_dtype(weight.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* w = weight.data<T>();
-      T* o = out.data<T>();
-      const int64_t os = pitch(out);
-      parallel_for(0, t_count, 16, [&](int64_t lo, int64_t hi) {
-        for (int64_t t = lo; t < hi; ++t) {
-          const int64_t local = id[t] - vocab_start;
-          T* dst = o + t * os;
-          if (local >= 0 && local < rows) {
-            std::copy(w + local * hidden, w + (local + 1) * hidden, dst);
-          } else {
-            std::fill(dst, dst + hidden, store_float<T>(0.0f));
-          }
-        }
-      });
-    });
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::embedding_lookup(weight.dtype(), weight.data_ptr(), rows, hidden,
-                                                  ids.data<int32_t>(), t_count, vocab_start,
-                                                  out.data_ptr(), pitch(out), cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::EmbeddingRowsArgs a;
+  a.dtype = weight.dtype();
+  a.weight = weight.data_ptr();
+  a.rows = weight.size(0);
+  a.hidden = weight.size(1);
+  a.ids = ids.data<int32_t>();
+  a.num_tokens = t_count;
+  a.vocab_start = vocab_start;
+  a.vocab = vocab;
+  a.out = out.data_ptr();
+  a.out_stride = pitch(out);
+  throw_if_error(dispatch_embedding_rows(a, stream));
 }
 
 void shard_token_ids(const Tensor& ids, int64_t vocab_start, int64_t rows, int32_t outside,
@@ -105,23 +62,14 @@ void shard_token_ids(const Tensor& ids, int64_t vocab_start, int64_t rows, int32
   check_i32(ids, ids.numel(), op, "token ids");
   check_i32(local, ids.numel(), op, "local ids");
   check_same(ids, local, op);
-  const int64_t n = ids.numel();
-  if (ids.device().is_cpu()) {
-    const int32_t* in = ids.data<int32_t>();
-    int32_t* out = local.data<int32_t>();
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t l = in[t] - vocab_start;
-      out[t] = (l >= 0 && l < rows) ? static_cast<int32_t>(l) : outside;
-    }
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::shard_token_ids(ids.data<int32_t>(), n, vocab_start, rows, outside,
-                                                 local.data<int32_t>(), cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::ShardTokenIdsArgs a;
+  a.ids = ids.data<int32_t>();
+  a.num_tokens = ids.numel();
+  a.vocab_start = vocab_start;
+  a.rows = rows;
+  a.outside = outside;
+  a.local = local.data<int32_t>();
+  throw_if_error(dispatch_shard_token_ids(a, stream));
 }
 
 void topk_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& ids, Tensor& weights,
@@ -138,54 +86,17 @@ void topk_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& ids
                  op, ": topk weights must be contiguous float32 [", t_count, ", ", top_k, "]");
   check_same(logits, ids, op);
   check_same(logits, weights, op);
-  if (logits.device().is_cpu()) {
-    on_dtype(logits.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* lg = logits.data<T>();
-      const int64_t ls = pitch(logits);
-      int32_t* id = ids.data<int32_t>();
-      float* wt = weights.data<float>();
-      parallel_for(0, t_count, 8, [&](int64_t lo, int64_t hi) {
-        std::vector<float> p(static_cast<size_t>(num_experts));
-        std::vector<char> taken(static_cast<size_t>(num_experts));
-        for (int64_t t = lo; t < hi; ++t) {
-          const T* row = lg + t * ls;
-          float mx = -INFINITY;
-          for (int e = 0; e < num_experts; ++e) mx = std::max(mx, load_float(row[e]));
-          float sum = 0.0f;
-          for (int e = 0; e < num_experts; ++e) {
-            p[e] = std::exp(load_float(row[e]) - mx);
-            sum += p[e];
-          }
-          for (int e = 0; e < num_experts; ++e) p[e] /= sum;
-          std::fill(taken.begin(), taken.end(), 0);
-          float picked = 0.0f;
-          for (int k = 0; k < top_k; ++k) {
-            int best = -1;
-            for (int e = 0; e < num_experts; ++e) {
-              if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-            }
-            taken[best] = 1;
-            id[t * top_k + k] = best;
-            wt[t * top_k + k] = p[best];
-            picked += p[best];
-          }
-          if (renormalize) {
-            for (int k = 0; k < top_k; ++k) wt[t * top_k + k] /= picked;
-          }
-        }
-      });
-    });
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::topk_softmax(
-      logits.dtype(), logits.data_ptr(), pitch(logits), t_count, num_experts, top_k, renormalize,
-      ids.data<int32_t>(), weights.data<float>(), cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::TopkSoftmaxArgs a;
+  a.dtype = logits.dtype();
+  a.logits = logits.data_ptr();
+  a.logits_stride = pitch(logits);
+  a.num_tokens = t_count;
+  a.num_experts = num_experts;
+  a.top_k = top_k;
+  a.renormalize = renormalize;
+  a.ids = ids.data<int32_t>();
+  a.weights = weights.data<float>();
+  throw_if_error(dispatch_topk_softmax(a, stream));
 }
 
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst, const Stream& stream) {
@@ -200,33 +111,17 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst, const Stre
   LORAPLEX_CHECK(src.size(1) == width && src.dtype() == dst.dtype(), op, ": src ", src.describe(),
                  ", dst ", dst.describe());
   if (n == 0) return;
-  if (src.device().is_cpu()) {
-    const int32_t* idx = index.data<int32_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      LORAPLEX_CHECK(idx[i] >= 0 && idx[i] < src.size(0), op, ": index ", idx[i], " outside [0, ",
-                     src.size(0), ")");
-    }
-    on_dtype(src.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* s = src.data<T>();
-      T* d = dst.data<T>();
-      const int64_t ss = pitch(src);
-      const int64_t ds = pitch(dst);
-      parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i)
-          std::copy(s + idx[i] * ss, s + idx[i] * ss + width, d + i * ds);
-      });
-    });
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::gather_rows(src.dtype(), src.data_ptr(), pitch(src),
-                                             index.data<int32_t>(), n, width, dst.data_ptr(),
-                                             pitch(dst), cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::GatherRowsArgs a;
+  a.dtype = src.dtype();
+  a.src = src.data_ptr();
+  a.src_stride = pitch(src);
+  a.src_rows = src.size(0);
+  a.index = index.data<int32_t>();
+  a.n = n;
+  a.width = width;
+  a.dst = dst.data_ptr();
+  a.dst_stride = pitch(dst);
+  throw_if_error(dispatch_gather_rows(a, stream));
 }
 
 void scatter_rows(const Tensor& src, const Tensor& index, const Tensor& row_scale, Tensor& dst,
@@ -248,43 +143,18 @@ void scatter_rows(const Tensor& src, const Tensor& index, const Tensor& row_scal
                    " elements, got ", row_scale.describe());
   }
   if (n == 0) return;
-  if (src.device().is_cpu()) {
-    const int32_t* idx = index.data<int32_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      LORAPLEX_CHECK(idx[i] >= 0 && idx[i] < dst.size(0), op, ": index ", idx[i], " outside [0, ",
-                     dst.size(0), ")");
-    }
-    const float* scale = row_scale.defined() ? row_scale.data<float>() : nullptr;
-    on_dtype(src.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* s = src.data<T>();
-      T* d = dst.data<T>();
-      const int64_t ss = pitch(src);
-      const int64_t ds = pitch(dst);
-      parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) {
-          const T* from = s + i * ss;
-          T* to = d + idx[i] * ds;
-          if (scale == nullptr) {
-            std::copy(from, from + width, to);
-          } else {
-            const float f = scale[idx[i]];
-            for (int64_t j = 0; j < width; ++j) to[j] = store_float<T>(load_float(from[j]) * f);
-          }
-        }
-      });
-    });
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::scatter_rows(
-      src.dtype(), src.data_ptr(), pitch(src), index.data<int32_t>(), n, width,
-      row_scale.defined() ? row_scale.data<float>() : nullptr, dst.data_ptr(), pitch(dst),
-      cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::ScatterRowsArgs a;
+  a.dtype = src.dtype();
+  a.src = src.data_ptr();
+  a.src_stride = pitch(src);
+  a.index = index.data<int32_t>();
+  a.n = n;
+  a.width = width;
+  a.row_scale = row_scale.defined() ? row_scale.data<float>() : nullptr;
+  a.dst = dst.data_ptr();
+  a.dst_stride = pitch(dst);
+  a.dst_rows = dst.size(0);
+  throw_if_error(dispatch_scatter_rows(a, stream));
 }
 
 void silu_and_mul(const Tensor& in, Tensor& out, const Stream& stream) {
@@ -296,32 +166,18 @@ void silu_and_mul(const Tensor& in, Tensor& out, const Stream& stream) {
   const int64_t width = out.size(1);
   LORAPLEX_CHECK(out.size(0) == n && in.size(1) == 2 * width && in.dtype() == out.dtype(), op,
                  ": in ", in.describe(), " must be [n, 2 * width] for out ", out.describe());
+  // The decoder's op (transformers' rounding: silu(gate) in the activation dtype), which reads
+  // whole rows.
+  LORAPLEX_CHECK(in.is_contiguous() && out.is_contiguous(), op, ": in ", in.describe(), " and out ",
+                 out.describe(), " must be contiguous");
   if (n == 0) return;
-  if (in.device().is_cpu()) {
-    on_dtype(in.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* s = in.data<T>();
-      T* d = out.data<T>();
-      const int64_t ss = pitch(in);
-      const int64_t ds = pitch(out);
-      parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) {
-          const T* row = s + i * ss;
-          for (int64_t j = 0; j < width; ++j) {
-            d[i * ds + j] = store_float<T>(silu(load_float(row[j])) * load_float(row[width + j]));
-          }
-        }
-      });
-    });
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::silu_and_mul(in.dtype(), in.data_ptr(), pitch(in), n, width,
-                                              out.data_ptr(), pitch(out), cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::SiluMulArgs a;
+  a.dtype = in.dtype();
+  a.num_rows = n;
+  a.n = width;
+  a.x = in.data_ptr();
+  a.out = out.data_ptr();
+  throw_if_error(dispatch_silu_mul(a, stream));
 }
 
 void sum_topk(const Tensor& in, int top_k, Tensor& out, const Stream& stream) {
@@ -337,31 +193,15 @@ void sum_topk(const Tensor& in, int top_k, Tensor& out, const Stream& stream) {
                  op, ": in ", in.describe(), " must be [", t_count, " * top_k ", top_k, ", ", width,
                  "]");
   if (t_count == 0) return;
-  if (in.device().is_cpu()) {
-    on_dtype(in.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* s = in.data<T>();
-      T* d = out.data<T>();
-      const int64_t ds = pitch(out);
-      parallel_for(0, t_count, 8, [&](int64_t lo, int64_t hi) {
-        for (int64_t t = lo; t < hi; ++t) {
-          for (int64_t j = 0; j < width; ++j) {
-            float acc = 0.0f;
-            for (int k = 0; k < top_k; ++k) acc += load_float(s[(t * top_k + k) * width + j]);
-            d[t * ds + j] = store_float<T>(acc);
-          }
-        }
-      });
-    });
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  throw_if_error(layer_ops_cuda::sum_topk(in.dtype(), in.data_ptr(), t_count, top_k, width,
-                                          out.data_ptr(), pitch(out), cu(stream)));
-#else
-  (void)stream;
-  no_cuda(op);
-#endif
+  kernels::SumTopkArgs a;
+  a.dtype = in.dtype();
+  a.in = in.data_ptr();
+  a.num_tokens = t_count;
+  a.top_k = top_k;
+  a.width = width;
+  a.out = out.data_ptr();
+  a.out_stride = pitch(out);
+  throw_if_error(dispatch_sum_topk(a, stream));
 }
 
 }  // namespace loraplex::layer_ops

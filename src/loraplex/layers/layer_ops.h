@@ -1,6 +1,7 @@
 #pragma once
-// The few non-GEMM steps of the embedding and MoE layers, on the tensor's device (CPU loops or
-// small CUDA kernels). Activations are f32, f16 or bf16; arithmetic is in float.
+// The few non-GEMM steps of the embedding and MoE layers, on the tensor's device (the ops of
+// kernels/layer_ops.h and kernels/model_ops.h through punica/op_dispatch). Activations are f32,
+// f16 or bf16; arithmetic is in float.
 
 #include <cstdint>
 
@@ -37,7 +38,8 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst, const Stre
 void scatter_rows(const Tensor& src, const Tensor& index, const Tensor& row_scale, Tensor& dst,
                   const Stream& stream);
 
-/// out[i, j] = silu(in[i, j]) * in[i, width + j]. in: [n, 2 * width] in; out: [n, width] out.
+/// out[i, j] = round(silu(in[i, j])) * in[i, width + j] (silu rounded to the dtype first, as
+/// transformers). in: [n, 2 * width] in, contiguous; out: [n, width] out, contiguous.
 void silu_and_mul(const Tensor& in, Tensor& out, const Stream& stream);
 
 /// out[t] = sum over k of in[t * top_k + k], in float, rounded once.

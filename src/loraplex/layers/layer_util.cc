@@ -1,7 +1,7 @@
 #include "loraplex/layers/layer_util.h"
 
 #include "loraplex/core/error.h"
-#include "loraplex/kernels/cuda/table_write.h"
+#include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex {
 
@@ -101,16 +101,14 @@ void write_int32(Tensor& t, int32_t value, const Stream& stream) {
   LORAPLEX_CHECK(t.defined() && t.dtype() == DType::kI32 && t.numel() == 1,
                  "write_int32 needs an int32 [1] view, got ",
                  t.defined() ? t.describe() : "undefined");
-  if (t.device().is_cpu()) {
-    t.data<int32_t>()[0] = value;
-    return;
-  }
-  const int device = t.device().index;
-  if (cuda_rt::current_device() != device) cuda_rt::set_device(device);
-  kernels::cuda::ColumnValues v;
-  v.count = 1;
-  v.values[0] = value;
-  throw_if_error(kernels::cuda::write_column(t.data<int32_t>(), 1, 0, 0, v, stream.handle()));
+  LORAPLEX_CHECK(stream.device() == t.device(), "write_int32: the tensor is on ", t.device(),
+                 ", the stream on ", stream.device());
+  kernels::WriteColumnArgs a;
+  a.table = t.data<int32_t>();
+  a.row_stride = 1;
+  a.count = 1;
+  a.values[0] = value;
+  throw_if_error(dispatch_write_column(a, stream));
 }
 
 void check_copy_stream(const Stream& stream, Device device, const std::string& layer) {

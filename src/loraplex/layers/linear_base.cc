@@ -3,10 +3,7 @@
 #include <algorithm>
 
 #include "loraplex/core/error.h"
-#include "loraplex/kernels/cpu/gemm_cpu.h"
-#if LORAPLEX_WITH_CUDA
-#include "loraplex/layers/cublaslt_gemm.h"
-#endif
+#include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex {
 namespace {
@@ -49,44 +46,22 @@ void linear_base(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
                    "linear_base: bias must be contiguous ", dtype, " [", n, "] on ", device,
                    ", got ", bias.describe());
   }
-  if (device.is_cpu()) {
-    kernels::cpu::GemmArgs a;
-    a.dtype = dtype;
-    a.m = m;
-    a.n = n;
-    a.k = k;
-    a.x = x.data_ptr();
-    a.x_row_stride = row_stride(x);
-    a.w = w.data_ptr();
-    a.w_row_stride = k;
-    a.bias = bias.defined() ? bias.data_ptr() : nullptr;
-    a.y = y.data_ptr();
-    a.y_row_stride = row_stride(y);
-    a.accumulate = accumulate;
-    throw_if_error(kernels::cpu::gemm_xwt(a));
-    return;
-  }
-#if LORAPLEX_WITH_CUDA
-  cuda_blas::GemmXwtArgs a;
+  LORAPLEX_CHECK(stream.device() == device, "linear_base: the weight is on ", device,
+                 ", the stream on ", stream.device());
+  kernels::GemmArgs a;
   a.dtype = dtype;
   a.m = m;
   a.n = n;
   a.k = k;
   a.x = x.data_ptr();
-  a.ldx = row_stride(x);
+  a.x_row_stride = row_stride(x);
   a.w = w.data_ptr();
-  a.ldw = k;
+  a.w_row_stride = k;
   a.bias = bias.defined() ? bias.data_ptr() : nullptr;
   a.y = y.data_ptr();
-  a.ldy = row_stride(y);
+  a.y_row_stride = row_stride(y);
   a.accumulate = accumulate;
-  a.device = device.index;
-  a.stream = stream.handle();
-  throw_if_error(cuda_blas::gemm_xwt(a));
-#else
-  (void)stream;
-  LORAPLEX_FAIL("linear_base: ", device, " needs the CUDA backend, which this build does not have");
-#endif
+  throw_if_error(dispatch_gemm_xwt(a, stream));
 }
 
 }  // namespace loraplex

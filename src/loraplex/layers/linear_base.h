@@ -1,7 +1,7 @@
 #pragma once
 // The base GEMM of every layer, y = x W^T (+ bias), on the tensor's device: the blocked CPU
-// GEMM (kernels/cpu/gemm_cpu.h) or cuBLASLt (fp32 compute; TF32 off for f32; f16/bf16 with
-// fp32 accumulation).
+// GEMM (kernels/gemm.h, through punica/op_dispatch) or cuBLASLt (fp32 compute; TF32 off for f32;
+// f16/bf16 with fp32 accumulation).
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"

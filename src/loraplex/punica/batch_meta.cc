@@ -4,11 +4,13 @@
 #include <cstring>
 
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/cuda/lora_plan.h"
 #include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex {
 
-LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device)
+LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device,
+                             int64_t scratch_floats)
     : max_loras_(max_loras), max_num_tokens_(max_num_tokens), device_(device) {
   LORAPLEX_CHECK(max_loras >= 1, "LoraBatchMeta: max_loras ", max_loras, ", expected >= 1");
   LORAPLEX_CHECK(max_num_tokens >= 1, "LoraBatchMeta: max_num_tokens ", max_num_tokens,
@@ -23,16 +25,23 @@ LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device)
   num_active_ = Tensor::empty({1}, DType::kI32, device);
   if (device.is_cuda()) {
     host_staging_ = Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
-    scratch_ =
-        Tensor::empty({std::max(std::min<int64_t>(n, kScratchTokens) * kScratchFloatsPerToken,
-                                n * kPrefillScratchFloatsPerToken)},
-                      DType::kF32, device);
+    if (scratch_floats < 0) {
+      scratch_floats = kernels::cuda::lora_scratch_floats(n, kernels::cuda::LoraTuning{});
+    }
+    scratch_ = Tensor::empty({std::max<int64_t>(scratch_floats, 1)}, DType::kF32, device);
     // Zeroed once here; every op that counts on them leaves them at zero again.
     const Stream setup = Stream::default_for(device);
-    counters_ = Tensor::zeros({std::max((l + 1) * kernels::kMaxSlices, (n + 63) / 64 + l + 1)},
-                              DType::kI32, device, setup);
+    counters_ =
+        Tensor::zeros({kernels::cuda::lora_counters(n, max_loras)}, DType::kI32, device, setup);
     setup.synchronize();
   }
+}
+
+void LoraBatchMeta::reserve_scratch(int64_t floats) {
+  if (!scratch_.defined() || floats <= scratch_.numel()) return;
+  cuda_rt::device_synchronize();
+  scratch_ = Tensor();
+  scratch_ = Tensor::empty({floats}, DType::kF32, device_);
 }
 
 void LoraBatchMeta::prepare(std::span<const int32_t> token_slots, const Stream& stream) {

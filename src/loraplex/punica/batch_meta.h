@@ -16,17 +16,16 @@ namespace loraplex {
 
 class LoraBatchMeta {
  public:
-  /// Scratch the GPU ops of a step may use for partial sums (LoraMetaView::scratch): this
-  /// many floats per token for up to kScratchTokens tokens (the decode kernels' split-K, 4 MB),
-  /// or kPrefillScratchFloatsPerToken per token of max_num_tokens where that is more (the
-  /// prefill shrink's split-K partial sums, k_split x A rows per token: 8 x 64 fit; 2 MB per
-  /// 1024 tokens; larger products meet in clusters instead). Arrival counters: one per
-  /// (entry, slice) and one per 64-token tile of the largest batch (plus one per slot).
-  static constexpr int64_t kScratchFloatsPerToken = 16 * 1024;
-  static constexpr int64_t kScratchTokens = 64;
-  static constexpr int64_t kPrefillScratchFloatsPerToken = 512;
+  /// On CUDA the metadata also owns the scratch the ops of a step use for split-K partial
+  /// sums (LoraMetaView::scratch): `scratch_floats` floats, by default what every plan of the
+  /// default tuning table needs for up to max_num_tokens tokens
+  /// (kernels::cuda::lora_scratch_floats), and arrival counters for every plan
+  /// (kernels::cuda::lora_counters). An op whose plan needs more fails, naming both.
+  LoraBatchMeta(int max_loras, int max_num_tokens, Device device, int64_t scratch_floats = -1);
 
-  LoraBatchMeta(int max_loras, int max_num_tokens, Device device);
+  /// Grows the scratch to at least `floats` (CUDA; waits for the device first, so that no
+  /// kernel still uses the old buffer). Setup only: not while a graph is being captured.
+  void reserve_scratch(int64_t floats);
 
   /// Builds the metadata from a host mapping (one slot per token, -1 = no LoRA). Throws when
   /// a slot is outside [-1, max_loras) or there are more tokens than max_num_tokens.
@@ -78,9 +77,9 @@ class LoraBatchMeta {
   Tensor counts_;                 // [max_loras + 1]
   Tensor start_loc_;              // [max_loras + 2]
   Tensor num_active_;             // [1]
-  Tensor scratch_;       // float32, sized as described at kScratchFloatsPerToken; CUDA only
-  Tensor counters_;      // int32, zero between ops (see above), CUDA only
-  Tensor host_staging_;  // [max_num_tokens] pinned host memory for the mapping upload
+  Tensor scratch_;                // float32, CUDA only (see the constructor)
+  Tensor counters_;               // int32, zero between ops (see above), CUDA only
+  Tensor host_staging_;           // [max_num_tokens] pinned host memory for the mapping upload
 };
 
 }  // namespace loraplex

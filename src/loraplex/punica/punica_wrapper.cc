@@ -185,8 +185,17 @@ PunicaWrapper::PunicaWrapper(int max_loras, int max_num_tokens, int max_num_seqs
     : max_loras_(max_loras),
       max_num_tokens_(max_num_tokens),
       device_(device),
-      token_meta_(max_loras, max_num_tokens, device),
-      sampler_meta_(max_loras, max_num_seqs, device) {}
+      lora_device_(device.is_cuda() ? kernels::cuda::lora_device(device.index)
+                                    : kernels::cuda::LoraDevice{}),
+      token_meta_(max_loras, max_num_tokens, device,
+                  kernels::cuda::lora_scratch_floats(max_num_tokens, lora_device_.tuning)),
+      sampler_meta_(max_loras, max_num_seqs, device,
+                    kernels::cuda::lora_scratch_floats(max_num_seqs, lora_device_.tuning)) {}
+
+void PunicaWrapper::set_lora_tuning(const kernels::cuda::LoraTuning& tuning) {
+  throw_if_error(kernels::cuda::check_lora_tuning(tuning));
+  lora_device_.tuning = tuning;
+}
 
 void PunicaWrapper::update_metadata(std::span<const int32_t> token_slots,
                                     std::span<const int32_t> sampler_slots, const Stream& stream) {
@@ -212,7 +221,7 @@ void PunicaWrapper::add_shrink(Tensor& y, const Tensor& x, std::span<const Tenso
                                const SlotRanks& ranks, float scale, const Stream& stream) const {
   const kernels::ShrinkArgs a = make_shrink(y, x, lora_a, ranks, scale, token_meta_, "add_shrink");
   if (token_meta_.no_lora()) return;
-  throw_if_error(dispatch_lora_shrink(a, token_meta_.view(), stream));
+  throw_if_error(dispatch_lora_shrink(a, token_meta_.view(), stream, &lora_device_));
   token_meta_.note_op_enqueued(stream);
 }
 
@@ -222,7 +231,7 @@ void PunicaWrapper::add_expand(Tensor& y, const Tensor& x, std::span<const Tenso
   const kernels::ExpandArgs a =
       make_expand(y, x, lora_b, ranks, offset_start, add_inputs, token_meta_, "add_expand");
   if (token_meta_.no_lora()) return;
-  throw_if_error(dispatch_lora_expand(a, token_meta_.view(), stream));
+  throw_if_error(dispatch_lora_expand(a, token_meta_.view(), stream, &lora_device_));
   token_meta_.note_op_enqueued(stream);
 }
 
@@ -249,7 +258,7 @@ void PunicaWrapper::lora_linear_with_meta(Tensor& y, const Tensor& x,
                                           const Stream& stream) const {
   const auto [s, e] = linear_args(y, x, lora_a, lora_b, ranks, scale, workspace, meta);
   if (meta.no_lora()) return;
-  throw_if_error(dispatch_lora_linear(s, e, meta.view(), stream));
+  throw_if_error(dispatch_lora_linear(s, e, meta.view(), stream, &lora_device_));
   meta.note_op_enqueued(stream);
 }
 
@@ -258,7 +267,16 @@ std::string PunicaWrapper::lora_linear_path(const Tensor& y, const Tensor& x,
                                             std::span<const Tensor> lora_b, const SlotRanks& ranks,
                                             Tensor& workspace) const {
   const auto [s, e] = linear_args(y, x, lora_a, lora_b, ranks, 1.0f, workspace, token_meta_);
-  return lora_linear_path_of(s, e, token_meta_.view(), device_);
+  return lora_linear_path_of(s, e, token_meta_.view(), device_, lora_device_);
+}
+
+void PunicaWrapper::reserve_lora_linear(const Tensor& y, const Tensor& x,
+                                        std::span<const Tensor> lora_a,
+                                        std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                                        Tensor& workspace) {
+  const auto [s, e] = linear_args(y, x, lora_a, lora_b, ranks, 1.0f, workspace, token_meta_);
+  token_meta_.reserve_scratch(
+      lora_linear_scratch_of(s, e, token_meta_.view(), device_, lora_device_));
 }
 
 void PunicaWrapper::add_lora_linear(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,

@@ -12,6 +12,7 @@
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
+#include "loraplex/kernels/cuda/lora_plan.h"
 #include "loraplex/kernels/lora_ops.h"
 #include "loraplex/punica/batch_meta.h"
 #include "loraplex/punica/slot_ranks.h"
@@ -75,6 +76,14 @@ class PunicaWrapper {
   const LoraBatchMeta& sampler_meta() const { return sampler_meta_; }
   int max_loras() const { return max_loras_; }
   Device device() const { return device_; }
+  /// What the CUDA kernels' plans are made for: the device's limits and tuning table
+  /// (kernels::cuda::lora_device; the defaults on the CPU).
+  const kernels::cuda::LoraDevice& lora_device() const { return lora_device_; }
+  /// Replaces the tuning table (checked; an error names the field) for this wrapper's ops. For
+  /// benchmarks and tests, between steps. A table that raises decode_max_tokens or
+  /// gather_max_token_ranks may need more metadata scratch than the default: see
+  /// reserve_lora_linear.
+  void set_lora_tuning(const kernels::cuda::LoraTuning& tuning);
 
   /// y[s, t, :rank] = scale * x[t] @ A_s[slot(t)][:rank]^T.
   /// y: [num_slices, num_tokens, max_rank] float32 (or x's dtype) out; x: [num_tokens, in] in.
@@ -98,6 +107,11 @@ class PunicaWrapper {
   std::string lora_linear_path(const Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
                                std::span<const Tensor> lora_b, const SlotRanks& ranks,
                                Tensor& workspace) const;
+  /// Grows the token metadata's scratch to what add_lora_linear's plan for these arguments
+  /// needs (the workspace step of check, workspace, run). Setup only, as reserve_scratch.
+  void reserve_lora_linear(const Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+                           std::span<const Tensor> lora_b, const SlotRanks& ranks,
+                           Tensor& workspace);
   /// Logits LoRA on sampled rows, with the sampler mapping. y: [num_seqs, vocab] in/out;
   /// x: [num_seqs, hidden]; A [max_loras, max_rank, hidden]; B [max_loras, vocab, max_rank].
   void add_lora_logits(Tensor& y, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
@@ -181,6 +195,7 @@ class PunicaWrapper {
   int max_loras_;
   int max_num_tokens_;
   Device device_;
+  kernels::cuda::LoraDevice lora_device_;
   LoraBatchMeta token_meta_;
   LoraBatchMeta sampler_meta_;
   // MoE alignment buffers, sized by reserve_moe_lora.

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "loraplex/core/error.h"
-#include "loraplex/kernels/cuda/table_write.h"
+#include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex {
 
@@ -55,16 +55,18 @@ void SlotRanks::set_slot(int slot, std::span<const int32_t> ranks, const Stream&
 
 void SlotRanks::upload(int first_slice, int count, int slot, const Stream& stream) {
   if (!device_.device().is_cuda()) return;  // the CPU table is the host table
-  // The kernel launches on the calling thread's current device: make it the table's.
-  const int device = device_.device().index;
-  if (cuda_rt::current_device() != device) cuda_rt::set_device(device);
+  LORAPLEX_CHECK(stream.device() == device_.device(), "SlotRanks: the table is on ",
+                 device_.device(), ", the stream on ", stream.device());
   const int32_t* host = host_.data<int32_t>();
-  for (int s0 = first_slice; s0 < first_slice + count; s0 += kernels::cuda::kMaxColumnValues) {
-    kernels::cuda::ColumnValues v;
-    v.count = std::min(kernels::cuda::kMaxColumnValues, first_slice + count - s0);
-    for (int i = 0; i < v.count; ++i) v.values[i] = host[(s0 + i) * max_loras_ + slot];
-    throw_if_error(kernels::cuda::write_column(device_.data<int32_t>(), max_loras_, s0, slot, v,
-                                               stream.handle()));
+  for (int s0 = first_slice; s0 < first_slice + count; s0 += kernels::kMaxColumnValues) {
+    kernels::WriteColumnArgs a;
+    a.table = device_.data<int32_t>();
+    a.row_stride = max_loras_;
+    a.first_row = s0;
+    a.col = slot;
+    a.count = std::min(kernels::kMaxColumnValues, first_slice + count - s0);
+    for (int i = 0; i < a.count; ++i) a.values[i] = host[(s0 + i) * max_loras_ + slot];
+    throw_if_error(dispatch_write_column(a, stream));
   }
 }
 

@@ -13,7 +13,7 @@
 // baseline x86-64 and for AVX2 (chosen at run time). Both builds do the same operations in the
 // same order (no fused multiply-add), so results do not depend on the machine.
 
-#include "loraplex/kernels/cpu/gemm_cpu.h"
+#include "loraplex/kernels/gemm.h"
 
 #include <algorithm>
 #include <cmath>

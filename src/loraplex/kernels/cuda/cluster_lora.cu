@@ -4,7 +4,7 @@
 // counter.
 //
 // Why: at decode sizes a layer moves a few MB (about a microsecond at copy bandwidth) and the
-// time goes to the chain of dependent steps (bench/NOTES.md). The kernel pair of
+// time goes to the chain of dependent steps. The kernel pair of
 // gather_lora.cu walks launch -> metadata -> A and x -> partial sums to global memory -> PDL
 // hand-off -> partial sums back -> y. Here every CTA walks launch -> metadata (one round trip:
 // the sorted indices and the rank table of a decode batch are read with it) -> ALL of its
@@ -26,30 +26,20 @@
 // A token with slot -1 is in no unit; a slice whose rank is 0 for the slot leaves y untouched;
 // A rows and B columns past a slot's rank are never read.
 
-#include <algorithm>
 #include <map>
 #include <mutex>
 #include <type_traits>
 #include <utility>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
-#include "loraplex/kernels/cuda/lora_paths.h"
+#include "loraplex/kernels/cuda/lora_launch.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kUnitTokens = 16;     // tokens per unit: the M of one mma tile
-constexpr int kMaxCluster = 16;     // a non-portable cluster size, allowed on sm_90
-constexpr int kPreSorted = 64;      // sorted indices read with the metadata (2 per lane)
-constexpr int kPreRanks = 128;      // rank-table entries read with the metadata (4 per lane)
-constexpr int kPad = 8;             // elements of padding per shared row: conflict-free ldmatrix
-constexpr int kTargetKChunk = 256;  // K per CTA that the automatic cluster size aims at
-constexpr int kMaxWarpTiles = 8;    // expand: 8-column tiles per warp (y held in registers)
-constexpr int kMaxCtaCols = kWarps * kMaxWarpTiles * 8;
-constexpr int kMaxRows = kWarps * 2 * 16;  // shrink: two 16-row tiles of A per warp
+using namespace cluster_kernel;
+constexpr int kPreSorted = 64;  // sorted indices read with the metadata (2 per lane)
+constexpr int kPreRanks = 128;  // rank-table entries read with the metadata (4 per lane)
 
 struct ClusterParams {
   const int32_t* sorted;
@@ -473,100 +463,16 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
   trace_at<kTrace>(p.trace, 7);
 }
 
-struct Shape {
-  int cluster = 1;
-  int k_chunk = 0;
-  int cols_per_cta = 0;  // the most of any CTA
-  int smem = 0;
-  ClusterParams layout{};  // the shared-memory fields and the per-CTA column runs
-};
-
-// The expand's columns over the cluster: every slice gets at least one CTA, the rest go one at a
-// time to the slice with the most 8-column tiles per CTA; a slice's tiles are split evenly.
-void split_columns(const ExpandArgs& e, int cluster, Shape& sh) {
-  int ctas[kMaxSlices];
-  int64_t tiles[kMaxSlices];
-  for (int i = 0; i < e.num_slices; ++i) {
-    ctas[i] = 1;
-    tiles[i] = e.slice_width[i] / 8;
-  }
-  for (int left = cluster - e.num_slices; left > 0; --left) {
-    int best = 0;
-    for (int i = 1; i < e.num_slices; ++i) {
-      if (ceil_div(tiles[i], ctas[i]) > ceil_div(tiles[best], ctas[best])) best = i;
-    }
-    ++ctas[best];
-  }
-  ClusterParams& l = sh.layout;
-  int c = 0;
-  sh.cols_per_cta = 0;
-  for (int i = 0; i < e.num_slices; ++i) {
-    const int64_t per = ceil_div(tiles[i], ctas[i]);
-    for (int k = 0; k < ctas[i]; ++k, ++c) {
-      const int64_t first = std::min<int64_t>(tiles[i], k * per);
-      const int64_t count = std::min<int64_t>(tiles[i] - first, per);
-      l.cta_slice[c] = i;
-      l.cta_col0[c] = static_cast<int>(first * 8);
-      l.cta_cols[c] = static_cast<int>(count * 8);
-      sh.cols_per_cta = std::max(sh.cols_per_cta, l.cta_cols[c]);
-    }
-  }
-}
-
-Shape shape_for(const ShrinkArgs& s, const ExpandArgs& e, int cluster) {
-  Shape sh;
-  sh.cluster = cluster;
-  sh.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, cluster), 16) * 16);
-  split_columns(e, cluster, sh);
-  ClusterParams& l = sh.layout;
-  const int r16 = static_cast<int>(ceil_div(s.max_rank, 16) * 16);
-  const int rows = s.num_slices * r16;
-  l.x_pitch = sh.k_chunk + kPad;
-  l.b_pitch = r16 + kPad;
-  l.inter_pitch = rows + kPad;
-  int off = kUnitTokens * l.x_pitch * 2;
-  l.off_a = off;
-  // A's rows, and after the shrink the per-warp partial sums (at most 8 parts of 16 columns,
-  // or one part of all rows).
-  off += std::max(rows * l.x_pitch * 2, kUnitTokens * std::max(kWarps * 16, rows) * 4);
-  l.off_b = off;
-  off += sh.cols_per_cta * l.b_pitch * 2;
-  l.off_inter = off;
-  off += kUnitTokens * l.inter_pitch * 2;
-  l.off_recv = off;
-  // Each CTA owns at most ceil(elements / C) + 2 partial sums, received from every CTA.
-  off += static_cast<int>(ceil_div(int64_t{kUnitTokens} * rows, cluster) + 2) * cluster * 4;
-  sh.smem = off;
-  return sh;
-}
-
-// The cluster size: the tuning's, or (0) the power of two that gives each CTA about
-// kTargetKChunk of K; at least one CTA per slice, grown while the shared memory does not fit.
-Shape choose_shape(const ShrinkArgs& s, const ExpandArgs& e) {
-  int c = kernel_tuning().cluster_size;
-  if (c == 0) {
-    c = 1;
-    while (c < kMaxCluster && int64_t{c} * 2 * kTargetKChunk <= s.hidden) c *= 2;
-  }
-  while (c < e.num_slices) c *= 2;
-  Shape sh = shape_for(s, e, c);
-  while ((sh.smem > max_smem_optin() || sh.cols_per_cta > kMaxCtaCols) &&
-         sh.cluster < kMaxCluster) {
-    sh = shape_for(s, e, sh.cluster * 2);
-  }
-  return sh;
-}
-
 template <typename T>
-Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) {
+Status launch(const ClusterPlan& plan, const ClusterParams& p, StreamHandle stream) {
   // The traced instantiation only for bf16 (the benchmark's dtype) while tracing.
   auto kernel_fn = &cluster_lora_kernel<T, false>;
   if constexpr (std::is_same_v<T, bf16>) {
     if (p.trace != nullptr) kernel_fn = &cluster_lora_kernel<T, true>;
   }
   const void* kernel = reinterpret_cast<const void*>(kernel_fn);
-  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(kernel, sh.smem));
-  if (sh.cluster > 8) {
+  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(kernel, plan.smem));
+  if (plan.cluster > 8) {
     // A function attribute, set once (the first call of every op is a warm-up outside any
     // capture).
     static std::mutex mutex;
@@ -583,61 +489,40 @@ Status launch(ClusterParams p, const Shape& sh, int units, StreamHandle stream) 
     }
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(sh.cluster), static_cast<unsigned>(units));
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(plan.units));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(sh.smem);
+  cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(sh.cluster);
+  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   attr[1] = pdl_launch_attribute();
   cfg.attrs = attr;
-  // PDL (layer_pdl 1) up to 64 tokens, and at any size with the early reads (settled
-  // metadata). On the H200 (BENCHMARKS.md, 2026-11-24) without them 4-7% faster in a graph at 64
-  // tokens, at 256 tokens from 4% faster (32 adapters) to 13% slower (1 and 8) (seventh
-  // session); with them 19-29% faster at 256 tokens (eighth session, run 14).
-  const int pdl = kernel_tuning().layer_pdl;
-  const bool with_pdl = pdl == 2 || (pdl == 1 && (p.num_tokens <= 64 || p.early));
-  cfg.numAttrs = with_pdl ? 2 : 1;
-  // Without PDL nothing runs before the wait returns: early reads would only move the next
-  // layer's launch later.
-  p.early = p.early && with_pdl;
+  cfg.numAttrs = plan.pdl ? 2 : 1;
   LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, kernel_fn, p), "cluster_lora"));
   return launch_status("cluster_lora_kernel");
 }
 
 }  // namespace
 
-bool cluster_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta) {
-  if (!one_half_layer(s, e)) return false;
-  // Every A row of the unit is staged and each warp holds two 16-row shrink tiles: the slices'
-  // ranks, each rounded up to 16, add up to 256 at most.
-  if (s.max_rank % 8 != 0 || s.num_slices * ceil_div(s.max_rank, 16) * 16 > kMaxRows) return false;
-  if (s.hidden % 8 != 0 || s.hidden > (1 << 30) || s.x_row_stride % 8 != 0 || !aligned16(s.x))
-    return false;
-  if (e.y_row_stride % 8 != 0 || e.offset_start % 8 != 0 || !aligned16(e.y)) return false;
-  int64_t cols = 0;
-  for (int i = 0; i < s.num_slices; ++i) {
-    if (!aligned16(s.lora_a[i]) || !aligned16(e.lora_b[i])) return false;
-    if (e.slice_width[i] % 8 != 0) return false;
-    cols += e.slice_width[i];
+Status launch_cluster(const ClusterPlan& plan, const ShrinkArgs& s, const ExpandArgs& e,
+                      const LoraMetaView& meta, StreamHandle stream) {
+  ClusterParams p{};
+  const Layout& l = plan.layout;
+  p.x_pitch = l.x_pitch;
+  p.b_pitch = l.b_pitch;
+  p.inter_pitch = l.inter_pitch;
+  p.off_a = l.off_a;
+  p.off_b = l.off_b;
+  p.off_inter = l.off_inter;
+  p.off_recv = l.off_recv;
+  for (int c = 0; c < kMaxCluster; ++c) {
+    p.cta_slice[c] = l.cta_slice[c];
+    p.cta_col0[c] = l.cta_col0[c];
+    p.cta_cols[c] = l.cta_cols[c];
   }
-  if (cols > (1 << 30)) return false;
-  if (meta.sorted_token_indices == nullptr || meta.active_lora_ids == nullptr ||
-      meta.num_tokens_per_lora == nullptr || meta.lora_token_start_loc == nullptr)
-    return false;
-  if (s.num_tokens > 65535) return false;  // decode sizes: index arithmetic stays in int
-  const Shape sh = choose_shape(s, e);
-  return sh.smem <= max_smem_optin() && sh.cols_per_cta <= kMaxCtaCols;
-}
-
-Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta,
-                      StreamHandle stream) {
-  LORAPLEX_ENSURE(cluster_linear_applies(s, e, meta), "cluster_linear: arguments not supported");
-  const Shape sh = choose_shape(s, e);
-  ClusterParams p = sh.layout;
   p.sorted = meta.sorted_token_indices;
   p.active_ids = meta.active_lora_ids;
   p.counts = meta.num_tokens_per_lora;
@@ -651,8 +536,8 @@ Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVi
   p.x = s.x;
   p.x_stride = s.x_row_stride;
   p.hidden = static_cast<int>(s.hidden);
-  p.k_chunk = sh.k_chunk;
-  p.early = meta.settled && kernel_tuning().meta_early == 1;
+  p.k_chunk = plan.k_chunk;
+  p.early = plan.early;
   p.trace = kernel_trace();
   int64_t col = e.offset_start;
   for (int i = 0; i < s.num_slices; ++i) {
@@ -664,12 +549,8 @@ Status cluster_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVi
   }
   p.y = e.y;
   p.y_stride = e.y_row_stride;
-  // Units at most: sum over active slots of ceil(tokens / 16) <= tokens / 16 + active slots.
-  const int64_t t = s.num_tokens;
-  const int units =
-      static_cast<int>(std::min<int64_t>(t, t / kUnitTokens + std::min<int64_t>(t, s.max_loras)));
-  if (s.dtype == DType::kBF16) return launch<bf16>(p, sh, units, stream);
-  return launch<f16>(p, sh, units, stream);
+  if (s.dtype == DType::kBF16) return launch<bf16>(plan, p, stream);
+  return launch<f16>(plan, p, stream);
 }
 
 }  // namespace loraplex::kernels::cuda

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/lora_plan.h"
 
 namespace loraplex::kernels::cuda {
 
@@ -23,22 +24,27 @@ int sm_count() {
   return n;
 }
 
-int max_smem_optin() {
+LoraDevice lora_device(int index) {
   static std::mutex mutex;
-  static std::map<int, int> cache;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 48 * 1024;
+  static std::map<int, LoraDevice> cache;
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(device);
+  auto it = cache.find(index);
   if (it != cache.end()) return it->second;
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-      v < 48 * 1024) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) {
     cudaGetLastError();
-    v = 48 * 1024;
+    return LoraDevice{};
   }
-  cache[device] = v;
-  return v;
+  LoraDevice d;
+  d.limits.cc_major = prop.major;
+  d.limits.cc_minor = prop.minor;
+  d.limits.sm_count = prop.multiProcessorCount;
+  d.limits.smem_per_block_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
+  d.limits.smem_per_sm = static_cast<int>(prop.sharedMemPerMultiprocessor);
+  d.limits.reserved_smem_per_block = static_cast<int>(prop.reservedSharedMemPerBlock);
+  d.tuning = lora_tuning_for(prop.major, prop.minor);
+  cache[index] = d;
+  return d;
 }
 
 Status allow_dynamic_smem(const void* kernel, int bytes) {

@@ -60,8 +60,6 @@ bool dispatch_device_dtype(DType dtype, Fn&& fn) {
 
 /// Multiprocessor count of the current device (cached per device).
 int sm_count();
-/// The most shared memory one block of the current device may opt in to (cached per device).
-int max_smem_optin();
 /// Sets the largest dynamic shared memory `kernel` may use, once per kernel and device.
 Status allow_dynamic_smem(const void* kernel, int bytes);
 
@@ -153,7 +151,7 @@ __device__ __forceinline__ uint32_t sm_id() {
 /// Slot k of this CTA's timeline (kernel_trace.h), in the row of its linear index (blockIdx.x in a
 /// 1-D grid): the SM id for slot 0, else the global timer; written by thread 0. Only in the
 /// kTrace instantiations that the launchers pick while a trace buffer is set: compiled into every
-/// launch, the checks alone cost ~1 us per prefill shrink (H200, BENCHMARKS.md 2026-11-24).
+/// launch, the checks alone cost ~1 us per prefill shrink (H200).
 template <bool kTrace>
 __device__ __forceinline__ void trace_at(uint64_t* trace, int k) {
   if constexpr (kTrace) {
@@ -221,7 +219,7 @@ __device__ __forceinline__ uint4 ldg16_now(const void* p) {
 /// kernel before may still write when this kernel starts (PDL): the read-only path
 /// (ld.global.nc) is only for memory that stays unchanged for the kernel's whole lifetime, and a
 /// PDL secondary's inputs do not. With the non-coherent x loads of gather_lora.cu's shrink after
-/// griddepcontrol.wait, layers chained in a CUDA graph read stale x on the H200 (2026-11-24).
+/// griddepcontrol.wait, layers chained in a CUDA graph read stale x on the H200.
 __device__ __forceinline__ uint4 ldcg16_now(const void* p) {
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -361,10 +359,6 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
 }
-
-/// Rank tables ([num_slices, max_loras] ints) up to this many entries are copied to shared
-/// memory by the prefill shrink and the tensor-core expands (16 KB at most).
-inline constexpr int kMaxCachedRanks = 4096;
 
 /// Work tiles of `tile_rows` tokens per metadata entry (entries with slot -1, and those past
 /// the active ones, get none): prefix[e] = first tile of entry e, prefix[n] = total, over all

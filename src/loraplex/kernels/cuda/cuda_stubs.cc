@@ -5,7 +5,10 @@
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/table_write.h"
+#include "loraplex/kernels/gemm.h"
+#include "loraplex/kernels/layer_ops.h"
+#include "loraplex/kernels/model_ops.h"
+#include "loraplex/kernels/table_write.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -24,10 +27,11 @@ uint64_t* kernel_trace() { return nullptr; }
 Status build_lora_meta(int32_t, int32_t, const cpu::LoraMetaBuffers&, StreamHandle) {
   return no_cuda("build_lora_meta");
 }
-Status lora_shrink(const ShrinkArgs&, const LoraMetaView&, StreamHandle) {
+LoraDevice lora_device(int) { return LoraDevice{}; }
+Status lora_shrink(const ShrinkArgs&, const LoraMetaView&, const LoraDevice&, StreamHandle) {
   return no_cuda("lora_shrink");
 }
-Status lora_expand(const ExpandArgs&, const LoraMetaView&, StreamHandle) {
+Status lora_expand(const ExpandArgs&, const LoraMetaView&, const LoraDevice&, StreamHandle) {
   return no_cuda("lora_expand");
 }
 Status bgmv_shrink(const ShrinkArgs&, const int32_t*, StreamHandle) {
@@ -36,13 +40,10 @@ Status bgmv_shrink(const ShrinkArgs&, const int32_t*, StreamHandle) {
 Status bgmv_expand(const ExpandArgs&, const int32_t*, StreamHandle) {
   return no_cuda("bgmv_expand");
 }
-Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, StreamHandle) {
+Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, const LoraDevice&,
+                   StreamHandle) {
   return no_cuda("lora_linear");
 }
-std::string lora_linear_path(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&) {
-  return "none";
-}
-void set_fused_linear_max_tokens(int) {}
 Status lora_expand_fp8(const ExpandFp8Args&, const LoraMetaView&, StreamHandle) {
   return no_cuda("lora_expand_fp8");
 }
@@ -54,9 +55,28 @@ Status moe_lora_align_block_size(const MoeAlignArgs&, StreamHandle) {
   return no_cuda("moe_lora_align_block_size");
 }
 Status fused_moe_lora(const FusedMoeLoraArgs&, StreamHandle) { return no_cuda("fused_moe_lora"); }
-Status write_column(int32_t*, int64_t, int64_t, int64_t, const ColumnValues&, StreamHandle) {
-  return no_cuda("write_column");
+Status write_column(const WriteColumnArgs&, StreamHandle) { return no_cuda("write_column"); }
+Status gemm_xwt(const GemmArgs&, StreamHandle) { return no_cuda("linear_base"); }
+
+Status fill_uniform(const FillUniformArgs&, StreamHandle) { return no_cuda("fill_uniform"); }
+Status add_rms_norm(const AddRmsNormArgs&, StreamHandle) { return no_cuda("add_rms_norm"); }
+Status rope_kv_write(const RopeKvWriteArgs&, StreamHandle) { return no_cuda("rope_kv_write"); }
+Status paged_attention(const PagedAttentionArgs&, StreamHandle) {
+  return no_cuda("paged_attention");
 }
+Status silu_mul(const SiluMulArgs&, StreamHandle) { return no_cuda("silu_mul"); }
+Status argmax(const ArgmaxArgs&, StreamHandle) { return no_cuda("argmax"); }
+
+Status embedding_rows(const EmbeddingRowsArgs&, StreamHandle) {
+  return no_cuda("embedding_lookup");
+}
+Status shard_token_ids(const ShardTokenIdsArgs&, StreamHandle) {
+  return no_cuda("shard_token_ids");
+}
+Status topk_softmax(const TopkSoftmaxArgs&, StreamHandle) { return no_cuda("topk_softmax"); }
+Status gather_rows(const GatherRowsArgs&, StreamHandle) { return no_cuda("gather_rows"); }
+Status scatter_rows(const ScatterRowsArgs&, StreamHandle) { return no_cuda("scatter_rows"); }
+Status sum_topk(const SumTopkArgs&, StreamHandle) { return no_cuda("sum_topk"); }
 
 DeviceInfo device_info(int) { throw_no_cuda("device_info"); }
 Graph::~Graph() = default;

@@ -4,12 +4,12 @@
 // Why this shape: at decode sizes the bytes (A and B of the active adapters) take a few
 // microseconds at copy bandwidth, while every dependent step of a launch costs a large
 // fraction of a microsecond: a round trip to memory, a block barrier, and above all the
-// instructions of one warp (Nsight Compute on the H200: a warp with little independent work
-// issues about one instruction per 10-25 cycles, so a warp that runs 1500 instructions takes
-// several microseconds). So the layer is one launch of at most one wave (the grid never exceeds
-// the CTAs that fit at once), each warp works on its own work items with no block barrier after
-// the metadata, each item issues all its loads before it uses the first, and the arithmetic
-// runs on tensor cores straight from registers (few instructions per byte):
+// instructions of one warp (a warp with little independent work issues about one instruction
+// per 10-25 cycles, so a warp that runs 1500 instructions takes several microseconds). So the
+// layer is one launch of at most one wave (the grid never exceeds the CTAs that fit at once),
+// each warp works on its own work items with no block barrier after the metadata, each item
+// issues all its loads before it uses the first, and the arithmetic runs on tensor cores
+// straight from registers (few instructions per byte):
 //
 //   producer (slot, slice, group of 8 of the slot's tokens, 16-row rank group, K chunk):
 //     mma.m16n8k16 with A rows as the M operand and the tokens' x rows as the N operand, both
@@ -32,35 +32,17 @@
 // resident at once (one wave) every wait ends. Absent slots and rank-0 slices have no items.
 
 #include <algorithm>
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <tuple>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
-#include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/lora_paths.h"
-#include "loraplex/kernels/lora_ops_checks.h"
+#include "loraplex/kernels/cuda/lora_launch.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kTokens = 8;       // tokens per work item
-constexpr int kRankGroup = 16;   // A rows per producer item
-constexpr int kWindow = 32;      // K per pair of producer MMAs: 4 lanes x 8
-constexpr int kWindows = 8;      // windows per batch of loads (issued before the first MMA)
-constexpr int kMaxKChunks = 16;  // producer items along K at most
-constexpr int kStageB = 4096;    // B elements (columns x max_rank) a consumer stages at most
-constexpr int kMaxCols = 256;    // output columns per consumer item at most
-constexpr int kMaxEntries = 64;  // metadata entries (max_loras + 1): two per lane
-constexpr int kDefaultMaxTokens = 64;
-constexpr int kMaxTokens = 2048;     // the sorted token indices are cached in shared memory
-constexpr int kMaxRankTable = 8192;  // and the layer's ranks [num_slices, max_loras]
-
-std::atomic<int> g_max_tokens{kDefaultMaxTokens};
+using namespace persistent_kernel;
 
 struct DecodeParams {
   const void* x;
@@ -473,52 +455,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_lora_kernel(DecodeParams p
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
-
-int log2_int(int v) {
-  int n = 0;
-  while ((1 << n) < v) ++n;
-  return n;
-}
-
-// Producer items along K: a power of two (a shift on the device), at most kMaxKChunks (and the
-// tuning's decode_k_chunks), with at least one batch of kWindows windows per chunk where K
-// allows.
-int k_chunks_for(int64_t hidden) {
-  const int64_t windows = ceil_div(hidden, kWindow);
-  const int max_chunks = std::min(kMaxKChunks, kernel_tuning().decode_k_chunks);
-  int kc = 1;
-  while (kc * 2 <= max_chunks && int64_t{kc} * 2 * kWindows <= windows) kc *= 2;
-  return kc;
-}
-
-bool shrink_ok(const ShrinkArgs& s, const LoraMetaView& meta) {
-  if (!half_dtype(s.dtype) || !is_pow2(s.max_rank) || s.max_rank < 8) return false;
-  if (s.max_rank > kStageB / 16) return false;  // a consumer stages at least 16 columns
-  if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
-  if (s.num_tokens > kMaxTokens || s.num_tokens > g_max_tokens.load()) return false;
-  if (s.max_loras + 1 > kMaxEntries) return false;
-  if (int64_t{s.num_slices} * s.max_loras > kMaxRankTable) return false;
-  for (int i = 0; i < s.num_slices; ++i) {
-    if (!aligned16(s.lora_a[i])) return false;
-  }
-  if (meta.scratch == nullptr || meta.counters == nullptr) return false;
-  if (meta.num_counters < int64_t{s.max_loras + 1} * s.num_slices) return false;
-  return int64_t{k_chunks_for(s.hidden)} * s.num_slices * s.num_tokens * s.max_rank <=
-         meta.scratch_floats;
-}
-
-bool expand_ok(const ShrinkArgs& s, const ExpandArgs& e) {
-  if (e.dtype != s.dtype || e.num_slices != s.num_slices || e.max_rank != s.max_rank ||
-      e.max_loras != s.max_loras || e.num_tokens != s.num_tokens)
-    return false;
-  if (e.y_row_stride % 8 != 0 || e.offset_start % 8 != 0 || !aligned16(e.y)) return false;
-  for (int i = 0; i < e.num_slices; ++i) {
-    if (e.slice_width[i] % 8 != 0 || !aligned16(e.lora_b[i])) return false;
-  }
-  return true;
-}
-
 // Blocks of `kernel` that fit on one SM with `smem` bytes, cached per (kernel, smem, device).
 int blocks_per_sm(const void* kernel, int smem) {
   static std::mutex mutex;
@@ -539,8 +475,10 @@ int blocks_per_sm(const void* kernel, int smem) {
   return n;
 }
 
-Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta,
-              StreamHandle stream) {
+}  // namespace
+
+Status launch_persistent(const PersistentPlan& plan, const ShrinkArgs& s, const ExpandArgs* e,
+                         const LoraMetaView& meta, StreamHandle stream) {
   DecodeParams p{};
   p.x = s.x;
   p.x_stride = s.x_row_stride;
@@ -553,147 +491,43 @@ Status launch(const ShrinkArgs& s, const ExpandArgs* e, const LoraMetaView& meta
   p.scale = s.scale;
   p.meta = meta;
   p.num_tokens = static_cast<int>(s.num_tokens);
-  p.k_chunks = k_chunks_for(s.hidden);
-  p.k_shift = log2_int(p.k_chunks);
-  p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, p.k_chunks), kWindow) * kWindow);
-  p.expand = e != nullptr;
-  int col_chunks = 0;
+  p.k_chunks = plan.k_chunks;
+  p.k_shift = plan.k_shift;
+  p.k_chunk = plan.k_chunk;
+  p.expand = plan.expand;
   if (e != nullptr) {
-    // Few columns per item keep a consumer's instruction path short; at higher ranks the
-    // staged B bounds them.
-    p.cols = std::min({kMaxCols, kernel_tuning().decode_cols, kStageB / s.max_rank});
-    p.cols_shift = log2_int(p.cols / 8);
+    p.cols = plan.cols;
+    p.cols_shift = plan.cols_shift;
     int64_t col = e->offset_start;
     for (int i = 0; i < e->num_slices; ++i) {
       p.b[i] = e->lora_b[i];
       p.width[i] = e->slice_width[i];
       p.y_col[i] = col;
       col += e->slice_width[i];
-      p.col_chunks[i] = static_cast<int>(ceil_div(e->slice_width[i], p.cols));
-      col_chunks += p.col_chunks[i];
+      p.col_chunks[i] = plan.col_chunks[i];
     }
     p.y = e->y;
     p.y_stride = e->y_row_stride;
     p.add_inputs = e->add_inputs;
-    p.off_y = p.cols * s.max_rank * 2;
-    p.off_frag = p.off_y + kTokens * (p.cols + 8) * 2;
-    p.warp_bytes = p.off_frag + static_cast<int>(ceil_div(s.max_rank, 16)) * 32 * 8;
+    p.off_y = plan.off_y;
+    p.off_frag = plan.off_frag;
   } else {
     p.out = s.out;
     p.out_f32 = s.out_dtype == DType::kF32;
-    p.warp_bytes = 16;
   }
-  const int ne = s.max_loras + 1;
-  const int ints = 3 * ne + s.num_slices * s.max_loras + p.num_tokens;
-  p.off_warp = static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
-  const int smem = p.off_warp + kWarps * p.warp_bytes;
-
-  // Work items at most (every active slot at max_rank), so that the grid stays within them.
-  const int64_t active = std::min<int64_t>(s.num_tokens, s.max_loras);
-  const int64_t groups = (s.num_tokens + (kTokens - 1) * active) / kTokens + 1;
-  const int64_t producers =
-      groups * s.num_slices * ceil_div(s.max_rank, kRankGroup) * int64_t{p.k_chunks};
-  const int64_t consumers = groups * (p.expand ? col_chunks : s.num_slices);
+  p.warp_bytes = plan.warp_bytes;
+  p.off_warp = plan.off_warp;
   auto run = [&](auto kernel) -> Status {
-    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
+    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
     // One wave at most: every consumer's wait relies on its producers being resident.
-    int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), smem);
-    const int cap = kernel_tuning().decode_ctas_per_sm;
-    if (cap > 0) per_sm = std::min(per_sm, cap);
-    const int64_t fit = int64_t{per_sm} * sm_count();
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(fit, producers + consumers)));
-    kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+    const int64_t fit =
+        int64_t{blocks_per_sm(reinterpret_cast<const void*>(kernel), plan.smem)} * plan.sm_count;
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(fit, plan.items)));
+    kernel<<<grid, kThreads, plan.smem, static_cast<cudaStream_t>(stream)>>>(p);
     return launch_status("decode_lora_kernel");
   };
   if (s.dtype == DType::kBF16) return run(&decode_lora_kernel<bf16>);
   return run(&decode_lora_kernel<f16>);
-}
-
-// Decode-sized layers take the per-token kernel pair (gather_lora.cu) unless the tuning asks
-// for the persistent kernel, or the batch is large for its rank (gather_max_token_ranks).
-bool use_gather(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
-  const KernelTuning tuning = kernel_tuning();
-  return tuning.decode_persistent == 0 &&
-         shrink.num_tokens * shrink.max_rank <= tuning.gather_max_token_ranks &&
-         gather_linear_applies(shrink, expand, meta);
-}
-
-// The one-kernel cluster layer (cluster_lora.cu) with decode_cluster 2: wherever it applies.
-// With 1 (the default): only where it measured faster than the other paths on the H200 both
-// with the layers back to back (its PDL launch overlaps the kernel before it, which the
-// bench's graphs measure) and without PDL (as after a GEMM in a model), BENCHMARKS.md,
-// 2026-11-24, eighth session; `units` = tokens / 16 + the slots that can be active (its
-// clusters of up to 16 CTAs, one per 16 tokens of a slot), `rows` = the slices' A rows (ranks
-// rounded to 16):
-// * 64 to 256 tokens, at least 8 per slot, rows <= 64 (at most 48 above 64 tokens): the other
-//   paths up to 48% slower without PDL (the pair 2-3% faster at 8 slots x 64 tokens x rank 16)
-//   and 13-64% with it; above 64 tokens at rank 64 the split path is 8-19% faster;
-// * 16 to 63 tokens above rank 16 with rows <= 64 and at most 16 units: 10-16% faster than the
-//   pair without PDL, 35-53% with it (rank 16 at 16 tokens: -6% to +7% with PDL but 38-60%
-//   slower without; one token at rank 64: up to 27% slower without);
-// * 33 to 64 tokens with more rows (q/k/v at rank 64) and at least 16 tokens per slot: one slot
-//   at 64 tokens 33-49% faster than the persistent kernel (8 slots: 7% slower without PDL;
-//   16 tokens of one slot: 18% slower without).
-bool use_cluster(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta) {
-  const int mode = kernel_tuning().decode_cluster;
-  const int64_t t = shrink.num_tokens;
-  if (mode == 0 || t <= 0) return false;
-  if (mode == 1) {
-    if (t > 256) return false;
-    const int64_t rows = shrink.num_slices * ((shrink.max_rank + 15) / 16 * 16);
-    const int64_t slots = std::min<int64_t>(t, shrink.max_loras);
-    bool faster = false;
-    if (rows <= 64 && t >= 64 && t <= 256) {
-      faster = t >= 8 * slots && (t == 64 || rows <= 48);
-    } else if (rows <= 64 && t >= 16) {
-      faster = shrink.max_rank > 16 && t / 16 + slots <= 16;
-    } else if (rows > 64) {
-      faster = t > 32 && t <= 64 && t >= 16 * slots;
-    }
-    if (!faster) return false;
-  }
-  return cluster_linear_applies(shrink, expand, meta);
-}
-
-}  // namespace
-
-bool decode_shrink_applies(const ShrinkArgs& args, const LoraMetaView& meta) {
-  return args.num_tokens > 0 && shrink_ok(args, meta);
-}
-
-Status decode_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream) {
-  LORAPLEX_ENSURE(decode_shrink_applies(args, meta), "decode_shrink: arguments not supported");
-  return launch(args, nullptr, meta, stream);
-}
-
-void set_fused_linear_max_tokens(int max_tokens) {
-  g_max_tokens.store(max_tokens < 0 ? kDefaultMaxTokens : max_tokens);
-}
-
-std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
-                             const LoraMetaView& meta) {
-  if (use_cluster(shrink, expand, meta)) return "cluster";
-  if (shrink.num_tokens > 0 && shrink_ok(shrink, meta) && expand_ok(shrink, expand)) {
-    return use_gather(shrink, expand, meta) ? "gather" : "fused";
-  }
-  return half_dtype(shrink.dtype) ? "split" : "generic";
-}
-
-Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
-                   StreamHandle stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_shrink_args(shrink));
-  LORAPLEX_RETURN_IF_ERROR(check_expand_args(expand));
-  LORAPLEX_ENSURE(shrink.num_tokens == expand.num_tokens, "lora_linear: shrink has ",
-                  shrink.num_tokens, " tokens, expand ", expand.num_tokens);
-  LORAPLEX_RETURN_IF_ERROR(
-      check_meta_view(meta, shrink.num_tokens, shrink.max_loras, "lora_linear"));
-  if (shrink.num_tokens == 0) return Status();
-  if (use_cluster(shrink, expand, meta)) return cluster_linear(shrink, expand, meta, stream);
-  if (shrink_ok(shrink, meta) && expand_ok(shrink, expand)) {
-    if (use_gather(shrink, expand, meta)) return gather_linear(shrink, expand, meta, stream);
-    return launch(shrink, &expand, meta, stream);
-  }
-  return lora_split_linear(shrink, expand, meta, stream);
 }
 
 }  // namespace loraplex::kernels::cuda

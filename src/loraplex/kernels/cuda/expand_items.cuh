@@ -7,14 +7,14 @@
 // an item index. Internal to the CUDA backend.
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
+#include "loraplex/kernels/cuda/lora_plan.h"
 #include "loraplex/kernels/lora_ops.h"
 
 namespace loraplex::kernels::cuda {
 
-inline constexpr int kExpandTileRows = 64;                 // tokens per item
-inline constexpr int kExpandTileCols = 128;                // output columns per item
-inline constexpr int kExpandYPitch = kExpandTileCols + 8;  // staged y rows, 16-bit elements
-inline constexpr int kExpandCachedTokens = 2048;           // sorted indices copied to shared memory
+inline constexpr int kExpandTileRows = expand_kernel::kTileRows;  // tokens per item
+inline constexpr int kExpandTileCols = expand_kernel::kTileCols;  // output columns per item
+inline constexpr int kExpandYPitch = expand_kernel::kYPitch;      // staged y rows
 
 struct ExpandTileParams {
   const void* in;
@@ -41,21 +41,12 @@ struct ExpandTileParams {
   bool pdl;
 };
 
-/// Everything from the arguments; the caches on where the tables are small.
-ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& meta);
+/// The plan's values and the arguments' pointers.
+ExpandTileParams expand_tile_params(const ExpandPlan& plan, const ExpandArgs& a,
+                                    const LoraMetaView& meta);
 
-/// Work items at most: one tile per 64 tokens plus each active slot's last partial tile, times
-/// the column tiles of all slices.
-int64_t expand_tile_items(const ExpandTileParams& p);
-
-/// An error naming the count when the items do not fit the kernels' 32-bit item index.
-Status check_expand_items(const ExpandTileParams& p);
-
-/// The expands' grid bound per SM: the expand_ctas_per_sm knob where set, else `auto_value`.
-int expand_ctas_per_sm(int auto_value);
-
-/// Shared-memory bytes of the item tables: the tile prefix, the metadata entries and the caches.
-int expand_table_bytes(const ExpandTileParams& p);
+/// An error naming the count when the plan's items do not fit the kernels' 32-bit item index.
+Status check_expand_items(const ExpandPlan& plan);
 
 struct ExpandItem {
   int tile;
@@ -98,8 +89,8 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
 /// more); else ceil(items / grid) each, which leaves the last CTAs idle (2048 items on 528 CTAs:
 /// 512 CTAs with 4, 16 with none). The pipelined expand is 1-3% faster balanced at 4096 tokens;
 /// the one-item-at-a-time expand, which reuses the token rows and intermediate of consecutive
-/// items, up to 5% slower (rank 64, q/k/v), so it keeps ceil-sized runs (H200, BENCHMARKS.md
-/// 2026-11-24). 32-bit (the launchers check that the items fit): a 64-bit division is a call to
+/// items, up to 5% slower (rank 64, q/k/v), so it keeps ceil-sized runs (H200). 32-bit (the
+/// launchers check that the items fit): a 64-bit division is a call to
 /// a subroutine at the end of the kernel's code, one more instruction-cache miss in the cold
 /// chain before the first load.
 __device__ __forceinline__ int run_begin(int items, int cta, bool balanced) {

@@ -26,8 +26,7 @@
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/expand_items.cuh"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
-#include "loraplex/kernels/cuda/lora_paths.h"
+#include "loraplex/kernels/cuda/lora_launch.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -36,9 +35,8 @@ constexpr int kThreads = 128;         // 4 warps, 16 token rows each (2 x kBM: s
 constexpr int kBM = kExpandTileRows;  // tokens per tile
 constexpr int kBN = kExpandTileCols;  // output columns per item
 constexpr int kYPitch = kExpandYPitch;
-constexpr int kMaxRank = 64;                // max_rank this kernel takes
-constexpr int kYBytes = kBM * kYPitch * 2;  // one y tile
-constexpr int kTokSets = 3;                 // token-index sets in rotation (see the loop)
+constexpr int kYBytes = kBM * kYPitch * 2;         // one y tile
+constexpr int kTokSets = expand_kernel::kTokSets;  // token-index sets in rotation (see the loop)
 static_assert(kThreads == 2 * kBM, "threads kBM.. write the first item's token indices");
 
 // kSteps 16-deep rank steps (1: max_rank <= 16, 4: <= 64). B rows hold kSteps x 16 elements,
@@ -51,6 +49,9 @@ struct Shape {
   static_assert(kBPitch >= kSteps * 16 && (kBPitch / 2) % 16 == 8, "bank spread of B rows");
   static constexpr int kBBytes = kBN * kBPitch * 2;
   static constexpr int kFixedBytes = 2 * kYBytes + kBBytes + kTokSets * kBM * 4;
+  static_assert(kBPitch == expand_kernel::pipelined_b_pitch(kSteps) &&
+                    kFixedBytes == expand_kernel::pipelined_fixed_bytes(kSteps),
+                "the planner's shared memory of the pipelined expand");
 };
 
 // An item of the run with its index (== the run's end: none).
@@ -276,9 +277,10 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
   issue_y(p, cur, ybuf, tokbuf, tid);
   issue_b<T, kSteps>(p, cur, bs, tid);
   cp_async_commit();
-  // Under PDL (split_pdl) the first item's y and B fly while the shrink finishes: y was written
-  // before the shrink started (the shrink is launched without PDL and this grid only once every
-  // shrink CTA has started), B and the metadata before that. The intermediate is the shrink's.
+  // Under PDL (after the prefill shrink) the first item's y and B fly while the shrink finishes: y
+  // was written before the shrink started (the shrink is launched without PDL and this grid only
+  // once every shrink CTA has started), B and the metadata before that. The intermediate is the
+  // shrink's.
   if (p.pdl) pdl_wait();
   // The A fragments and the (tile, slice) they hold (none yet).
   uint32_t af[kSteps][4];
@@ -350,62 +352,37 @@ __global__ void __launch_bounds__(kThreads, kSteps == 1 ? 5 : 4)
 
 }  // namespace
 
-bool expand_pipelined_applies(const ExpandArgs& a) {
-  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.max_rank > kMaxRank) return false;
-  if (kernel_tuning().expand_pipelined == 1) return false;
-  if (a.y_row_stride % 8 != 0 || a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
-    return false;
-  for (int s = 0; s < a.num_slices; ++s) {
-    if (a.slice_width[s] % 8 != 0 || !aligned16(a.lora_b[s])) return false;
-  }
-  return true;
-}
-
-Status expand_pipelined(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream,
-                        bool after_prefill_shrink) {
-  LORAPLEX_ENSURE(expand_pipelined_applies(a), "expand_pipelined: arguments not supported");
-  ExpandTileParams p = expand_tile_params(a, meta);
-  p.pdl = after_prefill_shrink;
-  LORAPLEX_RETURN_IF_ERROR(check_expand_items(p));
-  p.cache_sorted = false;  // the token indices are loaded an item ahead
-  p.balanced = true;
-  // Up to rank 16 five CTAs fit beside each other (40 KB of shared memory, <= 102 registers)
-  // and are faster where each gets two items or more: H200, 4096 tokens, 3-6% against four
-  // (BENCHMARKS.md, 2026-11-24); with fewer items per CTA four were as fast or faster.
-  const bool small = a.max_rank <= 16;
-  const int64_t items = expand_tile_items(p);
-  const int per_sm = expand_ctas_per_sm(small && items >= 10 * sm_count() ? 5 : 4);
-  const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sm_count()));
-  auto s = static_cast<cudaStream_t>(stream);
-  auto run = [&](auto kernel, int fixed_bytes) -> Status {
-    const int smem = fixed_bytes + expand_table_bytes(p);
-    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
+Status launch_expand_pipelined(const ExpandPlan& plan, const ExpandArgs& a,
+                               const LoraMetaView& meta, StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_expand_items(plan));
+  const ExpandTileParams p = expand_tile_params(plan, a, meta);
+  auto run = [&](auto kernel) -> Status {
+    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.gridDim = dim3(plan.grid);
     cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-    cfg.stream = s;
+    cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
+    cfg.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
     cfg.attrs = attr;
-    cfg.numAttrs = p.pdl ? 1 : 0;
+    cfg.numAttrs = plan.pdl ? 1 : 0;
     LORAPLEX_RETURN_IF_ERROR(
         cuda_status(cudaLaunchKernelEx(&cfg, kernel, p), "expand_pipe_kernel launch"));
     return launch_status("expand_pipe_kernel");
   };
   // Two shapes: rank <= 16 (one rank step, 39 KB of shared memory) and <= 64 (four, 52 KB).
-  const int small_bytes = Shape<1>::kFixedBytes;
-  const int large_bytes = Shape<4>::kFixedBytes;
+  const bool small = plan.steps == 1;
   if (a.dtype != DType::kBF16) {
-    return small ? run(&expand_pipe_kernel<f16, 1, false>, small_bytes)
-                 : run(&expand_pipe_kernel<f16, 4, false>, large_bytes);
+    return small ? run(&expand_pipe_kernel<f16, 1, false>)
+                 : run(&expand_pipe_kernel<f16, 4, false>);
   }
   // The traced instantiations only for bf16 (the benchmark's dtype) while tracing.
   if (p.trace != nullptr) {
-    return small ? run(&expand_pipe_kernel<bf16, 1, true>, small_bytes)
-                 : run(&expand_pipe_kernel<bf16, 4, true>, large_bytes);
+    return small ? run(&expand_pipe_kernel<bf16, 1, true>)
+                 : run(&expand_pipe_kernel<bf16, 4, true>);
   }
-  return small ? run(&expand_pipe_kernel<bf16, 1, false>, small_bytes)
-               : run(&expand_pipe_kernel<bf16, 4, false>, large_bytes);
+  return small ? run(&expand_pipe_kernel<bf16, 1, false>)
+               : run(&expand_pipe_kernel<bf16, 4, false>);
 }
 
 }  // namespace loraplex::kernels::cuda

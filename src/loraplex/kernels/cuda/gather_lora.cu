@@ -3,13 +3,13 @@
 //
 // Why: at decode sizes a layer moves a few MB, which takes about a microsecond at copy
 // bandwidth, and what costs the time is the chain of dependent steps each warp walks through
-// (bench/NOTES.md: ~300 cycles per dependent memory access, ~17 cycles between two
+// (~300 cycles per dependent memory access, ~17 cycles between two
 // instructions of one warp when they depend on each other). So both kernels here keep that
 // chain as short as it can be: a CTA reads its tokens' slots, the slot's rank, and then issues
 // every load of its weights at once; no work lists, no barriers across CTAs.
 //
 //   gather_shrink: CTA (group of consecutive tokens of the sorted order, slice x 16- or 8-row
-//     rank group (rows_for), 1024-wide K chunk). Tokens of one slot are adjacent in the sorted
+//     rank group, 1024-wide K chunk). Tokens of one slot are adjacent in the sorted
 //     order, so a group usually shares one slot and loads its A rows once. The arithmetic is FMA
 //     (each thread 8 consecutive K of every row, a butterfly reduction) or, where tokens share
 //     slots, tensor cores (lane (g, t) loads 64 of its K of A rows g and g + 8 and of token
@@ -30,23 +30,16 @@
 // A token with slot -1, and a slice whose rank is 0 for the token's slot, leave y untouched.
 // Ranks past a slot's rank are never loaded or are masked (their values may be anything).
 
-#include <algorithm>
 #include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
-#include "loraplex/kernels/cuda/lora_paths.h"
+#include "loraplex/kernels/cuda/lora_launch.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+using namespace gather_kernel;
 constexpr int kWarps = kThreads / 32;
-constexpr int kKChunk = kThreads * 8;  // K per shrink CTA: 8 per thread
-constexpr int kRowsMax = 16;           // A rows per shrink CTA at most: kRows, 16 or 8 (rows_for)
-constexpr int kColsPerThread = 4;      // expand: y columns per thread
-constexpr int kPreRanks = 16;          // expand: B ranks loaded before the wait
-constexpr int kMaxRank = 256;          // expand: the intermediate row in shared memory
 
 struct GatherParams {
   const int32_t* mapping;
@@ -304,8 +297,7 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     done |= mine;
     // Up to max_rank 16 the A rows are loaded before the slot's rank arrives, one round trip
     // less in the chain (a row's sums depend on that row only; rows past the rank are not
-    // written): on the H200 3-6% faster at rank 16, and 1-4% slower at rank 64, which waits
-    // (BENCHMARKS.md, 2026-11-24).
+    // written): on the H200 3-6% faster at rank 16, and 1-4% slower at rank 64, which waits.
     // Above rank 16 the wait comes before the rank (only the metadata is read before it): an
     // empty before_x keeps the compiler's own load order there (one token per CTA: 48 registers,
     // against 163 with every A load issued before a wait).
@@ -353,15 +345,12 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 // How the expand holds B's ranks before its wait (kPreRanks in registers in every mode):
 // kRegs (max_rank <= kPreRanks) unpacks them all to fp32 before the wait, so that after it
 // only the sums, the FMAs and the store are left (one warp's instructions after the wait are
-// on the layer's critical path: kernel timelines, bench/NOTES.md): 8-13% faster on the H200 at
-// rank 16 (above it the unpacked form was not measured on its own: BENCHMARKS.md, 2026-11-24,
-// run 6-7). kStaged (max_rank <= kStagedRanks, where each CTA of the pair gets an SM of its own:
-// the launcher says why) copies ranks kPreRanks.. into shared memory with cp.async before the wait;
+// on the layer's critical path, as the kernel timelines show): 8-13% faster on the H200 at rank
+// 16 (above it the unpacked form was not measured on its own). kStaged (max_rank <= kStagedRanks,
+// where each CTA of the pair gets an SM of its own: the planner says why) copies ranks
+// kPreRanks.. into shared memory with cp.async before the wait;
 // kLoop loads them after the wait, 8 ranks at a time, one dependent round trip each.
 enum ExpandMode { kLoop = 0, kRegs = 1, kStaged = 2 };
-constexpr int kStagedRanks = 64;
-constexpr int kStagedChunks = (kStagedRanks - kPreRanks) / 8;  // 16-byte chunks per column
-constexpr int kStagedBytes = kStagedChunks * kColsPerThread * kThreads * 16;
 
 template <typename T, bool kTrace, int kMode>
 __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p) {
@@ -529,65 +518,27 @@ __global__ void __launch_bounds__(kThreads) gather_expand_kernel(GatherParams p)
   trace_at<kTrace>(p.trace_expand, 7);
 }
 
-int64_t k_chunks_of(int64_t hidden) { return ceil_div(hidden, kKChunk); }
-
-// Tokens per shrink CTA: the tuning's gather_group, or (0) 1 above rank 16, and up to rank 16
-// 2 (pairs of a slot's tokens share their A rows) except at 2-16 tokens, where one token per CTA
-// is faster now that the A rows are loaded before the PDL wait (a pair straddling two slots
-// loads theirs one after the other). Measured on the H200 at 16 tokens (BENCHMARKS.md,
-// 2026-11-24, eighth session, runs 13 and 16), with the layers back to back / without PDL: one
-// slice 11-25% / -4% to 21% faster, q/k/v 0-13% / 1-20%. At one token single tokens were
-// 2-16% slower, at 64 tokens 5-22%.
-int group_for(const KernelTuning& t, const ShrinkArgs& s) {
-  if (t.gather_group > 0) return t.gather_group;
-  if (s.max_rank > 16) return 1;
-  return s.num_tokens >= 2 && s.num_tokens <= 16 ? 1 : 2;
-}
-
-// The shrink's arithmetic: the tuning's gather_shrink (1 FMA, 2 tensor cores), or (0) tensor
-// cores when groups of tokens share a slot (group >= 2 and at least 2 tokens per slot that can
-// be active) from 32 tokens. Measured on the H200: tensor cores 5-15% faster there at
-// e2ab2a5 (BENCHMARKS.md, 2026-11-23; q/k/v, 32 adapters, 64 tokens: 13.97 -> 12.56 us), 8-10%
-// slower with one token per slot and at rank 64 (one token per CTA), where the extra barrier is
-// not paid back; since the shrink's early A loads (2026-11-24) FMA is 3-5% faster at 16 tokens
-// and tensor cores 1-4% faster at 64.
-bool mma_for(const KernelTuning& t, int group, int64_t tokens, int max_loras) {
-  if (t.gather_shrink > 0) return t.gather_shrink == 2;
-  return group >= 2 && tokens >= 32 && tokens >= 2 * std::min<int64_t>(tokens, max_loras);
-}
-
-// The shrink with PDL by layer_pdl, the expand always (it waits for the shrink's sums).
+// The shrink with PDL where the plan says so, the expand always (it waits for the shrink's sums).
 // While a trace buffer is set (bf16 only, the benchmark's dtype), the kTrace instantiations:
 // the shrink's CTAs first, then the expand's.
 template <typename T, int kGroup, bool kMma, int kRows>
-Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int layer_pdl) {
-  cudaLaunchConfig_t shrink_cfg = cfg;
-  shrink_cfg.gridDim = shrink_grid;
-  shrink_cfg.gridDim.x = static_cast<unsigned>(ceil_div(p.num_tokens, kGroup));
-  const dim3& g = shrink_cfg.gridDim;
-  const int64_t shrink_ctas = int64_t{g.x} * g.y * g.z;
-  // PDL for the shrink (layer_pdl 1): where its grid is under three quarters of the SMs, and
-  // at any size where it reads its A rows before its wait (settled metadata, up to rank 16). On
-  // the H200 (BENCHMARKS.md, 2026-11-24): without the early reads 3-11% faster in a graph up to
-  // 96 CTAs, 10-64% slower from 128 CTAs (seventh session); with them, at 192 and 128 CTAs
-  // (q/k/v at 16 tokens, 64 tokens over 32 adapters) 4-15% faster (eighth session, run 14),
-  // while rank 64 q/k/v at 16 tokens (early metadata only) stayed 2-5% slower.
-  const bool small = 4 * shrink_ctas < 3 * int64_t{sm_count()};
-  const bool early_rows = p.early && p.max_rank <= kPreRanks;
-  const bool pdl = layer_pdl == 2 || (layer_pdl == 1 && (small || early_rows));
-  if (!pdl) shrink_cfg.numAttrs = 0;
-  // Without PDL nothing runs before the shrink's wait returns, and reading early would only move
-  // its trigger later (the expand's early part after the A loads: 11% slower at 64 tokens over
-  // 32 adapters on the H200, BENCHMARKS.md, 2026-11-24).
-  p.early = p.early && pdl;
-  p.launch_first = p.early && kernel_tuning().pair_launch_first == 1;
-  auto run = [&](auto shrink, auto expand, int expand_smem) -> Status {
-    if (expand_smem > 0) {  // the static `inter` counts toward the opt-in above 48 KB
-      LORAPLEX_RETURN_IF_ERROR(
-          allow_dynamic_smem(reinterpret_cast<const void*>(expand), expand_smem + kMaxRank * 4));
+Status launch_pair(const GatherPlan& plan, GatherParams p, StreamHandle stream) {
+  cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
+  cudaLaunchConfig_t shrink_cfg = {};
+  shrink_cfg.gridDim = dim3(plan.shrink_grid[0], plan.shrink_grid[1], plan.shrink_grid[2]);
+  shrink_cfg.blockDim = dim3(kThreads);
+  shrink_cfg.stream = static_cast<cudaStream_t>(stream);
+  shrink_cfg.attrs = attr;
+  shrink_cfg.numAttrs = plan.shrink_pdl ? 1 : 0;
+  cudaLaunchConfig_t expand_cfg = shrink_cfg;
+  expand_cfg.gridDim = dim3(plan.expand_grid[0], plan.expand_grid[1]);
+  expand_cfg.dynamicSmemBytes = static_cast<size_t>(plan.expand_smem);
+  expand_cfg.numAttrs = 1;
+  auto run = [&](auto shrink, auto expand) -> Status {
+    if (plan.expand_smem > 0) {  // the static `inter` counts toward the opt-in above 48 KB
+      LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(expand),
+                                                  plan.expand_smem + kMaxRank * 4));
     }
-    cudaLaunchConfig_t expand_cfg = cfg;
-    expand_cfg.dynamicSmemBytes = static_cast<size_t>(expand_smem);
     LORAPLEX_RETURN_IF_ERROR(
         cuda_status(cudaLaunchKernelEx(&shrink_cfg, shrink, p), "gather_shrink"));
     LORAPLEX_RETURN_IF_ERROR(launch_status("gather_shrink_kernel"));
@@ -595,29 +546,26 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
         cuda_status(cudaLaunchKernelEx(&expand_cfg, expand, p), "gather_expand"));
     return launch_status("gather_expand_kernel");
   };
-  // The shrink's early A loads and the expand's mode, by max_rank.
+  // kRegs (up to rank 16) goes with the shrink that loads its A rows before the rank.
   auto pick = [&](auto trace) -> Status {
     constexpr bool kT = decltype(trace)::value;
-    if (p.max_rank <= kPreRanks) {
-      return run(gather_shrink_kernel<T, kGroup, kMma, kT, true, kRows>,
-                 gather_expand_kernel<T, kT, kRegs>, 0);
+    switch (plan.mode) {
+      case GatherExpandMode::kRegs:
+        return run(gather_shrink_kernel<T, kGroup, kMma, kT, true, kRows>,
+                   gather_expand_kernel<T, kT, kRegs>);
+      case GatherExpandMode::kStaged:
+        return run(gather_shrink_kernel<T, kGroup, kMma, kT, false, kRows>,
+                   gather_expand_kernel<T, kT, kStaged>);
+      default:
+        return run(gather_shrink_kernel<T, kGroup, kMma, kT, false, kRows>,
+                   gather_expand_kernel<T, kT, kLoop>);
     }
-    // Staged where every CTA of the pair can have an SM of its own: on the H200 (BENCHMARKS.md,
-    // 2026-11-24) 15-23% faster at one token (rank 64); at 16 tokens, with shrink CTAs on every
-    // SM, the expand CTAs' 49 KB waited for SMs the shrink had configured for less shared
-    // memory (2x slower; asking both kernels for the largest carveout fixed that but slowed
-    // the kLoop layers that ran the same shrink afterwards by up to 30%).
-    const int64_t ctas = shrink_ctas + int64_t{cfg.gridDim.x} * cfg.gridDim.y;
-    if (p.max_rank <= kStagedRanks && ctas <= sm_count()) {
-      return run(gather_shrink_kernel<T, kGroup, kMma, kT, false, kRows>,
-                 gather_expand_kernel<T, kT, kStaged>, kStagedBytes);
-    }
-    return run(gather_shrink_kernel<T, kGroup, kMma, kT, false, kRows>,
-               gather_expand_kernel<T, kT, kLoop>, 0);
   };
   p.trace_shrink = kernel_trace();
   if constexpr (std::is_same_v<T, bf16>) {
     if (p.trace_shrink != nullptr) {
+      const int64_t shrink_ctas =
+          int64_t{plan.shrink_grid[0]} * plan.shrink_grid[1] * int64_t{plan.shrink_grid[2]};
       p.trace_expand = p.trace_shrink + shrink_ctas * kTraceSlots;
       return pick(std::true_type{});
     }
@@ -626,61 +574,25 @@ Status launch_pair(GatherParams p, dim3 shrink_grid, cudaLaunchConfig_t cfg, int
 }
 
 template <typename T, bool kMma, int kRows>
-Status launch_group(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg, int group,
-                    int layer_pdl) {
-  if (group == 1) return launch_pair<T, 1, kMma, kRows>(p, grid, cfg, layer_pdl);
-  if (group == 4) return launch_pair<T, 4, kMma, kRows>(p, grid, cfg, layer_pdl);
-  return launch_pair<T, 2, kMma, kRows>(p, grid, cfg, layer_pdl);
+Status launch_group(const GatherPlan& plan, const GatherParams& p, StreamHandle stream) {
+  if (plan.group == 1) return launch_pair<T, 1, kMma, kRows>(plan, p, stream);
+  return launch_pair<T, 2, kMma, kRows>(plan, p, stream);
 }
 
 template <typename T>
-Status launch_shrink_kind(const GatherParams& p, dim3 grid, const cudaLaunchConfig_t& cfg,
-                          int group, bool mma, int rows, int layer_pdl) {
-  if (rows == 8) {
-    return mma ? launch_group<T, true, 8>(p, grid, cfg, group, layer_pdl)
-               : launch_group<T, false, 8>(p, grid, cfg, group, layer_pdl);
+Status launch_kind(const GatherPlan& plan, const GatherParams& p, StreamHandle stream) {
+  if (plan.rows == 8) {
+    return plan.mma ? launch_group<T, true, 8>(plan, p, stream)
+                    : launch_group<T, false, 8>(plan, p, stream);
   }
-  return mma ? launch_group<T, true, 16>(p, grid, cfg, group, layer_pdl)
-             : launch_group<T, false, 16>(p, grid, cfg, group, layer_pdl);
-}
-
-// A rows per shrink CTA: the tuning's gather_rows, or (0) 8 where the slots' A rows are loaded
-// after the PDL wait (max_rank above kPreRanks: their latency is on the layer's path, and half
-// the rows per CTA halve the bytes each CTA waits for) and the grid of 16-row CTAs is at most
-// two per SM, else 16. On an H100 (BENCHMARKS.md, 2026-11-25) 8 rows were 16-29% faster at rank
-// 64 and one token (16-48 CTAs of 16 rows) and 11% at 16 tokens over 32 adapters (256 CTAs),
-// 4-18% slower with 768 (q/k/v at 16 tokens); at rank 16, where the A rows load before the
-// wait, -4% to +8%.
-int rows_for(const KernelTuning& t, const ShrinkArgs& s, int group) {
-  if (t.gather_rows > 0) return t.gather_rows;
-  const int64_t ctas16 = ceil_div(s.num_tokens, group) * s.num_slices *
-                         ceil_div(s.max_rank, kRowsMax) * k_chunks_of(s.hidden);
-  return s.max_rank > kPreRanks && ctas16 <= 2 * int64_t{sm_count()} ? 8 : kRowsMax;
+  return plan.mma ? launch_group<T, true, 16>(plan, p, stream)
+                  : launch_group<T, false, 16>(plan, p, stream);
 }
 
 }  // namespace
 
-bool gather_linear_applies(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta) {
-  if (!one_half_layer(s, e)) return false;
-  if (s.max_rank % 8 != 0 || s.max_rank > kMaxRank) return false;
-  if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
-  if (e.y_row_stride % kColsPerThread != 0 || e.offset_start % kColsPerThread != 0 ||
-      (reinterpret_cast<uintptr_t>(e.y) & 7u) != 0)
-    return false;
-  for (int i = 0; i < s.num_slices; ++i) {
-    if (!aligned16(s.lora_a[i]) || !aligned16(e.lora_b[i])) return false;
-    if (e.slice_width[i] % kColsPerThread != 0) return false;
-  }
-  if (meta.token_lora_mapping == nullptr || meta.sorted_token_indices == nullptr ||
-      meta.scratch == nullptr)
-    return false;
-  if (s.num_tokens > 65535) return false;  // decode sizes: index arithmetic stays in int
-  return k_chunks_of(s.hidden) * s.num_slices * s.num_tokens * s.max_rank <= meta.scratch_floats;
-}
-
-Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaView& meta,
-                     StreamHandle stream) {
-  LORAPLEX_ENSURE(gather_linear_applies(s, e, meta), "gather_linear: arguments not supported");
+Status launch_gather(const GatherPlan& plan, const ShrinkArgs& s, const ExpandArgs& e,
+                     const LoraMetaView& meta, StreamHandle stream) {
   GatherParams p{};
   p.mapping = meta.token_lora_mapping;
   p.sorted = meta.sorted_token_indices;
@@ -689,48 +601,27 @@ Status gather_linear(const ShrinkArgs& s, const ExpandArgs& e, const LoraMetaVie
   p.max_rank = s.max_rank;
   p.num_slices = s.num_slices;
   p.num_tokens = static_cast<int>(s.num_tokens);
-  const KernelTuning tuning = kernel_tuning();
-  p.k_chunks = static_cast<int>(k_chunks_of(s.hidden));
-  p.early = meta.settled && tuning.meta_early == 1;
+  p.k_chunks = plan.k_chunks;
+  p.early = plan.early;
+  p.launch_first = plan.launch_first;
   p.partial = meta.scratch;
   p.scale = s.scale;
   p.x = s.x;
   p.x_stride = s.x_row_stride;
   p.hidden = s.hidden;
-  const int64_t cols_per_cta = int64_t{kThreads} * kColsPerThread;
   int64_t col = e.offset_start;
-  p.chunk_begin[0] = 0;
   for (int i = 0; i < s.num_slices; ++i) {
     p.a[i] = s.lora_a[i];
     p.b[i] = e.lora_b[i];
     p.width[i] = e.slice_width[i];
     p.y_col[i] = col;
     col += e.slice_width[i];
-    p.chunk_begin[i + 1] =
-        p.chunk_begin[i] + static_cast<int>(ceil_div(e.slice_width[i], cols_per_cta));
   }
+  for (int i = 0; i <= s.num_slices; ++i) p.chunk_begin[i] = plan.chunk_begin[i];
   p.y = e.y;
   p.y_stride = e.y_row_stride;
-  const int group = group_for(tuning, s);
-  const int rows = rows_for(tuning, s, group);
-  const int groups = static_cast<int>(ceil_div(s.max_rank, rows));
-  const dim3 shrink_grid(static_cast<unsigned>(s.num_tokens),
-                         static_cast<unsigned>(s.num_slices * groups),
-                         static_cast<unsigned>(p.k_chunks));
-  // The expand: PDL lets it start while the shrink runs (it waits in-kernel for the sums).
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim =
-      dim3(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>(p.chunk_begin[s.num_slices]));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const bool mma = mma_for(tuning, group, s.num_tokens, s.max_loras);
-  if (s.dtype == DType::kBF16) {
-    return launch_shrink_kind<bf16>(p, shrink_grid, cfg, group, mma, rows, tuning.layer_pdl);
-  }
-  return launch_shrink_kind<f16>(p, shrink_grid, cfg, group, mma, rows, tuning.layer_pdl);
+  if (s.dtype == DType::kBF16) return launch_kind<bf16>(plan, p, stream);
+  return launch_kind<f16>(plan, p, stream);
 }
 
 }  // namespace loraplex::kernels::cuda

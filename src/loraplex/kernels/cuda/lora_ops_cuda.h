@@ -6,11 +6,11 @@
 // In a build without CUDA every function returns an "unsupported" Status.
 
 #include <cstdint>
-#include <string>
 
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/status.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
+#include "loraplex/kernels/cuda/lora_plan.h"
 #include "loraplex/kernels/lora_ops.h"
 
 namespace loraplex::kernels::cuda {
@@ -23,35 +23,25 @@ using StreamHandle = cuda_rt::StreamHandle;
 Status build_lora_meta(int32_t num_tokens, int32_t max_loras, const cpu::LoraMetaBuffers& out,
                        StreamHandle stream);
 
-/// SGMV shrink over the metadata. bf16/f16 with 16-byte aligned rows: small batches run the
-/// decode kernel (split-K partial sums in the metadata's scratch), larger ones a tensor-core
-/// kernel over (slot, 64-token tile) items against every slice's A rows at once (x read
-/// once), K split over a cluster. Anything else runs a generic kernel.
-Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream);
+/// SGMV shrink over the metadata: the persistent decode kernel for small batches (split-K
+/// partial sums in the metadata's scratch), the tensor-core prefill shrink for larger ones,
+/// generic kernels for anything else (lora_plan.h decides).
+Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, const LoraDevice& device,
+                   StreamHandle stream);
 /// SGMV expand over the metadata, all slices in one launch (tensor cores when aligned).
-Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream);
+Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, const LoraDevice& device,
+                   StreamHandle stream);
 /// BGMV (decode gather) forms: tokens in batch order, each gathering its slot's weights.
 Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 
-/// Shrink then expand of one layer. Small batches (up to 64 tokens by default) run a decode
-/// path that does not write shrink.out: ONE kernel of thread-block clusters that reduces the
-/// split-K shrink over distributed shared memory (cluster_lora.cu) wherever its staged weights
-/// fit; else split-K partial sums in the metadata's scratch, through the per-token kernel pair
-/// chained with PDL (gather_lora.cu) while tokens x max_rank is small, or ONE persistent kernel
-/// with per-(slot, slice) arrival counters (decode_lora.cu); see kernel_tuning.h. Larger
-/// batches run lora_shrink into shrink.out and lora_expand from it. expand.in must be
-/// shrink.out.
+/// Shrink then expand of one layer, on the path plan_lora_linear picks: for small batches the
+/// one-kernel cluster layer, the per-token kernel pair or the persistent kernel (none of them
+/// writes shrink.out), else shrink into shrink.out and expand from it. expand.in must be
+/// shrink.out. Fails, naming both, where the plan needs more of the metadata's scratch or
+/// counters than it holds.
 Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,
-                   StreamHandle stream);
-/// Which path lora_linear takes for these arguments: "cluster", "gather", "fused", "split" or
-/// "generic".
-std::string lora_linear_path(const ShrinkArgs& shrink, const ExpandArgs& expand,
-                             const LoraMetaView& meta);
-/// Largest batch (tokens) that runs a decode path (lora_linear's gather / fused, and the decode
-/// kernel's lora_shrink); a negative value restores the default. For benchmarks and tests that
-/// compare the paths; not thread-safe against launches.
-void set_fused_linear_max_tokens(int max_tokens);
+                   const LoraDevice& device, StreamHandle stream);
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta, StreamHandle stream);
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& args, StreamHandle stream);

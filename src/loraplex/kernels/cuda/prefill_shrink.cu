@@ -13,14 +13,14 @@
 // could not use every SM. Both add the parts in the same fixed order: deterministic, and the
 // same bits either way.
 //
-// Two forms of the MMA (tuning knob prefill_mma): mma.sync m16n8k16 on 64-token tiles (8 warps as
+// Two forms of the MMA (tuning value prefill_mma): mma.sync m16n8k16 on 64-token tiles (8 warps as
 // 4 row groups x 2 column sets, fragments through ldmatrix from padded rows), and wgmma (sm_90a)
 // on 128-token tiles (2 warpgroups of 64 rows, every column, both operands read by the tensor
 // cores from 128-byte-swizzled shared memory). The wgmma form reads each A row from shared memory
 // once per 64 tokens instead of once per 16 and each slot's A rows from L2 once per 128 tokens
 // instead of once per 64: its K loop measured 1.8x faster at rank 64 (one slice and q/k/v, 4096
 // tokens). Its longer tiles make fewer items, hence longer reductions and grids that fit the SMs
-// differently, so choose_plan picks the form per shape.
+// differently, so the planner (lora_plan.cc) picks the form per shape.
 //
 // The grid is the host's upper bound of tiles times k_split; CTAs whose tile does not exist in
 // this batch (counted on the device from the metadata) return at once, so the launch
@@ -28,13 +28,10 @@
 
 #include <cooperative_groups.h>
 
-#include <algorithm>
 #include <type_traits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
-#include "loraplex/kernels/cuda/kernel_trace.h"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
-#include "loraplex/kernels/cuda/lora_paths.h"
+#include "loraplex/kernels/cuda/lora_launch.h"
 #include "loraplex/kernels/cuda/wgmma_ops.cuh"
 
 namespace cg = cooperative_groups;
@@ -42,44 +39,16 @@ namespace cg = cooperative_groups;
 namespace loraplex::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using namespace prefill_kernel;
 // Tokens per tile: 4 mma.sync row groups of 16, or 2 warpgroups of 64.
 template <bool kWg>
-constexpr int kTileM = kWg ? 128 : 64;
-constexpr int kBK = 64;  // K elements per stage (one 128-byte row of the wgmma form)
-constexpr int kWgRowBytes = kBK * 2;
-constexpr int kWgAlign = 1024;   // the 128-byte swizzle repeats every 8 rows (1024 bytes)
-constexpr int kPitch = kBK + 8;  // padded rows: ldmatrix rows hit distinct banks
-constexpr int kMaxRows = 256;    // A rows of all slices of one slot at most
-constexpr int kMaxTiles = kMaxRows / 8;
-constexpr int kSmallRows = 64;  // at most this many A rows: the small-register variant
-constexpr int kSmemPerSm = 227 * 1024;
-constexpr int kSmPool = 228 * 1024;  // shared memory of an SM, all CTAs together
-constexpr int kSmemReserved = 1024;  // the system's share per CTA
-// Bytes a CTA keeps in flight at most (stages beyond the one being multiplied) when the ring
-// depth is automatic. Deeper rings measured slower, not faster, at 4096 tokens on the H200:
-// rank 64 one slice 27.6-29.3 us with 3 stages against 33.9-37.2 with 4 (55 KB in flight);
-// rank 16 one slice 18.6 with 4, 19.0 with 6, 25.2 with 8 (BENCHMARKS.md, 2026-11-24).
-constexpr int kMaxInFlightBytes = 36 * 1024;
-// The same bound for the wgmma form (128-token stages: rank 16 one slice 18 KB a stage, rank 16
-// q/k/v 22.5 KB, rank 64 one slice 24 KB). 72 KB (four stages up to 24 KB, two CTAs per SM
-// still fitting): those two 3-5% faster at 256-1024 tokens and within 2% at 4096 than with
-// three stages, once each copy cost a few instructions (H100, twelfth session).
-constexpr int kMaxInFlightBytesWg = 72 * 1024;
-// The wgmma form's column counts (N of m64nNk16), each instantiated: an item's A rows are padded
-// up to the plan's N (rows past the item's columns are never copied; their sums are never stored).
-constexpr int kWgCols[] = {16, 32, 64, 128, 192, 256};
+constexpr int kTileM = kWg ? kTileWg : kTileMma;
 // The 8 warps share a tile as 4 row groups of 16 rows x 2 column sets: warp w takes rows
 // (w % 4) * 16 .. + 16 and the column tiles w / 4, w / 4 + 2, ... (kTilesPerWarp at most). Two
 // row groups of 32 rows x 4 column sets (each B fragment load feeding two MMAs) measured 2%
 // faster for the large variant at 4096 tokens but up to 33% slower at 256-1024 tokens with 32
-// adapters (q/k/v, rank 64; ptxas spilled ~90 bytes) (BENCHMARKS.md, 2026-11-24).
+// adapters (q/k/v, rank 64; ptxas spilled ~90 bytes).
 constexpr int kColSets = 2;
-// K is split in at most this many parts (KernelTuning::prefill_k_split's range; choose_grid).
-constexpr int kMaxParts = 8;
-// The deferred sum kernel keeps the metadata entries in static shared memory: up to this many
-// slots (larger pools sum in the shrink's last CTA).
-constexpr int kMaxLorasForSum = 512;
 // stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
 // the row sources that always follow the stage region cover them.
 static_assert((kTileM<false> + kMaxRows) * 8 >= kColSets * 8 * kPitch * 2,
@@ -180,7 +149,6 @@ struct PrefillParams {
   bool expand_follows;
   int k_split;
   int part_pitch;
-  bool mma_first;  // KernelTuning::prefill_mma_first
 };
 
 // Stores four consecutive values of one output row at element o (scaled, in the output dtype):
@@ -319,7 +287,7 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
 // them with all kQuads x kParts loads issued at once (one round trip: kParts <= 8, <= 2 quads a
 // thread). The same sums as reduce_parts, in the same order. reduce_parts' layout (a fixed
 // column per thread, the same loads here) measured 0.3-1 us slower in this short kernel, which
-// is one latency chain (H100, bench/results/sweeps_20261125_session13/run6_flat_sum_kernel).
+// is one latency chain (H100).
 template <typename T, int kQuads, int kParts, typename Load>
 __device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int step, int mrows,
                                           int ntiles, const int* tok, const int* tile_slice,
@@ -412,9 +380,9 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   } else {
     // Long tiles go through shared memory (free after the K loop), so that the global stores
     // are whole rows of 16-byte quads instead of 8 bytes per thread and 32 per row and warp
-    // instruction: rank 16 q/k/v at 4096 tokens 0-3.5% faster in three H100 runs (eleventh
-    // session). Short ones (32 adapters x 256-1024 tokens) measured 2-3% slower that way: the extra
-    // barrier and shared-memory round trip cost more than the stores they merge.
+    // instruction: rank 16 q/k/v at 4096 tokens 0-3.5% faster (H100). Short ones (32 adapters x
+    // 256-1024 tokens) measured 2-3% slower that way: the extra barrier and shared-memory round
+    // trip cost more than the stores they merge.
     for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
       *reinterpret_cast<float2*>(red + row * p.red_pitch + col) = make_float2(v0, v1);
     });
@@ -496,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   const T** row_src = reinterpret_cast<const T**>(smem_raw + p.off_rows);  // [kM + kMaxRows]
   trace_at<kTrace>(p.trace, 0);
   trace_at<kTrace>(p.trace, 1);
-  // The kernel after it (the sum kernel, or the layer's pipelined expand under split_pdl) may
+  // The kernel after it (the sum kernel, or the layer's pipelined expand under PDL) may
   // become resident as this grid's CTAs leave; its pdl_wait still waits for the whole grid. This
   // kernel is launched without PDL, after every earlier kernel finished.
   if (p.defer_sum || p.expand_follows) pdl_launch_dependents();
@@ -568,8 +536,8 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
   // x row m, and rows m >= mrows are never stored, so whatever their shared memory holds (an
   // earlier stage's bytes) stays in them; zero-filling them would cost a 128-token tile of a
   // slot with 8 tokens 120 of its 128 x copies per stage (no time difference measured at 32
-  // adapters x 256 tokens, run 3 of the ninth session). Rows past K's end and A rows past a
-  // slice's rank are still zero-filled: they meet live rows.
+  // adapters x 256 tokens). Rows past K's end and A rows past a slice's rank are still
+  // zero-filled: they meet live rows.
   // Each copy's source (x itself for a zero-filled row, so that every address is valid) and
   // size, kept in registers: the compiler would otherwise recompute them from threadIdx for
   // every copy of every stage.
@@ -649,14 +617,11 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
     wr = wr + 1 == kStages ? 0 : wr + 1;
     if (kt == 0) trace_at<kTrace>(p.trace, 4);
     if constexpr (kWg) {
-      // With mma_first the tensor cores start on this stage before the threads issue the next
-      // stage's copies (ten per thread at 192 A rows), so that the two overlap instead of
-      // following each other. The stage those copies overwrite was read by
-      // the previous iteration's MMAs, which each warpgroup waited for before the barrier above.
-      if (!p.mma_first) {
-        if (more) load_stage(kt + kStages - 1, next);
-        cp_async_commit();
-      }
+      // The tensor cores start on this stage before the threads issue the next stage's copies
+      // (ten per thread at 192 A rows), so that the two overlap instead of following each other
+      // (rank 64 q/k/v 6-10% faster at 256-4096 tokens than the copies first). The stage those
+      // copies overwrite was read by the previous iteration's MMAs, which each warpgroup waited
+      // for before the barrier above.
       const uint64_t da = wgmma_desc(buf + wg_a_off);
       const uint64_t db = wgmma_desc(buf + wg_b_off);
       wgmma_fence_operands(acc);
@@ -667,10 +632,8 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
         Wgmma<T, kCols>::mma(acc, da + 2 * kk, db + 2 * kk);
       }
       wgmma_commit();
-      if (p.mma_first) {
-        if (more) load_stage(kt + kStages - 1, next);
-        cp_async_commit();
-      }
+      if (more) load_stage(kt + kStages - 1, next);
+      cp_async_commit();
       wgmma_wait<0>();  // the ring's next write goes to a stage this group reads
       wgmma_fence_operands(acc);
     } else {
@@ -712,8 +675,6 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
 // before the shrink started, and the shrink writes none of it. At 4096 tokens the shrink's last
 // CTA per 128-token tile summing 8 parts of 128 x 64 floats alone took 7-9 us (four
 // latency-bound round trips); here each CTA reads one round trip's worth.
-constexpr int kSumThreads = 128;
-constexpr int kSumRows = 16;
 template <typename T, int kM, int kParts>  // kParts: p.k_split
 __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams p) {
   __shared__ int prefix[kMaxLorasForSum + 2];
@@ -727,7 +688,7 @@ __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams 
   const int item = static_cast<int>(blockIdx.x) / kBlocks;
   const int r0 = (static_cast<int>(blockIdx.x) % kBlocks) * kSumRows;
   const int tid = static_cast<int>(threadIdx.x);
-  // The layer's expand (split_pdl) may become resident as the shrink's and this grid's CTAs
+  // The layer's expand (under PDL) may become resident as the shrink's and this grid's CTAs
   // leave; it reads the sums only after its own wait, which waits for this grid. Before this
   // grid's own wait, so only for a dependent that reads nothing of the shrink's before its wait.
   if (p.expand_follows) pdl_launch_dependents();
@@ -773,9 +734,9 @@ auto sum_kernel_for(int parts) -> void (*)(PrefillParams) {
 }
 
 template <typename T, int kM>
-Status launch_sum(const PrefillParams& p, int64_t tiles, StreamHandle stream) {
+Status launch_sum(const PrefillPlan& plan, const PrefillParams& p, StreamHandle stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles * (kM / kSumRows)));
+  cfg.gridDim = dim3(plan.sum_grid);
   cfg.blockDim = dim3(kSumThreads);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
@@ -786,228 +747,68 @@ Status launch_sum(const PrefillParams& p, int64_t tiles, StreamHandle stream) {
   return launch_status("prefill_sum_kernel");
 }
 
-bool cache_ranks(const ShrinkArgs& s) { return s.num_slices * s.max_loras <= kMaxCachedRanks; }
-
-// Whether the wgmma form may run this shrink (prefill_mma 0 or 2, up to 256 A rows); the
-// automatic choice (prefill_mma 0) also looks at the grid (prefill_shrink below).
-bool wgmma_allowed(const ShrinkArgs& s) {
-  return kernel_tuning().prefill_mma != 1 &&
-         s.num_slices * s.max_rank <= kWgCols[std::size(kWgCols) - 1];
-}
-
-// The wgmma form's N for an item of a_rows A rows: the smallest instantiated width that holds it.
-int wg_cols(int a_rows) {
-  for (const int n : kWgCols) {
-    if (a_rows <= n) return n;
-  }
-  return kWgCols[std::size(kWgCols) - 1];
-}
-
-// Floats per row of the partial tile: its a_rows (a multiple of 8) and 8 or 16 more, so that
-// the pitch is 8 or 24 mod 32 and the accumulators' 8-byte stores (a half warp: 4 rows x 8
-// columns) hit 32 distinct banks; 4 more (the pitch before) gave two-way conflicts.
-int red_pitch(int a_rows) {
-  const int pitch = a_rows + 8;
-  return pitch % 16 == 0 ? pitch + 8 : pitch;
-}
-
-struct Plan {
-  bool wg = false;
-  int m = 0;     // tokens per tile
-  int cols = 0;  // wgmma: N; mma.sync: column tiles per warp at most
-  int stages = 0;
-  int stage_bytes = 0;
-  int smem = 0;
-  int a_rows = 0;
-  int region = 0;
-  int off_rows = 0;
-};
-
-Plan make_plan(const ShrinkArgs& s, bool wg) {
-  Plan plan;
-  plan.wg = wg;
-  plan.m = plan.wg ? kTileM<true> : kTileM<false>;
-  plan.a_rows = s.num_slices * s.max_rank;
-  plan.cols =
-      plan.wg ? wg_cols(plan.a_rows) : (plan.a_rows <= kSmallRows ? kSmallRows : kMaxRows) / 16;
-  plan.stage_bytes =
-      plan.wg ? (plan.m + plan.cols) * kWgRowBytes : (plan.m + plan.a_rows) * kPitch * 2;
-  const int red_bytes = plan.m * red_pitch(plan.a_rows) * 4;
-  const int ints = s.max_loras + 2 + plan.m + kMaxSlices + 2 * kMaxTiles + 1 +
-                   3 * (s.max_loras + 1) + (cache_ranks(s) ? s.num_slices * s.max_loras : 0);
-  // Ring depth (the kernel's kStages): four stages while three of them in flight stay within
-  // kMaxInFlightBytes (kMaxInFlightBytesWg for wgmma), else three, unless prefill_stages says
-  // otherwise (the wgmma form is instantiated for 3 and 4). A tuned depth that does not fit in
-  // shared memory is lowered until it does (down to 3). The wgmma form above 64 A rows (one CTA
-  // per SM, latency-bound: ncu saw 0.38 of its 2 warps per scheduler eligible) takes four: rank
-  // 64 q/k/v 1.5-4% faster at 256-4096 tokens on an H100 with the corrected cold flush
-  // (eleventh session).
-  const int tuned = kernel_tuning().prefill_stages;
-  const int in_flight = plan.wg ? kMaxInFlightBytesWg : kMaxInFlightBytes;
-  const bool one_per_sm = plan.wg && plan.a_rows > kSmallRows;
-  const int auto_stages = 3 * plan.stage_bytes <= in_flight || one_per_sm ? 4 : 3;
-  plan.stages = tuned != 0 ? tuned : auto_stages;
-  if (plan.wg) plan.stages = std::min(plan.stages, 4);
-  const int slack = plan.wg ? kWgAlign - 16 : 0;  // the kernel aligns its stages to 1024 bytes
-  for (;; --plan.stages) {
-    plan.region =
-        static_cast<int>(ceil_div(std::max(plan.stages * plan.stage_bytes, red_bytes), 16) * 16);
-    plan.off_rows = plan.region + static_cast<int>(ceil_div(int64_t{ints} * 4, 16) * 16);
-    plan.smem = plan.off_rows + (plan.m + kMaxRows) * 8 + slack;
-    if (plan.smem <= kSmemPerSm || plan.stages == 3) return plan;
-  }
-}
-
 template <typename T, int kCols, int kStages, bool kWg>
-Status launch_staged(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
-                     StreamHandle stream) {
+Status launch_staged(const PrefillPlan& plan, const PrefillParams& p, StreamHandle stream) {
   // The traced instantiation only for bf16 (the benchmark's dtype) while tracing.
   auto kernel = &prefill_shrink_kernel<T, kCols, kStages, false, kWg>;
   if constexpr (std::is_same_v<T, bf16>) {
     if (p.trace != nullptr) kernel = &prefill_shrink_kernel<T, kCols, kStages, true, kWg>;
   }
-  // prefill_max_ctas_per_sm: shared memory padded so that no more CTAs than that share an SM.
-  int smem = plan.smem;
-  const int cap = kernel_tuning().prefill_max_ctas_per_sm;
-  if (cap > 0) smem = std::max(smem, kSmPool / (cap + 1) - kSmemReserved + 16);
-  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
+  LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * k_split));
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.tiles * plan.k_split));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(k_split);
+  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.k_split);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = p.global_reduce ? 0 : 1;  // split-K through global memory: no clusters
+  cfg.numAttrs = plan.global_reduce ? 0 : 1;  // split-K through global memory: no clusters
   LORAPLEX_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&cfg, kernel, p), "prefill_shrink_kernel launch"));
   return launch_status("prefill_shrink_kernel");
 }
 
 template <typename T, int kCols, bool kWg>
-Status launch_cols(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
-                   StreamHandle stream) {
-  if constexpr (kWg) {
-    if (plan.stages == 3)
-      return launch_staged<T, kCols, 3, true>(p, plan, k_split, clusters, stream);
-    return launch_staged<T, kCols, 4, true>(p, plan, k_split, clusters, stream);
-  } else {
-    switch (plan.stages) {
-      case 3:
-        return launch_staged<T, kCols, 3, false>(p, plan, k_split, clusters, stream);
-      case 4:
-        return launch_staged<T, kCols, 4, false>(p, plan, k_split, clusters, stream);
-      case 5:
-        return launch_staged<T, kCols, 5, false>(p, plan, k_split, clusters, stream);
-      default:
-        return launch_staged<T, kCols, 6, false>(p, plan, k_split, clusters, stream);
-    }
-  }
+Status launch_cols(const PrefillPlan& plan, const PrefillParams& p, StreamHandle stream) {
+  if (plan.stages == 3) return launch_staged<T, kCols, 3, kWg>(plan, p, stream);
+  return launch_staged<T, kCols, 4, kWg>(plan, p, stream);
 }
 
 template <typename T>
-Status launch(const PrefillParams& p, const Plan& plan, int k_split, int clusters,
-              StreamHandle stream) {
+Status launch_form(const PrefillPlan& plan, const PrefillParams& p, StreamHandle stream) {
   if (!plan.wg) {
-    return plan.cols == kSmallRows / 16
-               ? launch_cols<T, kSmallRows / 16, false>(p, plan, k_split, clusters, stream)
-               : launch_cols<T, kMaxRows / 16, false>(p, plan, k_split, clusters, stream);
+    return plan.cols == kSmallRows / 16 ? launch_cols<T, kSmallRows / 16, false>(plan, p, stream)
+                                        : launch_cols<T, kMaxRows / 16, false>(plan, p, stream);
   }
   switch (plan.cols) {
     case 16:
-      return launch_cols<T, 16, true>(p, plan, k_split, clusters, stream);
+      return launch_cols<T, 16, true>(plan, p, stream);
     case 32:
-      return launch_cols<T, 32, true>(p, plan, k_split, clusters, stream);
+      return launch_cols<T, 32, true>(plan, p, stream);
     case 64:
-      return launch_cols<T, 64, true>(p, plan, k_split, clusters, stream);
+      return launch_cols<T, 64, true>(plan, p, stream);
     case 128:
-      return launch_cols<T, 128, true>(p, plan, k_split, clusters, stream);
+      return launch_cols<T, 128, true>(plan, p, stream);
     case 192:
-      return launch_cols<T, 192, true>(p, plan, k_split, clusters, stream);
+      return launch_cols<T, 192, true>(plan, p, stream);
     default:
-      return launch_cols<T, 256, true>(p, plan, k_split, clusters, stream);
+      return launch_cols<T, 256, true>(plan, p, stream);
   }
-}
-
-struct Grid {
-  int64_t tiles = 0;  // work tiles at most
-  int k_split = 1;
-};
-
-// The wgmma form above 64 A rows runs one CTA per SM (128 x N accumulators, 40 KB stages): its
-// grid stays within this many CTAs, where one wave measured to fit (132 CTAs in clusters of 4
-// found only ~120 SMs at launch and ran as two waves: 35-40% slower).
-constexpr int64_t kWgOneWave = 128;
-
-// Tiles at most: one per kM tokens plus each active slot's last partial tile. Split K until the
-// grid has about prefill_ctas_per_sm (default two) CTAs per SM, keeping at least 512 K elements
-// per CTA. The large variants (more than 64 A rows: their MMAs, not their loads, set their time)
-// split only while the full tiles fill one CTA per SM: at 4096 tokens and rank 64 a split of 2
-// measured 18-26% faster than 4 for mma.sync (BENCHMARKS.md, 2026-11-24). The wgmma form's tiles
-// are twice as long, so it splits up to 8 by default (4096 tokens, rank 16, one slice: 8 parts
-// 15% faster than 4).
-Grid choose_grid(const ShrinkArgs& s, const Plan& plan) {
-  const KernelTuning tuning = kernel_tuning();
-  Grid g;
-  g.tiles = ceil_div(s.num_tokens, plan.m) + std::min<int64_t>(s.num_tokens, s.max_loras);
-  const bool small = plan.a_rows <= kSmallRows;
-  const int max_split = tuning.prefill_k_split != 0 ? tuning.prefill_k_split : plan.wg ? 8 : 4;
-  while (g.k_split < max_split && g.tiles * g.k_split < tuning.prefill_ctas_per_sm * sm_count() &&
-         (small || ceil_div(s.num_tokens, plan.m) * g.k_split * 2 <= sm_count()) &&
-         s.hidden >= int64_t{g.k_split} * 2 * 512) {
-    g.k_split *= 2;
-  }
-  // The wgmma form above 64 A rows: fewer parts, of any count, rather than a second wave (4096
-  // tokens, one slot: 33 tiles x 3 parts).
-  if (plan.wg && !small && tuning.prefill_k_split == 0 && g.tiles * g.k_split > kWgOneWave) {
-    g.k_split = static_cast<int>(std::max<int64_t>(1, kWgOneWave / g.tiles));
-  }
-  return g;
-}
-
-// The form (prefill_mma 0), as measured on the H200 at 256-4096 tokens (BENCHMARKS.md,
-// 2026-11-24, ninth session):
-// * up to 64 A rows: wgmma (rank 16 one slice 9-22% faster everywhere; rank 64 one slice and
-//   rank 16 q/k/v 3-25% at 256-1024 tokens and, with the deferred sum from 2048 tokens, 7-20% at
-//   4096, where the last CTA of each full 128-token tile summing 8 parts alone had been a 7-9 us
-//   tail and made it 7-23% slower);
-// * above 64 A rows: wgmma where its grid of one CTA per SM fits kWgOneWave CTAs with K split in
-//   at least three (choose_grid). With 1-8 adapters up to 1024 tokens (grids of up to 128 CTAs)
-//   it was 10-26% faster (rank 64 q/k/v); at 4096 tokens with 1-8 adapters (K in 3 parts, 99-120
-//   CTAs) 5-8%; with 32 adapters at 4096 tokens (64 tiles: K in 2) 26% slower.
-constexpr int64_t kWgFullTokens = 2048;
-Plan choose_plan(const ShrinkArgs& s) {
-  if (!wgmma_allowed(s)) return make_plan(s, false);
-  const Plan wg = make_plan(s, true);
-  if (kernel_tuning().prefill_mma == 2 || wg.a_rows <= kSmallRows) return wg;
-  const Grid g = choose_grid(s, wg);
-  return g.tiles * g.k_split <= kWgOneWave && g.k_split >= 3 ? wg : make_plan(s, false);
 }
 
 }  // namespace
 
-bool prefill_shrink_applies(const ShrinkArgs& s) {
-  if (!half_dtype(s.dtype) || s.max_rank % 8 != 0 || s.num_slices * s.max_rank > kMaxRows) {
-    return false;
-  }
-  if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !aligned16(s.x)) return false;
-  for (int i = 0; i < s.num_slices; ++i) {
-    if (!aligned16(s.lora_a[i])) return false;
-  }
-  return make_plan(s, false).smem <= kSmemPerSm &&
-         (!wgmma_allowed(s) || make_plan(s, true).smem <= kSmemPerSm);
-}
-
-Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandle stream,
-                      bool expand_follows) {
-  LORAPLEX_ENSURE(prefill_shrink_applies(s), "prefill_shrink: arguments not supported");
-  const Plan plan = choose_plan(s);
+Status launch_prefill(const PrefillPlan& plan, const ShrinkArgs& s, const LoraMetaView& meta,
+                      StreamHandle stream) {
+  // The reductions are instantiated for up to kMaxParts parts.
+  LORAPLEX_ENSURE(plan.k_split >= 1 && plan.k_split <= kMaxParts, "prefill_shrink: K split in ",
+                  plan.k_split, " parts, expected 1..", kMaxParts);
   PrefillParams p{};
-  p.expand_follows = expand_follows;
+  p.expand_follows = plan.expand_follows;
   p.x = s.x;
   p.x_stride = s.x_row_stride;
   p.hidden = s.hidden;
@@ -1023,54 +824,26 @@ Status prefill_shrink(const ShrinkArgs& s, const LoraMetaView& meta, StreamHandl
   p.out_vec = (reinterpret_cast<uintptr_t>(s.out) & (p.out_f32 ? 15u : 7u)) == 0;
   p.num_tokens = s.num_tokens;
   p.stage_bytes = plan.stage_bytes;
-  p.red_pitch = red_pitch(plan.a_rows);
-  p.cache_ranks = cache_ranks(s);
+  p.red_pitch = plan.red_pitch;
+  p.cache_ranks = plan.cache_ranks;
   p.region = plan.region;
   p.off_rows = plan.off_rows;
   p.trace = kernel_trace();
-  const KernelTuning tuning = kernel_tuning();
-  p.mma_first = tuning.prefill_mma_first != 0;
-  const Grid grid = choose_grid(s, plan);
-  const int64_t tiles = grid.tiles;
-  const int k_split = grid.k_split;
-  // The reductions are instantiated for up to kMaxParts parts (the tuning knob's range).
-  LORAPLEX_ENSURE(k_split >= 1 && k_split <= kMaxParts, "prefill_shrink: K split in ", k_split,
-                  " parts, expected 1..", kMaxParts);
-  const bool small = plan.a_rows <= kSmallRows;
-  p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, k_split), kBK) * kBK);
-  const int clusters = static_cast<int>(tiles);
-  // The split-K partial sums meet in a cluster's shared memory, or in global memory (the
-  // metadata's scratch, where it holds them) when the grid's bound brings more than one CTA per
-  // SM of the small variant (prefill_reduce 0), or always (2). Clusters of 4 landed on 124 of
-  // the H200's 132 SMs: with more CTAs than SMs some SMs ran 3 of them, or a second wave ran
-  // (4096 tokens; 32 adapters at 256-1024 tokens: global 9-10% faster). With fewer, and for the
-  // large variant, the cluster reduction (no fence, counter or L2 round trips) measured faster
-  // (BENCHMARKS.md, 2026-11-24).
-  p.k_split = k_split;
+  p.k_chunk = plan.k_chunk;
+  p.k_split = plan.k_split;
   p.part_pitch = plan.a_rows;
-  const bool many = small && tiles * k_split > sm_count();
-  p.global_reduce = (tuning.prefill_reduce == 2 || (tuning.prefill_reduce == 0 && many)) &&
-                    k_split > 1 && meta.scratch != nullptr &&
-                    k_split * s.num_tokens * plan.a_rows <= meta.scratch_floats &&
-                    tiles <= meta.num_counters;
-  // The deferred sum (prefill_sum 2: wherever the parts meet in global memory; 0: the wgmma form
-  // from kWgFullTokens tokens, where full 128-row tiles make the last CTA's sum long: 33-64 A
-  // rows at 4096 tokens 8-19% faster on the H200; 16 rows (rank 16, one slice) 3-6% on an H100
-  // once the cold timing's flush really emptied the L2 (eleventh session); below, its launch
-  // cost more than it saved: 3-7% slower at 32 adapters x 256-1024 tokens).
-  const int sum_mode = tuning.prefill_sum;
-  p.defer_sum = p.global_reduce && s.max_loras <= kMaxLorasForSum &&
-                (sum_mode == 2 || (sum_mode == 0 && plan.wg && s.num_tokens >= kWgFullTokens));
+  p.global_reduce = plan.global_reduce;
+  p.defer_sum = plan.defer_sum;
   const bool bf = s.dtype == DType::kBF16;
-  LORAPLEX_RETURN_IF_ERROR(bf ? launch<bf16>(p, plan, k_split, clusters, stream)
-                              : launch<f16>(p, plan, k_split, clusters, stream));
-  if (!p.defer_sum) return Status();
+  LORAPLEX_RETURN_IF_ERROR(bf ? launch_form<bf16>(plan, p, stream)
+                              : launch_form<f16>(plan, p, stream));
+  if (!plan.defer_sum) return Status();
   if (plan.wg) {
-    return bf ? launch_sum<bf16, kTileM<true>>(p, tiles, stream)
-              : launch_sum<f16, kTileM<true>>(p, tiles, stream);
+    return bf ? launch_sum<bf16, kTileWg>(plan, p, stream)
+              : launch_sum<f16, kTileWg>(plan, p, stream);
   }
-  return bf ? launch_sum<bf16, kTileM<false>>(p, tiles, stream)
-            : launch_sum<f16, kTileM<false>>(p, tiles, stream);
+  return bf ? launch_sum<bf16, kTileMma>(plan, p, stream)
+            : launch_sum<f16, kTileMma>(plan, p, stream);
 }
 
 }  // namespace loraplex::kernels::cuda

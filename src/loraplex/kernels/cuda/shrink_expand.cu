@@ -1,32 +1,24 @@
-// Shrink and expand on CUDA.
-//
-// Expand on tensor cores (bf16/f16, 16-byte aligned rows), one work item at a time: a
-// persistent grid over the items of expand_items.cuh (one 64-token tile of one active slot x
-// one 128-column tile of one slice, all slices in one launch). Up to max_rank 64 lora_expand
-// runs the pipelined expand (expand_pipelined.cu) unless told not to. Each slot costs its own rank:
-// B columns and MMA steps past a slot's rank are never loaded or computed. Operands are staged with
+// Shrink and expand on CUDA: the generic kernels (any dtype, any strides; also the BGMV
+// forms) and the tensor-core expand that takes one work item at a time (expand_items.cuh: one
+// 64-token tile of one active slot x one 128-column tile of one slice, all slices in one
+// launch), for max_rank above the pipelined expand's 64. Each slot costs its own rank: B columns
+// and MMA steps past a slot's rank are never loaded or computed. Operands are staged with
 // cp.async (zero-filled past the valid bytes), multiplied with mma.sync m16n8k16 into fp32 (the
 // intermediate rounded to the weight dtype first, as vLLM does), and y is read, added and written
 // with 16-byte accesses through shared memory.
-//
-// lora_shrink runs the decode kernel (decode_lora.cu) for small batches and the tensor-core
-// prefill shrink (prefill_shrink.cu) for larger ones. Generic kernels (any dtype, any
-// strides) handle everything else and the BGMV forms.
 
 #include <algorithm>
 #include <limits>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/cuda/expand_items.cuh"
-#include "loraplex/kernels/cuda/kernel_tuning.h"
-#include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/lora_paths.h"
-#include "loraplex/kernels/lora_ops_checks.h"
+#include "loraplex/kernels/cuda/lora_launch.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
+
 // Generic kernels.
 
 struct GenericShrinkParams {
@@ -42,8 +34,6 @@ struct GenericShrinkParams {
   void* out;
   int64_t num_tokens;
 };
-
-constexpr int kGenericThreads = 256;
 
 // One block per (token, slice); each warp computes whole rank rows (dot over hidden).
 template <typename T, typename OutT>
@@ -104,6 +94,30 @@ __global__ void __launch_bounds__(kGenericThreads) expand_generic_kernel(Generic
   *y = from_float<T>(acc);
 }
 
+GenericExpandParams generic_expand_params(const ExpandArgs& a, const int32_t* mapping) {
+  GenericExpandParams p{};
+  p.in = a.in;
+  p.num_slices = a.num_slices;
+  p.col_begin[0] = 0;
+  for (int s = 0; s < a.num_slices; ++s) {
+    p.b[s] = a.lora_b[s];
+    p.width[s] = a.slice_width[s];
+    p.col_begin[s + 1] = p.col_begin[s] + a.slice_width[s];
+  }
+  p.max_loras = a.max_loras;
+  p.max_rank = a.max_rank;
+  p.ranks = a.ranks;
+  p.mapping = mapping;
+  p.y = a.y;
+  p.y_stride = a.y_row_stride;
+  p.offset_start = a.offset_start;
+  p.add_inputs = a.add_inputs;
+  p.num_tokens = a.num_tokens;
+  return p;
+}
+
+}  // namespace
+
 Status launch_shrink_generic(const ShrinkArgs& a, const int32_t* mapping, StreamHandle stream) {
   GenericShrinkParams p{};
   p.x = a.x;
@@ -130,28 +144,6 @@ Status launch_shrink_generic(const ShrinkArgs& a, const int32_t* mapping, Stream
   return launch_status("shrink_generic_kernel");
 }
 
-GenericExpandParams generic_expand_params(const ExpandArgs& a, const int32_t* mapping) {
-  GenericExpandParams p{};
-  p.in = a.in;
-  p.num_slices = a.num_slices;
-  p.col_begin[0] = 0;
-  for (int s = 0; s < a.num_slices; ++s) {
-    p.b[s] = a.lora_b[s];
-    p.width[s] = a.slice_width[s];
-    p.col_begin[s + 1] = p.col_begin[s] + a.slice_width[s];
-  }
-  p.max_loras = a.max_loras;
-  p.max_rank = a.max_rank;
-  p.ranks = a.ranks;
-  p.mapping = mapping;
-  p.y = a.y;
-  p.y_stride = a.y_row_stride;
-  p.offset_start = a.offset_start;
-  p.add_inputs = a.add_inputs;
-  p.num_tokens = a.num_tokens;
-  return p;
-}
-
 Status launch_expand_generic(const ExpandArgs& a, const int32_t* mapping, StreamHandle stream) {
   const GenericExpandParams p = generic_expand_params(a, mapping);
   const int64_t total = p.col_begin[a.num_slices];
@@ -171,13 +163,15 @@ Status launch_expand_generic(const ExpandArgs& a, const int32_t* mapping, Stream
   return launch_status("expand_generic_kernel");
 }
 
+namespace {
+
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels.
 
 constexpr int kTcThreads = 128;         // 4 warps, 16 token rows each
 constexpr int kTcBM = kExpandTileRows;  // tokens per tile
 static_assert(kTcThreads == 2 * kTcBM, "threads kTcBM.. write an item's token indices");
-constexpr int kTcBK = 64;                   // rank elements per staged chunk (ranks above 16)
+constexpr int kTcBK = 64;                   // rank elements per staged chunk
 constexpr int kExpandBN = kExpandTileCols;  // output columns per expand item
 constexpr int kYPitch = kExpandYPitch;
 
@@ -208,11 +202,12 @@ __device__ __forceinline__ void expand_mma(float (&acc)[16][4], const T* a_rows,
 constexpr int expand_smem_bytes(int bk) {
   return (kTcBM * kYPitch + kTcBM * (bk + 8) + kExpandBN * (bk + 8)) * 2 + kTcBM * 4;
 }
+static_assert(expand_smem_bytes(kTcBK) == expand_kernel::tc_fixed_bytes(),
+              "the planner's shared memory of the tensor-core expand");
 
-// Four CTAs per SM, the default grid (expand_ctas_per_sm 0). kBK = 64 (any rank, in chunks):
-// 45 KB of shared memory and ~125 registers. kBK = 16 (max_rank <= 16): 27 KB, and a quarter of
-// the staging work. Five CTAs per SM of the kBK = 16 variant (registers capped at 102) measured
-// slower at 4096 tokens (BENCHMARKS.md, 2026-11-24).
+// Four CTAs per SM, the default grid (expand_ctas_per_sm 0): 45 KB of shared memory and ~125
+// registers. kBK ranks per staged chunk (64: any rank, in chunks); the launcher instantiates 64,
+// for the ranks above the pipelined expand's.
 template <typename T, int kBK, bool kTrace>
 __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTileParams p) {
   constexpr int kTcPitch = kBK + 8;  // padded rows: fragment loads are bank-conflict free
@@ -400,33 +395,22 @@ __global__ void __launch_bounds__(kTcThreads, 4) expand_tc_kernel(ExpandTilePara
   trace_at<kTrace>(p.trace, 7);
 }
 
-bool tc_expand_ok(const ExpandArgs& a) {
-  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.y_row_stride % 8 != 0 ||
-      a.offset_start % 8 != 0 || !aligned16(a.y) || !aligned16(a.in))
-    return false;
-  for (int s = 0; s < a.num_slices; ++s) {
-    if (a.slice_width[s] % 8 != 0 || !aligned16(a.lora_b[s])) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
-ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& meta) {
+ExpandTileParams expand_tile_params(const ExpandPlan& plan, const ExpandArgs& a,
+                                    const LoraMetaView& meta) {
   ExpandTileParams p{};
   p.in = a.in;
   p.in_f32 = a.in_dtype == DType::kF32;
   p.num_slices = a.num_slices;
   int64_t col = a.offset_start;
-  p.ntile_begin[0] = 0;
   for (int s = 0; s < a.num_slices; ++s) {
     p.b[s] = a.lora_b[s];
     p.width[s] = a.slice_width[s];
     p.y_col[s] = col;
     col += a.slice_width[s];
-    p.ntile_begin[s + 1] =
-        p.ntile_begin[s] + static_cast<int>(ceil_div(a.slice_width[s], kExpandTileCols));
   }
+  for (int s = 0; s <= a.num_slices; ++s) p.ntile_begin[s] = plan.ntile_begin[s];
   p.max_loras = a.max_loras;
   p.max_rank = a.max_rank;
   p.ranks = a.ranks;
@@ -435,142 +419,41 @@ ExpandTileParams expand_tile_params(const ExpandArgs& a, const LoraMetaView& met
   p.add_inputs = a.add_inputs;
   p.num_tokens = a.num_tokens;
   p.meta = meta;
-  p.cache_ranks = a.num_slices * a.max_loras <= kMaxCachedRanks;
-  p.cache_sorted = a.num_tokens <= kExpandCachedTokens;
+  p.cache_ranks = plan.cache_ranks;
+  p.cache_sorted = plan.cache_sorted;
   p.trace = kernel_trace();
+  p.balanced = plan.balanced;
+  p.pdl = plan.pdl;
   return p;
 }
 
-int64_t expand_tile_items(const ExpandTileParams& p) {
-  const int64_t tiles = ceil_div(p.num_tokens, int64_t{kExpandTileRows}) +
-                        std::min<int64_t>(p.num_tokens, p.max_loras);
-  return tiles * p.ntile_begin[p.num_slices];
-}
-
-int expand_ctas_per_sm(int auto_value) {
-  const int knob = kernel_tuning().expand_ctas_per_sm;
-  return knob > 0 ? knob : auto_value;
-}
-
-Status check_expand_items(const ExpandTileParams& p) {
-  const int64_t items = expand_tile_items(p);
-  LORAPLEX_ENSURE(items <= std::numeric_limits<int>::max(), "lora_expand: ", items,
+Status check_expand_items(const ExpandPlan& plan) {
+  LORAPLEX_ENSURE(plan.items <= std::numeric_limits<int>::max(), "lora_expand: ", plan.items,
                   " work items (64-token tiles x 128-column tiles) exceed the kernels' 32-bit "
                   "item index (at most ",
                   std::numeric_limits<int>::max(), ")");
   return Status();
 }
 
-int expand_table_bytes(const ExpandTileParams& p) {
-  return (p.max_loras + 2) * 4 + 3 * (p.max_loras + 1) * 4 +
-         (p.cache_ranks ? p.num_slices * p.max_loras * 4 : 0) +
-         (p.cache_sorted ? static_cast<int>(p.num_tokens) * 4 + 12 : 0);
-}
-
-namespace {
-
-Status launch_expand_tc(const ExpandArgs& a, const LoraMetaView& meta, StreamHandle stream) {
-  const ExpandTileParams p = expand_tile_params(a, meta);
-  LORAPLEX_RETURN_IF_ERROR(check_expand_items(p));
-  const int tables = expand_table_bytes(p);
-  const int64_t items = expand_tile_items(p);
+Status launch_expand_tc(const ExpandPlan& plan, const ExpandArgs& a, const LoraMetaView& meta,
+                        StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_expand_items(plan));
+  const ExpandTileParams p = expand_tile_params(plan, a, meta);
   auto s = static_cast<cudaStream_t>(stream);
-  const int grid =
-      static_cast<int>(std::min<int64_t>(items, int64_t{expand_ctas_per_sm(4)} * sm_count()));
-  auto run = [&](auto kernel, int bk) -> Status {
-    const int smem = expand_smem_bytes(bk) + tables;
-    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
-    kernel<<<grid, kTcThreads, smem, s>>>(p);
+  auto run = [&](auto kernel) -> Status {
+    LORAPLEX_RETURN_IF_ERROR(allow_dynamic_smem(reinterpret_cast<const void*>(kernel), plan.smem));
+    kernel<<<plan.grid, kTcThreads, plan.smem, s>>>(p);
     return Status();
   };
-  const bool small = a.max_rank <= 16;
   // The traced instantiations only for bf16 (the benchmark's dtype) while tracing.
   if (a.dtype == DType::kBF16 && p.trace != nullptr) {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16, true>, 16)
-                                   : run(&expand_tc_kernel<bf16, kTcBK, true>, kTcBK));
+    LORAPLEX_RETURN_IF_ERROR(run(&expand_tc_kernel<bf16, kTcBK, true>));
   } else if (a.dtype == DType::kBF16) {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<bf16, 16, false>, 16)
-                                   : run(&expand_tc_kernel<bf16, kTcBK, false>, kTcBK));
+    LORAPLEX_RETURN_IF_ERROR(run(&expand_tc_kernel<bf16, kTcBK, false>));
   } else {
-    LORAPLEX_RETURN_IF_ERROR(small ? run(&expand_tc_kernel<f16, 16, false>, 16)
-                                   : run(&expand_tc_kernel<f16, kTcBK, false>, kTcBK));
+    LORAPLEX_RETURN_IF_ERROR(run(&expand_tc_kernel<f16, kTcBK, false>));
   }
   return launch_status("expand_tc_kernel");
-}
-
-Status check_meta(const LoraMetaView& meta, int64_t num_tokens, int max_loras, const char* op) {
-  LORAPLEX_ENSURE(meta.num_tokens == num_tokens, op, ": metadata built for ", meta.num_tokens,
-                  " tokens, the call has ", num_tokens);
-  LORAPLEX_ENSURE(meta.max_loras == max_loras, op, ": metadata built for max_loras ",
-                  meta.max_loras, ", the weights have ", max_loras);
-  LORAPLEX_ENSURE(meta.token_lora_mapping != nullptr && meta.sorted_token_indices != nullptr &&
-                      meta.active_lora_ids != nullptr && meta.num_tokens_per_lora != nullptr &&
-                      meta.lora_token_start_loc != nullptr && meta.num_active_loras != nullptr,
-                  op, ": metadata has a null buffer");
-  return Status();
-}
-
-// lora_shrink's checks and choice of kernel. expand_follows: the layer's pipelined expand is
-// launched next under PDL (lora_split_linear); *ran_prefill says whether the prefill shrink ran,
-// the one kernel that then lets it launch early.
-Status shrink_routed(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream,
-                     bool expand_follows, bool* ran_prefill) {
-  *ran_prefill = false;
-  LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
-  LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_shrink"));
-  if (args.num_tokens == 0) return Status();
-  if (decode_shrink_applies(args, meta)) return decode_shrink(args, meta, stream);
-  if (prefill_shrink_applies(args)) {
-    *ran_prefill = true;
-    return prefill_shrink(args, meta, stream, expand_follows);
-  }
-  return launch_shrink_generic(args, meta.token_lora_mapping, stream);
-}
-
-// lora_expand's checks and choice of kernel; after_prefill_shrink as for expand_pipelined.
-Status expand_routed(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream,
-                     bool after_prefill_shrink) {
-  LORAPLEX_RETURN_IF_ERROR(check_expand_args(args));
-  LORAPLEX_RETURN_IF_ERROR(check_meta(meta, args.num_tokens, args.max_loras, "lora_expand"));
-  if (args.num_tokens == 0) return Status();
-  if (expand_pipelined_applies(args)) {
-    return expand_pipelined(args, meta, stream, after_prefill_shrink);
-  }
-  if (tc_expand_ok(args)) return launch_expand_tc(args, meta, stream);
-  return launch_expand_generic(args, meta.token_lora_mapping, stream);
-}
-
-}  // namespace
-
-Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, StreamHandle stream) {
-  bool ran_prefill = false;
-  return shrink_routed(args, meta, stream, false, &ran_prefill);
-}
-
-Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta, StreamHandle stream) {
-  return expand_routed(args, meta, stream, false);
-}
-
-Status lora_split_linear(const ShrinkArgs& shrink, const ExpandArgs& expand,
-                         const LoraMetaView& meta, StreamHandle stream) {
-  const bool pdl = kernel_tuning().split_pdl != 0 && expand_pipelined_applies(expand);
-  bool ran_prefill = false;
-  LORAPLEX_RETURN_IF_ERROR(shrink_routed(shrink, meta, stream, pdl, &ran_prefill));
-  return expand_routed(expand, meta, stream, pdl && ran_prefill);
-}
-
-Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, StreamHandle stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_shrink_args(args));
-  if (args.num_tokens == 0) return Status();
-  LORAPLEX_ENSURE(token_lora_mapping != nullptr, "bgmv_shrink: token mapping is null");
-  return launch_shrink_generic(args, token_lora_mapping, stream);
-}
-
-Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_expand_args(args));
-  if (args.num_tokens == 0) return Status();
-  LORAPLEX_ENSURE(token_lora_mapping != nullptr, "bgmv_expand: token mapping is null");
-  return launch_expand_generic(args, token_lora_mapping, stream);
 }
 
 }  // namespace loraplex::kernels::cuda

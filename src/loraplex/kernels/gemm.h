@@ -1,17 +1,18 @@
 #pragma once
-// The CPU backend's matmul: y = x W^T (+ bias), the layout of every linear layer (W stored
-// [out, in] as in checkpoints). Blocked and threaded over output tiles, with the operands
-// packed to float so that the inner loop is a vectorisable outer-product update; f32
-// accumulation for f32, f16 and bf16.
+// The base GEMM of every linear layer: y = x W^T (+ bias), W stored [out, in] as in checkpoints.
+// The CPU version (cpu/gemm_cpu.h) is blocked and threaded with f32 accumulation; the CUDA
+// version runs cuBLASLt (cuda/cublaslt_gemm.cc: fp32 compute, TF32 off for f32) on the current
+// device. punica/op_dispatch routes between them.
 
 #include <cstdint>
 
+#include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/dtype.h"
 #include "loraplex/core/status.h"
 
-namespace loraplex::kernels::cpu {
+namespace loraplex::kernels {
 
-/// Which build of the kernels runs: the best the CPU supports, or the portable baseline (so
+/// Which build of the CPU kernels runs: the best the CPU supports, or the portable baseline (so
 /// tests cover both on machines with AVX2).
 enum class GemmIsa { kAuto, kBaseline };
 
@@ -29,10 +30,18 @@ struct GemmArgs {
   int64_t y_row_stride = 0;    // >= n
   // y += x W^T (+ bias) instead of y = ...; the sum is rounded once.
   bool accumulate = false;
-  GemmIsa isa = GemmIsa::kAuto;
+  GemmIsa isa = GemmIsa::kAuto;  // the CPU's kernels
 };
 
-/// y = x W^T (+ bias). Threaded over the pool (parallel_for); never throws.
+namespace cpu {
+/// Threaded over the pool (parallel_for); never throws.
 Status gemm_xwt(const GemmArgs& args);
+}  // namespace cpu
 
-}  // namespace loraplex::kernels::cpu
+namespace cuda {
+/// cuBLASLt on the current device; plans are cached per thread and problem, workspaces per
+/// thread, device and stream. Never throws.
+Status gemm_xwt(const GemmArgs& args, cuda_rt::StreamHandle stream);
+}  // namespace cuda
+
+}  // namespace loraplex::kernels

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "loraplex/core/parallel.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/kernels/model_ops.h"
 
-namespace loraplex::model::ops::cpu {
+namespace loraplex::kernels::cpu {
 namespace {
 
 bool is_activation(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
@@ -19,14 +19,6 @@ Status dispatch(DType dtype, const char* op, Fn&& fn) {
   LORAPLEX_ENSURE(is_activation(dtype), op, ": dtype ", dtype,
                   ", expected float32, float16 or bfloat16");
   dispatch_activation_dtype(dtype, fn);
-  return Status();
-}
-
-Status check_cache(const KvCacheView& c, const char* op) {
-  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
-                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
-                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
-                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
   return Status();
 }
 
@@ -48,22 +40,6 @@ Status fill_uniform(const FillUniformArgs& a) {
       for (int64_t i = lo; i < hi; ++i) out[i] = store_float<T>(uniform_at(a, i));
     });
   });
-}
-
-Status embedding(const EmbeddingArgs& a) {
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    LORAPLEX_ENSURE(a.ids[t] >= 0 && a.ids[t] < a.vocab, "embedding: token ", t, " has id ",
-                    a.ids[t], ", expected 0..", a.vocab - 1);
-  }
-  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
-  const auto* table = static_cast<const unsigned char*>(a.table);
-  auto* out = static_cast<unsigned char*>(a.out);
-  for (int64_t t = 0; t < a.num_tokens; ++t) {
-    std::copy_n(table + static_cast<size_t>(a.ids[t]) * row_bytes, row_bytes,
-                out + static_cast<size_t>(t) * row_bytes);
-  }
-  return Status();
 }
 
 Status add_rms_norm(const AddRmsNormArgs& a) {
@@ -110,14 +86,10 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
 }
 
 Status rope_kv_write(const RopeKvWriteArgs& a) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+  LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
   const KvCacheView& c = a.cache;
   const int64_t d = c.head_dim;
   const int64_t kv = c.num_kv_heads * d;
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && d % 2 == 0 &&
-                      a.qkv_row_stride >= a.num_heads * d + 2 * kv,
-                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
-                  ", head dim ", d, ", row stride ", a.qkv_row_stride, ")");
   const int64_t num_slots = c.num_blocks * c.block_size;
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     LORAPLEX_ENSURE(a.slot_mapping[t] >= -1 && a.slot_mapping[t] < num_slots,
@@ -170,13 +142,8 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
 }
 
 Status paged_attention(const PagedAttentionArgs& a) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+  LORAPLEX_RETURN_IF_ERROR(check_paged_attention_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(
-      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
-          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
-      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
-      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     LORAPLEX_ENSURE(a.token_seq[t] >= 0 && a.token_seq[t] < a.num_seqs && a.positions[t] >= 0 &&
                         a.positions[t] < a.max_context,
@@ -295,4 +262,4 @@ Status argmax(const ArgmaxArgs& a) {
   });
 }
 
-}  // namespace loraplex::model::ops::cpu
+}  // namespace loraplex::kernels::cpu

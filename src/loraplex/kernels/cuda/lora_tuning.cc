@@ -1,4 +1,4 @@
-#include "loraplex/kernels/cuda/kernel_tuning.h"
+#include "loraplex/kernels/cuda/lora_tuning.h"
 
 #include <charconv>
 #include <string>
@@ -6,13 +6,11 @@
 namespace loraplex::kernels::cuda {
 namespace {
 
-KernelTuning g_tuning;
-
 // One row per field: its name, where it lives and its range. Checking, parsing and reporting
-// all read this table, so a new knob is one row here plus its member.
+// all read this table, so a new value is one row here plus its member.
 struct Field {
   const char* name;
-  int KernelTuning::*member;
+  int LoraTuning::*member;
   int lo;
   int hi;
   bool pow2;
@@ -20,30 +18,24 @@ struct Field {
 };
 
 constexpr Field kFields[] = {
-    {"decode_k_chunks", &KernelTuning::decode_k_chunks, 1, 16, true, false},
-    {"decode_cols", &KernelTuning::decode_cols, 8, 256, true, false},
-    {"prefill_k_split", &KernelTuning::prefill_k_split, 1, 8, true, true},
-    {"prefill_ctas_per_sm", &KernelTuning::prefill_ctas_per_sm, 1, 8, false, false},
-    {"prefill_max_ctas_per_sm", &KernelTuning::prefill_max_ctas_per_sm, 1, 4, false, true},
-    {"prefill_reduce", &KernelTuning::prefill_reduce, 1, 2, false, true},
-    {"prefill_mma", &KernelTuning::prefill_mma, 1, 2, false, true},
-    {"prefill_sum", &KernelTuning::prefill_sum, 1, 2, false, true},
-    {"prefill_stages", &KernelTuning::prefill_stages, 3, 6, false, true},
-    {"expand_ctas_per_sm", &KernelTuning::expand_ctas_per_sm, 1, 16, false, true},
-    {"expand_pipelined", &KernelTuning::expand_pipelined, 1, 2, false, true},
-    {"decode_ctas_per_sm", &KernelTuning::decode_ctas_per_sm, 1, 4, false, true},
-    {"decode_persistent", &KernelTuning::decode_persistent, 0, 1, false, false},
-    {"gather_group", &KernelTuning::gather_group, 1, 4, true, true},
-    {"gather_max_token_ranks", &KernelTuning::gather_max_token_ranks, 1, 1 << 30, false, false},
-    {"gather_shrink", &KernelTuning::gather_shrink, 1, 2, false, true},
-    {"gather_rows", &KernelTuning::gather_rows, 8, 16, true, true},
-    {"decode_cluster", &KernelTuning::decode_cluster, 0, 2, false, false},
-    {"layer_pdl", &KernelTuning::layer_pdl, 0, 2, false, false},
-    {"meta_early", &KernelTuning::meta_early, 0, 1, false, false},
-    {"pair_launch_first", &KernelTuning::pair_launch_first, 0, 1, false, false},
-    {"cluster_size", &KernelTuning::cluster_size, 1, 16, true, true},
-    {"split_pdl", &KernelTuning::split_pdl, 0, 1, false, false},
-    {"prefill_mma_first", &KernelTuning::prefill_mma_first, 0, 1, false, false},
+    {"decode_max_tokens", &LoraTuning::decode_max_tokens, 0, 1 << 30, false, false},
+    {"decode_cluster", &LoraTuning::decode_cluster, 0, 2, false, false},
+    {"layer_pdl", &LoraTuning::layer_pdl, 0, 2, false, false},
+    {"gather_max_token_ranks", &LoraTuning::gather_max_token_ranks, 0, 1 << 30, false, false},
+    {"gather_group", &LoraTuning::gather_group, 1, 2, false, true},
+    {"gather_rows", &LoraTuning::gather_rows, 8, 16, true, true},
+    {"gather_shrink", &LoraTuning::gather_shrink, 1, 2, false, true},
+    {"decode_k_chunks", &LoraTuning::decode_k_chunks, 1, 16, true, false},
+    {"decode_cols", &LoraTuning::decode_cols, 8, 256, true, false},
+    {"cluster_size", &LoraTuning::cluster_size, 1, 16, true, true},
+    {"prefill_mma", &LoraTuning::prefill_mma, 1, 2, false, true},
+    {"prefill_k_split", &LoraTuning::prefill_k_split, 1, 8, true, true},
+    {"prefill_ctas_per_sm", &LoraTuning::prefill_ctas_per_sm, 1, 8, false, false},
+    {"prefill_stages", &LoraTuning::prefill_stages, 3, 4, false, true},
+    {"prefill_reduce", &LoraTuning::prefill_reduce, 1, 2, false, true},
+    {"prefill_sum", &LoraTuning::prefill_sum, 1, 2, false, true},
+    {"prefill_wave_spare_sms", &LoraTuning::prefill_wave_spare_sms, 0, 64, false, false},
+    {"expand_ctas_per_sm", &LoraTuning::expand_ctas_per_sm, 1, 16, false, true},
 };
 
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
@@ -66,16 +58,15 @@ std::string field_names() {
 
 }  // namespace
 
-KernelTuning kernel_tuning() { return g_tuning; }
+LoraTuning lora_tuning_for(int, int) { return LoraTuning{}; }
 
-Status set_kernel_tuning(const KernelTuning& t) {
+Status check_lora_tuning(const LoraTuning& t) {
   for (const Field& f : kFields) LORAPLEX_RETURN_IF_ERROR(check_field(f, t.*f.member));
-  g_tuning = t;
   return Status();
 }
 
-Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
-  out = KernelTuning{};
+Status parse_lora_tuning(const std::string& text, LoraTuning& out) {
+  LoraTuning t = out;
   size_t pos = 0;
   while (pos < text.size()) {
     size_t end = text.find(',', pos);
@@ -101,12 +92,14 @@ Status parse_kernel_tuning(const std::string& text, KernelTuning& out) {
       return invalid_argument("kernel tuning: unknown key '", key, "', expected one of ",
                               field_names());
     }
-    out.*field->member = v;
+    t.*field->member = v;
   }
+  LORAPLEX_RETURN_IF_ERROR(check_lora_tuning(t));
+  out = t;
   return Status();
 }
 
-std::vector<std::pair<std::string, int>> kernel_tuning_values(const KernelTuning& t) {
+std::vector<std::pair<std::string, int>> lora_tuning_values(const LoraTuning& t) {
   std::vector<std::pair<std::string, int>> values;
   for (const Field& f : kFields) values.emplace_back(f.name, t.*f.member);
   return values;

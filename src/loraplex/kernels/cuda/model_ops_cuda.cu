@@ -1,4 +1,4 @@
-// CUDA versions of the decoder's non-LoRA ops (model_ops.h), with the CPU versions'
+// CUDA versions of the decoder's non-LoRA ops (kernels/model_ops.h), with the CPU versions'
 // semantics: float32 arithmetic, one rounding per stored value, precise cosf/sinf/expf (no fast
 // math), ties to the lowest index in argmax. Host-side checks read sizes only (device memory is
 // never read on the host); kernels skip out-of-range ids and slots instead of reading past a
@@ -11,9 +11,9 @@
 #include <cfloat>
 #include <cstdint>
 
-#include "loraplex/model/model_ops.h"
+#include "loraplex/kernels/model_ops.h"
 
-namespace loraplex::model::ops::cuda {
+namespace loraplex::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -64,7 +64,7 @@ Status dispatch(DType dtype, const char* op, Fn&& fn) {
   return Status();
 }
 
-cudaStream_t raw(const Stream& stream) { return static_cast<cudaStream_t>(stream.handle()); }
+cudaStream_t raw(cuda_rt::StreamHandle stream) { return static_cast<cudaStream_t>(stream); }
 
 int blocks_for(int64_t n, int threads = kThreads) {
   const int64_t b = (n + threads - 1) / threads;
@@ -105,17 +105,6 @@ __global__ void fill_uniform_kernel(FillUniformArgs a) {
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = E::store(uniform_at(a, i));
   }
-}
-
-template <typename E>
-__global__ void embedding_kernel(EmbeddingArgs a) {
-  using S = typename E::Storage;
-  const int64_t t = blockIdx.x;
-  const int32_t id = a.ids[t];
-  S* out = static_cast<S*>(a.out) + t * a.hidden;
-  const bool valid = id >= 0 && id < a.vocab;
-  const S* row = static_cast<const S*>(a.table) + (valid ? static_cast<int64_t>(id) : 0) * a.hidden;
-  for (int64_t j = threadIdx.x; j < a.hidden; j += blockDim.x) out[j] = valid ? row[j] : S{};
 }
 
 // Residual add + RMSNorm. The common case (16-byte aligned rows of up to kNormVecs 16-byte
@@ -471,17 +460,9 @@ __global__ void argmax_kernel(ArgmaxArgs a) {
   if (threadIdx.x == 0) a.ids[r] = best_i[0] < 0 ? 0 : best_i[0];
 }
 
-Status check_cache(const KvCacheView& c, const char* op) {
-  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
-                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
-                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
-                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
-  return Status();
-}
-
 }  // namespace
 
-Status fill_uniform(const FillUniformArgs& a, const Stream& stream) {
+Status fill_uniform(const FillUniformArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.n >= 0 && (a.n == 0 || a.out != nullptr), "fill_uniform: bad arguments");
   if (a.n == 0) return Status();
   return dispatch(a.dtype, "fill_uniform", [&](auto e) {
@@ -489,16 +470,7 @@ Status fill_uniform(const FillUniformArgs& a, const Stream& stream) {
   });
 }
 
-Status embedding(const EmbeddingArgs& a, const Stream& stream) {
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.hidden >= 1 && a.vocab >= 1, "embedding: bad sizes");
-  if (a.num_tokens == 0) return Status();
-  return dispatch(a.dtype, "embedding", [&](auto e) {
-    embedding_kernel<decltype(e)>
-        <<<static_cast<unsigned>(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
-  });
-}
-
-Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream) {
+Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
                       a.weight != nullptr && a.out != nullptr,
                   "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
@@ -521,13 +493,9 @@ Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream) {
   });
 }
 
-Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && c.head_dim % 2 == 0 &&
-                      a.qkv_row_stride >= (a.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
-                  ", head dim ", c.head_dim, ", row stride ", a.qkv_row_stride, ")");
   if (a.num_tokens == 0) return Status();
   return dispatch(a.dtype, "rope_kv_write", [&](auto e) {
     rope_kv_write_kernel<decltype(e)>
@@ -536,14 +504,9 @@ Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream) {
   });
 }
 
-Status paged_attention(const PagedAttentionArgs& a, const Stream& stream) {
-  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+Status paged_attention(const PagedAttentionArgs& a, cuda_rt::StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_paged_attention_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(
-      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
-          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
-      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
-      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
   LORAPLEX_ENSURE(c.head_dim <= 4 * kThreads, "paged_attention: head_dim ", c.head_dim, " exceeds ",
                   4 * kThreads);
   if (a.num_tokens == 0) return Status();
@@ -554,7 +517,7 @@ Status paged_attention(const PagedAttentionArgs& a, const Stream& stream) {
   });
 }
 
-Status silu_mul(const SiluMulArgs& a, const Stream& stream) {
+Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "silu_mul: bad sizes");
   if (a.num_rows == 0) return Status();
   return dispatch(a.dtype, "silu_mul", [&](auto e) {
@@ -572,7 +535,7 @@ Status silu_mul(const SiluMulArgs& a, const Stream& stream) {
   });
 }
 
-Status argmax(const ArgmaxArgs& a, const Stream& stream) {
+Status argmax(const ArgmaxArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab, "argmax: bad sizes");
   if (a.num_rows == 0) return Status();
   return dispatch(a.dtype, "argmax", [&](auto e) {
@@ -580,4 +543,4 @@ Status argmax(const ArgmaxArgs& a, const Stream& stream) {
   });
 }
 
-}  // namespace loraplex::model::ops::cuda
+}  // namespace loraplex::kernels::cuda

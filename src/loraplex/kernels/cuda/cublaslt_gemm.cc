@@ -6,7 +6,7 @@
 // never shared between threads. Each (thread, device, stream) has its own workspace so that
 // work queued on different streams never shares scratch memory.
 
-#include "loraplex/layers/cublaslt_gemm.h"
+#include "loraplex/kernels/gemm.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -15,7 +15,7 @@
 #include <memory>
 #include <tuple>
 
-namespace loraplex::cuda_blas {
+namespace loraplex::kernels::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
@@ -95,7 +95,7 @@ ThreadState& state() {
   return s;
 }
 
-Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmXwtArgs& g, const uint32_t align[4]) {
+Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uint32_t align[4]) {
   const cudaDataType_t t = cuda_type(g.dtype);
   LORAPLEX_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T;
@@ -113,11 +113,11 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmXwtArgs& g, const 
                                                    &bias_type, sizeof(bias_type)));
   }
   LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, t, static_cast<uint64_t>(g.k),
-                                             static_cast<uint64_t>(g.n), g.ldw));
+                                             static_cast<uint64_t>(g.n), g.w_row_stride));
   LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, t, static_cast<uint64_t>(g.k),
-                                             static_cast<uint64_t>(g.m), g.ldx));
+                                             static_cast<uint64_t>(g.m), g.x_row_stride));
   LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, t, static_cast<uint64_t>(g.n),
-                                             static_cast<uint64_t>(g.m), g.ldy));
+                                             static_cast<uint64_t>(g.m), g.y_row_stride));
   cublasLtMatmulPreference_t pref = nullptr;
   LORAPLEX_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kWorkspaceBytes;
@@ -148,29 +148,39 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmXwtArgs& g, const 
 
 }  // namespace
 
-Status gemm_xwt(const GemmXwtArgs& g) {
+Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(g.dtype == DType::kF32 || g.dtype == DType::kF16 || g.dtype == DType::kBF16,
                   "cuBLASLt gemm: dtype ", g.dtype, ", expected float32, float16 or bfloat16");
   LORAPLEX_ENSURE(g.m >= 0 && g.n >= 1 && g.k >= 1, "cuBLASLt gemm: bad sizes (m ", g.m, ", n ",
                   g.n, ", k ", g.k, ")");
   if (g.m == 0) return Status();
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(g.device) != cudaSuccess) {
-    return Status(StatusCode::kCudaError,
-                  detail::concat("cuBLASLt gemm: cannot select CUDA device ", g.device));
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    return Status(StatusCode::kCudaError, "cuBLASLt gemm: no current CUDA device");
   }
   ThreadState& s = state();
-  auto h = s.handles.find(g.device);
+  auto h = s.handles.find(device);
   if (h == s.handles.end()) {
     cublasLtHandle_t handle = nullptr;
     LORAPLEX_CUBLAS(cublasLtCreate(&handle));
-    h = s.handles.emplace(g.device, handle).first;
+    h = s.handles.emplace(device, handle).first;
   }
   const uint32_t align[4] = {alignment_of(g.w), alignment_of(g.x), alignment_of(g.y),
                              alignment_of(g.y)};
-  const PlanKey key{
-      g.device, static_cast<int>(g.dtype), g.m,          g.n,      g.k,      g.ldx,    g.ldw,
-      g.ldy,    g.bias != nullptr,         g.accumulate, align[0], align[1], align[2], align[3]};
+  const PlanKey key{device,
+                    static_cast<int>(g.dtype),
+                    g.m,
+                    g.n,
+                    g.k,
+                    g.x_row_stride,
+                    g.w_row_stride,
+                    g.y_row_stride,
+                    g.bias != nullptr,
+                    g.accumulate,
+                    align[0],
+                    align[1],
+                    align[2],
+                    align[3]};
   std::unique_ptr<Plan>& plan = s.plans[key];
   if (plan == nullptr) plan = std::make_unique<Plan>();
   if (!plan->ready) {
@@ -184,25 +194,24 @@ Status gemm_xwt(const GemmXwtArgs& g) {
     LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                    &g.bias, sizeof(g.bias)));
   }
-  std::unique_ptr<Workspace>& ws = s.workspaces[{g.device, g.stream}];
+  std::unique_ptr<Workspace>& ws = s.workspaces[{device, stream}];
   if (ws == nullptr) {
     ws = std::make_unique<Workspace>();
-    ws->device = g.device;
+    ws->device = device;
     if (cudaMalloc(&ws->ptr, kWorkspaceBytes) != cudaSuccess) {
       ws.reset();
       return Status(StatusCode::kCudaError,
                     detail::concat("cuBLASLt gemm: cannot allocate a ", kWorkspaceBytes >> 20,
-                                   " MiB workspace on cuda:", g.device));
+                                   " MiB workspace on cuda:", device));
     }
   }
   const float alpha = 1.0f;
   const float beta = g.accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(
       h->second, plan->desc, &alpha, g.w, plan->a, g.x, plan->b, &beta, g.y, plan->c, g.y, plan->c,
-      &plan->algo, ws->ptr, kWorkspaceBytes, static_cast<cudaStream_t>(g.stream));
-  cudaSetDevice(previous);
+      &plan->algo, ws->ptr, kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   LORAPLEX_CUBLAS(st);
   return Status();
 }
 
-}  // namespace loraplex::cuda_blas
+}  // namespace loraplex::kernels::cuda

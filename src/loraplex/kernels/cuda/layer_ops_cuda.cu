@@ -1,5 +1,5 @@
-// CUDA kernels of layer_ops.h: row copies, routing and the gated activation. Memory-bound
-// and simple on purpose; one thread block per row (or per token), a grid-stride inner loop.
+// CUDA versions of kernels/layer_ops.h: row copies and routing. Memory-bound and simple on
+// purpose; one thread block per row (or per token), a grid-stride inner loop.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -7,9 +7,9 @@
 
 #include <cfloat>
 
-#include "loraplex/layers/layer_ops_cuda.h"
+#include "loraplex/kernels/layer_ops.h"
 
-namespace loraplex::layer_ops_cuda {
+namespace loraplex::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -149,17 +149,6 @@ __global__ void scatter_kernel(const T* src, int64_t src_stride, const int32_t* 
 }
 
 template <typename T>
-__global__ void silu_mul_kernel(const T* in, int64_t in_stride, int64_t width, T* out,
-                                int64_t out_stride) {
-  const int64_t i = blockIdx.x;
-  const T* row = in + i * in_stride;
-  for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
-    const float g = to_f(row[j]);
-    out[i * out_stride + j] = from_f<T>(g / (1.0f + expf(-g)) * to_f(row[width + j]));
-  }
-}
-
-template <typename T>
 __global__ void sum_topk_kernel(const T* in, int top_k, int64_t width, T* out, int64_t out_stride) {
   const int64_t t = blockIdx.x;
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
@@ -171,102 +160,81 @@ __global__ void sum_topk_kernel(const T* in, int top_k, int64_t width, T* out, i
 
 }  // namespace
 
-Status embedding_lookup(DType dtype, const void* weight, int64_t rows, int64_t hidden,
-                        const int32_t* ids, int64_t num_tokens, int64_t vocab_start, void* out,
-                        int64_t out_stride, void* stream) {
-  if (num_tokens == 0) return Status();
+Status embedding_rows(const EmbeddingRowsArgs& a, cuda_rt::StreamHandle stream) {
+  if (a.num_tokens == 0) return Status();
   const auto s = static_cast<cudaStream_t>(stream);
-  const bool ok = dispatch(dtype, [&](auto tag) {
+  const bool ok = dispatch(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    embedding_kernel<T><<<grid_for(num_tokens), kThreads, 0, s>>>(static_cast<const T*>(weight),
-                                                                  rows, hidden, ids, vocab_start,
-                                                                  static_cast<T*>(out), out_stride);
+    embedding_kernel<T><<<grid_for(a.num_tokens), kThreads, 0, s>>>(
+        static_cast<const T*>(a.weight), a.rows, a.hidden, a.ids, a.vocab_start,
+        static_cast<T*>(a.out), a.out_stride);
   });
-  if (!ok) return bad_dtype("embedding_lookup", dtype);
+  if (!ok) return bad_dtype("embedding_lookup", a.dtype);
   return launch_status("embedding_lookup");
 }
 
-Status shard_token_ids(const int32_t* ids, int64_t num_tokens, int64_t vocab_start, int64_t rows,
-                       int32_t outside, int32_t* local, void* stream) {
-  if (num_tokens == 0) return Status();
-  const unsigned blocks = static_cast<unsigned>((num_tokens + kThreads - 1) / kThreads);
+Status shard_token_ids(const ShardTokenIdsArgs& a, cuda_rt::StreamHandle stream) {
+  if (a.num_tokens == 0) return Status();
+  const unsigned blocks = static_cast<unsigned>((a.num_tokens + kThreads - 1) / kThreads);
   shard_ids_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      ids, num_tokens, vocab_start, rows, outside, local);
+      a.ids, a.num_tokens, a.vocab_start, a.rows, a.outside, a.local);
   return launch_status("shard_token_ids");
 }
 
-Status topk_softmax(DType dtype, const void* logits, int64_t logits_stride, int64_t num_tokens,
-                    int num_experts, int top_k, bool renormalize, int32_t* ids, float* weights,
-                    void* stream) {
-  LORAPLEX_ENSURE(
-      num_experts >= 1 && num_experts <= kMaxExperts && top_k >= 1 && top_k <= num_experts,
-      "topk_softmax: ", num_experts, " experts and top_k ", top_k, " (CUDA supports up to ",
-      kMaxExperts, " experts)");
-  if (num_tokens == 0) return Status();
-  const unsigned blocks = static_cast<unsigned>((num_tokens + 127) / 128);
+Status topk_softmax(const TopkSoftmaxArgs& a, cuda_rt::StreamHandle stream) {
+  LORAPLEX_ENSURE(a.num_experts >= 1 && a.num_experts <= kMaxExperts && a.top_k >= 1 &&
+                      a.top_k <= a.num_experts,
+                  "topk_softmax: ", a.num_experts, " experts and top_k ", a.top_k,
+                  " (CUDA supports up to ", kMaxExperts, " experts)");
+  if (a.num_tokens == 0) return Status();
+  const unsigned blocks = static_cast<unsigned>((a.num_tokens + 127) / 128);
   const auto s = static_cast<cudaStream_t>(stream);
-  const bool ok = dispatch(dtype, [&](auto tag) {
+  const bool ok = dispatch(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    topk_softmax_kernel<T><<<blocks, 128, 0, s>>>(static_cast<const T*>(logits), logits_stride,
-                                                  num_tokens, num_experts, top_k, renormalize, ids,
-                                                  weights);
+    topk_softmax_kernel<T><<<blocks, 128, 0, s>>>(static_cast<const T*>(a.logits), a.logits_stride,
+                                                  a.num_tokens, a.num_experts, a.top_k,
+                                                  a.renormalize, a.ids, a.weights);
   });
-  if (!ok) return bad_dtype("topk_softmax", dtype);
+  if (!ok) return bad_dtype("topk_softmax", a.dtype);
   return launch_status("topk_softmax");
 }
 
-Status gather_rows(DType dtype, const void* src, int64_t src_stride, const int32_t* index,
-                   int64_t n, int64_t width, void* dst, int64_t dst_stride, void* stream) {
-  if (n == 0) return Status();
+Status gather_rows(const GatherRowsArgs& a, cuda_rt::StreamHandle stream) {
+  if (a.n == 0) return Status();
   const auto s = static_cast<cudaStream_t>(stream);
-  const bool ok = dispatch(dtype, [&](auto tag) {
+  const bool ok = dispatch(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    gather_kernel<T><<<grid_for(n), kThreads, 0, s>>>(static_cast<const T*>(src), src_stride, index,
-                                                      width, static_cast<T*>(dst), dst_stride);
+    gather_kernel<T><<<grid_for(a.n), kThreads, 0, s>>>(static_cast<const T*>(a.src), a.src_stride,
+                                                        a.index, a.width, static_cast<T*>(a.dst),
+                                                        a.dst_stride);
   });
-  if (!ok) return bad_dtype("gather_rows", dtype);
+  if (!ok) return bad_dtype("gather_rows", a.dtype);
   return launch_status("gather_rows");
 }
 
-Status scatter_rows(DType dtype, const void* src, int64_t src_stride, const int32_t* index,
-                    int64_t n, int64_t width, const float* row_scale, void* dst, int64_t dst_stride,
-                    void* stream) {
-  if (n == 0) return Status();
+Status scatter_rows(const ScatterRowsArgs& a, cuda_rt::StreamHandle stream) {
+  if (a.n == 0) return Status();
   const auto s = static_cast<cudaStream_t>(stream);
-  const bool ok = dispatch(dtype, [&](auto tag) {
+  const bool ok = dispatch(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    scatter_kernel<T><<<grid_for(n), kThreads, 0, s>>>(static_cast<const T*>(src), src_stride,
-                                                       index, width, row_scale,
-                                                       static_cast<T*>(dst), dst_stride);
+    scatter_kernel<T><<<grid_for(a.n), kThreads, 0, s>>>(static_cast<const T*>(a.src), a.src_stride,
+                                                         a.index, a.width, a.row_scale,
+                                                         static_cast<T*>(a.dst), a.dst_stride);
   });
-  if (!ok) return bad_dtype("scatter_rows", dtype);
+  if (!ok) return bad_dtype("scatter_rows", a.dtype);
   return launch_status("scatter_rows");
 }
 
-Status silu_and_mul(DType dtype, const void* in, int64_t in_stride, int64_t n, int64_t width,
-                    void* out, int64_t out_stride, void* stream) {
-  if (n == 0) return Status();
+Status sum_topk(const SumTopkArgs& a, cuda_rt::StreamHandle stream) {
+  if (a.num_tokens == 0) return Status();
   const auto s = static_cast<cudaStream_t>(stream);
-  const bool ok = dispatch(dtype, [&](auto tag) {
+  const bool ok = dispatch(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_kernel<T><<<grid_for(n), kThreads, 0, s>>>(static_cast<const T*>(in), in_stride, width,
-                                                        static_cast<T*>(out), out_stride);
+    sum_topk_kernel<T><<<grid_for(a.num_tokens), kThreads, 0, s>>>(
+        static_cast<const T*>(a.in), a.top_k, a.width, static_cast<T*>(a.out), a.out_stride);
   });
-  if (!ok) return bad_dtype("silu_and_mul", dtype);
-  return launch_status("silu_and_mul");
-}
-
-Status sum_topk(DType dtype, const void* in, int64_t num_tokens, int top_k, int64_t width,
-                void* out, int64_t out_stride, void* stream) {
-  if (num_tokens == 0) return Status();
-  const auto s = static_cast<cudaStream_t>(stream);
-  const bool ok = dispatch(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    sum_topk_kernel<T><<<grid_for(num_tokens), kThreads, 0, s>>>(
-        static_cast<const T*>(in), top_k, width, static_cast<T*>(out), out_stride);
-  });
-  if (!ok) return bad_dtype("sum_topk", dtype);
+  if (!ok) return bad_dtype("sum_topk", a.dtype);
   return launch_status("sum_topk");
 }
 
-}  // namespace loraplex::layer_ops_cuda
+}  // namespace loraplex::kernels::cuda

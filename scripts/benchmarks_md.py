@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Writes BENCHMARKS.md from result files: the method, then one section per device with the LoRA
+kernel grid (vLLM's Triton kernels beside each case), the end-to-end runs and the serving runs,
+each with its device, date, commit and command.
+
+usage: benchmarks_md.py [--kernels JSON]... [--vllm CSV [--vllm-run TEXT]]
+                        [--e2e JSON]... [--serve JSON]... [--out FILE] [--summary]
+
+  --kernels   `loraplex bench kernels --json` output
+  --vllm      vLLM's Triton kernels on the same grid (../shared/anchors/vllm_bench's CSV),
+              matched to the kernel runs of the same device
+  --vllm-run  where and when that CSV was measured (printed beside it)
+  --e2e       `loraplex bench e2e --json` output
+  --serve     `loraplex bench serve --json` output
+  --out       where to write (default: standard output)
+  --summary   a few plain-text lines per kernel run instead of the document
+
+Every table says which file it came from; the command line that made the document is at its end.
+"""
+import argparse
+import csv
+import json
+import shlex
+import statistics
+import sys
+import textwrap
+from collections import defaultdict
+
+SLICES = {"4096": 1, "4096/1024/1024": 3}
+VLLM_OP = {"linear": "layer", "shrink": "shrink", "expand": "expand"}
+
+METHOD = """\
+## Method
+
+- **LoRA kernels** (`loraplex bench kernels`): the ops the layers call (`add_lora_linear`, and
+  `add_shrink` / `add_expand` alone) on the grid hidden 4096 x rank {16, 64} x adapters {1, 8, 32}
+  x tokens {1, 16, 64, 256, 1024, 4096} x slices {one of 4096, q/k/v 4096/1024/1024}, bf16,
+  tokens spread round-robin over the adapters. Three timings per case: *cold* (a 512 MB read
+  before each call, CUDA events, median of 100), *graph* (20 calls in one CUDA graph, replayed)
+  and *rotating* (the graph's calls cycle through >= 128 MB of distinct adapter weights, so the
+  weights come from HBM, as in a model). Decode sizes (<= 64 tokens) are compared on rotating
+  graphs, prefill sizes cold. `% bw`: the bytes the op must move (x, the active adapters' A and
+  B at their own rank, y read and written, the intermediate unless fused) over the time,
+  against the device-to-device copy bandwidth measured at start-up.
+- **vLLM** (`../shared/anchors/vllm_bench`): vLLM's own Triton `_lora_shrink`, `_lora_expand` and
+  `add_lora_linear` (default configs, no PDL) on the same grid with the same three timings,
+  every case checked against an fp32 reference. `x` = vLLM's time / loraplex's.
+- **End to end** (`loraplex bench e2e`): random weights of a real model's shape, requests of a
+  fixed prompt and output length, the base model, 8 adapters mixed in the batch and one adapter
+  for all; tokens per second, prefill time, decode step, against the floor measured in the
+  same run (weights read once per decode step at the copy bandwidth, prefill FLOPs at the
+  measured matmul rate).
+- **Serving** (`loraplex bench serve`): a seeded trace played against the engine in process,
+  with the requests' adapters and again without any; throughput, TTFT, inter-token latency.
+
+Timings compare only within one device and one call; each table names its run.
+"""
+
+
+def fmt(v, spec="%.2f"):
+    return "-" if v is None else spec % v
+
+
+def speedup(theirs, ours):
+    if theirs is None or ours is None or ours <= 0:
+        return None
+    return theirs / ours
+
+
+def load_vllm(path):
+    rows = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r.get("ok", "1") not in ("1", "True", "true"):
+                continue
+            key = (r["device"], r["op"], int(r["rank"]), int(r["num_loras"]),
+                   int(r["num_tokens"]), int(r["num_slices"]))
+            num = lambda k: float(r[k]) if r.get(k) not in (None, "") else None
+            rows[key] = {"cold_us": num("time_us"), "graph_us": num("time_graph_us"),
+                         "graph_rotating_us": num("time_graph_rot_us")}
+    return rows
+
+
+def vllm_of(vllm, device, r):
+    key = (device, VLLM_OP[r["op"]], r["rank"], r["adapters"], r["tokens"],
+           SLICES[r["slices"]])
+    return vllm.get(key)
+
+
+def para(text):
+    return textwrap.fill(text, 100, break_on_hyphens=False)
+
+
+def kernel_tables(doc, vllm, source, vllm_line=None):
+    device = doc["device"]
+    by_case = defaultdict(dict)
+    for r in doc["results"]:
+        by_case[(r["rank"], r["adapters"], r["tokens"], r["slices"])][r["op"]] = r
+    out = []
+    decode = lambda t: t <= 64
+    ratios = {"decode": [], "prefill": []}
+    for phase, timing, label in (("decode", "graph_rotating_us", "rotating graph"),
+                                 ("prefill", "cold_us", "cold")):
+        out.append(f"#### {'Decode sizes' if phase == 'decode' else 'Prefill sizes'} ({label}, us)")
+        out.append("")
+        out.append("| rank | adapters | tokens | slices | path | layer | vLLM | x | shrink | vLLM | "
+                   "expand | vLLM | % bw |")
+        out.append("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for case in sorted(by_case, key=lambda c: (c[2], c[0], c[1], c[3])):
+            if decode(case[2]) != (phase == "decode"):
+                continue
+            ops = by_case[case]
+            cells = []
+            lin = ops.get("linear")
+            for op in ("linear", "shrink", "expand"):
+                r = ops.get(op)
+                ours = r.get(timing) if r else None
+                v = vllm_of(vllm, device, r) if r and vllm else None
+                theirs = v.get(timing) if v else None
+                cells.append((ours, theirs))
+            x = speedup(cells[0][1], cells[0][0])
+            if x is not None:
+                ratios[phase].append(x)
+            pct = lin.get("graph_rotating_pct_copy_bw" if phase == "decode" else
+                          "cold_pct_copy_bw") if lin else None
+            out.append("| %d | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+                case[0], case[1], case[2], "q/k/v" if case[3] != "4096" else "1",
+                lin.get("path", "-") if lin else "-",
+                fmt(cells[0][0]), fmt(cells[0][1]), fmt(x, "%.1f"),
+                fmt(cells[1][0]), fmt(cells[1][1]), fmt(cells[2][0]), fmt(cells[2][1]),
+                fmt(pct, "%.0f")))
+        out.append("")
+    summary = []
+    for phase, values in ratios.items():
+        if values:
+            summary.append(f"{phase} layers: vLLM / loraplex median {statistics.median(values):.1f}x "
+                           f"(min {min(values):.1f}x, max {max(values):.1f}x, {len(values)} cases)")
+    run = (f"{doc.get('date', '?')}, commit `{doc.get('commit', '?')}`, "
+           f"`loraplex bench kernels` ({doc.get('dtype', 'bfloat16')}); copy bandwidth "
+           f"{doc.get('copy_bandwidth_gbs', 0):.0f} GB/s, SM clock "
+           f"{doc.get('sm_clock_mhz_start', 0):.0f}-{doc.get('sm_clock_mhz_end', 0):.0f} MHz, "
+           f"{doc.get('sm_count', '?')} SMs.")
+    meta = doc.get("metadata_build")
+    if meta:
+        run += (f" Metadata build ({meta['tokens']} tokens, {meta['adapters']} adapters): "
+                f"cold {meta['cold_us']:.2f} us, graph {meta['graph_us']:.2f} us.")
+    if vllm_line:
+        run += " " + vllm_line
+    head = [f"### LoRA kernels (`{source}`)", "", para(run)]
+    if summary:
+        head += ["", para("; ".join(summary) + ".")]
+    head.append("")
+    return head + out, summary
+
+
+def e2e_table(doc, source):
+    w = doc.get("workload", {})
+    out = [f"### End to end (`{source}`)", "",
+           para(f"{doc.get('date', '?')}, commit `{doc.get('commit', '?')}`, `loraplex bench e2e`: "
+           f"{doc.get('shape', '?')} ({doc.get('layers', '?')} layers, {doc.get('dtype', '?')}), "
+           f"{w.get('requests', '?')} requests of {w.get('prompt_len', '?')} + "
+           f"{w.get('gen_len', '?')} tokens, {w.get('adapters', '?')} adapters of rank "
+           f"{w.get('rank', '?')}; copy {doc.get('copy_bandwidth_gbs', 0):.0f} GB/s, bf16 matmul "
+           f"{doc.get('matmul_tflops_bf16', 0):.0f} TFLOP/s, decode-step floor "
+           f"{doc.get('decode_step_floor_ms', 0):.2f} ms, load {doc.get('load_s', 0):.1f} s."), "",
+           "| configuration | tok/s | vs base | prefill s | decode step ms | % of floor |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for name, r in doc.get("results", {}).items():
+        out.append("| %s | %s | %s | %s | %s | %s |" % (
+            name, fmt(r.get("tok_s"), "%.1f"), fmt(r.get("ratio_to_base"), "%.3f"),
+            fmt(r.get("prefill_s"), "%.3f"), fmt(r.get("decode_step_ms")),
+            fmt(r.get("percent_of_floor"), "%.1f")))
+    return out + [""]
+
+
+def serve_table(doc, source):
+    c = doc.get("config", {})
+    runs = [k for k in ("lora", "base") if k in doc]
+    out = [f"### Serving (`{source}`)", "",
+           para(f"{c.get('date', '?')}, commit `{c.get('commit', '?')}`, `loraplex bench serve`: "
+           f"{c.get('model', '?')}, {c.get('num_requests', '?')} requests at rate "
+           f"{c.get('rate', '?')}, prompts {c.get('prompt_len', '?')}, outputs "
+           f"{c.get('output_len', '?')}, {c.get('adapters', '?')} adapters "
+           f"({c.get('adapter_dist', '?')}), max_loras {c.get('max_loras', '?')}, "
+           f"{c.get('dtype', '?')}."), "",
+           "| | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
+    rows = [("output tokens/s", lambda j: fmt(j.get("output_throughput"), "%.1f")),
+            ("requests/s", lambda j: fmt(j.get("request_throughput"))),
+            ("TTFT p50 / p99 ms", lambda j: "%s / %s" % (fmt(j["ttft_ms"]["p50"], "%.1f"),
+                                                        fmt(j["ttft_ms"]["p99"], "%.1f"))),
+            ("ITL p50 / p99 ms", lambda j: "%s / %s" % (fmt(j["itl_ms"]["p50"]),
+                                                       fmt(j["itl_ms"]["p99"]))),
+            ("adapters per step", lambda j: fmt(j.get("adapters_per_step"))),
+            ("preemptions", lambda j: str(j.get("preemptions", "-")))]
+    for name, f in rows:
+        out.append(f"| {name} | " + " | ".join(f(doc[k]) for k in runs) + " |")
+    return out + [""]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernels", action="append", default=[])
+    p.add_argument("--vllm")
+    p.add_argument("--vllm-run", default="")
+    p.add_argument("--e2e", action="append", default=[])
+    p.add_argument("--serve", action="append", default=[])
+    p.add_argument("--out")
+    p.add_argument("--summary", action="store_true")
+    a = p.parse_args()
+    vllm = load_vllm(a.vllm) if a.vllm else {}
+
+    sections = defaultdict(list)  # device -> lines
+    for path in a.kernels:
+        doc = json.load(open(path))
+        vllm_line = None
+        if a.vllm:
+            vllm_line = f"vLLM: `{a.vllm}`" + (f" ({a.vllm_run})." if a.vllm_run else ".")
+        lines, summary = kernel_tables(doc, vllm, path, vllm_line)
+        if a.summary:
+            print(f"{path}: {doc['device']} at {doc.get('commit', '?')}: " +
+                  ("; ".join(summary) if summary else "no vLLM figures matched"))
+            continue
+        sections[doc["device"]] += lines
+    if a.summary:
+        return
+    for path in a.e2e:
+        doc = json.load(open(path))
+        sections[doc.get("device", "?")] += e2e_table(doc, path)
+    for path in a.serve:
+        doc = json.load(open(path))
+        device = doc.get("config", {}).get("device_name", doc.get("config", {}).get("device", "?"))
+        sections[device] += serve_table(doc, path)
+
+    text = ["# Benchmarks", "",
+            para("Generated by `scripts/benchmarks_md.py` from the result files in "
+                 "`bench/results/`; do not edit by hand. Earlier results, and what each change did "
+                 "to them, are in the git history of this file and of `bench/results/`."), "",
+            METHOD]
+    for device, lines in sections.items():
+        text += [f"## {device}", ""] + lines
+        if not any(l.startswith("### End to end") for l in lines):
+            text += ["### End to end", "", para("No `loraplex bench e2e` result for this device "
+                     "yet (`scripts/gpu.sh e2e`, then `--e2e FILE` here)."), ""]
+        if not any(l.startswith("### Serving") for l in lines):
+            text += ["### Serving", "", para("No `loraplex bench serve` result for this device "
+                     "yet (`scripts/gpu.sh serve`, then `--serve FILE` here)."), ""]
+    text += ["Made by:", "", "    python3 scripts/benchmarks_md.py " + shlex.join(sys.argv[1:]), ""]
+    doc = "\n".join(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(doc)
+    else:
+        sys.stdout.write(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+// The argument checks that the CPU and CUDA versions of the decoder's ops share (model_ops.h).
+
+#include "loraplex/kernels/model_ops.h"
+
+namespace loraplex::kernels {
+namespace {
+
+Status check_cache(const KvCacheView& c, const char* op) {
+  LORAPLEX_ENSURE(c.num_blocks >= 1 && c.block_size >= 1 && c.num_kv_heads >= 1 &&
+                      c.head_dim >= 2 && c.k != nullptr && c.v != nullptr,
+                  op, ": bad KV cache (blocks ", c.num_blocks, ", block size ", c.block_size,
+                  ", kv heads ", c.num_kv_heads, ", head dim ", c.head_dim, ")");
+  return Status();
+}
+
+}  // namespace
+
+Status check_rope_kv_write_args(const RopeKvWriteArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
+  const KvCacheView& c = a.cache;
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && c.head_dim % 2 == 0 &&
+                      a.qkv_row_stride >= (a.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                  "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
+                  ", head dim ", c.head_dim, ", row stride ", a.qkv_row_stride, ")");
+  return Status();
+}
+
+Status check_paged_attention_args(const PagedAttentionArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "paged_attention"));
+  const KvCacheView& c = a.cache;
+  LORAPLEX_ENSURE(
+      a.num_heads >= 1 && a.num_heads % c.num_kv_heads == 0 && a.num_seqs >= 1 &&
+          a.max_blocks_per_seq >= 1 && a.max_context <= a.max_blocks_per_seq * c.block_size,
+      "paged_attention: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads, ", seqs ",
+      a.num_seqs, ", blocks per seq ", a.max_blocks_per_seq, ", max context ", a.max_context, ")");
+  return Status();
+}
+
+}  // namespace loraplex::kernels

@@ -1,0 +1,22 @@
+#include "loraplex/model/model_ops.h"
+
+#include "loraplex/punica/op_dispatch.h"
+
+namespace loraplex::model::ops::cuda {
+
+Status fill_uniform(const FillUniformArgs& a, const Stream& stream) {
+  return dispatch_fill_uniform(a, stream);
+}
+Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream) {
+  return dispatch_add_rms_norm(a, stream);
+}
+Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream) {
+  return dispatch_rope_kv_write(a, stream);
+}
+Status paged_attention(const PagedAttentionArgs& a, const Stream& stream) {
+  return dispatch_paged_attention(a, stream);
+}
+Status silu_mul(const SiluMulArgs& a, const Stream& stream) { return dispatch_silu_mul(a, stream); }
+Status argmax(const ArgmaxArgs& a, const Stream& stream) { return dispatch_argmax(a, stream); }
+
+}  // namespace loraplex::model::ops::cuda
