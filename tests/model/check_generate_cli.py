@@ -74,7 +74,7 @@ with tempfile.TemporaryDirectory() as tmp:
           code != 0 and "tensor-parallel size 3" in err and "num_attention_heads 4" in err, err)
 
     code, out, err = run(base + ["--requests", os.path.join(FIX, "requests.jsonl"), "-tp", "0"])
-    check("-tp 0 is refused", code != 0 and "-tp" in err, err)
+    check("-tp 0 is refused", code != 0 and "tensor-parallel-size" in err, err)
 
     code, out, err = run(["--help"])
     check("--help exits 0", code == 0 and "usage: loraplex generate" in out, err)
