@@ -153,24 +153,82 @@ def kernel_tables(doc, vllm, source, vllm_line=None):
     return head + out, summary
 
 
-def e2e_table(doc, source):
+def e2e_table(doc, source, hf=None):
     w = doc.get("workload", {})
-    out = [f"### End to end (`{source}`)", "",
-           para(f"{doc.get('date', '?')}, commit `{doc.get('commit', '?')}`, `loraplex bench e2e`: "
-           f"{doc.get('shape', '?')} ({doc.get('layers', '?')} layers, {doc.get('dtype', '?')}), "
-           f"{w.get('requests', '?')} requests of {w.get('prompt_len', '?')} + "
-           f"{w.get('gen_len', '?')} tokens, {w.get('adapters', '?')} adapters of rank "
-           f"{w.get('rank', '?')}; copy {doc.get('copy_bandwidth_gbs', 0):.0f} GB/s, bf16 matmul "
-           f"{doc.get('matmul_tflops_bf16', 0):.0f} TFLOP/s, decode-step floor "
-           f"{doc.get('decode_step_floor_ms', 0):.2f} ms, load {doc.get('load_s', 0):.1f} s."), "",
-           "| configuration | tok/s | vs base | prefill s | decode step ms | % of floor |",
-           "|---|---:|---:|---:|---:|---:|"]
+    tp = w.get("tensor_parallel_size", 1)
+    text = (f"{doc.get('date', '?')}, commit `{doc.get('commit', '?')}`, `loraplex bench e2e`: "
+            f"{doc.get('shape', '?')} ({doc.get('layers', '?')} layers, {doc.get('dtype', '?')})"
+            f"{', tensor-parallel size %d' % tp if tp and tp > 1 else ''}, "
+            f"{w.get('requests', '?')} requests of {w.get('prompt_len', '?')} + "
+            f"{w.get('gen_len', '?')} tokens, {w.get('adapters', '?')} adapters of rank "
+            f"{w.get('rank', '?')} ({w.get('distribution', '?')}); copy "
+            f"{doc.get('copy_bandwidth_gbs', 0):.0f} GB/s, bf16 matmul "
+            f"{doc.get('matmul_tflops_bf16', 0):.0f} TFLOP/s, decode-step floor "
+            f"{doc.get('decode_step_floor_ms', 0):.2f} ms")
+    if doc.get("decode_collectives_ms"):
+        text += f" (of which the collectives, timed alone, {doc['decode_collectives_ms']:.2f} ms)"
+    text += f", load {doc.get('load_s', 0):.2f} s."
+    if doc.get("note"):
+        text += " " + doc["note"] + "."
+    hf_cfg = hf.get("configs", {}) if hf else {}
+    hf_fits = hf and w.get("requests") == 32 and w.get("prompt_len") == 128 and \
+        w.get("gen_len") == 64 and tp in (None, 1)
+    if hf_fits:
+        text += (f" HF transformers {hf['versions'].get('transformers', '?')} + PEFT "
+                 f"{hf['versions'].get('peft', '?')} on the same GPU type ({hf.get('device', '?')}), "
+                 "same workload shape, from `bench/results/" +
+                 "h200_hf_peft_anchor.json`.")
+    out = [f"### End to end (`{source}`)", "", para(text), "",
+           "| configuration | tok/s | vs base | prefill s | decode step ms | % of floor |" +
+           (" HF tok/s | x HF |" if hf_fits else ""),
+           "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if hf_fits else "")]
     for name, r in doc.get("results", {}).items():
-        out.append("| %s | %s | %s | %s | %s | %s |" % (
+        row = "| %s | %s | %s | %s | %s | %s |" % (
             name, fmt(r.get("tok_s"), "%.1f"), fmt(r.get("ratio_to_base"), "%.3f"),
             fmt(r.get("prefill_s"), "%.3f"), fmt(r.get("decode_step_ms")),
-            fmt(r.get("percent_of_floor"), "%.1f")))
+            fmt(r.get("percent_of_floor"), "%.1f"))
+        if hf_fits:
+            h = hf_cfg.get(name, {}).get("tok_per_s")
+            row += " %s | %s |" % (fmt(h, "%.1f"), fmt(r["tok_s"] / h if h else None, "%.1f"))
+        out.append(row)
+    parts = [(n, r["decode_step_breakdown_ms"]) for n, r in doc.get("results", {}).items()
+             if r.get("decode_step_breakdown_ms")]
+    if parts:
+        comps = ["base_gemm", "attention", "lora", "norm_rope_act", "sampling", "other",
+                 "host_gaps"]
+        out += ["", para("Where a decode step's time goes (CUPTI kernel records of a separate pass, "
+                         "ms per step; kernels on the LoRA stream overlap the base GEMMs, so the "
+                         "components can add up to more than the step; host_gaps: wall time with "
+                         "no kernel running, launch gaps inside the graph included):"), "",
+                "| configuration | " + " | ".join(comps) + " |",
+                "|---|" + "---:|" * len(comps)]
+        for n, b in parts:
+            out.append(f"| {n} | " + " | ".join(fmt(b.get(c), "%.3f") for c in comps) + " |")
     return out + [""]
+
+
+def ab_table(old_path, new_path):
+    """The kernel benchmark of two builds in one call: the ratio of every case and figure."""
+    old, new = json.load(open(old_path)), json.load(open(new_path))
+    key = lambda c: (c["op"], c["rank"], c["adapters"], c["tokens"], c["slices"])
+    o = {key(c): c for c in old["results"]}
+    ratios = []
+    for c in new["results"]:
+        if key(c) not in o:
+            continue
+        for m in ("cold_us", "graph_us", "graph_rotating_us"):
+            if o[key(c)].get(m) and c.get(m):
+                ratios.append((c[m] / o[key(c)][m], key(c), m))
+    ratios.sort()
+    med = ratios[len(ratios) // 2][0] if ratios else float("nan")
+    worst = ratios[-1] if ratios else None
+    line = (f"`loraplex bench kernels --quick` of commit `{old.get('commit', '?')}` (`{old_path}`) "
+            f"and `{new.get('commit', '?')}` (`{new_path}`) in one call on an {new.get('device', '?')}: "
+            f"{len(ratios)} figures, median new/old {med:.3f}")
+    if worst:
+        line += (f", slowest {worst[0]:.3f} ({worst[1][0]}, rank {worst[1][1]}, {worst[1][2]} "
+                 f"adapters, {worst[1][3]} tokens, slices {worst[1][4]}, {worst[2]})")
+    return ["### Kernel A/B", "", para(line + "."), ""]
 
 
 def serve_table(doc, source):
@@ -204,6 +262,11 @@ def main():
     p.add_argument("--vllm-run", default="")
     p.add_argument("--e2e", action="append", default=[])
     p.add_argument("--serve", action="append", default=[])
+    p.add_argument("--hf", help="the HF transformers + PEFT anchor's JSON (hf_peft_bench.py)")
+    p.add_argument("--ab", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
+                   help="two `bench kernels` JSON files of one call: old and new build")
+    p.add_argument("--note", action="append", default=[],
+                   help="DEVICE=TEXT: a paragraph for a device's section (figures without JSON)")
     p.add_argument("--out")
     p.add_argument("--summary", action="store_true")
     a = p.parse_args()
@@ -223,9 +286,15 @@ def main():
         sections[doc["device"]] += lines
     if a.summary:
         return
+    hf = json.load(open(a.hf)) if a.hf else None
     for path in a.e2e:
         doc = json.load(open(path))
-        sections[doc.get("device", "?")] += e2e_table(doc, path)
+        sections[doc.get("device", "?")] += e2e_table(doc, path, hf)
+    for old, new in a.ab:
+        sections[json.load(open(new)).get("device", "?")] += ab_table(old, new)
+    for note in a.note:
+        device, _, text = note.partition("=")
+        sections[device] += [para(text), ""]
     for path in a.serve:
         doc = json.load(open(path))
         device = doc.get("config", {}).get("device_name", doc.get("config", {}).get("device", "?"))

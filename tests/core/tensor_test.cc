@@ -138,7 +138,9 @@ TEST(Tensor, PinnedViewsUploadWithoutWaiting) {
   EXPECT_TRUE(pinned.is_pinned());
   EXPECT_TRUE(block.is_pinned());
   const Stream stream = Stream::create(Device::cuda(0));
-  Tensor dev = Tensor::zeros({4, 8}, DType::kF32, Device::cuda(0));
+  // Zeroed on the copy's stream: a zero_ on the legacy default stream is not ordered before
+  // work on a non-blocking stream.
+  Tensor dev = Tensor::zeros({4, 8}, DType::kF32, Device::cuda(0), stream);
   Tensor dst = dev.narrow(0, 2, 2).narrow(1, 1, 3);  // pitched rows on the device
   dst.copy_from_async(block, stream);
   Tensor back = Tensor::empty_with({4, 8}, DType::kF32, Device::cpu(), pinned_host_allocator());

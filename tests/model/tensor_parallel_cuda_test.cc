@@ -111,7 +111,11 @@ std::vector<std::vector<int32_t>> generate(model::ModelExecutor& m, std::vector<
   return out;
 }
 
-TEST(TensorParallelCuda, GraphDecodeStepsEqualEagerStepsWithAdapters) {
+// Tensor-parallel decode steps run eagerly even when CUDA graphs are asked for: replays of the
+// captured steps (collectives inside) gave other tokens than eager steps here on 2 H200s, an
+// open bug. When it is fixed, `graphed` must equal `graphs` again and the runs below compare a
+// graph against an eager run.
+TEST(TensorParallelCuda, DecodeStepsRunEagerlyWithAdaptersAppliedPerSequence) {
   LORAPLEX_REQUIRE_GPUS(2);
   const model::ModelConfig c = graph_config();
   const std::string dir = ::testing::TempDir() + "/loraplex_tp_graph_adapter";
@@ -159,7 +163,7 @@ TEST(TensorParallelCuda, GraphDecodeStepsEqualEagerStepsWithAdapters) {
       with_slots[2].slot = l1.slot();
       bool graphed = false;
       runs.push_back(generate(*m, with_slots, 8, &graphed));
-      EXPECT_EQ(graphed, graphs) << "fully sharded " << fully_sharded;
+      EXPECT_FALSE(graphed) << "fully sharded " << fully_sharded;
       // A replay of the captured graphs with other contents (one sequence fewer: bucket 2).
       runs.push_back(generate(*m, {with_slots[0], with_slots[2]}, 6, &graphed));
       // The adapters change the output.

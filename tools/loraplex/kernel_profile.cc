@@ -96,8 +96,12 @@ std::string kernel_component(const std::string& n) {
       has("BatchDecode")) {
     return "attention";
   }
-  // Our own kernels by namespace ("loraplex" itself contains "lora").
-  if (has("loraplex::model::ops") || has("loraplex::layer_ops")) return "norm_rope_act";
+  // Our own kernels: the decoder's and the layers' elementwise and gather kernels by name,
+  // the rest of kernels/ is the LoRA layer ("loraplex" itself contains "lora").
+  for (const char* op : {"add_rms_norm", "rope_kv_write", "silu_mul", "embedding_kernel",
+                         "fill_uniform", "shard_ids", "topk_softmax"}) {
+    if (has(op)) return "norm_rope_act";
+  }
   if (has("loraplex::kernels::")) return "lora";
   if (has("gemm") || has("nvjet") || has("cutlass") || has("xmma") || has("cublas") ||
       has("Kernel2")) {

@@ -235,13 +235,16 @@ std::unique_ptr<TensorParallelDecoder> TensorParallelDecoder::create(const Model
                                                                      const DecoderOptions& options,
                                                                      const RankFactory& make_rank) {
   const int tp = options.tensor_parallel_size;
-  check_shard_layout(config, tp, options.fully_sharded_loras);
-  std::vector<std::unique_ptr<Communicator>> owned;
+  // The GPUs first: with too few, how the shapes would split is beside the point.
   if (options.device.is_cuda()) {
     const int present = cuda_device_count();
     LORAPLEX_CHECK(options.device.index + tp <= present, "tensor-parallel size ", tp, " needs ", tp,
                    " GPUs from ", options.device, " on, but ", present, " CUDA device",
                    present == 1 ? " is" : "s are", " present");
+  }
+  check_shard_layout(config, tp, options.fully_sharded_loras);
+  std::vector<std::unique_ptr<Communicator>> owned;
+  if (options.device.is_cuda()) {
 #if LORAPLEX_WITH_CUDA
     std::vector<int> devices;
     for (int r = 0; r < tp; ++r) devices.push_back(options.device.index + r);
