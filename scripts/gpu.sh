@@ -33,6 +33,8 @@ mkdir -p "$out"
 deps=${LORAPLEX_DEPS:-$PWD/.device/deps}
 export LD_LIBRARY_PATH="$deps/lib:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The device's copy of the repository may carry a stale .git: pass LORAPLEX_COMMIT=<hash> with
+# the command so that the JSON records the commit that ran.
 export LORAPLEX_COMMIT=${LORAPLEX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 bin=$PWD/build/tools/loraplex
 verbs=" build test generate kernels sweep profile e2e serve adapter-load probes hf "
