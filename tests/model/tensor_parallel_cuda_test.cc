@@ -1,12 +1,13 @@
 // The tensor-parallel model on GPUs over NCCL (skipped with fewer than 2 GPUs or without the
 // CUDA backend): tp 2 (and 4 where there are 4 GPUs) give PEFT's tokens on the float32
 // fixtures; decode steps replayed from CUDA graphs, the NCCL collectives captured on every
-// rank's stream, give the tokens of eager steps, with adapters; a rank that stalls before its
-// collective is aborted at the step timeout (the other GPUs' NCCL kernels stop waiting).
+// rank's stream, give the tokens of eager steps, with adapters (float32); a rank that stalls before
+// its collective is aborted at the step timeout (the other GPUs' NCCL kernels stop waiting).
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <numeric>
 #include <random>
 
@@ -111,11 +112,13 @@ std::vector<std::vector<int32_t>> generate(model::ModelExecutor& m, std::vector<
   return out;
 }
 
-// Tensor-parallel decode steps run eagerly even when CUDA graphs are asked for: replays of the
-// captured steps (collectives inside) gave other tokens than eager steps here on 2 H200s, an
-// open bug. When it is fixed, `graphed` must equal `graphs` again and the runs below compare a
-// graph against an eager run.
-TEST(TensorParallelCuda, DecodeStepsRunEagerlyWithAdaptersAppliedPerSequence) {
+// Decode steps replayed from CUDA graphs (the collectives captured inside) against eager steps,
+// with two adapters and a base-model sequence in the batch, at tp 1 and 2. In float32 every
+// token must be equal. In bfloat16 a replay runs the bucket's padded batch (4 rows for 3
+// sequences), and the LoRA kernels group the sorted tokens differently with the padding row in
+// it (tensor cores where two tokens share a slot, FMA otherwise): sums in another order, so only
+// the first decoded token is compared there.
+TEST(TensorParallelCuda, GraphStepsEqualEagerStepsWithAdaptersAppliedPerSequence) {
   LORAPLEX_REQUIRE_GPUS(2);
   const model::ModelConfig c = graph_config();
   const std::string dir = ::testing::TempDir() + "/loraplex_tp_graph_adapter";
@@ -128,11 +131,23 @@ TEST(TensorParallelCuda, DecodeStepsRunEagerlyWithAdaptersAppliedPerSequence) {
     for (int32_t& t : seqs[i].tokens) t = static_cast<int32_t>(2 + rng() % 990);
     for (int32_t b = 0; b < 4; ++b) seqs[i].blocks.push_back(static_cast<int32_t>(4 * i) + b);
   }
-  for (bool fully_sharded : {false, true}) {
+  struct Case {
+    int tp;
+    DType dtype;
+    bool fully_sharded;
+  };
+  const Case cases[] = {{1, DType::kF32, false},
+                        {2, DType::kF32, false},
+                        {2, DType::kF32, true},
+                        {1, DType::kBF16, false},
+                        {2, DType::kBF16, false}};
+  for (const Case& k : cases) {
+    const std::string what = "tp " + std::to_string(k.tp) + " " + std::string(dtype_name(k.dtype)) +
+                             (k.fully_sharded ? " fully sharded" : "");
     std::vector<std::vector<std::vector<int32_t>>> runs;
     for (bool graphs : {true, false}) {
       model::DecoderOptions o;
-      o.dtype = DType::kBF16;
+      o.dtype = k.dtype;
       o.device = Device::cuda(0);
       o.max_loras = 2;
       o.max_lora_rank = 16;
@@ -141,13 +156,13 @@ TEST(TensorParallelCuda, DecodeStepsRunEagerlyWithAdaptersAppliedPerSequence) {
       o.kv_blocks = 16;
       o.kv_block_size = 16;
       o.cuda_graphs = graphs;
-      o.tensor_parallel_size = 2;
-      o.fully_sharded_loras = fully_sharded;
+      o.tensor_parallel_size = k.tp;
+      o.fully_sharded_loras = k.fully_sharded;
       auto m = model::create_random_model(c, o, 5);
       AdapterManagerConfig mc;
       mc.max_loras = 2;
       mc.max_lora_rank = 16;
-      mc.lora_dtype = DType::kBF16;
+      mc.lora_dtype = k.dtype;
       mc.device = Device::cuda(0);
       AdapterManager manager(m->targets(), mc);
       manager.load("a0", dir + "0");
@@ -163,19 +178,38 @@ TEST(TensorParallelCuda, DecodeStepsRunEagerlyWithAdaptersAppliedPerSequence) {
       with_slots[2].slot = l1.slot();
       bool graphed = false;
       runs.push_back(generate(*m, with_slots, 8, &graphed));
-      EXPECT_FALSE(graphed) << "fully sharded " << fully_sharded;
+      EXPECT_EQ(graphed, graphs) << what;
       // A replay of the captured graphs with other contents (one sequence fewer: bucket 2).
       runs.push_back(generate(*m, {with_slots[0], with_slots[2]}, 6, &graphed));
+      EXPECT_EQ(graphed, graphs) << what;
       // The adapters change the output.
       std::vector<Seq> base = with_slots;
       for (Seq& s : base) s.slot = -1;
       const auto without = generate(*m, base, 8, &graphed);
       const auto& with = runs[runs.size() - 2];
-      EXPECT_TRUE(without[1] != with[1] || without[2] != with[2]) << "the adapters changed nothing";
-      EXPECT_EQ(without[0], with[0]) << "a base-model sequence must not see the adapters";
+      EXPECT_TRUE(without[1] != with[1] || without[2] != with[2]) << what << ": no effect";
+      EXPECT_EQ(without[0], with[0]) << what << ": a base-model sequence saw the adapters";
     }
-    EXPECT_EQ(runs[0], runs[2]) << "graph vs eager, fully sharded " << fully_sharded;
-    EXPECT_EQ(runs[1], runs[3]) << "graph vs eager replay, fully sharded " << fully_sharded;
+    if (k.dtype == DType::kF32) {
+      EXPECT_EQ(runs[0], runs[2]) << "graph vs eager, " << what;
+      EXPECT_EQ(runs[1], runs[3]) << "graph vs eager replay, " << what;
+    } else {
+      for (size_t r : {size_t{0}, size_t{1}}) {
+        for (size_t i = 0; i < runs[r].size(); ++i) {
+          EXPECT_EQ(runs[r][i][1], runs[r + 2][i][1])
+              << "first decoded token, graph vs eager, " << what << ", sequence " << i;
+        }
+      }
+      // Recorded for the reader: how many tokens of the bfloat16 runs agree.
+      int equal = 0, total = 0;
+      for (size_t r : {size_t{0}, size_t{1}}) {
+        for (size_t i = 0; i < runs[r].size(); ++i) {
+          for (size_t t = 0; t < runs[r][i].size(); ++t, ++total)
+            equal += runs[r][i][t] == runs[r + 2][i][t];
+        }
+      }
+      std::printf("%s: graph and eager agree on %d of %d tokens\n", what.c_str(), equal, total);
+    }
   }
 }
 

@@ -68,6 +68,8 @@ struct Options {
   std::string device = "cuda:0";
   int tensor_parallel_size = 1;
   bool fully_sharded_loras = false;
+  std::string lora_tuning;
+  int top_kernels = 15;
 };
 
 double seconds(Clock::time_point a, Clock::time_point b) {
@@ -116,7 +118,19 @@ struct RunResult {
   std::vector<std::vector<int32_t>> outputs;
   json prefill_breakdown;
   json decode_breakdown;  // per decode step
+  json prefill_top;       // the kernels that took the most time
+  json decode_top;        // per decode step
 };
+
+json top_kernels_json(const std::vector<KernelRecord>& records, size_t n, double per) {
+  json out = json::array();
+  for (const KernelTotal& t : top_kernels(records, n)) {
+    out.push_back({{"name", t.name},
+                   {"ms", t.ms / per},
+                   {"launches", static_cast<double>(t.launches) / per}});
+  }
+  return out;
+}
 
 // Runs the requests in waves of max_num_seqs: the wave's prompts in steps of at most
 // max_batched_tokens tokens (a prompt may be split), then gen_len - 1 decode steps.
@@ -168,7 +182,11 @@ RunResult run_workload(model::ModelExecutor& d, const std::vector<Request>& reqs
     }
     const auto p1 = Clock::now();
     r.prefill_s += seconds(p0, p1);
-    if (profile) r.prefill_breakdown = component_ms(prof.stop(), seconds(p0, p1) * 1e3);
+    if (profile) {
+      const std::vector<KernelRecord> records = prof.stop();
+      r.prefill_breakdown = component_ms(records, seconds(p0, p1) * 1e3);
+      r.prefill_top = top_kernels_json(records, static_cast<size_t>(o.top_kernels), 1.0);
+    }
     // Decode.
     if (profile) prof.start();
     const auto d0 = Clock::now();
@@ -191,10 +209,13 @@ RunResult run_workload(model::ModelExecutor& d, const std::vector<Request>& reqs
     const auto d1 = Clock::now();
     r.decode_s += seconds(d0, d1);
     if (profile && r.decode_steps > 0) {
-      const auto ms = component_ms(prof.stop(), seconds(d0, d1) * 1e3);
+      const std::vector<KernelRecord> records = prof.stop();
+      const auto ms = component_ms(records, seconds(d0, d1) * 1e3);
+      const auto steps = static_cast<double>(o.gen_len - 1);
       json per_step;
-      for (const auto& [k, v] : ms) per_step[k] = v / static_cast<double>(o.gen_len - 1);
+      for (const auto& [k, v] : ms) per_step[k] = v / steps;
       r.decode_breakdown = per_step;
+      r.decode_top = top_kernels_json(records, static_cast<size_t>(o.top_kernels), steps);
     }
   }
   return r;
@@ -227,6 +248,10 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--configs", o.configs, "base,mixed,single (default all three)")->delimiter(',');
   app.add_option("--repeats", o.repeats, "runs of each configuration; the last is reported");
   app.add_flag("!--no-profile", o.profile, "skip the CUPTI breakdown pass");
+  app.add_option("--top-kernels", o.top_kernels,
+                 "the breakdown lists this many kernels by time (default 15)");
+  app.add_option("--lora-tune", o.lora_tuning,
+                 "key=value,... over the LoRA kernels' tuning table (as bench kernels --tune)");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
   app.add_option("--json", o.json_path, "write the results as JSON");
   app.add_option("--adapter-dir", o.adapter_dir, "where the random adapters are written");
@@ -281,6 +306,7 @@ int run(const std::vector<std::string>& args) {
   dopts.cuda_graphs = o.cuda_graphs;
   dopts.tensor_parallel_size = tp;
   dopts.fully_sharded_loras = o.fully_sharded_loras;
+  dopts.lora_tuning = o.lora_tuning;
   // The decode step's collectives alone (tp > 1): 2 all-reduces per layer and the embedding's,
   // and the lm_head's all-gather, over the wave's rows.
   double collective_ms = 0.0;
@@ -383,6 +409,7 @@ int run(const std::vector<std::string>& args) {
   doc["decode_weight_bytes"] = weight_bytes;
   doc["tensor_parallel_size"] = tp;
   doc["fully_sharded_loras"] = o.fully_sharded_loras;
+  if (!o.lora_tuning.empty()) doc["lora_tuning"] = o.lora_tuning;
   doc["decode_weight_bytes_per_gpu"] = weight_bytes / tp;
   doc["decode_collectives_ms"] = collective_ms;
   doc["decode_step_floor_ms"] = decode_floor_s * 1e3;
@@ -430,6 +457,10 @@ int run(const std::vector<std::string>& args) {
       const RunResult p = run_workload(*d, reqs, o, max_seqs, max_tokens, true);
       j["prefill_breakdown_ms"] = p.prefill_breakdown;
       j["decode_step_breakdown_ms"] = p.decode_breakdown;
+      if (o.top_kernels > 0) {
+        j["prefill_top_kernels"] = p.prefill_top;
+        j["decode_step_top_kernels"] = p.decode_top;
+      }
     }
     j["outputs_first_request"] = r.outputs[0];
     std::fprintf(

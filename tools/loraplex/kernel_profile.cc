@@ -143,4 +143,23 @@ std::map<std::string, double> component_ms(const std::vector<KernelRecord>& reco
   return out;
 }
 
+std::vector<KernelTotal> top_kernels(const std::vector<KernelRecord>& records, size_t n) {
+  std::map<std::string, KernelTotal> by_name;
+  for (const KernelRecord& r : records) {
+    // Demangled names carry every template argument and parameter type: the first 160
+    // characters tell the kernels and their variants apart.
+    std::string name = r.name.substr(0, std::min<size_t>(r.name.size(), 160));
+    KernelTotal& t = by_name[name];
+    t.name = name;
+    t.ms += static_cast<double>(r.end_ns - r.start_ns) * 1e-6;
+    ++t.launches;
+  }
+  std::vector<KernelTotal> out;
+  for (auto& [name, t] : by_name) out.push_back(std::move(t));
+  std::sort(out.begin(), out.end(),
+            [](const KernelTotal& a, const KernelTotal& b) { return a.ms > b.ms; });
+  if (out.size() > n) out.resize(n);
+  return out;
+}
+
 }  // namespace loraplex::cli

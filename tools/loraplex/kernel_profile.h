@@ -35,4 +35,14 @@ std::string kernel_component(const std::string& name);
 std::map<std::string, double> component_ms(const std::vector<KernelRecord>& records,
                                            double wall_ms);
 
+/// One kernel name's share of a stretch: its total milliseconds and launches.
+struct KernelTotal {
+  std::string name;  // demangled, template arguments and parameters cut to keep it readable
+  double ms = 0.0;
+  int64_t launches = 0;
+};
+
+/// The `n` kernels (by name) that took the most time, longest first.
+std::vector<KernelTotal> top_kernels(const std::vector<KernelRecord>& records, size_t n);
+
 }  // namespace loraplex::cli

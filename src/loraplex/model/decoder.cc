@@ -109,6 +109,7 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
   d->punica_ =
       std::make_unique<PunicaWrapper>(options.max_loras, static_cast<int>(options.max_num_tokens),
                                       static_cast<int>(options.max_num_seqs), options.device);
+  if (!options.lora_tuning.empty()) d->punica_->set_lora_tuning(options.lora_tuning);
   d->allocate_step_buffers();
   d->workspace_->allocate();
   d->stream_.synchronize();
@@ -692,10 +693,8 @@ StepResult Decoder::execute(const StepBatch& batch) {
   const auto [n, num_sampled, pure_decode] = summarize(batch);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
-  // Tensor-parallel ranks run eagerly: their graph replays (collectives captured inside) gave
-  // other tokens than eager steps with adapters on 2 and 4 H200s, an open bug.
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
-                     options_.tensor_parallel_size == 1 && pure_decode && bucket > 0;
+                     pure_decode && bucket > 0;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
   const auto [token_lora, sampler_lora] = stage(batch, padded, graph);

@@ -4,6 +4,7 @@
 // in lockstep (tensor_parallel.h). load_model.h picks one from DecoderOptions.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "loraplex/adapters/lora_targets.h"
@@ -41,6 +42,9 @@ struct DecoderOptions {
   /// vLLM's --fully-sharded-loras: column layers also shard LoRA-A by rank and row layers
   /// LoRA-B by output rows, embedding and lm_head LoRA keep only their vocab shard.
   bool fully_sharded_loras = false;
+  /// "key=value,..." over the device's LoRA kernel tuning table (kernels/cuda/lora_tuning.h),
+  /// for benchmarks that compare kernel paths inside a model; empty: the table as it is.
+  std::string lora_tuning;
   /// One Decoder's tensor-parallel group (tensor_parallel_size ranks), or nullptr for one
   /// device. Set by TensorParallelDecoder; must outlive the Decoder.
   Communicator* comm = nullptr;

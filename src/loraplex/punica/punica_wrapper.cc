@@ -195,6 +195,16 @@ PunicaWrapper::PunicaWrapper(int max_loras, int max_num_tokens, int max_num_seqs
 void PunicaWrapper::set_lora_tuning(const kernels::cuda::LoraTuning& tuning) {
   throw_if_error(kernels::cuda::check_lora_tuning(tuning));
   lora_device_.tuning = tuning;
+  // Plans of the new table (longer decode paths, say) may need more scratch than the old's.
+  token_meta_.reserve_scratch(kernels::cuda::lora_scratch_floats(max_num_tokens_, tuning));
+  sampler_meta_.reserve_scratch(
+      kernels::cuda::lora_scratch_floats(sampler_meta_.max_num_tokens(), tuning));
+}
+
+void PunicaWrapper::set_lora_tuning(const std::string& overrides) {
+  kernels::cuda::LoraTuning tuning = lora_device_.tuning;
+  throw_if_error(kernels::cuda::parse_lora_tuning(overrides, tuning));
+  set_lora_tuning(tuning);
 }
 
 void PunicaWrapper::update_metadata(std::span<const int32_t> token_slots,

@@ -80,10 +80,11 @@ class PunicaWrapper {
   /// (kernels::cuda::lora_device; the defaults on the CPU).
   const kernels::cuda::LoraDevice& lora_device() const { return lora_device_; }
   /// Replaces the tuning table (checked; an error names the field) for this wrapper's ops. For
-  /// benchmarks and tests, between steps. A table that raises decode_max_tokens or
-  /// gather_max_token_ranks may need more metadata scratch than the default: see
-  /// reserve_lora_linear.
+  /// benchmarks and tests, between steps (captured graphs keep the old plans). The metadata's
+  /// scratch grows to what the new table's plans need.
   void set_lora_tuning(const kernels::cuda::LoraTuning& tuning);
+  /// The same with "key=value,..." over the current table (an error names a bad key or value).
+  void set_lora_tuning(const std::string& overrides);
 
   /// y[s, t, :rank] = scale * x[t] @ A_s[slot(t)][:rank]^T.
   /// y: [num_slices, num_tokens, max_rank] float32 (or x's dtype) out; x: [num_tokens, in] in.
