@@ -234,61 +234,80 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   }
 }
 
-// One block per token: every (q or k head, i < d/2) pair is rotated by one thread; the k
-// heads' rotated values and the v heads go to the token's cache slot.
-template <typename E>
+// kVec consecutive elements as one access.
+template <typename S, int kVec>
+struct alignas(sizeof(S) * kVec) Pack {
+  S v[kVec];
+};
+
+// Grid x = token, y = a share of the token's items. An item is kVec consecutive frequencies of
+// one q or k head (its kVec rotation pairs: elements i.. and i + d/2..), then the v heads in
+// runs of kVec; one thread per item, so a decode batch of a few tokens still spreads over the
+// SMs. The k heads' rotated values and the v heads go to the token's cache slot.
+template <typename E, int kVec>
 __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   using S = typename E::Storage;
-  extern __shared__ float trig[];  // [half] cos, then [half] sin: one per frequency, not per head
+  using P = Pack<S, kVec>;
   const KvCacheView& c = a.cache;
   const int64_t t = blockIdx.x;
+  const int64_t item = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t d = c.head_dim;
   const int64_t half = d / 2;
   const int64_t kv = c.num_kv_heads * d;
   const int64_t q_cols = a.num_heads * d;
-  const int64_t heads = a.num_heads + c.num_kv_heads;
-  const float pos = static_cast<float>(a.positions[t]);
-  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
-    const float angle = pos * a.inv_freq[i];
-    trig[i] = cosf(angle);
-    trig[half + i] = sinf(angle);
-  }
-  __syncthreads();
+  const int64_t per_head = half / kVec;
+  const int64_t rot_items = (a.num_heads + c.num_kv_heads) * per_head;
+  if (item >= rot_items + kv / kVec) return;
   const int64_t slot = a.slot_mapping[t];
   const bool store = slot >= 0 && slot < c.num_blocks * c.block_size;
   S* row = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
   S* add = a.delta != nullptr ? static_cast<S*>(a.delta) + t * (q_cols + 2 * kv) : nullptr;
-  auto at = [&](int64_t j) {
-    const float v = E::load(row[j]);
-    if (add == nullptr) return v;
-    const float r = round_to<E>(v + E::load(add[j]));
-    if (a.clear_delta) add[j] = E::store(0.0f);
-    return r;
+  // kVec values at column j, plus the LoRA delta (cleared after reading) where there is one.
+  auto load = [&](int64_t j, float(&out)[kVec]) {
+    const P v = *reinterpret_cast<const P*>(row + j);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out[k] = E::load(v.v[k]);
+    if (add == nullptr) return;
+    const P dv = *reinterpret_cast<const P*>(add + j);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out[k] = round_to<E>(out[k] + E::load(dv.v[k]));
+    if (a.clear_delta) *reinterpret_cast<P*>(add + j) = P{};
   };
   S* kc = static_cast<S*>(c.k) + (store ? slot : 0) * kv;
   S* vc = static_cast<S*>(c.v) + (store ? slot : 0) * kv;
-  for (int64_t item = threadIdx.x; item < heads * half; item += blockDim.x) {
-    const int64_t h = item / half;
-    const int64_t i = item % half;
-    const float cs = trig[i];
-    const float sn = trig[half + i];
-    S* x = row + h * d;
-    const float x0 = at(h * d + i);
-    const float x1 = at(h * d + i + half);
-    const S y0 = E::store(x0 * cs - x1 * sn);
-    const S y1 = E::store(x1 * cs + x0 * sn);
-    x[i] = y0;
-    x[i + half] = y1;
-    if (store && h >= a.num_heads) {
-      const int64_t col = (h - a.num_heads) * d;
-      kc[col + i] = y0;
-      kc[col + i + half] = y1;
+  if (item < rot_items) {
+    const int64_t h = item / per_head;
+    const int64_t i = item % per_head * kVec;
+    const float pos = static_cast<float>(a.positions[t]);
+    float x0[kVec], x1[kVec];
+    load(h * d + i, x0);
+    load(h * d + i + half, x1);
+    P y0, y1;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      float sn, cs;
+      sincosf(pos * a.inv_freq[i + k], &sn, &cs);
+      y0.v[k] = E::store(x0[k] * cs - x1[k] * sn);
+      y1.v[k] = E::store(x1[k] * cs + x0[k] * sn);
     }
+    *reinterpret_cast<P*>(row + h * d + i) = y0;
+    *reinterpret_cast<P*>(row + h * d + i + half) = y1;
+    if (store && h >= a.num_heads) {
+      const int64_t col = (h - a.num_heads) * d + i;
+      *reinterpret_cast<P*>(kc + col) = y0;
+      *reinterpret_cast<P*>(kc + col + half) = y1;
+    }
+    return;
   }
-  for (int64_t j = threadIdx.x; j < kv; j += blockDim.x) {
-    const S v = E::store(at(q_cols + kv + j));
-    if (store) vc[j] = v;
-  }
+  const int64_t j = (item - rot_items) * kVec;
+  float v[kVec];
+  load(q_cols + kv + j, v);
+  P out;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) out.v[k] = E::store(v[k]);
+  if (store) *reinterpret_cast<P*>(vc + j) = out;
+  // The row keeps v as it was read plus its delta, as the attention reads it.
+  if (add != nullptr) *reinterpret_cast<P*>(row + q_cols + kv + j) = out;
 }
 
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
@@ -498,9 +517,24 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
   const KvCacheView& c = a.cache;
   if (a.num_tokens == 0) return Status();
   return dispatch(a.dtype, "rope_kv_write", [&](auto e) {
-    rope_kv_write_kernel<decltype(e)>
-        <<<static_cast<unsigned>(a.num_tokens), kThreads,
-           static_cast<size_t>(c.head_dim) * sizeof(float), raw(stream)>>>(a);
+    using E = decltype(e);
+    constexpr int kVec = 4;
+    constexpr uintptr_t kAlign = sizeof(typename E::Storage) * kVec;
+    auto aligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlign == 0; };
+    const bool vec = c.head_dim % (2 * kVec) == 0 && a.qkv_row_stride % kVec == 0 &&
+                     aligned(a.qkv) && aligned(c.k) && aligned(c.v) &&
+                     (a.delta == nullptr || aligned(a.delta));
+    const int64_t per_token =
+        (a.num_heads + c.num_kv_heads) * (c.head_dim / 2) + c.num_kv_heads * c.head_dim;
+    constexpr int kRopeThreads = 128;
+    const dim3 grid(
+        static_cast<unsigned>(a.num_tokens),
+        static_cast<unsigned>((per_token / (vec ? kVec : 1) + kRopeThreads - 1) / kRopeThreads));
+    if (vec) {
+      rope_kv_write_kernel<E, kVec><<<grid, kRopeThreads, 0, raw(stream)>>>(a);
+    } else {
+      rope_kv_write_kernel<E, 1><<<grid, kRopeThreads, 0, raw(stream)>>>(a);
+    }
   });
 }
 
