@@ -98,15 +98,6 @@ std::string shrink_launches(const kc::ShrinkPlan& p, const kc::ShrinkShape& s,
 std::string expand_launches(const kc::ExpandPlan& p, const kc::ExpandShape& e) {
   const std::string t = type_name(e.dtype);
   switch (p.kernel) {
-    case kc::ExpandKernel::kGrouped: {
-      int64_t chunks = 0;
-      for (int i = 0; i < e.num_slices; ++i) {
-        chunks += (e.slice_width[i] + kc::grouped_expand_kernel::kCtaCols - 1) /
-                  kc::grouped_expand_kernel::kCtaCols;
-      }
-      return launch("expand_grouped<" + t + "," + std::to_string(p.group) + ">", p.group_units,
-                    chunks, 1, kc::grouped_expand_kernel::kThreads, 0, 0, false);
-    }
     case kc::ExpandKernel::kPipelined:
       return launch("expand_pipe<" + t + "," + std::to_string(p.steps) + ",0>", p.grid, 1, 1,
                     kc::expand_kernel::kThreads, p.smem, 0, p.pdl);
@@ -187,10 +178,7 @@ kc::LinearShape shape_of(DType dtype, int64_t tokens, int max_loras, int max_ran
 TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
   std::ifstream in(LORAPLEX_LAUNCH_TABLE);
   ASSERT_TRUE(in.good()) << "cannot read " << LORAPLEX_LAUNCH_TABLE;
-  // The table was recorded before the grouped expand existed: every tuning here has it off.
-  kc::LoraTuning no_grouped;
-  no_grouped.expand_grouped = 1;
-  std::map<std::string, kc::LoraTuning> tunings = {{"-", no_grouped}};
+  std::map<std::string, kc::LoraTuning> tunings = {{"-", kc::LoraTuning{}}};
   const kc::DeviceLimits limits;  // the H100 the table was recorded for
   int rows = 0;
   int mismatches = 0;
@@ -200,7 +188,7 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
     if (line.rfind("# ", 0) == 0) {
       const std::vector<std::string> f = split(line.substr(2), ' ');
       ASSERT_EQ(f.size(), 2u) << line;
-      kc::LoraTuning t = no_grouped;
+      kc::LoraTuning t;
       ASSERT_TRUE(kc::parse_lora_tuning(f[1], t).ok()) << line;
       tunings[f[0]] = t;
       continue;
@@ -242,50 +230,6 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
   for (const char* p : {"cluster", "gather", "fused", "split", "generic", "-"}) {
     EXPECT_GT(paths[p], 10) << p;
   }
-}
-
-// The grouped expand takes the batches whose slots average few tokens (the tensor-core
-// expands' 64-token tiles mostly empty there), by the tuning's rule, and only shapes it handles.
-TEST(LoraPlan, GroupedExpandWhereSlotsHoldFewTokens) {
-  kc::LoraDevice device;
-  auto expand = [&](int64_t tokens, int max_loras, int rank, std::vector<int64_t> widths) {
-    return kc::plan_lora_expand(
-        shape_of(DType::kBF16, tokens, max_loras, rank, 4096, widths, true).expand, device);
-  };
-  const std::vector<int64_t> qkv = {4096, 1024, 1024};
-  // 256 tokens over 64 slots: 4 a slot; 300 over 32: 9.4, above the default 8.
-  EXPECT_EQ(expand(256, 64, 16, qkv).kernel, kc::ExpandKernel::kGrouped);
-  EXPECT_EQ(expand(256, 64, 16, qkv).group, 4);
-  EXPECT_EQ(expand(256, 64, 16, qkv).group_units, 64);
-  EXPECT_EQ(expand(300, 32, 64, qkv).kernel, kc::ExpandKernel::kPipelined);
-  EXPECT_EQ(expand(256, 32, 16, {14336 * 2}).kernel, kc::ExpandKernel::kGrouped);
-  EXPECT_EQ(expand(1024, 32, 16, qkv).kernel, kc::ExpandKernel::kPipelined);
-  // One slot: as many tokens a slot as tokens; a few tokens: few a slot.
-  EXPECT_EQ(expand(8, 1, 16, qkv).kernel, kc::ExpandKernel::kGrouped);
-  EXPECT_EQ(expand(9, 1, 16, qkv).kernel, kc::ExpandKernel::kPipelined);
-  // Shapes it does not take: rank above 256, a width that is not a multiple of 4, fp32.
-  EXPECT_EQ(expand(256, 64, 512, qkv).kernel, kc::ExpandKernel::kTensorCore);
-  EXPECT_EQ(expand(256, 64, 16, {4098}).kernel, kc::ExpandKernel::kGeneric);
-  kc::ExpandShape f32 = shape_of(DType::kF32, 256, 64, 16, 4096, qkv, true).expand;
-  EXPECT_EQ(kc::plan_lora_expand(f32, device).kernel, kc::ExpandKernel::kGeneric);
-  // The tuning: never, always, another threshold and group.
-  device.tuning.expand_grouped = 1;
-  EXPECT_EQ(expand(256, 64, 16, qkv).kernel, kc::ExpandKernel::kPipelined);
-  device.tuning.expand_grouped = 2;
-  EXPECT_EQ(expand(4096, 8, 16, qkv).kernel, kc::ExpandKernel::kGrouped);
-  device.tuning.expand_grouped = 0;
-  device.tuning.expand_grouped_per_slot = 2;
-  device.tuning.expand_group = 8;
-  EXPECT_EQ(expand(256, 64, 16, qkv).kernel, kc::ExpandKernel::kPipelined);
-  EXPECT_EQ(expand(128, 64, 16, qkv).kernel, kc::ExpandKernel::kGrouped);
-  EXPECT_EQ(expand(128, 64, 16, qkv).group_units, 16);
-  // In a split layer the grouped expand is not launched under PDL after the shrink.
-  device.tuning = kc::LoraTuning{};
-  const kc::LinearPlan split =
-      kc::plan_lora_linear(shape_of(DType::kBF16, 256, 64, 16, 4096, qkv, true), device);
-  ASSERT_EQ(split.path, kc::LinearPath::kSplit);
-  EXPECT_EQ(split.expand.kernel, kc::ExpandKernel::kGrouped);
-  EXPECT_FALSE(split.shrink.prefill.expand_follows);
 }
 
 // The plans' workspace fits what LoraBatchMeta holds by default (lora_scratch_floats), for the

@@ -530,10 +530,8 @@ TEST(CudaLoraShrink, MatchesCpuWithFloatAndNativeOutputs) {
 
 // Expand through PunicaWrapper::add_expand into a wider y at an offset.
 Tensor run_expand(const LayerCase& c, const LayerData& d, const Tensor& in, int64_t offset,
-                  bool add_inputs, Device device, const Stream& stream,
-                  const LoraTuning& tuning = {}) {
+                  bool add_inputs, Device device, const Stream& stream) {
   PunicaWrapper wrapper(c.max_loras, c.tokens, 1, device);
-  wrapper.set_lora_tuning(tuning);
   wrapper.update_metadata(d.slots, {}, stream);
   const SlotRanks ranks = make_ranks(c, d, device, stream);
   const auto b = to_device(d.b, device, stream);
@@ -543,44 +541,29 @@ Tensor run_expand(const LayerCase& c, const LayerData& d, const Tensor& in, int6
   return device.is_cpu() ? y : test::on_cpu(y, stream);
 }
 
-// Every expand kernel: the default choice, the tensor-core expands (grouped expand never) and
-// the grouped expand wherever it applies, with 2 and 8 tokens a CTA.
 TEST(CudaLoraExpand, MatchesCpuWithOffsetsAndOverwrite) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(404);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  std::vector<std::pair<std::string, LoraTuning>> tunings(4);
-  tunings[0].first = "default";
-  tunings[1].first = "grouped never";
-  tunings[1].second.expand_grouped = 1;
-  tunings[2].first = "grouped 2";
-  tunings[2].second.expand_grouped = 2;
-  tunings[2].second.expand_group = 2;
-  tunings[3].first = "grouped 8";
-  tunings[3].second.expand_grouped = 2;
-  tunings[3].second.expand_group = 8;
-  for (const auto& [tuning_name, tuning] : tunings) {
-    for (LayerCase c : linear_cases()) {
-      // Leave room in y for an offset: y0 is as wide as the slices plus the largest offset.
-      for (int64_t offset : {int64_t{0}, int64_t{8}, int64_t{3}}) {
-        for (bool add_inputs : {true, false}) {
-          for (bool f32_in : {true, false}) {
-            LayerData d = make_layer(c, rng);
-            d.y0 = test::random_tensor({c.tokens, d.width + 8}, c.dtype, rng);
-            const int slices = static_cast<int>(c.widths.size());
-            const Tensor in = test::random_tensor({slices, c.tokens, c.max_rank},
-                                                  f32_in ? DType::kF32 : c.dtype, rng, 0.5f);
-            const Tensor got =
-                run_expand(c, d, in, offset, add_inputs, test::gpu(), stream, tuning);
-            const Tensor ref = run_expand(c, d, in, offset, add_inputs, Device::cpu(), cpu);
-            const double rtol = test::default_rtol(c.dtype);
-            test::expect_matches(got, ref, stream, rtol, rtol * 2,
-                                 tuning_name + " " + case_name(c) + " offset " +
-                                     std::to_string(offset) + (add_inputs ? " add" : " overwrite") +
-                                     (f32_in ? " f32-in" : " native-in"));
-            if (HasFailure()) return;
-          }
+  for (LayerCase c : linear_cases()) {
+    // Leave room in y for an offset: y0 is as wide as the slices plus the largest offset.
+    for (int64_t offset : {int64_t{0}, int64_t{8}, int64_t{3}}) {
+      for (bool add_inputs : {true, false}) {
+        for (bool f32_in : {true, false}) {
+          LayerData d = make_layer(c, rng);
+          d.y0 = test::random_tensor({c.tokens, d.width + 8}, c.dtype, rng);
+          const int slices = static_cast<int>(c.widths.size());
+          const Tensor in = test::random_tensor({slices, c.tokens, c.max_rank},
+                                                f32_in ? DType::kF32 : c.dtype, rng, 0.5f);
+          const Tensor got = run_expand(c, d, in, offset, add_inputs, test::gpu(), stream);
+          const Tensor ref = run_expand(c, d, in, offset, add_inputs, Device::cpu(), cpu);
+          const double rtol = test::default_rtol(c.dtype);
+          test::expect_matches(got, ref, stream, rtol, rtol * 2,
+                               case_name(c) + " offset " + std::to_string(offset) +
+                                   (add_inputs ? " add" : " overwrite") +
+                                   (f32_in ? " f32-in" : " native-in"));
+          if (HasFailure()) return;
         }
       }
     }

@@ -27,9 +27,6 @@ Status launch_cluster(const ClusterPlan& plan, const ShrinkArgs& shrink, const E
 /// (prefill_shrink.cu).
 Status launch_prefill(const PrefillPlan& plan, const ShrinkArgs& shrink, const LoraMetaView& meta,
                       StreamHandle stream);
-/// The grouped expand: a few slot-sorted tokens x 512 columns per CTA (expand_grouped.cu).
-Status launch_expand_grouped(const ExpandPlan& plan, const ExpandArgs& expand,
-                             const LoraMetaView& meta, StreamHandle stream);
 /// The software-pipelined tensor-core expand (expand_pipelined.cu).
 Status launch_expand_pipelined(const ExpandPlan& plan, const ExpandArgs& expand,
                                const LoraMetaView& meta, StreamHandle stream);

@@ -36,8 +36,6 @@ Status run_shrink(const ShrinkPlan& plan, const ShrinkArgs& args, const LoraMeta
 Status run_expand(const ExpandPlan& plan, const ExpandArgs& args, const LoraMetaView& meta,
                   StreamHandle stream) {
   switch (plan.kernel) {
-    case ExpandKernel::kGrouped:
-      return launch_expand_grouped(plan, args, meta, stream);
     case ExpandKernel::kPipelined:
       return launch_expand_pipelined(plan, args, meta, stream);
     case ExpandKernel::kTensorCore:

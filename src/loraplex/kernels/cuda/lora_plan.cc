@@ -514,30 +514,6 @@ bool pipelined_applies(const ExpandShape& a) {
   return a.b_aligned16;
 }
 
-bool grouped_expand_applies(const ExpandShape& a) {
-  using namespace grouped_expand_kernel;
-  if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.max_rank > kMaxRank) return false;
-  if (a.y_row_stride % kColsPerThread != 0 || a.offset_start % kColsPerThread != 0 ||
-      !a.y_aligned8 || !a.b_aligned16 || a.tokens > 65535 * int64_t{8}) {
-    return false;
-  }
-  int64_t chunks = 0;
-  for (int s = 0; s < a.num_slices; ++s) {
-    if (a.slice_width[s] % kColsPerThread != 0) return false;
-    chunks += ceil_div(a.slice_width[s], kCtaCols);
-  }
-  return chunks <= 65535;
-}
-
-// Where the slots that can be active average few tokens each, the tensor-core expands' 64-token
-// tiles are mostly empty and their many items latency-bound.
-bool use_grouped_expand(const ExpandShape& a, const LoraTuning& t) {
-  if (t.expand_grouped == 1 || !grouped_expand_applies(a)) return false;
-  if (t.expand_grouped == 2) return true;
-  const int64_t slots = std::min<int64_t>(a.tokens, a.max_loras);
-  return a.tokens <= int64_t{t.expand_grouped_per_slot} * slots;
-}
-
 bool tensor_core_expand_applies(const ExpandShape& a) {
   if (!half_dtype(a.dtype) || a.max_rank % 8 != 0 || a.y_row_stride % 8 != 0 ||
       a.offset_start % 8 != 0 || !a.y_aligned16 || !a.in_aligned16)
@@ -655,11 +631,7 @@ ExpandPlan plan_lora_expand(const ExpandShape& a, const LoraDevice& dev, bool af
   p.items = tiles * p.ntile_begin[a.num_slices];
   p.cache_ranks = a.num_slices * a.max_loras <= kMaxCachedRanks;
   const int knob = dev.tuning.expand_ctas_per_sm;
-  if (use_grouped_expand(a, dev.tuning)) {
-    p.kernel = ExpandKernel::kGrouped;
-    p.group = dev.tuning.expand_group > 0 ? dev.tuning.expand_group : 4;
-    p.group_units = ceil_div(a.tokens, p.group);
-  } else if (pipelined_applies(a)) {
+  if (pipelined_applies(a)) {
     // Up to rank 16 five CTAs fit beside each other and are faster where each gets two items or
     // more; with fewer items per CTA four were as fast or faster.
     p.kernel = ExpandKernel::kPipelined;
@@ -710,9 +682,9 @@ LinearPlan plan_lora_linear(const LinearShape& shape, const LoraDevice& dev) {
     return p;
   }
   p.path = half_dtype(s.dtype) ? LinearPath::kSplit : LinearPath::kGeneric;
-  // The pipelined expand under PDL right after the prefill shrink: its first y and B tiles load
-  // while the shrink finishes.
-  const bool pdl = plan_lora_expand(e, dev, false).kernel == ExpandKernel::kPipelined;
+  // The expand under PDL right after the prefill shrink: its first y and B tiles load while the
+  // shrink finishes.
+  const bool pdl = pipelined_applies(e);
   p.shrink = plan_lora_shrink(s, dev, pdl);
   p.expand = plan_lora_expand(e, dev, pdl && p.shrink.kernel == ShrinkKernel::kPrefill);
   p.workspace = shrink_workspace(p.shrink, s);

@@ -141,14 +141,6 @@ constexpr int tc_fixed_bytes() {
 }
 }  // namespace expand_kernel
 
-/// The grouped expand (expand_grouped.cu): a CTA = kGroup sorted tokens x 512 columns.
-namespace grouped_expand_kernel {
-inline constexpr int kThreads = 128;
-inline constexpr int kColsPerThread = 4;  // 8 bytes of y per thread
-inline constexpr int kCtaCols = kThreads * kColsPerThread;
-inline constexpr int kMaxRank = 256;  // the tokens' intermediate rows in shared memory
-}  // namespace grouped_expand_kernel
-
 /// The generic kernels (any dtype and strides; shrink_expand.cu).
 inline constexpr int kGenericThreads = 256;
 
@@ -294,16 +286,13 @@ struct ShrinkPlan {
   unsigned generic_grid[2] = {1, 1};
 };
 
-/// Which kernel runs an expand: the grouped expand where slots hold few tokens each, the
-/// pipelined tensor-core expand up to max_rank 64, the one that takes one item at a time above
-/// it, the generic one where none applies.
-enum class ExpandKernel { kGrouped, kPipelined, kTensorCore, kGeneric };
+/// Which kernel runs an expand: the pipelined tensor-core expand up to max_rank 64, the one that
+/// takes one item at a time above it, the generic one where neither applies.
+enum class ExpandKernel { kPipelined, kTensorCore, kGeneric };
 struct ExpandPlan {
   ExpandKernel kernel = ExpandKernel::kGeneric;
-  int group = 0;            // grouped: sorted tokens per CTA (2, 4 or 8)
-  int64_t group_units = 0;  // grouped: CTAs along the tokens
-  int steps = 1;            // pipelined: 16-deep rank steps (1 or 4)
-  bool pdl = false;         // pipelined, after this layer's prefill shrink
+  int steps = 1;     // pipelined: 16-deep rank steps (1 or 4)
+  bool pdl = false;  // pipelined, after this layer's prefill shrink
   bool cache_ranks = false;
   bool cache_sorted = false;
   bool balanced = false;

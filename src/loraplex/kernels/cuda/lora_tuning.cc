@@ -36,9 +36,6 @@ constexpr Field kFields[] = {
     {"prefill_sum", &LoraTuning::prefill_sum, 1, 2, false, true},
     {"prefill_wave_spare_sms", &LoraTuning::prefill_wave_spare_sms, 0, 64, false, false},
     {"expand_ctas_per_sm", &LoraTuning::expand_ctas_per_sm, 1, 16, false, true},
-    {"expand_grouped", &LoraTuning::expand_grouped, 1, 2, false, true},
-    {"expand_grouped_per_slot", &LoraTuning::expand_grouped_per_slot, 1, 1 << 20, false, false},
-    {"expand_group", &LoraTuning::expand_group, 2, 8, true, true},
 };
 
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }

@@ -67,13 +67,6 @@ struct LoraTuning {
   /// Tensor-core expands: CTAs per SM at most (1..16); 0: four, and five for the pipelined
   /// expand up to rank 16 with at least ten items per SM.
   int expand_ctas_per_sm = 0;
-  /// The grouped expand (expand_grouped.cu) instead of the tensor-core expands. 1: never; 2:
-  /// wherever it applies; 0: where the batch averages at most `expand_grouped_per_slot` tokens
-  /// a slot (tokens over the slots that can be active).
-  int expand_grouped = 0;
-  int expand_grouped_per_slot = 8;
-  /// Grouped expand: sorted tokens per CTA (2, 4 or 8); 0: 4.
-  int expand_group = 0;
 };
 
 /// The table for a compute capability. The kernels are built for sm_90a only, and every
