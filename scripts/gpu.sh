@@ -130,6 +130,8 @@ verb_bench() {  # verb_bench NAME ARGS...: `loraplex bench NAME`, JSON into $OUT
   local name=$1
   shift
   runs=$((runs + 1))
+  # A later gpu.sh in the same call continues the numbering instead of overwriting.
+  while [[ -e "$out/${name}_$runs.json" || -e "$out/${name}_$runs.log" ]]; do runs=$((runs + 1)); done
   local file=${name}_$runs start=$SECONDS
   timeout 900 "$bin" bench "$name" --json "$out/$file.json" "$@" >"$out/$file.log" \
     2>"$out/$file.err"

@@ -12,7 +12,18 @@ cp -r /usr/src/googletest "$dest/src/"
 cp -r /usr/include/nlohmann "$dest/include/"
 cp -r /usr/include/CLI "$dest/include/"
 cp -r /usr/share/cmake/CLI11 "$dest/share/cmake/"
-[ -f /usr/include/httplib.h ] && cp /usr/include/httplib.h "$dest/include/"
+# cpp-httplib (for `loraplex serve`): Debian's is a shared library built with OpenSSL, zlib and
+# brotli support, whose header needs those headers. The runtime libraries OpenSSL and zlib are
+# on the GPU machines; the .pc file is rewritten without the private requirements (their .pc
+# files are not there) and with a prefix relative to itself.
+if [ -f /usr/include/httplib.h ]; then
+  cp /usr/include/httplib.h /usr/include/zlib.h /usr/include/zconf.h "$dest/include/"
+  cp -r /usr/include/openssl /usr/include/brotli "$dest/include/"
+  cp -P /usr/lib/x86_64-linux-gnu/libcpp-httplib.so* /usr/lib/x86_64-linux-gnu/libbrotli*.so* \
+    "$dest/lib/"
+  sed 's|^prefix=.*|prefix=${pcfiledir}/../..|; s|^libdir=.*|libdir=${prefix}/lib|; /^Requires.private/d' \
+    /usr/lib/x86_64-linux-gnu/pkgconfig/cpp-httplib.pc >"$dest/lib/pkgconfig/cpp-httplib.pc"
+fi
 cp -r /usr/share/cmake/nlohmann_json "$dest/share/cmake/"
 cp /usr/include/oniguruma.h /usr/include/oniggnu.h /usr/include/onigposix.h "$dest/include/"
 cp -P /usr/lib/x86_64-linux-gnu/libonig.so* "$dest/lib/"
