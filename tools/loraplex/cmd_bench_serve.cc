@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -34,6 +35,10 @@
 #include "loraplex/model/model_shapes.h"
 #include "loraplex/model/random_adapter.h"
 #include "serve_workload.h"
+
+#if LORAPLEX_WITH_HTTP_CLIENT
+#include "serve_http_client.h"
+#endif
 
 namespace loraplex::cli {
 namespace {
@@ -76,6 +81,12 @@ struct ServeArgs {
   double lora_drain_after = 1.0;
   int tensor_parallel_size = 1;
   bool fully_sharded_loras = false;
+  // --server: the trace against a running server over HTTP instead of an engine in process.
+  std::string server;
+  std::string api_key;
+  std::string served_model_name;
+  int64_t vocab_size = 0;
+  double request_timeout = 600.0;
 };
 
 /// The model and adapter pool a benchmark serves. Built by one function from the options, so
@@ -95,6 +106,12 @@ std::vector<std::pair<std::string, std::string>> adapter_dirs(const ServeArgs& a
   std::vector<std::pair<std::string, std::string>> out;
   for (const std::string& l : a.loras) {
     const size_t eq = l.find('=');
+    if (!a.server.empty() && eq == std::string::npos) {
+      // --server: the server has the adapter; only its name matters.
+      LORAPLEX_CHECK(!l.empty(), "--lora expects NAME or NAME=DIR");
+      out.emplace_back(l, "");
+      continue;
+    }
     LORAPLEX_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < l.size(),
                    "--lora expects NAME=DIR, got '", l, "'");
     out.emplace_back(l.substr(0, eq), l.substr(eq + 1));
@@ -201,6 +218,7 @@ struct RunResult {
   std::vector<double> ttft, itl, e2e, queue;
   std::map<int, double> first_token_wait;  // adapter -> TTFT of its first request
   engine::EngineMetrics before, after;
+  bool over_http = false;  // no engine counters: the fields that come from them are left out
 };
 
 std::string fmt(const char* f, double v) {
@@ -323,25 +341,13 @@ ordered_json summary(const std::vector<double>& v, double scale) {
   return j;
 }
 
-ordered_json result_json(const RunResult& r) {
+// Queueing time and the engine's counters over the run (in process only).
+void add_engine_counters(const RunResult& r, ordered_json& j) {
   const engine::EngineMetrics& a = r.after;
   const engine::EngineMetrics& b = r.before;
   const int64_t steps = a.steps_total - b.steps_total;
   const int64_t queries = a.prefix_cache_queries_total - b.prefix_cache_queries_total;
   const int64_t hits = a.prefix_cache_hits_total - b.prefix_cache_hits_total;
-  ordered_json j;
-  j["duration_s"] = r.duration_s;
-  j["completed"] = r.completed;
-  j["failed"] = r.failed;
-  j["input_tokens"] = r.input_tokens;
-  j["output_tokens"] = r.output_tokens;
-  j["request_throughput"] = static_cast<double>(r.completed) / r.duration_s;
-  j["output_throughput"] = static_cast<double>(r.output_tokens) / r.duration_s;
-  j["total_token_throughput"] =
-      static_cast<double>(r.input_tokens + r.output_tokens) / r.duration_s;
-  j["ttft_ms"] = summary(r.ttft, 1e3);
-  j["itl_ms"] = summary(r.itl, 1e3);
-  j["e2e_s"] = summary(r.e2e, 1.0);
   j["queue_ms"] = summary(r.queue, 1e3);
   j["steps"] = steps;
   j["seqs_per_step"] =
@@ -361,6 +367,23 @@ ordered_json result_json(const RunResult& r) {
   j["prefix_cache_queries"] = queries;
   j["prefix_cache_hits"] = hits;
   j["prefix_cache_hit_rate"] = queries > 0 ? static_cast<double>(hits) / queries : 0.0;
+}
+
+ordered_json result_json(const RunResult& r) {
+  ordered_json j;
+  j["duration_s"] = r.duration_s;
+  j["completed"] = r.completed;
+  j["failed"] = r.failed;
+  j["input_tokens"] = r.input_tokens;
+  j["output_tokens"] = r.output_tokens;
+  j["request_throughput"] = static_cast<double>(r.completed) / r.duration_s;
+  j["output_throughput"] = static_cast<double>(r.output_tokens) / r.duration_s;
+  j["total_token_throughput"] =
+      static_cast<double>(r.input_tokens + r.output_tokens) / r.duration_s;
+  j["ttft_ms"] = summary(r.ttft, 1e3);
+  j["itl_ms"] = summary(r.itl, 1e3);
+  j["e2e_s"] = summary(r.e2e, 1.0);
+  if (!r.over_http) add_engine_counters(r, j);
   std::vector<double> waits;
   for (const auto& [adapter, w] : r.first_token_wait)
     if (adapter >= 0) waits.push_back(w);
@@ -406,13 +429,14 @@ void print_table(const std::vector<std::pair<std::string, ordered_json>>& runs) 
   for (const char* p : {"p50", "p90", "p99"}) {
     row((std::string("ITL ") + p + " (ms)").c_str(), pct("itl_ms", p));
   }
-  for (const char* p : {"p50", "p90", "p99"}) {
-    row((std::string("queueing ") + p + " (ms)").c_str(), pct("queue_ms", p));
-  }
   row("e2e p50 (s)",
       [](const ordered_json& j) { return fmt("%.3f", j.at("e2e_s").at("p50").get<double>()); });
   row("e2e p99 (s)",
       [](const ordered_json& j) { return fmt("%.3f", j.at("e2e_s").at("p99").get<double>()); });
+  if (!runs.front().second.contains("steps")) return;  // over HTTP: no engine counters
+  for (const char* p : {"p50", "p90", "p99"}) {
+    row((std::string("queueing ") + p + " (ms)").c_str(), pct("queue_ms", p));
+  }
   row("steps", [](const ordered_json& j) { return std::to_string(j.at("steps").get<int64_t>()); });
   row("sequences per step", num("seqs_per_step", "%.1f"));
   row("adapters per step (mean)", num("adapters_per_step", "%.2f"));
@@ -424,13 +448,225 @@ void print_table(const std::vector<std::pair<std::string, ordered_json>>& runs) 
   row("prefix-cache hit rate", num("prefix_cache_hit_rate", "%.3f"));
 }
 
+// The trace both modes play: the same options and seed give the same requests.
+std::vector<TraceRequest> make_serve_trace(const ServeArgs& a, const LengthSpec& prompt_len,
+                                           const LengthSpec& output_len, int num_adapters,
+                                           int32_t vocab_size) {
+  TraceOptions t;
+  t.num_requests = a.num_requests;
+  t.rate = a.rate;
+  t.prompt_len = prompt_len;
+  t.output_len = output_len;
+  t.num_adapters = num_adapters;
+  t.zipf = a.adapter_dist == "zipf";
+  t.zipf_s = a.zipf_s;
+  t.vocab_size = vocab_size;
+  t.shared_prefix = a.shared_prefix;
+  t.seed = a.seed;
+  return make_trace(t);
+}
+
+// The trace's options in the report's config section.
+void trace_config(const ServeArgs& a, const LengthSpec& prompt_len, const LengthSpec& output_len,
+                  ordered_json& c) {
+  c["num_requests"] = a.num_requests;
+  c["rate"] = std::isinf(a.rate) || a.rate <= 0.0 ? ordered_json("inf") : ordered_json(a.rate);
+  c["prompt_len"] = prompt_len.str();
+  c["output_len"] = output_len.str();
+  c["adapter_dist"] = a.adapter_dist;
+  c["zipf_s"] = a.zipf_s;
+  c["shared_prefix"] = a.shared_prefix;
+  c["seed"] = a.seed;
+}
+
+std::string rate_text(const ServeArgs& a) {
+  return std::isinf(a.rate) || a.rate <= 0.0 ? "all at once" : fmt("Poisson %.2f req/s", a.rate);
+}
+
+// Puts the runs beside the configuration, prints the table and writes --json.
+void report(const ordered_json& config,
+            const std::vector<std::pair<std::string, ordered_json>>& runs,
+            const std::string& json_path) {
+  ordered_json doc;
+  doc["config"] = config;
+  for (const auto& [label, j] : runs) doc[label] = j;
+  if (runs.size() == 2) {
+    const ordered_json& l = runs[0].second;
+    const ordered_json& b = runs[1].second;
+    ordered_json cmp;
+    cmp["throughput_ratio"] = l["output_throughput"].get<double>() /
+                              std::max(b["output_throughput"].get<double>(), 1e-12);
+    cmp["ttft_p99_ratio"] =
+        l["ttft_ms"]["p99"].get<double>() / std::max(b["ttft_ms"]["p99"].get<double>(), 1e-12);
+    doc["lora_vs_base"] = cmp;
+  }
+  print_table(runs);
+  if (doc.contains("lora_vs_base")) {
+    std::printf("lora / base: output throughput x%.3f, p99 TTFT x%.3f\n",
+                doc["lora_vs_base"]["throughput_ratio"].get<double>(),
+                doc["lora_vs_base"]["ttft_p99_ratio"].get<double>());
+  }
+  if (doc.contains("lora") && doc["lora"].contains("adapter_first_token_wait")) {
+    const ordered_json& f = doc["lora"]["adapter_first_token_wait"];
+    std::printf("first token per adapter (%zu adapters): median %.3f s, max %.3f s (x%.2f)\n",
+                f["adapters"].get<size_t>(), f["median_s"].get<double>(), f["max_s"].get<double>(),
+                f["max_over_median"].get<double>());
+  }
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    LORAPLEX_CHECK(out.good(), json_path, ": cannot open for writing");
+    out << doc.dump(2) << "\n";
+    LORAPLEX_CHECK(out.good(), json_path, ": write failed");
+  }
+}
+
+#if LORAPLEX_WITH_HTTP_CLIENT
+// One HTTP run in the in-process run's terms. A request's TTFT and latencies count only when it
+// completed; the first failures are printed.
+RunResult http_run_result(const HttpTraceResult& h, const std::vector<TraceRequest>& trace,
+                          bool with_lora, const std::string& label) {
+  RunResult r;
+  r.label = label;
+  r.over_http = true;
+  r.duration_s = h.duration_s;
+  std::map<int, double> first_at;  // adapter -> when its first token came
+  for (size_t i = 0; i < trace.size(); ++i) {
+    const HttpRequestResult& q = h.requests[i];
+    r.input_tokens += static_cast<int64_t>(trace[i].prompt.size());
+    if (!q.ok) {
+      if (r.failed++ < 5) std::fprintf(stderr, "request %zu failed: %s\n", i, q.error.c_str());
+      continue;
+    }
+    ++r.completed;
+    r.output_tokens += q.completion_tokens;
+    r.ttft.push_back(q.ttft_s);
+    r.itl.insert(r.itl.end(), q.itl_s.begin(), q.itl_s.end());
+    r.e2e.push_back(q.e2e_s);
+    const int adapter = with_lora ? trace[i].adapter : -1;
+    const auto it = first_at.find(adapter);
+    if (q.first_token_s >= 0 && (it == first_at.end() || q.first_token_s < it->second)) {
+      first_at[adapter] = q.first_token_s;
+      r.first_token_wait[adapter] = q.ttft_s;
+    }
+  }
+  if (r.failed > 5)
+    std::fprintf(stderr, "... %lld requests failed in all\n", static_cast<long long>(r.failed));
+  return r;
+}
+
+// --server: the trace against a running server; no model is loaded.
+int run_over_http(const ServeArgs& a, const LengthSpec& prompt_len, const LengthSpec& output_len) {
+  namespace fs = std::filesystem;
+  LORAPLEX_CHECK(a.shape.empty(), "--server and --shape exclude each other");
+  LORAPLEX_CHECK(a.model_dir.empty() || a.vocab_size == 0,
+                 "--server: give --model DIR or --vocab-size N, not both");
+  const HttpTarget target{a.server, a.api_key, a.request_timeout};
+  std::vector<std::string> adapters;
+  for (const auto& [name, dir] : adapter_dirs(a)) adapters.push_back(name);
+  // The prompts' token ids are drawn below the vocabulary size, as in process.
+  int32_t vocab = static_cast<int32_t>(a.vocab_size);
+  if (!a.model_dir.empty()) {
+    const fs::path dir(a.model_dir);
+    vocab = static_cast<int32_t>(
+        model::ModelConfig::from_file((dir / "config.json").string()).vocab_size);
+    if (fs::exists(dir / "tokenizer.json"))
+      vocab = std::min(vocab, engine::read_tokenizer(a.model_dir)->vocab_size());
+  }
+  LORAPLEX_CHECK(vocab > 0,
+                 "--server needs the vocabulary size for the prompts' token ids: --model DIR (its "
+                 "config.json and tokenizer.json are read, no weights) or --vocab-size N");
+
+  const ServerModels listed = list_server_models(target);
+  const std::string base = a.served_model_name.empty() ? listed.base : a.served_model_name;
+  LORAPLEX_CHECK(!base.empty(), "--server ", a.server,
+                 ": GET /v1/models lists no base model (give --served-model-name)");
+  for (const std::string& name : adapters) {
+    if (std::find(listed.adapters.begin(), listed.adapters.end(), name) == listed.adapters.end())
+      std::fprintf(stderr, "note: adapter '%s' is not listed at /v1/models yet\n", name.c_str());
+  }
+  const std::vector<TraceRequest> trace =
+      make_serve_trace(a, prompt_len, output_len, static_cast<int>(adapters.size()), vocab);
+
+  const auto play = [&](const std::vector<TraceRequest>& t, bool with_lora,
+                        const std::string& label, bool progress) {
+    std::vector<std::string> models;
+    for (const TraceRequest& q : t)
+      models.push_back(with_lora && q.adapter >= 0 ? adapters[static_cast<size_t>(q.adapter)]
+                                                   : base);
+    const std::function<void(size_t, size_t, double)> show = [&](size_t done, size_t sent,
+                                                                 double s) {
+      std::fprintf(stderr, "\r  %-5s %6zu/%zu done  %4zu in flight  %7.1f s", label.c_str(), done,
+                   t.size(), sent - done, s);
+      std::fflush(stderr);
+    };
+    const HttpTraceResult h = play_trace_http(target, t, models, progress ? show : nullptr);
+    if (progress)
+      std::fprintf(stderr, "\r  %-5s %6zu/%zu done in %.1f s%40s\n", label.c_str(), t.size(),
+                   t.size(), h.duration_s, "");
+    return h;
+  };
+  // Warm-up (not measured), as in process; a server that fails all of it stops the benchmark.
+  {
+    std::vector<TraceRequest> warm(trace.begin(),
+                                   trace.begin() + std::min<int64_t>(4, a.num_requests));
+    for (TraceRequest& w : warm) {
+      w.arrival_s = 0.0;
+      w.output_len = std::min<int64_t>(w.output_len, 4);
+    }
+    const HttpTraceResult h = play(warm, true, "warm", false);
+    const auto ok = [](const HttpRequestResult& q) { return q.ok; };
+    LORAPLEX_CHECK(std::any_of(h.requests.begin(), h.requests.end(), ok), "--server ", a.server,
+                   ": every warm-up request failed: ", h.requests.front().error);
+  }
+  const bool progress = !a.no_progress;
+  std::vector<std::pair<std::string, ordered_json>> runs;
+  if (!adapters.empty()) {
+    runs.emplace_back("lora", result_json(http_run_result(play(trace, true, "lora", progress),
+                                                          trace, true, "lora")));
+  }
+  if (adapters.empty() || !a.no_base) {
+    runs.emplace_back("base", result_json(http_run_result(play(trace, false, "base", progress),
+                                                          trace, false, "base")));
+  }
+
+  ordered_json c;
+  c["transport"] = "http";
+  c["server"] = a.server;
+  c["model"] = base;
+  c["commit"] = env_commit();
+  c["date"] = iso_date();
+  c["adapters"] = adapters.size();
+  c["adapter_names"] = adapters;
+  trace_config(a, prompt_len, output_len, c);
+  c["vocab_size"] = vocab;
+  std::printf(
+      "loraplex bench serve over HTTP (%s): %lld requests, %s, prompts %s, outputs %s tokens, "
+      "%zu adapters (%s), model %s\n",
+      a.server.c_str(), static_cast<long long>(a.num_requests), rate_text(a).c_str(),
+      prompt_len.str().c_str(), output_len.str().c_str(), adapters.size(), a.adapter_dist.c_str(),
+      base.c_str());
+  report(c, runs, a.json_path);
+  return 0;
+}
+#endif
+
 const char* kHelpIntro =
     "Plays a seeded trace of requests against the engine, in process: Poisson arrivals at "
     "--rate (or all at once), prompt and output lengths fixed (N), uniform (A-B) or "
     "exponential (exp:MEAN), each request's adapter drawn uniform or zipf from the pool; then "
     "the same trace without LoRA. Reports throughput, TTFT, inter-token latency, queueing "
     "time (p50/p90/p99), steps, adapters per step, preemptions and the prefix-cache hit rate; "
-    "--json writes them all.";
+    "--json writes them all.\n\n"
+    "With --server URL the same trace goes to a running server (loraplex serve, or vLLM) over "
+    "HTTP instead, and no model is loaded: each request is a streamed POST /v1/completions "
+    "(prompt as token ids, temperature 0, ignore_eos) sent at its arrival time on its own "
+    "connection; --lora NAME (or NAME=DIR, the DIR unused) names the pool's adapters as the "
+    "server knows them, the base model's name comes from GET /v1/models or "
+    "--served-model-name, and the token ids are drawn below the vocabulary size of --model "
+    "DIR (config.json and tokenizer.json only) or --vocab-size. TTFT is send to the first chunk "
+    "that carries a token, ITL the gap between such chunks (one per chunk, as in process one "
+    "per poll), output tokens the final usage; the engine's counters (queueing, steps, "
+    "preemptions, prefix cache) are not reported.";
 
 int run(const std::vector<std::string>& args) {
   ServeArgs a;
@@ -446,7 +682,8 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--adapters", a.random_adapters, "--shape: random PEFT adapters in the pool");
   app.add_option("--rank", a.random_rank, "--shape: their rank (all linear layers)");
   app.add_option("--adapter-cache", a.adapter_cache, "--shape: where the random adapters go");
-  app.add_option("--lora", a.loras, "a PEFT adapter of the pool (repeatable)")
+  app.add_option("--lora", a.loras,
+                 "a PEFT adapter of the pool (repeatable); with --server NAME alone is enough")
       ->type_name("NAME=DIR")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
@@ -454,8 +691,14 @@ int run(const std::vector<std::string>& args) {
                  "every subdirectory with an adapter_config.json joins the pool, by its name");
   app.add_option("--num-requests", a.num_requests, "requests in the trace")
       ->check(CLI::PositiveNumber);
+  // CLI::NonNegativeNumber stops below the largest double, so "inf" needs its own check.
   app.add_option("--rate", a.rate, "Poisson arrival rate in requests/s; 0 or inf: all at once")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            const double v = std::strtod(text.c_str(), nullptr);
+            return v >= 0.0 ? std::string() : "must be >= 0 (or inf)";
+          },
+          "RATE"));
   app.add_option("--prompt-len", a.prompt_len, "prompt tokens: N, A-B or exp:MEAN");
   app.add_option("--output-len", a.output_len, "generated tokens: N, A-B or exp:MEAN");
   app.add_option("--adapter-dist", a.adapter_dist, "how requests pick adapters")
@@ -502,8 +745,35 @@ int run(const std::vector<std::string>& args) {
   app.add_flag("--fully-sharded-loras", a.fully_sharded_loras,
                "shard the adapters like the layers they modify (LoRA-A by rank too)");
 
+  app.add_option("--server", a.server,
+                 "http://HOST:PORT of a running server: measure it over HTTP (no model loaded)");
+  app.add_option("--api-key", a.api_key, "--server: sent as Authorization: Bearer KEY");
+  app.add_option("--served-model-name", a.served_model_name,
+                 "--server: the base model's name (default: from GET /v1/models)");
+  app.add_option("--vocab-size", a.vocab_size,
+                 "--server without --model: prompt token ids are drawn below this")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--request-timeout", a.request_timeout,
+                 "--server: seconds a request may wait for its next bytes before it fails")
+      ->check(CLI::PositiveNumber);
+
   if (!parse_cli(app, args)) return 0;
 
+  const LengthSpec prompt_len = LengthSpec::parse("--prompt-len", a.prompt_len);
+  const LengthSpec output_len = LengthSpec::parse("--output-len", a.output_len);
+  LORAPLEX_CHECK(
+      a.shared_prefix < prompt_len.lo || prompt_len.kind == LengthSpec::Kind::kExponential,
+      "--shared-prefix ", a.shared_prefix, " must be shorter than the shortest prompt (",
+      prompt_len.lo, ")");
+  if (!a.server.empty()) {
+#if LORAPLEX_WITH_HTTP_CLIENT
+    return run_over_http(a, prompt_len, output_len);
+#else
+    LORAPLEX_FAIL(
+        "--server: this build has no HTTP client (cpp-httplib was not found when it was "
+        "configured; install libcpp-httplib-dev and build again)");
+#endif
+  }
   const Device device = a.device.empty()
                             ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu())
                             : Device::parse(a.device);
@@ -511,12 +781,6 @@ int run(const std::vector<std::string>& args) {
                  ": no such CUDA device (", cuda_device_count(), " present)");
   const DType dtype =
       a.dtype.empty() ? (device.is_cuda() ? DType::kBF16 : DType::kF32) : dtype_from_name(a.dtype);
-  const LengthSpec prompt_len = LengthSpec::parse("--prompt-len", a.prompt_len);
-  const LengthSpec output_len = LengthSpec::parse("--output-len", a.output_len);
-  LORAPLEX_CHECK(
-      a.shared_prefix < prompt_len.lo || prompt_len.kind == LengthSpec::Kind::kExponential,
-      "--shared-prefix ", a.shared_prefix, " must be shorter than the shortest prompt (",
-      prompt_len.lo, ")");
 
   engine::EngineOptions o;
   o.max_num_seqs = a.max_num_seqs;
@@ -549,20 +813,10 @@ int run(const std::vector<std::string>& args) {
   pool.load_adapters(engine);
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
 
-  TraceOptions t;
-  t.num_requests = a.num_requests;
-  t.rate = a.rate;
-  t.prompt_len = prompt_len;
-  t.output_len = output_len;
-  t.num_adapters = static_cast<int>(pool.adapter_names.size());
-  t.zipf = a.adapter_dist == "zipf";
-  t.zipf_s = a.zipf_s;
-  t.vocab_size = static_cast<int32_t>(config.vocab_size);
-  if (pool.tokenizer != nullptr)
-    t.vocab_size = std::min(t.vocab_size, pool.tokenizer->vocab_size());
-  t.shared_prefix = a.shared_prefix;
-  t.seed = a.seed;
-  const std::vector<TraceRequest> trace = make_trace(t);
+  int32_t vocab_size = static_cast<int32_t>(config.vocab_size);
+  if (pool.tokenizer != nullptr) vocab_size = std::min(vocab_size, pool.tokenizer->vocab_size());
+  const std::vector<TraceRequest> trace = make_serve_trace(
+      a, prompt_len, output_len, static_cast<int>(pool.adapter_names.size()), vocab_size);
 
   const bool progress = !a.no_progress;
   // Warm-up (not measured): a few requests through every path once.
@@ -589,6 +843,7 @@ int run(const std::vector<std::string>& args) {
   // Built apart and then put in: ordered_json keeps its members in a vector, so references
   // into it do not survive insertions.
   ordered_json c;
+  c["transport"] = "in-process";
   c["model"] = pool.description;
   c["device"] = device.str();
   c["device_name"] = device.is_cuda() ? kernels::cuda::device_info(device.index).name : "cpu";
@@ -596,14 +851,9 @@ int run(const std::vector<std::string>& args) {
   c["date"] = iso_date();
   c["dtype"] = std::string(dtype_name(dtype));
   c["adapters"] = pool.adapter_names.size();
-  c["num_requests"] = a.num_requests;
-  c["rate"] = std::isinf(a.rate) || a.rate <= 0.0 ? ordered_json("inf") : ordered_json(a.rate);
-  c["prompt_len"] = prompt_len.str();
-  c["output_len"] = output_len.str();
-  c["adapter_dist"] = a.adapter_dist;
-  c["zipf_s"] = a.zipf_s;
-  c["shared_prefix"] = a.shared_prefix;
-  c["seed"] = a.seed;
+  c["adapter_names"] = pool.adapter_names;
+  trace_config(a, prompt_len, output_len, c);
+  c["vocab_size"] = vocab_size;
   c["max_num_seqs"] = o.max_num_seqs;
   c["max_num_batched_tokens"] = o.max_num_batched_tokens;
   c["max_loras"] = o.max_loras;
@@ -616,46 +866,13 @@ int run(const std::vector<std::string>& args) {
   c["tensor_parallel_size"] = o.tensor_parallel_size;
   c["fully_sharded_loras"] = o.fully_sharded_loras;
   c["load_s"] = load_s;
-  ordered_json doc;
-  doc["config"] = c;
-  for (const auto& [label, j] : runs) doc[label] = j;
-  if (runs.size() == 2) {
-    const ordered_json& l = runs[0].second;
-    const ordered_json& b = runs[1].second;
-    ordered_json cmp;
-    cmp["throughput_ratio"] = l["output_throughput"].get<double>() /
-                              std::max(b["output_throughput"].get<double>(), 1e-12);
-    cmp["ttft_p99_ratio"] =
-        l["ttft_ms"]["p99"].get<double>() / std::max(b["ttft_ms"]["p99"].get<double>(), 1e-12);
-    doc["lora_vs_base"] = cmp;
-  }
-
   std::printf(
       "loraplex bench serve: %lld requests, %s, prompts %s, outputs %s tokens, %zu "
       "adapters (%s), max_loras %d, %s %s\n",
-      static_cast<long long>(a.num_requests),
-      c["rate"].is_string() ? "all at once" : fmt("Poisson %.2f req/s", a.rate).c_str(),
-      prompt_len.str().c_str(), output_len.str().c_str(), pool.adapter_names.size(),
-      a.adapter_dist.c_str(), o.max_loras, device.str().c_str(),
-      std::string(dtype_name(dtype)).c_str());
-  print_table(runs);
-  if (doc.contains("lora_vs_base")) {
-    std::printf("lora / base: output throughput x%.3f, p99 TTFT x%.3f\n",
-                doc["lora_vs_base"]["throughput_ratio"].get<double>(),
-                doc["lora_vs_base"]["ttft_p99_ratio"].get<double>());
-  }
-  if (has_lora && doc["lora"].contains("adapter_first_token_wait")) {
-    const ordered_json& f = doc["lora"]["adapter_first_token_wait"];
-    std::printf("first token per adapter (%zu adapters): median %.3f s, max %.3f s (x%.2f)\n",
-                f["adapters"].get<size_t>(), f["median_s"].get<double>(), f["max_s"].get<double>(),
-                f["max_over_median"].get<double>());
-  }
-  if (!a.json_path.empty()) {
-    std::ofstream out(a.json_path);
-    LORAPLEX_CHECK(out.good(), a.json_path, ": cannot open for writing");
-    out << doc.dump(2) << "\n";
-    LORAPLEX_CHECK(out.good(), a.json_path, ": write failed");
-  }
+      static_cast<long long>(a.num_requests), rate_text(a).c_str(), prompt_len.str().c_str(),
+      output_len.str().c_str(), pool.adapter_names.size(), a.adapter_dist.c_str(), o.max_loras,
+      device.str().c_str(), std::string(dtype_name(dtype)).c_str());
+  report(c, runs, a.json_path);
   return 0;
 }
 
