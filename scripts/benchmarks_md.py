@@ -11,7 +11,7 @@ usage: benchmarks_md.py [--kernels JSON]... [--vllm CSV [--vllm-run TEXT]]
               matched to the kernel runs of the same device
   --vllm-run  where and when that CSV was measured (printed beside it)
   --e2e       `loraplex bench e2e --json` output
-  --serve     `loraplex bench serve --json` output
+  --serve     `loraplex bench serve --json` output (PATH=DEVICE for a run over HTTP)
   --out       where to write (default: standard output)
   --summary   a few plain-text lines per kernel run instead of the document
 
@@ -153,6 +153,9 @@ def kernel_tables(doc, vllm, source, vllm_line=None):
     return head + out, summary
 
 
+BREAKDOWN_EXPLAINED = False  # the first breakdown table says what its columns mean
+
+
 def e2e_table(doc, source, hf=None):
     w = doc.get("workload", {})
     tp = w.get("tensor_parallel_size", 1)
@@ -196,10 +199,15 @@ def e2e_table(doc, source, hf=None):
     if parts:
         comps = ["base_gemm", "attention", "lora", "norm_rope_act", "sampling", "other",
                  "host_gaps"]
-        out += ["", para("Where a decode step's time goes (CUPTI kernel records of a separate pass, "
-                         "ms per step; kernels on the LoRA stream overlap the base GEMMs, so the "
-                         "components can add up to more than the step; host_gaps: wall time with "
-                         "no kernel running, launch gaps inside the graph included):"), "",
+        global BREAKDOWN_EXPLAINED
+        explain = ("Where a decode step's time goes (CUPTI kernel records of a separate pass, "
+                   "ms per step; kernels on the LoRA stream overlap the base GEMMs, so the "
+                   "components can add up to more than the step; host_gaps: wall time with "
+                   "no kernel running, launch gaps inside the graph included):")
+        if BREAKDOWN_EXPLAINED:
+            explain = "Where a decode step's time goes (ms per step, as above):"
+        BREAKDOWN_EXPLAINED = True
+        out += ["", para(explain), "",
                 "| configuration | " + " | ".join(comps) + " |",
                 "|---|" + "---:|" * len(comps)]
         for n, b in parts:
@@ -234,13 +242,16 @@ def ab_table(old_path, new_path):
 def serve_table(doc, source):
     c = doc.get("config", {})
     runs = [k for k in ("lora", "base") if k in doc]
+    how = (f"over HTTP against a running `loraplex serve` ({c.get('server', '?')}, on the same "
+           "machine)" if c.get("transport") == "http" else "in process")
     out = [f"### Serving (`{source}`)", "",
-           para(f"{c.get('date', '?')}, commit `{c.get('commit', '?')}`, `loraplex bench serve`: "
-           f"{c.get('model', '?')}, {c.get('num_requests', '?')} requests at rate "
+           para(f"{c.get('date', '?')}, commit `{c.get('commit', '?')}`, `loraplex bench serve` "
+           f"{how}: {c.get('model', '?')}, {c.get('num_requests', '?')} requests at rate "
            f"{c.get('rate', '?')}, prompts {c.get('prompt_len', '?')}, outputs "
            f"{c.get('output_len', '?')}, {c.get('adapters', '?')} adapters "
-           f"({c.get('adapter_dist', '?')}), max_loras {c.get('max_loras', '?')}, "
-           f"{c.get('dtype', '?')}."), "",
+           f"({c.get('adapter_dist', '?')})" +
+           (f", max_loras {c['max_loras']}" if "max_loras" in c else "") +
+           (f", {c['dtype']}" if "dtype" in c else "") + "."), "",
            "| | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
     rows = [("output tokens/s", lambda j: fmt(j.get("output_throughput"), "%.1f")),
             ("requests/s", lambda j: fmt(j.get("request_throughput"))),
@@ -248,10 +259,19 @@ def serve_table(doc, source):
                                                         fmt(j["ttft_ms"]["p99"], "%.1f"))),
             ("ITL p50 / p99 ms", lambda j: "%s / %s" % (fmt(j["itl_ms"]["p50"]),
                                                        fmt(j["itl_ms"]["p99"]))),
+            ("request latency p50 / p99 s", lambda j: "%s / %s" % (
+                fmt(j["e2e_s"]["p50"], "%.3f"), fmt(j["e2e_s"]["p99"], "%.3f"))),
+            ("queueing p99 ms", lambda j: fmt(j.get("queue_ms", {}).get("p99"), "%.1f")),
             ("adapters per step", lambda j: fmt(j.get("adapters_per_step"))),
             ("preemptions", lambda j: str(j.get("preemptions", "-")))]
     for name, f in rows:
-        out.append(f"| {name} | " + " | ".join(f(doc[k]) for k in runs) + " |")
+        cells = [f(doc[k]) for k in runs]
+        if any(v != "-" for v in cells):  # the engine's counters are not seen over HTTP
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    if doc.get("lora_vs_base"):
+        r = doc["lora_vs_base"]
+        out += ["", para(f"LoRA / no LoRA: output throughput x{r['throughput_ratio']:.3f}, "
+                         f"p99 TTFT x{r['ttft_p99_ratio']:.1f}.")]
     return out + [""]
 
 
@@ -295,10 +315,12 @@ def main():
     for note in a.note:
         device, _, text = note.partition("=")
         sections[device] += [para(text), ""]
-    for path in a.serve:
+    for arg in a.serve:
+        # PATH=DEVICE names the device of a run measured over HTTP (its client does not know it).
+        path, _, device = arg.partition("=")
         doc = json.load(open(path))
-        device = doc.get("config", {}).get("device_name", doc.get("config", {}).get("device", "?"))
-        sections[device] += serve_table(doc, path)
+        c = doc.get("config", {})
+        sections[device or c.get("device_name", c.get("device", "?"))] += serve_table(doc, path)
 
     text = ["# Benchmarks", "",
             para("Generated by `scripts/benchmarks_md.py` from the result files in "
