@@ -312,13 +312,7 @@ RunResult run_trace(engine::Engine& engine, const std::vector<TraceRequest>& tra
     }
     if (!any) {
       // Nothing new: wait a little, or until the next arrival.
-      Clock::time_point until = now + std::chrono::microseconds(200);
-      if (next < trace.size()) {
-        const auto arrival = t0 + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(trace[next].arrival_s));
-        until = std::min(until, arrival);
-      }
-      std::this_thread::sleep_until(until);
+      wait_for_arrival(t0, trace, next, std::chrono::microseconds(200));
     }
   }
   r.duration_s = seconds(Clock::now() - t0);

@@ -237,13 +237,7 @@ HttpTraceResult play_trace_http(const HttpTarget& target, const std::vector<Trac
       last_progress = now;
       progress(done, next, seconds(now - t0));
     }
-    Clock::time_point until = now + std::chrono::milliseconds(1);
-    if (next < trace.size()) {
-      const auto arrival = t0 + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(trace[next].arrival_s));
-      until = std::min(until, arrival);
-    }
-    std::this_thread::sleep_until(until);
+    wait_for_arrival(t0, trace, next, std::chrono::milliseconds(1));
   }
   out.duration_s = seconds(Clock::now() - t0);
   return out;

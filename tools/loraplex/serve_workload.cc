@@ -1,7 +1,9 @@
 #include "serve_workload.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "cli_args.h"
 #include "loraplex/core/error.h"
@@ -96,6 +98,19 @@ double percentile(std::vector<double> v, double p) {
   if (i + 1 >= v.size()) return v.back();
   const double f = pos - static_cast<double>(i);
   return v[i] + f * (v[i + 1] - v[i]);
+}
+
+void wait_for_arrival(std::chrono::steady_clock::time_point start,
+                      const std::vector<TraceRequest>& trace, size_t next,
+                      std::chrono::steady_clock::duration tick) {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point until = Clock::now() + tick;
+  if (next < trace.size()) {
+    const auto arrival = start + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(trace[next].arrival_s));
+    until = std::min(until, arrival);
+  }
+  std::this_thread::sleep_until(until);
 }
 
 }  // namespace loraplex::cli

@@ -3,6 +3,7 @@
 // once; prompt and output lengths fixed or drawn; each request's adapter drawn uniformly or
 // zipf from a pool) and the percentile helper its report uses.
 
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -53,5 +54,11 @@ std::vector<TraceRequest> make_trace(const TraceOptions& options);
 /// The p-th percentile (0..100) with linear interpolation between order statistics (numpy's
 /// default); 0 for no values.
 double percentile(std::vector<double> values, double p);
+
+/// Sleeps for `tick` or until request `next` of `trace` arrives (`start` + its arrival_s),
+/// whichever comes first (past the end of the trace: `tick`).
+void wait_for_arrival(std::chrono::steady_clock::time_point start,
+                      const std::vector<TraceRequest>& trace, size_t next,
+                      std::chrono::steady_clock::duration tick);
 
 }  // namespace loraplex::cli
