@@ -239,5 +239,20 @@ TEST(SlotRanks, SetValidatesSliceSlotAndRank) {
   expect_error([&] { SlotRanks(0, 3, 16, kCpu); }, "num_slices 0");
 }
 
+// Tuning overrides as text apply over the current table; a bad key or value is an error naming
+// it, and the table stays as it was.
+TEST(PunicaWrapperTuning, TextOverridesApplyOverTheTableAndErrorsNameTheKey) {
+  Wrapper wrapper(4, 64, 8, kCpu);
+  const int cluster = wrapper.lora_device().tuning.decode_cluster;
+  wrapper.set_lora_tuning("decode_max_tokens=128,gather_group=1");
+  EXPECT_EQ(wrapper.lora_device().tuning.decode_max_tokens, 128);
+  EXPECT_EQ(wrapper.lora_device().tuning.gather_group, 1);
+  EXPECT_EQ(wrapper.lora_device().tuning.decode_cluster, cluster);
+  expect_error([&] { wrapper.set_lora_tuning("no_such_knob=1"); }, "unknown key 'no_such_knob'");
+  expect_error([&] { wrapper.set_lora_tuning("gather_rows=12"); }, "gather_rows = 12");
+  EXPECT_EQ(wrapper.lora_device().tuning.decode_max_tokens, 128);
+  EXPECT_EQ(wrapper.lora_device().tuning.gather_rows, 0);
+}
+
 }  // namespace
 }  // namespace loraplex

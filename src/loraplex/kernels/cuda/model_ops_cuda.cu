@@ -306,7 +306,7 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
 #pragma unroll
   for (int k = 0; k < kVec; ++k) out.v[k] = E::store(v[k]);
   if (store) *reinterpret_cast<P*>(vc + j) = out;
-  // The row keeps v as it was read plus its delta, as the attention reads it.
+  // The row keeps v plus its delta, as the CPU op leaves it (what the cache holds).
   if (add != nullptr) *reinterpret_cast<P*>(row + q_cols + kv + j) = out;
 }
 
