@@ -329,12 +329,6 @@ def main():
             METHOD]
     for device, lines in sections.items():
         text += [f"## {device}", ""] + lines
-        if not any(l.startswith("### End to end") for l in lines):
-            text += ["### End to end", "", para("No `loraplex bench e2e` result for this device "
-                     "yet (`scripts/gpu.sh e2e`, then `--e2e FILE` here)."), ""]
-        if not any(l.startswith("### Serving") for l in lines):
-            text += ["### Serving", "", para("No `loraplex bench serve` result for this device "
-                     "yet (`scripts/gpu.sh serve`, then `--serve FILE` here)."), ""]
     text += ["Made by:", "", "    python3 scripts/benchmarks_md.py " + shlex.join(sys.argv[1:]), ""]
     doc = "\n".join(text)
     if a.out:
