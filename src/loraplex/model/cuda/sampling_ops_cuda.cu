@@ -48,6 +48,7 @@
 #include <tuple>
 #include <utility>
 
+#include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/model/sampling_math.h"
 #include "loraplex/model/sampling_ops.h"
 
@@ -662,23 +663,6 @@ Status cuda_status(cudaError_t err, const char* what) {
                 detail::concat("sample: ", what, ": ", cudaGetErrorString(err)));
 }
 
-// Raising the shared-memory limit is a function attribute, not stream work: set once per
-// kernel and device (the first call is a warm-up outside any capture in practice).
-Status allow_smem(const void* kernel, int bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> done;
-  int device = 0;
-  LORAPLEX_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "cudaGetDevice"));
-  std::lock_guard<std::mutex> lock(mutex);
-  int& current = done[{kernel, device}];
-  if (bytes <= current || bytes <= 48 * 1024) return Status();
-  LORAPLEX_RETURN_IF_ERROR(
-      cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                  "cudaFuncSetAttribute"));
-  current = bytes;
-  return Status();
-}
-
 // How many clusters of the launch fit on the device at once (a query, cached per kernel,
 // device and shape: the first call of the op is a warm-up outside any capture in practice).
 template <typename Kernel>
@@ -720,7 +704,8 @@ Status sample(const SampleArgs& a, const Stream& stream) {
   return dispatch(a.dtype, [&](auto e) -> Status {
     using E = decltype(e);
     auto* kernel = &sample_kernel<E>;
-    LORAPLEX_RETURN_IF_ERROR(allow_smem(reinterpret_cast<const void*>(kernel), smem));
+    LORAPLEX_RETURN_IF_ERROR(
+        kernels::cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(a.num_rows));
     cfg.blockDim = dim3(kThreads);
