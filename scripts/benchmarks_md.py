@@ -153,10 +153,8 @@ def kernel_tables(doc, vllm, source, vllm_line=None):
     return head + out, summary
 
 
-BREAKDOWN_EXPLAINED = False  # the first breakdown table says what its columns mean
-
-
-def e2e_table(doc, source, hf=None):
+def e2e_table(doc, source, hf=None, explain=True):
+    """explain: the breakdown table says what its columns mean (the first one does)."""
     w = doc.get("workload", {})
     tp = w.get("tensor_parallel_size", 1)
     text = (f"{doc.get('date', '?')}, commit `{doc.get('commit', '?')}`, `loraplex bench e2e`: "
@@ -199,15 +197,12 @@ def e2e_table(doc, source, hf=None):
     if parts:
         comps = ["base_gemm", "attention", "lora", "norm_rope_act", "sampling", "other",
                  "host_gaps"]
-        global BREAKDOWN_EXPLAINED
-        explain = ("Where a decode step's time goes (CUPTI kernel records of a separate pass, "
-                   "ms per step; kernels on the LoRA stream overlap the base GEMMs, so the "
-                   "components can add up to more than the step; host_gaps: wall time with "
-                   "no kernel running, launch gaps inside the graph included):")
-        if BREAKDOWN_EXPLAINED:
-            explain = "Where a decode step's time goes (ms per step, as above):"
-        BREAKDOWN_EXPLAINED = True
-        out += ["", para(explain), "",
+        text = ("Where a decode step's time goes (CUPTI kernel records of a separate pass, "
+                "ms per step; kernels on the LoRA stream overlap the base GEMMs, so the "
+                "components can add up to more than the step; host_gaps: wall time with "
+                "no kernel running, launch gaps inside the graph included):" if explain else
+                "Where a decode step's time goes (ms per step, as above):")
+        out += ["", para(text), "",
                 "| configuration | " + " | ".join(comps) + " |",
                 "|---|" + "---:|" * len(comps)]
         for n, b in parts:
@@ -307,9 +302,9 @@ def main():
     if a.summary:
         return
     hf = json.load(open(a.hf)) if a.hf else None
-    for path in a.e2e:
+    for k, path in enumerate(a.e2e):
         doc = json.load(open(path))
-        sections[doc.get("device", "?")] += e2e_table(doc, path, hf)
+        sections[doc.get("device", "?")] += e2e_table(doc, path, hf, explain=k == 0)
     for old, new in a.ab:
         sections[json.load(open(new)).get("device", "?")] += ab_table(old, new)
     for note in a.note:
