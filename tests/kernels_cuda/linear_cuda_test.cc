@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "loraplex/core/cuda_runtime.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -135,6 +136,11 @@ Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const S
     l.wrapper.add_lora_linear(l.y, l.x, l.a, l.b, l.ranks, scale, ws, stream);
     return l.y;
   }
+  // NaN in every scratch float: a partial sum read before a kernel wrote it turns into NaN in
+  // y on every run, instead of whatever an earlier case left there.
+  const kernels::LoraMetaView view = l.wrapper.token_meta().view();
+  cuda_rt::memset_async(view.scratch, 0xff, static_cast<size_t>(view.scratch_floats) * 4,
+                        stream.handle());
   // Twice: the first op after the metadata build reads nothing before its PDL wait, the
   // second one reads the settled metadata (and A rows) early; the same bits either way.
   Tensor first = l.y.clone(stream);

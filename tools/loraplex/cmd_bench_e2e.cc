@@ -70,6 +70,7 @@ struct Options {
   bool fully_sharded_loras = false;
   std::string lora_tuning;
   int top_kernels = 15;
+  bool timeline = false;
 };
 
 double seconds(Clock::time_point a, Clock::time_point b) {
@@ -120,7 +121,23 @@ struct RunResult {
   json decode_breakdown;  // per decode step
   json prefill_top;       // the kernels that took the most time
   json decode_top;        // per decode step
+  json decode_timeline;   // the last decode step's kernels
 };
+
+// Every kernel of the last decode step (a step opens with the token embedding): start and
+// duration in microseconds from the step's first kernel, and the CUDA stream, which tells the
+// LoRA stream's kernels from the main stream's.
+json last_step_timeline(const std::vector<KernelRecord>& records) {
+  const std::vector<KernelRecord> step = last_step(records, "embedding_kernel");
+  json out = json::array();
+  for (const KernelRecord& k : step) {
+    out.push_back({{"name", k.name.substr(0, std::min<size_t>(k.name.size(), 120))},
+                   {"start_us", static_cast<double>(k.start_ns - step.front().start_ns) * 1e-3},
+                   {"us", static_cast<double>(k.end_ns - k.start_ns) * 1e-3},
+                   {"stream", k.stream}});
+  }
+  return out;
+}
 
 json top_kernels_json(const std::vector<KernelRecord>& records, size_t n, double per) {
   json out = json::array();
@@ -216,6 +233,7 @@ RunResult run_workload(model::ModelExecutor& d, const std::vector<Request>& reqs
       for (const auto& [k, v] : ms) per_step[k] = v / steps;
       r.decode_breakdown = per_step;
       r.decode_top = top_kernels_json(records, static_cast<size_t>(o.top_kernels), steps);
+      if (o.timeline) r.decode_timeline = last_step_timeline(records);
     }
   }
   return r;
@@ -250,6 +268,9 @@ int run(const std::vector<std::string>& args) {
   app.add_flag("!--no-profile", o.profile, "skip the CUPTI breakdown pass");
   app.add_option("--top-kernels", o.top_kernels,
                  "the breakdown lists this many kernels by time (default 15)");
+  app.add_flag("--timeline", o.timeline,
+               "add every kernel of the profile pass's last decode step to the JSON (start, "
+               "duration, stream): what overlaps what");
   app.add_option("--lora-tune", o.lora_tuning,
                  "key=value,... over the LoRA kernels' tuning table (as bench kernels --tune)");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
@@ -461,6 +482,7 @@ int run(const std::vector<std::string>& args) {
         j["prefill_top_kernels"] = p.prefill_top;
         j["decode_step_top_kernels"] = p.decode_top;
       }
+      if (o.timeline) j["decode_step_timeline"] = p.decode_timeline;
     }
     j["outputs_first_request"] = r.outputs[0];
     std::fprintf(

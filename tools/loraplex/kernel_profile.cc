@@ -53,7 +53,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       continue;
     }
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-    g_records.push_back({demangle(k->name), k->start, k->end});
+    g_records.push_back({demangle(k->name), k->start, k->end, k->streamId});
   }
   std::free(buffer);
 }
@@ -141,6 +141,21 @@ std::map<std::string, double> component_ms(const std::vector<KernelRecord>& reco
   out["busy"] = busy;
   out["host_gaps"] = std::max(0.0, wall_ms - busy);
   return out;
+}
+
+std::vector<KernelRecord> last_step(std::vector<KernelRecord> records,
+                                    const std::string& first_kernel) {
+  std::sort(records.begin(), records.end(),
+            [](const KernelRecord& a, const KernelRecord& b) { return a.start_ns < b.start_ns; });
+  size_t from = 0;
+  for (size_t i = records.size(); i-- > 0;) {
+    if (records[i].name.find(first_kernel) != std::string::npos) {
+      from = i;
+      break;
+    }
+  }
+  records.erase(records.begin(), records.begin() + static_cast<std::ptrdiff_t>(from));
+  return records;
 }
 
 std::vector<KernelTotal> top_kernels(const std::vector<KernelRecord>& records, size_t n) {

@@ -13,6 +13,7 @@ struct KernelRecord {
   std::string name;  // demangled
   uint64_t start_ns = 0;
   uint64_t end_ns = 0;
+  uint32_t stream = 0;
 };
 
 /// Records every kernel that runs between start() and stop() (one at a time per process).
@@ -41,6 +42,12 @@ struct KernelTotal {
   double ms = 0.0;
   int64_t launches = 0;
 };
+
+/// The records from the last launch of a kernel whose name contains `first_kernel` (the kernel
+/// that opens a step) to the end, in start order: the last step's timeline. All of them, in
+/// start order, when no such kernel ran.
+std::vector<KernelRecord> last_step(std::vector<KernelRecord> records,
+                                    const std::string& first_kernel);
 
 /// The `n` kernels (by name) that took the most time, longest first.
 std::vector<KernelTotal> top_kernels(const std::vector<KernelRecord>& records, size_t n);
