@@ -359,7 +359,7 @@ void Scheduler::cancel_stale_drains() {
   }
 }
 
-void Scheduler::plan_drains(std::vector<Starving>& starving, double now) {
+void Scheduler::plan_drains(const std::vector<Starving>& starving, double now) {
   std::set<std::string> beneficiaries(reserved_.begin(), reserved_.end());
   for (const auto& [name, u] : adapters_)
     if (u.draining || u.evicting) beneficiaries.insert(u.drained_for);
@@ -379,12 +379,12 @@ void Scheduler::plan_drains(std::vector<Starving>& starving, double now) {
   }
 }
 
-void Scheduler::plan_evictions(std::vector<Starving>& starving, double now,
+void Scheduler::plan_evictions(const std::vector<Starving>& starving, double now,
                                std::set<std::string>& beneficiaries) {
   // Adapters with a running sequence that has not produced a token yet: never evicted.
   std::set<std::string> protected_adapters;
   bool scanned = false;
-  for (Starving& st : starving) {
+  for (const Starving& st : starving) {
     Sequence* const s = st.first_token;
     if (s == nullptr || now - s->waiting_since < config_.lora_evict_after_s) continue;
     if (beneficiaries.count(st.adapter) != 0) continue;
