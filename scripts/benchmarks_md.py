@@ -258,7 +258,8 @@ def serve_table(doc, source):
                 fmt(j["e2e_s"]["p50"], "%.3f"), fmt(j["e2e_s"]["p99"], "%.3f"))),
             ("queueing p99 ms", lambda j: fmt(j.get("queue_ms", {}).get("p99"), "%.1f")),
             ("adapters per step", lambda j: fmt(j.get("adapters_per_step"))),
-            ("preemptions", lambda j: str(j.get("preemptions", "-")))]
+            ("preemptions", lambda j: str(j.get("preemptions", "-"))),
+            ("adapter evictions", lambda j: str(j.get("lora_evictions", "-")))]
     for name, f in rows:
         cells = [f(doc[k]) for k in runs]
         if any(v != "-" for v in cells):  # the engine's counters are not seen over HTTP

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -142,6 +143,31 @@ TEST_F(EngineTinyLlama, FewerSlotsThanAdapters) {
   auto engine = make_engine("tiny-llama", o);
   expect_fixture_tokens(*engine, expected_, "one slot");
   EXPECT_EQ(engine->metrics().max_step_adapters, 1);
+}
+
+// One slot, four adapters, every request at once: each adapter's first requests get the slot
+// by evicting the one whose sequences have had their first token (no drain to fall back on);
+// the evicted sequences are recomputed and still give PEFT's tokens.
+TEST_F(EngineTinyLlama, EvictedSequencesRecomputeTheSameTokens) {
+  EngineOptions o = small_options();
+  o.max_loras = 1;
+  o.lora_drain_after_s = 1e9;
+  o.lora_evict_after_s = 0.0;
+  auto engine = make_engine("tiny-llama", o);
+  expect_fixture_tokens(*engine, expected_, "one slot, eviction");
+  const EngineMetrics m = engine->metrics();
+  EXPECT_GT(m.lora_evictions_total, 0);
+  EXPECT_LE(m.lora_evictions_total, static_cast<int64_t>(expected_.size()));
+  EXPECT_GE(m.preemptions_total, m.lora_evictions_total);
+  EXPECT_EQ(m.max_step_adapters, 1);
+
+  o.lora_evict_after_s = std::nan("");
+  EXPECT_THROW(make_engine("tiny-llama", o), Error);
+  o.lora_evict_after_s = -1.0;  // off
+  engine = make_engine("tiny-llama", o);
+  expect_fixture_tokens(*engine, expected_, "one slot, no eviction");
+  EXPECT_EQ(engine->metrics().lora_evictions_total, 0);
+  EXPECT_EQ(engine->metrics().preemptions_total, 0);
 }
 
 TEST_F(EngineTinyLlama, PrefixCacheHitsPerAdapter) {

@@ -1,6 +1,7 @@
 // The scheduler and block manager driven by a fake model (fake_engine.h): scenarios for each
 // rule of scheduler.h, and seeded random traces of thousands of steps (arrivals during running
-// batches, aborts, adapters evicted and reloaded, loads that fail) checked after every step.
+// batches, aborts, adapters dropped from host memory and reloaded, loads that fail, slot
+// evictions) checked after every step.
 
 #include <gtest/gtest.h>
 
@@ -103,6 +104,7 @@ class Harness {
     ++steps;
     if (!plan.preempted.empty()) saw_preemption = true;
     if (!sched.draining_adapters().empty()) saw_drain = true;
+    if (!plan.evicted.empty()) saw_eviction = true;
     return plan;
   }
 
@@ -142,6 +144,15 @@ class Harness {
       }
     }
     ASSERT_EQ(tokens, plan.num_tokens);
+    // Evictions come first among the step's preemptions, and their sequences are not planned.
+    ASSERT_LE(plan.evicted.size(), plan.preempted.size());
+    for (size_t i = 0; i < plan.evicted.size(); ++i) {
+      ASSERT_EQ(plan.evicted[i], plan.preempted[i]);
+      ASSERT_EQ(ids.count(plan.evicted[i]), 0u)
+          << "evicted sequence " << plan.evicted[i] << " (" << sched.find(plan.evicted[i])->adapter
+          << ") planned at step " << steps << " preempted " << plan.preempted.size() << " seqs "
+          << plan.seqs.size() << " pinned " << slots.num_pinned();
+    }
     // Block references are exactly the running sequences' block tables.
     std::map<int32_t, int32_t> refs;
     int64_t waiting_seen = 0;
@@ -161,8 +172,8 @@ class Harness {
     ASSERT_EQ(waiting_seen, sched.num_waiting());
     // A waiting request whose adapter could run (base model, or resident and not drained, or in
     // host memory with a slot free for it) is left waiting only when the step ran out of
-    // sequences, tokens or KV blocks, or preempted.
-    const bool cut_short = !plan.preempted.empty() || plan.stopped_for_blocks ||
+    // sequences, tokens or KV blocks, or preempted for blocks (evictions do not count).
+    const bool cut_short = plan.preempted.size() > plan.evicted.size() || plan.stopped_for_blocks ||
                            sched.num_running() >= config_.max_num_seqs ||
                            plan.num_tokens >= config_.max_num_batched_tokens;
     if (cut_short) return;
@@ -194,6 +205,7 @@ class Harness {
   int64_t preempted_total = 0;
   bool saw_preemption = false;
   bool saw_drain = false;
+  bool saw_eviction = false;
   std::map<uint64_t, Expect> expect;
   std::set<uint64_t> live_ids;
   std::map<uint64_t, std::vector<int32_t>> finished;
@@ -205,6 +217,26 @@ std::vector<int32_t> prompt_of(int64_t n, int32_t base) {
   std::vector<int32_t> p;
   for (int64_t i = 0; i < n; ++i) p.push_back(static_cast<int32_t>((base + 7 * i) % kVocab));
   return p;
+}
+
+bool waiting(Harness& h, uint64_t id) {
+  return h.sched.find(id)->status == Sequence::Status::kWaiting;
+}
+
+// Whether `p` planned the live sequence `id` (a plan's pointers to sequences that finished in
+// its step dangle, so they are compared, never followed).
+bool planned(Harness& h, const StepPlan& p, uint64_t id) {
+  const Sequence* s = h.sched.find(id);
+  return s != nullptr && std::any_of(p.seqs.begin(), p.seqs.end(),
+                                     [&](const ScheduledSeq& q) { return q.seq == s; });
+}
+
+void expect_reference_tokens(Harness& h) {
+  for (const auto& [id, e] : h.expect) {
+    ASSERT_EQ(h.finished.count(id), 1u) << "request " << id << " did not finish";
+    EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, key_of(e.adapter), e.max_tokens))
+        << "request " << id << " (adapter '" << e.adapter << "')";
+  }
 }
 
 SchedulerConfig config(int64_t seqs, int64_t budget, int loras) {
@@ -286,8 +318,8 @@ TEST(Scheduler, AdapterLoadingInTheBackgroundBlocksNobody) {
   EXPECT_EQ(h.slots.loads_started(), 1);
   int64_t waited = 1;
   for (;;) {
-    p = h.step();
-    if (!p.seqs.empty() && p.seqs.back().seq->id == cold) break;
+    h.step();  // (its plan may point to sequences that finished in it)
+    if (!waiting(h, cold)) break;
     ++waited;
     ASSERT_LT(waited, 20);
   }
@@ -312,7 +344,9 @@ TEST(Scheduler, AFailedLoadEndsOnlyThatAdaptersRequests) {
 }
 
 TEST(Scheduler, TheAdapterWaitingLongestGetsTheFreedSlot) {
-  Harness h(config(8, 64, 1), 64, 4, 8);
+  SchedulerConfig cfg = config(8, 64, 1);
+  cfg.lora_evict_after_s = -1;  // the slot frees when "a" ends, not by eviction
+  Harness h(cfg, 64, 4, 8);
   for (const char* a : {"a", "b", "c"}) h.slots.make_resident(a);
   h.add(prompt_of(3, 1), "a", 3);
   h.step();
@@ -327,6 +361,7 @@ TEST(Scheduler, TheAdapterWaitingLongestGetsTheFreedSlot) {
 TEST(Scheduler, ABusyAdapterIsDrainedForOneThatWaitedTooLong) {
   SchedulerConfig c = config(8, 64, 1);
   c.lora_drain_after_s = 0.05;
+  c.lora_evict_after_s = -1;  // the drain alone
   Harness h(c, 256, 4, 8);
   h.slots.make_resident("busy");
   h.slots.make_resident("rare");
@@ -345,6 +380,201 @@ TEST(Scheduler, ABusyAdapterIsDrainedForOneThatWaitedTooLong) {
   for (const auto& [id, e] : h.expect) {
     EXPECT_EQ(h.finished.at(id), h.model.reference(e.prompt, key_of(e.adapter), e.max_tokens));
   }
+}
+
+TEST(Scheduler, ANewRequestEvictsTheAdapterWithTheFewestRunningSequences) {
+  SchedulerConfig c = config(8, 64, 2);
+  c.lora_evict_after_s = 0.05;
+  Harness h(c, 256, 4, 8);
+  for (const char* a : {"many", "few", "new"}) h.slots.make_resident(a);
+  const uint64_t m1 = h.add(prompt_of(5, 1), "many", 40);
+  const uint64_t m2 = h.add(prompt_of(6, 2), "many", 40);
+  const uint64_t victim = h.add(prompt_of(7, 3), "few", 40);
+  h.step();  // every prompt, and its first token
+  h.step();
+  const uint64_t fresh = h.add(prompt_of(4, 4), "new", 6);
+  const double arrived = h.now;
+  double evicted_at = 0.0;
+  StepPlan p;
+  for (int steps = 0;; ++steps) {
+    ASSERT_LT(steps, 20) << "no eviction";
+    ASSERT_TRUE(waiting(h, fresh));
+    evicted_at = h.now;
+    p = h.step(0.01);
+    if (!p.evicted.empty()) break;
+  }
+  // Marked by the first step at which the request had waited lora_evict_after_s, carried out by
+  // the next (allowing for the clock's rounding).
+  EXPECT_GT(evicted_at - arrived, 0.05);
+  EXPECT_LT(evicted_at - arrived, 0.075);
+  EXPECT_EQ(p.evicted, std::vector<uint64_t>{victim});
+  EXPECT_EQ(p.preempted, std::vector<uint64_t>{victim});
+  EXPECT_TRUE(planned(h, p, fresh)) << "the new request waits for the freed slot";
+  EXPECT_TRUE(planned(h, p, m1) && planned(h, p, m2)) << "the other adapter's sequences stopped";
+  const Sequence& v = *h.sched.find(victim);
+  EXPECT_TRUE(waiting(h, victim));
+  EXPECT_TRUE(v.blocks.empty());
+  EXPECT_EQ(v.num_computed, 0);
+  EXPECT_EQ(v.num_preemptions, 1);
+  EXPECT_GT(v.num_tokens(), v.num_prompt_tokens + 1);  // it had generated tokens
+  EXPECT_FALSE(h.slots.pinned("few"));
+  EXPECT_TRUE(h.slots.pinned("new"));
+  EXPECT_EQ(h.sched.evictions_total(), 1);
+  EXPECT_EQ(h.sched.preemptions_total(), 1);
+  while (h.sched.has_work()) h.step();
+  expect_reference_tokens(h);
+  EXPECT_EQ(h.sched.evictions_total(), 1);
+  EXPECT_EQ(h.blocks.num_free_blocks(), h.blocks.num_blocks());
+}
+
+TEST(Scheduler, EvictionTiesGoToTheAdapterLeastRecentlyGivenASequence) {
+  for (bool older_first : {true, false}) {
+    SchedulerConfig c = config(8, 64, 2);
+    c.lora_evict_after_s = 0.0;
+    Harness h(c, 256, 4, 8);
+    for (const char* a : {"x", "y", "new"}) h.slots.make_resident(a);
+    const std::string older = older_first ? "x" : "y";
+    const std::string newer = older_first ? "y" : "x";
+    const uint64_t o = h.add(prompt_of(5, 1), older, 30);
+    h.step();
+    h.step();
+    const uint64_t n = h.add(prompt_of(6, 2), newer, 30);
+    h.step();
+    h.step();
+    h.add(prompt_of(4, 3), "new", 3);
+    std::vector<uint64_t> evicted;
+    for (int steps = 0; evicted.empty(); ++steps) {
+      ASSERT_LT(steps, 5);
+      evicted = h.step().evicted;
+    }
+    EXPECT_EQ(evicted, std::vector<uint64_t>{o}) << "older " << older;
+    EXPECT_FALSE(waiting(h, n));
+    while (h.sched.has_work()) h.step();
+    expect_reference_tokens(h);
+  }
+}
+
+TEST(Scheduler, AFirstTokenIsNeverPutOffByAnEviction) {
+  SchedulerConfig c = config(8, 8, 1);  // 8 tokens a step: a 30-token prompt takes 4 steps
+  c.lora_evict_after_s = 0.0;
+  Harness h(c, 256, 4, 8);
+  h.slots.make_resident("a");
+  h.slots.make_resident("b");
+  const uint64_t a1 = h.add(prompt_of(3, 1), "a", 60);
+  h.step();  // a1's prompt and first token
+  ASSERT_FALSE(h.sched.find(a1)->prefilling());
+  // b waits for the slot; a2, behind it, joins the resident adapter, and its prompt runs in
+  // chunks. "a" may not be evicted until a2 has its first token, though a1 has had many.
+  const uint64_t b = h.add(prompt_of(3, 3), "b", 4);
+  const uint64_t a2 = h.add(prompt_of(30, 2), "a", 20);
+  int prompt_steps = 0;
+  while (h.sched.find(a2)->num_tokens() == h.sched.find(a2)->num_prompt_tokens) {
+    const StepPlan p = h.step();
+    ASSERT_TRUE(p.evicted.empty()) << "step " << prompt_steps;
+    EXPECT_TRUE(h.slots.pinned("a"));
+    EXPECT_TRUE(waiting(h, b));
+    ASSERT_LT(++prompt_steps, 40);
+  }
+  EXPECT_GE(prompt_steps, 4);
+  // Now both have produced tokens: "a" goes and b comes, within two steps.
+  StepPlan p = h.step();
+  if (p.evicted.empty()) p = h.step();
+  std::vector<uint64_t> evicted = p.evicted;
+  std::sort(evicted.begin(), evicted.end());
+  EXPECT_EQ(evicted, (std::vector<uint64_t>{a1, a2}));
+  EXPECT_TRUE(planned(h, p, b));
+  while (h.sched.has_work()) h.step();
+  expect_reference_tokens(h);
+}
+
+TEST(Scheduler, ARequestCausesAtMostOneEviction) {
+  SchedulerConfig c = config(8, 4, 1);
+  c.lora_evict_after_s = 0.0;
+  Harness h(c, 256, 4, 8);
+  h.slots.make_resident("a");
+  h.slots.make_resident("x");
+  const uint64_t a1 = h.add(prompt_of(3, 1), "a", 40);
+  h.step();
+  // x1 finds the slot taken: "a" is marked for eviction; the base-model prompt behind it takes
+  // the rest of the step.
+  const uint64_t x1 = h.add(prompt_of(3, 2), "x", 5);
+  h.add(prompt_of(20, 3), "", 3);
+  h.step();
+  ASSERT_EQ(h.sched.evicting_adapters(), std::vector<std::string>{"a"});
+  // The eviction happens, but the prompt's next chunk leaves no budget to admit x1; then x
+  // falls out of host memory, which voids its reserved slot, and a1 takes the slot back.
+  StepPlan p = h.step();
+  ASSERT_EQ(p.evicted, std::vector<uint64_t>{a1});
+  ASSERT_TRUE(waiting(h, x1));
+  h.slots.evict("x");
+  while (waiting(h, a1)) {
+    h.step();
+    ASSERT_LT(h.steps, 30);
+  }
+  // x1 is back in host memory and waits for its first token, but it has had its eviction.
+  while (h.sched.has_work()) h.step();
+  EXPECT_EQ(h.sched.evictions_total(), 1);
+  EXPECT_EQ(h.sched.find(a1), nullptr);
+  expect_reference_tokens(h);
+}
+
+TEST(Scheduler, WithEvictionOffANewRequestWaitsForTheSlotToFree) {
+  SchedulerConfig c = config(8, 64, 2);
+  c.lora_evict_after_s = -1;
+  Harness h(c, 256, 4, 8);
+  for (const char* a : {"many", "few", "new"}) h.slots.make_resident(a);
+  h.add(prompt_of(5, 1), "many", 40);
+  h.add(prompt_of(6, 2), "many", 40);
+  const uint64_t few = h.add(prompt_of(7, 3), "few", 20);
+  h.step();
+  const uint64_t fresh = h.add(prompt_of(4, 4), "new", 6);
+  int64_t few_ended = -1;
+  while (waiting(h, fresh)) {
+    if (few_ended < 0) {
+      ASSERT_TRUE(h.slots.pinned("many") && h.slots.pinned("few"));
+    }
+    h.step(0.5);  // far beyond any eviction delay
+    ASSERT_LT(h.steps, 100);
+    if (few_ended < 0 && h.finished.count(few) != 0) few_ended = h.steps;
+  }
+  // Admitted by the step after the one that ended the slot's last sequence.
+  EXPECT_EQ(h.steps, few_ended + 1);
+  while (h.sched.has_work()) h.step();
+  EXPECT_EQ(h.sched.evictions_total(), 0);
+  EXPECT_EQ(h.sched.preemptions_total(), 0);
+  EXPECT_FALSE(h.saw_eviction);
+  expect_reference_tokens(h);
+}
+
+TEST(Scheduler, AnEvictedSequenceWaitsFromItsPreemptionNotItsArrival) {
+  SchedulerConfig c = config(8, 64, 1);
+  c.lora_evict_after_s = 0.0;
+  c.lora_drain_after_s = 0.05;
+  Harness h(c, 256, 4, 8);
+  h.slots.make_resident("old");
+  h.slots.make_resident("new");
+  const uint64_t old = h.add(prompt_of(5, 1), "old", 40);
+  h.step();
+  h.now += 10.0;  // "old" arrived long ago
+  h.add(prompt_of(4, 2), "new", 30);
+  double evicted_at = -1.0;
+  while (evicted_at < 0) {
+    const double t = h.now;
+    if (!h.step().evicted.empty()) evicted_at = t;
+    ASSERT_LT(h.steps, 10);
+  }
+  ASSERT_TRUE(waiting(h, old));
+  // Had its wait counted from its arrival, "new" would be drained for it at once.
+  double drained_at = -1.0;
+  while (drained_at < 0) {
+    const double t = h.now;
+    h.step(0.01);
+    if (!h.sched.draining_adapters().empty()) drained_at = t;
+    ASSERT_LT(h.steps, 40);
+  }
+  EXPECT_GE(drained_at - evicted_at, 0.05 - 1e-9);
+  while (h.sched.has_work()) h.step();
+  expect_reference_tokens(h);
 }
 
 TEST(Scheduler, KvExhaustionPreemptsTheNewestAndRecomputesTheSameTokens) {
@@ -419,6 +649,7 @@ struct TraceParams {
   int64_t blocks, block_size;
   double drain_after;
   int load_delay;
+  double evict_after;  // negative = off
 };
 
 class SchedulerTrace : public ::testing::TestWithParam<TraceParams> {};
@@ -427,6 +658,7 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   const TraceParams tp = GetParam();
   SchedulerConfig c = config(tp.seqs, tp.budget, tp.loras);
   c.lora_drain_after_s = tp.drain_after;
+  c.lora_evict_after_s = tp.evict_after;
   Harness h(c, tp.blocks, tp.block_size, tp.host_capacity);
   h.slots.set_load_delay(tp.load_delay);
   std::mt19937_64 rng(tp.seed);
@@ -491,14 +723,25 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   if (tp.drain_after < 1.0 && tp.loras < 3) {
     EXPECT_TRUE(h.saw_drain);
   }
+  RecordProperty("evictions", static_cast<int>(h.sched.evictions_total()));
+  if (tp.evict_after < 0) {
+    EXPECT_EQ(h.sched.evictions_total(), 0);
+  } else if (tp.loras < 3) {
+    EXPECT_TRUE(h.saw_eviction);
+  }
+  // No thrashing: each request causes at most one eviction.
+  EXPECT_LE(h.sched.evictions_total(), static_cast<int64_t>(h.expect.size()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Traces, SchedulerTrace,
-                         ::testing::Values(TraceParams{1, 16, 32, 2, 4, 32, 4, 0.02, 0},
-                                           TraceParams{2, 6, 12, 1, 2, 24, 2, 0.0, 3},
-                                           TraceParams{3, 32, 64, 3, 8, 256, 8, 1e9, 1},
-                                           TraceParams{4, 4, 7, 2, 3, 30, 3, 0.05, 2},
-                                           TraceParams{5, 64, 128, 4, 6, 12, 16, 0.01, 0}),
+                         ::testing::Values(TraceParams{1, 16, 32, 2, 4, 32, 4, 0.02, 0, 0.0},
+                                           TraceParams{2, 6, 12, 1, 2, 24, 2, 0.0, 3, -1},
+                                           TraceParams{3, 32, 64, 3, 8, 256, 8, 1e9, 1, 0.01},
+                                           TraceParams{4, 4, 7, 2, 3, 30, 3, 0.05, 2, 0.02},
+                                           TraceParams{5, 64, 128, 4, 6, 12, 16, 0.01, 0, -1},
+                                           // Eviction alone: one slot, no drain.
+                                           TraceParams{6, 16, 24, 1, 3, 40, 4, 1e9, 1, 0.0},
+                                           TraceParams{7, 8, 16, 2, 8, 64, 4, 0.05, 0, 0.0}),
                          [](const auto& info) { return "seed" + std::to_string(info.param.seed); });
 
 }  // namespace

@@ -58,7 +58,10 @@ with tempfile.TemporaryDirectory() as tmp:
         cfg = doc["config"]
         check("config echoes the options",
               cfg["adapters"] == 4 and cfg["max_loras"] == 2 and cfg["rate"] == 400 and
-              cfg["prompt_len"] == "6-20" and cfg["kv_block_size"] == 4, str(cfg))
+              cfg["prompt_len"] == "6-20" and cfg["kv_block_size"] == 4 and
+              cfg["lora_evict_after_s"] == 0.02, str(cfg))
+        check("evictions counted", doc["lora"]["lora_evictions"] >= 0 and
+              doc["base"]["lora_evictions"] == 0, str(doc))
         lora, base = doc["lora"], doc["base"]
         for name, r in (("lora", lora), ("base", base)):
             check(f"{name}: every request completes",
@@ -79,13 +82,17 @@ with tempfile.TemporaryDirectory() as tmp:
         check("a table on stdout", "TTFT p99 (ms)" in out and "lora / base" in out, out)
 
     path = os.path.join(tmp, "once.json")
-    code, out, err = run(BASE + ["--adapter-dist", "uniform", "--no-base-run", "--json", path])
+    code, out, err = run(BASE + ["--adapter-dist", "uniform", "--no-base-run",
+                                 "--lora-evict-after", "-1", "--json", path])
     check("all at once without the base run exits 0", code == 0, out + err)
     if code == 0:
         doc = json.load(open(path))
         check("only the lora run", "base" not in doc and doc["config"]["rate"] == "inf",
               str(doc.keys()))
         check("it completes", doc["lora"]["completed"] == 24, str(doc["lora"]))
+        check("a negative --lora-evict-after turns eviction off",
+              doc["config"]["lora_evict_after_s"] == -1 and doc["lora"]["lora_evictions"] == 0,
+              json.dumps(doc))
 
 passed = sum(results)
 failed = len(results) - passed

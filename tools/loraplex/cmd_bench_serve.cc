@@ -3,7 +3,7 @@
 // uniform or zipf from the pool) is played against an Engine twice: with each request's
 // adapter, and the same trace on the base model. The client side measures time to first token,
 // inter-token latency and end-to-end latency per request; the engine's counters give queueing
-// time, steps, adapters per step, preemptions and prefix-cache hits.
+// time, steps, adapters per step, preemptions, adapter evictions and prefix-cache hits.
 
 #include <algorithm>
 #include <chrono>
@@ -79,6 +79,7 @@ struct ServeArgs {
   int64_t max_model_len = 0;
   bool no_prefix_caching = false;
   double lora_drain_after = 1.0;
+  double lora_evict_after = 0.02;
   int tensor_parallel_size = 1;
   bool fully_sharded_loras = false;
   // --server: the trace against a running server over HTTP instead of an engine in process.
@@ -358,6 +359,7 @@ void add_engine_counters(const RunResult& r, ordered_json& j) {
   }
   j["max_adapters_per_step"] = max_adapters;
   j["preemptions"] = a.preemptions_total - b.preemptions_total;
+  j["lora_evictions"] = a.lora_evictions_total - b.lora_evictions_total;
   j["prefix_cache_queries"] = queries;
   j["prefix_cache_hits"] = hits;
   j["prefix_cache_hit_rate"] = queries > 0 ? static_cast<double>(hits) / queries : 0.0;
@@ -439,6 +441,8 @@ void print_table(const std::vector<std::pair<std::string, ordered_json>>& runs) 
   });
   row("preemptions",
       [](const ordered_json& j) { return std::to_string(j.at("preemptions").get<int64_t>()); });
+  row("adapter evictions",
+      [](const ordered_json& j) { return std::to_string(j.at("lora_evictions").get<int64_t>()); });
   row("prefix-cache hit rate", num("prefix_cache_hit_rate", "%.3f"));
 }
 
@@ -649,7 +653,8 @@ const char* kHelpIntro =
     "--rate (or all at once), prompt and output lengths fixed (N), uniform (A-B) or "
     "exponential (exp:MEAN), each request's adapter drawn uniform or zipf from the pool; then "
     "the same trace without LoRA. Reports throughput, TTFT, inter-token latency, queueing "
-    "time (p50/p90/p99), steps, adapters per step, preemptions and the prefix-cache hit rate; "
+    "time (p50/p90/p99), steps, adapters per step, preemptions, adapter evictions and the "
+    "prefix-cache hit rate; "
     "--json writes them all.\n\n"
     "With --server URL the same trace goes to a running server (loraplex serve, or vLLM) over "
     "HTTP instead, and no model is loaded: each request is a streamed POST /v1/completions "
@@ -733,6 +738,9 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--lora-drain-after", a.lora_drain_after,
                  "seconds an adapter waits for a slot before a busy one is drained for it")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--lora-evict-after", a.lora_evict_after,
+                 "seconds a new request waits for a slot before a busy adapter is evicted for it "
+                 "(its sequences preempted); negative = never");
   app.add_option("--tensor-parallel-size", a.tensor_parallel_size,
                  "-tp: GPUs the model is sharded over, from --device on (CPU: threads)")
       ->check(CLI::PositiveNumber);
@@ -788,6 +796,7 @@ int run(const std::vector<std::string>& args) {
   o.max_model_len = a.max_model_len;
   o.enable_prefix_caching = !a.no_prefix_caching;
   o.lora_drain_after_s = a.lora_drain_after;
+  o.lora_evict_after_s = a.lora_evict_after;
   o.seed = a.seed;
   o.tensor_parallel_size = a.tensor_parallel_size;
   o.fully_sharded_loras = a.fully_sharded_loras;
@@ -857,6 +866,7 @@ int run(const std::vector<std::string>& args) {
   c["kv_block_size"] = o.kv_block_size;
   c["prefix_caching"] = o.enable_prefix_caching;
   c["lora_drain_after_s"] = o.lora_drain_after_s;
+  c["lora_evict_after_s"] = o.lora_evict_after_s;
   c["tensor_parallel_size"] = o.tensor_parallel_size;
   c["fully_sharded_loras"] = o.fully_sharded_loras;
   c["load_s"] = load_s;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
 #include <random>
@@ -318,6 +319,8 @@ Engine::Engine(std::unique_ptr<model::ModelExecutor> model,
   if (options.max_model_len == 0) options.max_model_len = d.max_model_len;
   LORAPLEX_CHECK(options.lora_drain_after_s >= 0.0, "lora_drain_after_s ",
                  options.lora_drain_after_s, ", expected >= 0");
+  LORAPLEX_CHECK(!std::isnan(options.lora_evict_after_s), "lora_evict_after_s ",
+                 options.lora_evict_after_s, ", expected seconds (negative = never)");
 
   const int64_t num_blocks = kv_blocks_for(options, *model);
   model->allocate_kv_cache(num_blocks);
@@ -346,6 +349,7 @@ Engine::Engine(std::unique_ptr<model::ModelExecutor> model,
   sc.max_num_batched_tokens = options.max_num_batched_tokens;
   sc.max_loras = options.max_loras;
   sc.lora_drain_after_s = options.lora_drain_after_s;
+  sc.lora_evict_after_s = options.lora_evict_after_s;
   m.scheduler = std::make_unique<Scheduler>(sc, *m.blocks, *m.slots);
 
   m.limits.max_model_len = options.max_model_len;
@@ -889,6 +893,7 @@ void Engine::Impl::publish_metrics() {
   live.running_adapters = scheduler->running_adapters();
   live.waiting_adapters = scheduler->waiting_adapters();
   live.preemptions_total = scheduler->preemptions_total();
+  live.lora_evictions_total = scheduler->evictions_total();
   live.prefix_cache_queries_total = scheduler->prefix_queries_total();
   live.prefix_cache_hits_total = scheduler->prefix_hits_total();
   num_waiting.store(live.num_waiting);

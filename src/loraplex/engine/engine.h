@@ -63,6 +63,10 @@ struct EngineOptions {
   /// Fairness: an adapter in host memory that has waited this long for a GPU slot gets one by
   /// draining a resident adapter (its new requests wait until its running ones finish).
   double lora_drain_after_s = 1.0;
+  /// Time to first token: a new request that has waited this long for a GPU slot gets one by
+  /// evicting a resident adapter whose requests have all had their first token (their
+  /// sequences are preempted and recomputed later). Negative = never.
+  double lora_evict_after_s = 0.02;
   /// Adapters reloaded from disk in the background at once; 0 = max(1, max_cpu_loras -
   /// max_loras), so that adapters loaded for waiting requests do not evict each other.
   int max_loading_adapters = 0;
@@ -153,7 +157,8 @@ struct EngineMetrics {
   int max_loras = 0;
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
-  int64_t preemptions_total = 0;
+  int64_t preemptions_total = 0;                  // sequences preempted (KV shortage or eviction)
+  int64_t lora_evictions_total = 0;               // adapters evicted from a slot for a new request
   int64_t prefix_cache_queries_total = 0;         // prompt tokens looked up
   int64_t prefix_cache_hits_total = 0;            // prompt tokens found
   std::map<std::string, int64_t> finished_total;  // by finish reason name

@@ -115,6 +115,9 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   opts.kv_block_size = cfg.kv_block_size;
   opts.seed = cfg.seed;
   size_for(prompts, max_tokens, opts);
+  // Every request is there from the start and only the whole run's time counts: evicting an
+  // adapter for another's first token would only recompute its sequences.
+  opts.lora_evict_after_s = -1.0;
 
   opts.tensor_parallel_size = cfg.tensor_parallel_size;
   opts.fully_sharded_loras = cfg.fully_sharded_loras;

@@ -43,6 +43,7 @@ void Scheduler::add(std::unique_ptr<Sequence> seq) {
   seq->block_hashes.clear();
   seq->num_registered_blocks = 0;
   seq->slot = -1;
+  seq->waiting_since = seq->arrival_time;
   update_hashes(*seq);
   waiting_.emplace(seq->order, seq.get());
   if (!seq->adapter.empty()) ++use(seq->adapter).waiting;
@@ -69,8 +70,9 @@ void Scheduler::unpin_if_idle(const std::string& adapter) {
   u.pinned = false;
   u.slot = -1;
   --num_pinned_;
-  if (u.draining) {
+  if (u.draining || u.evicting) {
     u.draining = false;
+    u.evicting = false;
     // The slot is reserved only while its beneficiary still waits without one.
     const auto it = adapters_.find(u.drained_for);
     if (it != adapters_.end() && it->second.waiting > 0 && !it->second.pinned) {
@@ -95,6 +97,7 @@ void Scheduler::preempt(Sequence& s, StepPlan& plan) {
   running_.erase(std::find(running_.begin(), running_.end(), &s));
   s.status = Sequence::Status::kWaiting;
   s.slot = -1;
+  s.waiting_since = now_;
   waiting_.emplace(s.order, &s);
   if (!s.adapter.empty()) {
     AdapterUse& u = use(s.adapter);
@@ -141,8 +144,12 @@ void Scheduler::plan_seq(Sequence& s, int64_t n, StepPlan& plan, int64_t& budget
 
 StepPlan Scheduler::schedule(double now) {
   ++step_;
+  now_ = now;
   StepPlan plan;
   int64_t budget = config_.max_num_batched_tokens;
+  // 0. Evictions marked by the last step: their slots are reserved before anything is planned.
+  drop_stale_claims();
+  run_evictions(plan);
 
   // 1. Decodes, oldest first. Preemption removes sequences behind `i` only, or `i` itself.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
@@ -167,8 +174,9 @@ StepPlan Scheduler::schedule(double now) {
     plan_seq(s, n, plan, budget);
     ++i;
   }
-  // 3. New (and preempted) sequences, unless this step had to preempt.
-  if (plan.preempted.empty()) admit_waiting(plan, budget, now);
+  // 3. New (and preempted) sequences, unless this step ran out of KV blocks (evictions do not
+  // count: they free a slot for a waiting request to take now).
+  if (plan.preempted.size() == plan.evicted.size()) admit_waiting(plan, budget, now);
 
   std::set<std::string> adapters;
   for (const ScheduledSeq& q : plan.seqs)
@@ -177,18 +185,27 @@ StepPlan Scheduler::schedule(double now) {
   return plan;
 }
 
-void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
+void Scheduler::drop_stale_claims() {
   cancel_stale_drains();
   // Reservations whose beneficiary got a slot, stopped waiting or left host memory (it must
   // load again, behind older adapters) are void.
   reserved_.erase(std::remove_if(reserved_.begin(), reserved_.end(),
                                  [&](const std::string& a) { return !still_waits_ready(a); }),
                   reserved_.end());
+}
 
+void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
   std::set<std::string> skip;                 // adapters whose requests wait this step
   std::set<std::string> engaged;              // adapters without a slot that may load, oldest first
   std::map<std::string, std::string> failed;  // adapter -> error
-  std::vector<std::pair<std::string, double>> starving;  // in host memory, no slot; age order
+  std::vector<Starving> starving;             // in host memory, no slot; age order
+  std::map<std::string, size_t> starving_index;  // adapter -> its entry in `starving`
+  const auto note_starving = [&](Starving& st, Sequence& s) {
+    st.since = std::min(st.since, s.waiting_since);
+    if (st.first_token == nullptr && s.num_preemptions == 0 && !s.caused_eviction) {
+      st.first_token = &s;
+    }
+  };
   const int64_t bs = blocks_.block_size();
 
   for (auto it = waiting_.begin(); it != waiting_.end();) {
@@ -200,6 +217,8 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
       // Every reason below holds for the adapter's later requests too, for the rest of this
       // pass: they are skipped at once.
       if (skip.count(s.adapter) != 0) {
+        const auto st = starving_index.find(s.adapter);
+        if (st != starving_index.end()) note_starving(starving[st->second], s);
         ++it;
         continue;
       }
@@ -237,7 +256,9 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
                                    static_cast<int64_t>(reserved_.size()) +
                                    (mine != reserved_.end() ? 1 : 0);
         if (free_slots <= 0) {
-          starving.emplace_back(s.adapter, s.arrival_time);
+          starving_index.emplace(s.adapter, starving.size());
+          starving.push_back({s.adapter, s.waiting_since, nullptr});
+          note_starving(starving.back(), s);
           skip_adapter();
           continue;
         }
@@ -292,6 +313,7 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
       AdapterUse& u = use(s.adapter);
       --u.waiting;
       ++u.running;
+      u.last_admitted = step_;
       s.slot = u.slot;
     }
     plan_seq(s, n, plan, budget);
@@ -314,8 +336,9 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
 
 void Scheduler::cancel_drains_for(const std::string& beneficiary) {
   for (auto& [name, u] : adapters_) {
-    if (u.draining && u.drained_for == beneficiary) {
+    if ((u.draining || u.evicting) && u.drained_for == beneficiary) {
       u.draining = false;
+      u.evicting = false;
       u.drained_for.clear();
     }
   }
@@ -336,23 +359,89 @@ void Scheduler::cancel_stale_drains() {
   }
 }
 
-void Scheduler::plan_drains(const std::vector<std::pair<std::string, double>>& starving,
-                            double now) {
+void Scheduler::plan_drains(const std::vector<Starving>& starving, double now) {
   std::set<std::string> beneficiaries(reserved_.begin(), reserved_.end());
   for (const auto& [name, u] : adapters_)
-    if (u.draining) beneficiaries.insert(u.drained_for);
-  for (const auto& [adapter, oldest] : starving) {
-    if (now - oldest < config_.lora_drain_after_s) continue;
-    if (beneficiaries.count(adapter) != 0) continue;
+    if (u.draining || u.evicting) beneficiaries.insert(u.drained_for);
+  if (config_.lora_evict_after_s >= 0.0) plan_evictions(starving, now, beneficiaries);
+  for (const Starving& st : starving) {
+    if (now - st.since < config_.lora_drain_after_s) continue;
+    if (beneficiaries.count(st.adapter) != 0) continue;
     AdapterUse* victim = nullptr;
     for (auto& [name, u] : adapters_) {
-      if (!u.pinned || u.draining || u.running == 0) continue;
+      if (!u.pinned || u.draining || u.evicting || u.running == 0) continue;
       if (victim == nullptr || u.running < victim->running) victim = &u;
     }
     if (victim == nullptr) return;  // every resident adapter already drains
     victim->draining = true;
-    victim->drained_for = adapter;
-    beneficiaries.insert(adapter);
+    victim->drained_for = st.adapter;
+    beneficiaries.insert(st.adapter);
+  }
+}
+
+void Scheduler::plan_evictions(const std::vector<Starving>& starving, double now,
+                               std::set<std::string>& beneficiaries) {
+  // Adapters with a running sequence that has not produced a token yet: never evicted.
+  std::set<std::string> protected_adapters;
+  bool scanned = false;
+  for (const Starving& st : starving) {
+    Sequence* const s = st.first_token;
+    if (s == nullptr || now - s->waiting_since < config_.lora_evict_after_s) continue;
+    if (beneficiaries.count(st.adapter) != 0) continue;
+    if (!scanned) {
+      for (const Sequence* r : running_)
+        if (!r->adapter.empty() && r->num_tokens() == r->num_prompt_tokens)
+          protected_adapters.insert(r->adapter);
+      scanned = true;
+    }
+    AdapterUse* victim = nullptr;
+    for (auto& [name, u] : adapters_) {
+      if (!u.pinned || u.draining || u.evicting || u.running == 0) continue;
+      if (protected_adapters.count(name) != 0) continue;
+      // Fewest running sequences (least work to recompute), then least recently given one;
+      // the map's name order settles the rest.
+      if (victim == nullptr || u.running < victim->running ||
+          (u.running == victim->running && u.last_admitted < victim->last_admitted)) {
+        victim = &u;
+      }
+    }
+    if (victim == nullptr) return;  // no resident adapter may be evicted now
+    victim->evicting = true;
+    victim->drained_for = st.adapter;
+    victim->evicted_for_seq = s->id;
+    s->caused_eviction = true;
+    beneficiaries.insert(st.adapter);
+  }
+}
+
+void Scheduler::run_evictions(StepPlan& plan) {
+  // Slots freed since the evictions were marked serve first: evicting anyway could only hand
+  // a free slot back to the evicted adapter's own sequences.
+  int64_t free_slots = config_.max_loras - num_pinned_ - static_cast<int64_t>(reserved_.size());
+  for (auto& [name, u] : adapters_) {
+    if (!u.evicting) continue;
+    // Or the waiting adapter got a slot, left or fell out of host memory: nothing to evict for.
+    bool cancel = !u.pinned || !still_waits_ready(u.drained_for);
+    if (!cancel && free_slots > 0) {
+      --free_slots;
+      cancel = true;
+    }
+    if (cancel) {
+      u.evicting = false;
+      u.drained_for.clear();
+      // Its request may cause an eviction again.
+      if (Sequence* s = find(u.evicted_for_seq); s != nullptr) s->caused_eviction = false;
+      continue;
+    }
+    std::vector<Sequence*> victims;
+    for (Sequence* s : running_)
+      if (s->adapter == name) victims.push_back(s);
+    // preempt() unpins the adapter with its last sequence and reserves the slot.
+    for (Sequence* s : victims) {
+      preempt(*s, plan);
+      plan.evicted.push_back(s->id);
+    }
+    ++evictions_;
   }
 }
 
@@ -422,6 +511,13 @@ std::vector<std::string> Scheduler::draining_adapters() const {
   std::vector<std::string> out;
   for (const auto& [name, u] : adapters_)
     if (u.draining) out.push_back(name);
+  return out;
+}
+
+std::vector<std::string> Scheduler::evicting_adapters() const {
+  std::vector<std::string> out;
+  for (const auto& [name, u] : adapters_)
+    if (u.evicting) out.push_back(name);
   return out;
 }
 

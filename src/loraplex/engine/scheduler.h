@@ -21,16 +21,33 @@
 //     free slots go to adapters in that order.
 //  3. Fairness (slot draining): slots only free when an adapter's last running sequence ends,
 //     so under skewed traffic busy adapters could hold every slot for ever. When an adapter that
-//     is in host memory has waited for a slot longer than lora_drain_after_s (its oldest
-//     request's age), the scheduler picks a resident adapter to drain (the one with the fewest
-//     running sequences): its waiting requests are held back until its running ones finish, and
-//     its slot is then reserved for the waiting adapter. One drain per waiting adapter, oldest
-//     first. Requests of resident adapters that are not draining are never held back by
-//     adapters that wait.
+//     is in host memory has waited for a slot longer than lora_drain_after_s (its longest
+//     waiting request's wait), the scheduler picks a resident adapter to drain (the one with the
+//     fewest running sequences): its waiting requests are held back until its running ones
+//     finish, and its slot is then reserved for the waiting adapter. One drain per waiting
+//     adapter, oldest first. Requests of resident adapters that are not draining are never held
+//     back by adapters that wait.
+//  4. Time to first token (slot eviction): a drain bounds a new request's wait by a whole
+//     generation. When an adapter in host memory without a slot has a request that awaits its
+//     first token (never run, never preempted, never the cause of an eviction) and has waited
+//     lora_evict_after_s, and no drain, reservation or eviction already serves the adapter, a
+//     resident adapter is evicted for it: one that is neither draining nor evicting and whose
+//     running sequences have all produced a token (a request's first token is never put off by
+//     another's), the one with the fewest running sequences, then the one least recently
+//     given a new sequence, then by name. The eviction is only marked in this step (its
+//     sequences are already planned); at the start of the next step its running sequences are
+//     preempted as under KV shortage (blocks freed to the prefix cache, recomputed later) and
+//     its slot is reserved for the waiting adapter, which is admitted in that same step:
+//     eviction preemptions do not stop admission. Each request causes at most one eviction, so
+//     evictions never outnumber requests. Evicted sequences get a slot back like any waiting
+//     request (a free slot, or a drain).
+//  A preempted sequence's wait counts from its preemption (Sequence::waiting_since), so a
+//  sequence just evicted does not at once drain the adapter it made room for.
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -62,6 +79,9 @@ struct SchedulerConfig {
   int max_loras = 4;
   /// Seconds an adapter in host memory waits for a slot before a resident one is drained for it.
   double lora_drain_after_s = 1.0;
+  /// Seconds a request awaiting its first token waits for a slot before a resident adapter is
+  /// evicted for it (policy 4 above); negative = never.
+  double lora_evict_after_s = 0.02;
   /// Adapters without a slot that may be brought into host memory at a time (the oldest
   /// waiting first): more would evict each other from a host cache that has room for this many
   /// beyond the slots' adapters, and none would ever get in.
@@ -87,6 +107,8 @@ struct Sequence {
   int64_t num_registered_blocks = 0;   // blocks offered to the prefix cache
   int slot = -1;                       // while running with an adapter
   int64_t num_preemptions = 0;
+  double waiting_since = 0.0;         // arrival, or the last preemption
+  bool caused_eviction = false;       // an eviction was made for it (at most one per request)
   int64_t prompt_cached_tokens = -1;  // prefix-cache hits of the first admission; -1 = not yet
   uint64_t planned_step = 0;          // the last step that scheduled it
 
@@ -105,8 +127,9 @@ struct ScheduledSeq {
 struct StepPlan {
   std::vector<ScheduledSeq> seqs;  // decodes first, then prefill chunks
   int64_t num_tokens = 0;
-  int num_adapters = 0;                           // distinct adapters among seqs
-  std::vector<uint64_t> preempted;                // ids preempted while planning this step
+  int num_adapters = 0;             // distinct adapters among seqs
+  std::vector<uint64_t> preempted;  // ids preempted while planning this step
+  std::vector<uint64_t> evicted;    // of `preempted`, those an eviction preempted (they come first)
   std::vector<std::unique_ptr<Sequence>> failed;  // removed: their adapter failed to load
   std::vector<std::string> failed_errors;         // same order as failed
   bool stopped_for_blocks = false;     // admission stopped: the next waiting one found no KV blocks
@@ -147,8 +170,13 @@ class Scheduler {
   int num_pinned_adapters() const { return num_pinned_; }
   /// Adapters currently drained for a waiting one, and slots reserved after a drain.
   std::vector<std::string> draining_adapters() const;
+  /// Adapters marked for eviction by the last schedule(), evicted by the next one.
+  std::vector<std::string> evicting_adapters() const;
 
+  /// Sequences preempted, by KV shortage or by eviction.
   int64_t preemptions_total() const { return preemptions_; }
+  /// Adapters evicted from their slot for a request awaiting its first token.
+  int64_t evictions_total() const { return evictions_; }
   int64_t prefix_queries_total() const { return prefix_queries_; }  // tokens looked up
   int64_t prefix_hits_total() const { return prefix_hits_; }        // tokens found
 
@@ -159,7 +187,16 @@ class Scheduler {
     bool pinned = false;
     int slot = -1;
     bool draining = false;
-    std::string drained_for;  // the waiting adapter a drain frees the slot for
+    bool evicting = false;         // marked for eviction; evicted at the start of the next step
+    std::string drained_for;       // the waiting adapter a drain or eviction frees the slot for
+    uint64_t last_admitted = 0;    // the step that last admitted one of its sequences
+    uint64_t evicted_for_seq = 0;  // while evicting: the request the eviction is made for
+  };
+  // An adapter in host memory that found no free slot during admission.
+  struct Starving {
+    std::string adapter;
+    double since = 0.0;               // its longest waiting request's waiting_since
+    Sequence* first_token = nullptr;  // its oldest request that may cause an eviction
   };
 
   bool ensure_blocks(Sequence& seq, int64_t end, StepPlan& plan);
@@ -169,9 +206,14 @@ class Scheduler {
   void unpin_if_idle(const std::string& adapter);
   void update_hashes(Sequence& seq);
   void admit_waiting(StepPlan& plan, int64_t& budget, double now);
-  void plan_drains(const std::vector<std::pair<std::string, double>>& starving, double now);
+  void plan_drains(const std::vector<Starving>& starving, double now);
+  void plan_evictions(const std::vector<Starving>& starving, double now,
+                      std::set<std::string>& beneficiaries);
+  void run_evictions(StepPlan& plan);
   void cancel_drains_for(const std::string& beneficiary);
   void cancel_stale_drains();
+  // Cancels drains and reservations for adapters that no longer wait for a slot in host memory.
+  void drop_stale_claims();
   // Waits for a slot (no pin, requests waiting) while in host memory.
   bool still_waits_ready(const std::string& adapter);
   AdapterUse& use(const std::string& adapter) { return adapters_[adapter]; }
@@ -187,7 +229,9 @@ class Scheduler {
   std::vector<std::string> reserved_;           // slots freed by drains, for these adapters
   int num_pinned_ = 0;
   uint64_t step_ = 0;
+  double now_ = 0.0;  // the time passed to the schedule() in progress
   int64_t preemptions_ = 0;
+  int64_t evictions_ = 0;
   int64_t prefix_queries_ = 0;
   int64_t prefix_hits_ = 0;
 };
