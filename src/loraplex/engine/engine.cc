@@ -317,8 +317,8 @@ Engine::Engine(std::unique_ptr<model::ModelExecutor> model,
                  "max_model_len ", options.max_model_len, " exceeds the model's ", d.max_model_len,
                  " (load it with engine_decoder_options)");
   if (options.max_model_len == 0) options.max_model_len = d.max_model_len;
-  LORAPLEX_CHECK(options.lora_drain_after_s >= 0.0, "lora_drain_after_s ",
-                 options.lora_drain_after_s, ", expected >= 0");
+  LORAPLEX_CHECK(!std::isnan(options.lora_drain_after_s), "lora_drain_after_s ",
+                 options.lora_drain_after_s, ", expected seconds (negative = never)");
   LORAPLEX_CHECK(!std::isnan(options.lora_evict_after_s), "lora_evict_after_s ",
                  options.lora_evict_after_s, ", expected seconds (negative = never)");
 

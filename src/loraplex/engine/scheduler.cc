@@ -365,7 +365,7 @@ void Scheduler::plan_drains(const std::vector<Starving>& starving, double now) {
     if (u.draining || u.evicting) beneficiaries.insert(u.drained_for);
   if (config_.lora_evict_after_s >= 0.0) plan_evictions(starving, now, beneficiaries);
   for (const Starving& st : starving) {
-    if (now - st.since < config_.lora_drain_after_s) continue;
+    if (config_.lora_drain_after_s < 0.0 || now - st.since < config_.lora_drain_after_s) continue;
     if (beneficiaries.count(st.adapter) != 0) continue;
     AdapterUse* victim = nullptr;
     for (auto& [name, u] : adapters_) {

@@ -22,7 +22,8 @@
 //  3. Fairness (slot draining): slots only free when an adapter's last running sequence ends,
 //     so under skewed traffic busy adapters could hold every slot for ever. When an adapter that
 //     is in host memory has waited for a slot longer than lora_drain_after_s (its longest
-//     waiting request's wait), the scheduler picks a resident adapter to drain (the one with the
+//     waiting request's wait; negative = never, the default, see docs/architecture.md), the
+//     scheduler picks a resident adapter to drain (the one with the
 //     fewest running sequences): its waiting requests are held back until its running ones
 //     finish, and its slot is then reserved for the waiting adapter. One drain per waiting
 //     adapter, oldest first. Requests of resident adapters that are not draining are never held
@@ -77,8 +78,9 @@ struct SchedulerConfig {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 8192;
   int max_loras = 4;
-  /// Seconds an adapter in host memory waits for a slot before a resident one is drained for it.
-  double lora_drain_after_s = 1.0;
+  /// Seconds an adapter in host memory waits for a slot before a resident one is drained for it;
+  /// negative = never.
+  double lora_drain_after_s = -1.0;
   /// Seconds a request awaiting its first token waits for a slot before a resident adapter is
   /// evicted for it (policy 4 above); negative = never.
   double lora_evict_after_s = 0.02;
