@@ -490,6 +490,7 @@ TEST(Scheduler, AFirstTokenIsNeverPutOffByAnEviction) {
 TEST(Scheduler, ARequestCausesAtMostOneEviction) {
   SchedulerConfig c = config(8, 4, 1);
   c.lora_evict_after_s = 0.0;
+  c.lora_drain_after_s = -1;  // first-token evictions only
   Harness h(c, 256, 4, 8);
   h.slots.make_resident("a");
   h.slots.make_resident("x");
@@ -564,15 +565,21 @@ TEST(Scheduler, AnEvictedSequenceWaitsFromItsPreemptionNotItsArrival) {
     ASSERT_LT(h.steps, 10);
   }
   ASSERT_TRUE(waiting(h, old));
-  // Had its wait counted from its arrival, "new" would be drained for it at once.
-  double drained_at = -1.0;
-  while (drained_at < 0) {
+  // Had its wait counted from its arrival, "new" would be evicted for it at once; it is once
+  // "old" has waited lora_drain_after_s since its preemption.
+  double again_at = -1.0;
+  while (again_at < 0) {
     const double t = h.now;
-    h.step(0.01);
-    if (!h.sched.draining_adapters().empty()) drained_at = t;
+    const StepPlan p = h.step(0.01);
+    if (!p.evicted.empty()) {
+      again_at = t;
+      EXPECT_TRUE(planned(h, p, old)) << "the long-waiting sequence takes the slot back";
+    }
     ASSERT_LT(h.steps, 40);
   }
-  EXPECT_GE(drained_at - evicted_at, 0.05 - 1e-9);
+  EXPECT_GE(again_at - evicted_at, 0.05 - 1e-9);
+  EXPECT_EQ(h.sched.long_wait_evictions_total(), 1);
+  EXPECT_TRUE(h.sched.draining_adapters().empty()) << "with eviction on nothing drains";
   while (h.sched.has_work()) h.step();
   expect_reference_tokens(h);
 }
@@ -720,7 +727,9 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   if (tp.blocks <= 40) {
     EXPECT_TRUE(h.saw_preemption);
   }
-  if (tp.drain_after < 1.0 && tp.loras < 3) {
+  if (tp.evict_after >= 0) {
+    EXPECT_FALSE(h.saw_drain) << "with eviction on nothing drains";
+  } else if (tp.drain_after < 1.0 && tp.loras < 3) {
     EXPECT_TRUE(h.saw_drain);
   }
   RecordProperty("evictions", static_cast<int>(h.sched.evictions_total()));
@@ -729,8 +738,17 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   } else if (tp.loras < 3) {
     EXPECT_TRUE(h.saw_eviction);
   }
-  // No thrashing: each request causes at most one eviction.
-  EXPECT_LE(h.sched.evictions_total(), static_cast<int64_t>(h.expect.size()));
+  // No thrashing: each request causes at most one eviction for its first token; the others
+  // need a wait of lora_drain_after_s each.
+  const int64_t first_token_evictions =
+      h.sched.evictions_total() - h.sched.long_wait_evictions_total();
+  EXPECT_LE(first_token_evictions, static_cast<int64_t>(h.expect.size()));
+  RecordProperty("long_wait_evictions", static_cast<int>(h.sched.long_wait_evictions_total()));
+  if (tp.drain_after > 100.0) {
+    EXPECT_EQ(h.sched.long_wait_evictions_total(), 0);
+  } else if (tp.evict_after >= 0 && tp.drain_after < 0.1 && tp.loras < 3) {
+    EXPECT_GT(h.sched.long_wait_evictions_total(), 0) << "evicted sequences take slots back";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Traces, SchedulerTrace,

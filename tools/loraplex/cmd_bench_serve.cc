@@ -78,7 +78,7 @@ struct ServeArgs {
   int64_t kv_block_size = 16;
   int64_t max_model_len = 0;
   bool no_prefix_caching = false;
-  double lora_drain_after = -1.0;
+  double lora_drain_after = 1.0;
   double lora_evict_after = 0.02;
   int tensor_parallel_size = 1;
   bool fully_sharded_loras = false;
@@ -736,8 +736,8 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--max-model-len", a.max_model_len, "default: the model's positions");
   app.add_flag("--no-prefix-caching", a.no_prefix_caching, "disable the prefix cache");
   app.add_option("--lora-drain-after", a.lora_drain_after,
-                 "seconds an adapter waits for a slot before a busy one is drained for it "
-                 "(negative: never)");
+                 "seconds an adapter waits for a slot before a busy one is evicted for it (or, "
+                 "with eviction off, drained); negative = never");
   app.add_option("--lora-evict-after", a.lora_evict_after,
                  "seconds a new request waits for a slot before a busy adapter is evicted for it "
                  "(its sequences preempted); negative = never");

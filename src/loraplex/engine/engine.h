@@ -60,12 +60,10 @@ struct EngineOptions {
   bool enable_prefix_caching = true;
   int64_t max_waiting = 0;  // > 0: submit refuses (kOverloaded) beyond this
   uint64_t seed = 0;        // requests without a seed draw from (seed, id)
-  /// Fairness: an adapter in host memory that has waited this long for a GPU slot gets one by
-  /// draining a resident adapter (its new requests wait until its running ones finish).
-  /// Negative = never, the default: with eviction on, the requests a drain holds back made the
-  /// time-to-first-token tail (measured in docs/architecture.md); it stays as a starvation
-  /// guard for traffic that keeps every slot busy for ever.
-  double lora_drain_after_s = -1.0;
+  /// Fairness: an adapter in host memory that has waited this long for a GPU slot gets one, by
+  /// evicting a resident adapter when eviction is on (lora_evict_after_s), else by draining one
+  /// (its new requests wait until its running ones finish). Negative = never.
+  double lora_drain_after_s = 1.0;
   /// Time to first token: a new request that has waited this long for a GPU slot gets one by
   /// evicting a resident adapter whose requests have all had their first token (their
   /// sequences are preempted and recomputed later). Negative = never.

@@ -201,6 +201,7 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
   std::vector<Starving> starving;             // in host memory, no slot; age order
   std::map<std::string, size_t> starving_index;  // adapter -> its entry in `starving`
   const auto note_starving = [&](Starving& st, Sequence& s) {
+    if (st.longest == nullptr || s.waiting_since < st.longest->waiting_since) st.longest = &s;
     st.since = std::min(st.since, s.waiting_since);
     if (st.first_token == nullptr && s.num_preemptions == 0 && !s.caused_eviction) {
       st.first_token = &s;
@@ -363,7 +364,13 @@ void Scheduler::plan_drains(const std::vector<Starving>& starving, double now) {
   std::set<std::string> beneficiaries(reserved_.begin(), reserved_.end());
   for (const auto& [name, u] : adapters_)
     if (u.draining || u.evicting) beneficiaries.insert(u.drained_for);
-  if (config_.lora_evict_after_s >= 0.0) plan_evictions(starving, now, beneficiaries);
+  if (config_.lora_evict_after_s >= 0.0) {
+    // With eviction, an adapter that has waited lora_drain_after_s gets its slot by eviction
+    // too: a drain would hold back the victim's new requests, and those made the
+    // time-to-first-token tail.
+    plan_evictions(starving, now, beneficiaries);
+    return;
+  }
   for (const Starving& st : starving) {
     if (config_.lora_drain_after_s < 0.0 || now - st.since < config_.lora_drain_after_s) continue;
     if (beneficiaries.count(st.adapter) != 0) continue;
@@ -385,9 +392,21 @@ void Scheduler::plan_evictions(const std::vector<Starving>& starving, double now
   std::set<std::string> protected_adapters;
   bool scanned = false;
   for (const Starving& st : starving) {
-    Sequence* const s = st.first_token;
-    if (s == nullptr || now - s->waiting_since < config_.lora_evict_after_s) continue;
     if (beneficiaries.count(st.adapter) != 0) continue;
+    // A request awaiting its first token that has waited lora_evict_after_s (once per
+    // request), else the adapter's longest waiting request once it has waited
+    // lora_drain_after_s (once per wait: an evicted sequence that waits again may evict again).
+    Sequence* s = st.first_token;
+    bool long_wait = false;
+    if (s == nullptr || now - s->waiting_since < config_.lora_evict_after_s) {
+      s = st.longest;
+      long_wait = true;
+      if (s == nullptr || config_.lora_drain_after_s < 0.0 ||
+          now - s->waiting_since < config_.lora_drain_after_s ||
+          s->escalated_wait == s->waiting_since) {
+        continue;
+      }
+    }
     if (!scanned) {
       for (const Sequence* r : running_)
         if (!r->adapter.empty() && r->num_tokens() == r->num_prompt_tokens)
@@ -407,9 +426,14 @@ void Scheduler::plan_evictions(const std::vector<Starving>& starving, double now
     }
     if (victim == nullptr) return;  // no resident adapter may be evicted now
     victim->evicting = true;
+    victim->long_wait = long_wait;
     victim->drained_for = st.adapter;
     victim->evicted_for_seq = s->id;
-    s->caused_eviction = true;
+    if (long_wait) {
+      s->escalated_wait = s->waiting_since;
+    } else {
+      s->caused_eviction = true;
+    }
     beneficiaries.insert(st.adapter);
   }
 }
@@ -430,7 +454,10 @@ void Scheduler::run_evictions(StepPlan& plan) {
       u.evicting = false;
       u.drained_for.clear();
       // Its request may cause an eviction again.
-      if (Sequence* s = find(u.evicted_for_seq); s != nullptr) s->caused_eviction = false;
+      if (Sequence* s = find(u.evicted_for_seq); s != nullptr) {
+        s->caused_eviction = false;
+        s->escalated_wait = -1.0;
+      }
       continue;
     }
     std::vector<Sequence*> victims;
@@ -442,6 +469,7 @@ void Scheduler::run_evictions(StepPlan& plan) {
       plan.evicted.push_back(s->id);
     }
     ++evictions_;
+    if (u.long_wait) ++long_wait_evictions_;
   }
 }
 

@@ -19,31 +19,32 @@
 //     waiting adapters at a time) and its requests wait while the others go ahead. The first such
 //     request in arrival order belongs to the adapter whose oldest request has waited longest, so
 //     free slots go to adapters in that order.
-//  3. Fairness (slot draining): slots only free when an adapter's last running sequence ends,
-//     so under skewed traffic busy adapters could hold every slot for ever. When an adapter that
-//     is in host memory has waited for a slot longer than lora_drain_after_s (its longest
-//     waiting request's wait; negative = never, the default, see docs/architecture.md), the
-//     scheduler picks a resident adapter to drain (the one with the
-//     fewest running sequences): its waiting requests are held back until its running ones
-//     finish, and its slot is then reserved for the waiting adapter. One drain per waiting
-//     adapter, oldest first. Requests of resident adapters that are not draining are never held
-//     back by adapters that wait.
-//  4. Time to first token (slot eviction): a drain bounds a new request's wait by a whole
-//     generation. When an adapter in host memory without a slot has a request that awaits its
-//     first token (never run, never preempted, never the cause of an eviction) and has waited
-//     lora_evict_after_s, and no drain, reservation or eviction already serves the adapter, a
-//     resident adapter is evicted for it: one that is neither draining nor evicting and whose
-//     running sequences have all produced a token (a request's first token is never put off by
-//     another's), the one with the fewest running sequences, then the one least recently
-//     given a new sequence, then by name. The eviction is only marked in this step (its
-//     sequences are already planned); at the start of the next step its running sequences are
-//     preempted as under KV shortage (blocks freed to the prefix cache, recomputed later) and
-//     its slot is reserved for the waiting adapter, which is admitted in that same step:
-//     eviction preemptions do not stop admission. Each request causes at most one eviction, so
-//     evictions never outnumber requests. Evicted sequences get a slot back like any waiting
-//     request (a free slot, or a drain).
+//  3. Fairness: slots only free when an adapter's last running sequence ends, so under skewed
+//     traffic busy adapters could hold every slot for ever. When an adapter that is in host
+//     memory has waited for a slot longer than lora_drain_after_s (its longest waiting
+//     request's wait; negative = never), a slot is freed for it: by eviction (4) when eviction
+//     is on, else by draining the resident adapter with the fewest running sequences: its
+//     waiting requests are held back until its running ones finish, and its slot is then
+//     reserved for the waiting adapter. One drain per waiting adapter, oldest first. Requests
+//     of resident adapters that are not draining are never held back by adapters that wait.
+//     With eviction on there is no drain: the requests a drain holds back made the
+//     time-to-first-token tail (docs/architecture.md has the measurements).
+//  4. Slot eviction (lora_evict_after_s; negative = off). When an adapter in host memory
+//     without a slot has a request that awaits its first token (never run, never preempted,
+//     never the cause of an eviction) and has waited lora_evict_after_s, or a request that has
+//     waited lora_drain_after_s (once per wait: an evicted sequence that waits again may evict
+//     again), and no reservation or eviction already serves the adapter, a resident adapter is
+//     evicted for it: one that is not already evicting and whose running sequences have all
+//     produced a token (a request's first token is never put off by another's), the one with
+//     the fewest running sequences, then the one least recently given a new sequence, then by
+//     name. The eviction is only marked in this step (its sequences are already planned); at
+//     the start of the next step its running sequences are preempted as under KV shortage
+//     (blocks freed to the prefix cache, recomputed later) and its slot is reserved for the
+//     waiting adapter, which is admitted in that same step: eviction preemptions do not stop
+//     admission. Evictions never outnumber waits (a request's arrival and each preemption
+//     start one).
 //  A preempted sequence's wait counts from its preemption (Sequence::waiting_since), so a
-//  sequence just evicted does not at once drain the adapter it made room for.
+//  sequence just evicted does not at once take back the slot it gave up.
 
 #include <cstdint>
 #include <map>
@@ -78,9 +79,9 @@ struct SchedulerConfig {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 8192;
   int max_loras = 4;
-  /// Seconds an adapter in host memory waits for a slot before a resident one is drained for it;
-  /// negative = never.
-  double lora_drain_after_s = -1.0;
+  /// Seconds an adapter in host memory waits for a slot before a resident one is evicted for it
+  /// (eviction on) or drained (eviction off); negative = never.
+  double lora_drain_after_s = 1.0;
   /// Seconds a request awaiting its first token waits for a slot before a resident adapter is
   /// evicted for it (policy 4 above); negative = never.
   double lora_evict_after_s = 0.02;
@@ -111,6 +112,7 @@ struct Sequence {
   int64_t num_preemptions = 0;
   double waiting_since = 0.0;         // arrival, or the last preemption
   bool caused_eviction = false;       // an eviction was made for it (at most one per request)
+  double escalated_wait = -1.0;       // the waiting_since of the wait a long-wait eviction served
   int64_t prompt_cached_tokens = -1;  // prefix-cache hits of the first admission; -1 = not yet
   uint64_t planned_step = 0;          // the last step that scheduled it
 
@@ -179,6 +181,9 @@ class Scheduler {
   int64_t preemptions_total() const { return preemptions_; }
   /// Adapters evicted from their slot for a request awaiting its first token.
   int64_t evictions_total() const { return evictions_; }
+  /// Of those, the evictions made for a wait of lora_drain_after_s (the others are for first
+  /// tokens, at most one per request).
+  int64_t long_wait_evictions_total() const { return long_wait_evictions_; }
   int64_t prefix_queries_total() const { return prefix_queries_; }  // tokens looked up
   int64_t prefix_hits_total() const { return prefix_hits_; }        // tokens found
 
@@ -193,12 +198,14 @@ class Scheduler {
     std::string drained_for;       // the waiting adapter a drain or eviction frees the slot for
     uint64_t last_admitted = 0;    // the step that last admitted one of its sequences
     uint64_t evicted_for_seq = 0;  // while evicting: the request the eviction is made for
+    bool long_wait = false;        // while evicting: made for a wait of lora_drain_after_s
   };
   // An adapter in host memory that found no free slot during admission.
   struct Starving {
     std::string adapter;
     double since = 0.0;               // its longest waiting request's waiting_since
     Sequence* first_token = nullptr;  // its oldest request that may cause an eviction
+    Sequence* longest = nullptr;      // its longest waiting request
   };
 
   bool ensure_blocks(Sequence& seq, int64_t end, StepPlan& plan);
@@ -234,6 +241,7 @@ class Scheduler {
   double now_ = 0.0;  // the time passed to the schedule() in progress
   int64_t preemptions_ = 0;
   int64_t evictions_ = 0;
+  int64_t long_wait_evictions_ = 0;
   int64_t prefix_queries_ = 0;
   int64_t prefix_hits_ = 0;
 };
