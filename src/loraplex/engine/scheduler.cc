@@ -332,7 +332,7 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
       plan.failed_errors.push_back(error);
     }
   }
-  plan_drains(starving, now);
+  plan_slot_claims(starving, now);
 }
 
 void Scheduler::cancel_drains_for(const std::string& beneficiary) {
@@ -360,7 +360,7 @@ void Scheduler::cancel_stale_drains() {
   }
 }
 
-void Scheduler::plan_drains(const std::vector<Starving>& starving, double now) {
+void Scheduler::plan_slot_claims(const std::vector<Starving>& starving, double now) {
   std::set<std::string> beneficiaries(reserved_.begin(), reserved_.end());
   for (const auto& [name, u] : adapters_)
     if (u.draining || u.evicting) beneficiaries.insert(u.drained_for);

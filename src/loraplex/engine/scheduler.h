@@ -215,7 +215,8 @@ class Scheduler {
   void unpin_if_idle(const std::string& adapter);
   void update_hashes(Sequence& seq);
   void admit_waiting(StepPlan& plan, int64_t& budget, double now);
-  void plan_drains(const std::vector<Starving>& starving, double now);
+  // Drains (eviction off) or evictions (on) for the adapters that found no free slot.
+  void plan_slot_claims(const std::vector<Starving>& starving, double now);
   void plan_evictions(const std::vector<Starving>& starving, double now,
                       std::set<std::string>& beneficiaries);
   void run_evictions(StepPlan& plan);
