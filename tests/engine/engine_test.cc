@@ -146,9 +146,9 @@ TEST_F(EngineTinyLlama, FewerSlotsThanAdapters) {
 }
 
 // One slot, four adapters, every request at once: each adapter's first requests get the slot
-// by evicting the one whose sequences have had their first token (lora_drain_after_s far off:
-// no long-wait evictions);
-// the evicted sequences are recomputed and still give PEFT's tokens.
+// by evicting the one whose sequences have had their first token (lora_drain_after_s is far
+// off: no long-wait evictions); the evicted sequences are recomputed and still give PEFT's
+// tokens.
 TEST_F(EngineTinyLlama, EvictedSequencesRecomputeTheSameTokens) {
   EngineOptions o = small_options();
   o.max_loras = 1;
