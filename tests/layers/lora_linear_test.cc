@@ -146,7 +146,47 @@ struct RunOptions {
   Backend backend = Backend::kCpu;
   int tp = 1;
   bool fully_sharded = false;
+  // LoraLinear::forward_fused over every slot, its expand added here from the returned
+  // FusedLoraExpand (in double, from the layer's B and ranks): what a consumer op must see.
+  bool fused = false;
 };
+
+// forward_fused's output [tokens, output_width()] with the expand it describes applied, written
+// from FusedLoraExpand's definition.
+std::vector<double> fused_output(LoraLinear& layer, const Tensor& x, const PunicaWrapper& punica,
+                                 const std::vector<int32_t>& slots, const Stream& stream) {
+  const int num_slots = layer.config().max_loras;
+  const int64_t width = layer.fused_row_width(num_slots);
+  Tensor y = Tensor::empty({x.size(0), width}, layer.spec().dtype, layer.device());
+  const kernels::FusedLoraExpand e = layer.forward_fused(x, y, punica, num_slots, stream);
+  stream.synchronize();
+  const std::vector<double> rows = test::values_of(y);
+  const int64_t out = layer.output_width();
+  EXPECT_EQ(e.num_slots, num_slots);
+  EXPECT_EQ(e.shrink_row_stride, width);
+  std::vector<double> got(static_cast<size_t>(x.size(0) * out));
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    for (int64_t j = 0; j < out; ++j) {
+      got[static_cast<size_t>(t * out + j)] = rows[static_cast<size_t>(t * width + j)];
+    }
+    const int k = slots[static_cast<size_t>(t)];
+    if (k < 0) continue;
+    for (int s = 0; s < e.num_slices; ++s) {
+      const int r = layer.lora_rank(k, s);
+      const std::vector<double> b = test::values_of(layer.lora_b(s).select(0, k));
+      const int64_t b_cols = layer.lora_b(s).size(2);
+      for (int64_t j = 0; j < e.width[s]; ++j) {
+        double acc = 0.0;
+        for (int i = 0; i < r; ++i) {
+          acc += rows[static_cast<size_t>(t * width + out + k * e.slot_cols + s * e.max_rank + i)] *
+                 b[static_cast<size_t>(j * b_cols + i)];
+        }
+        got[static_cast<size_t>(t * out + e.offset[s] + j)] += acc;
+      }
+    }
+  }
+  return got;
+}
 
 // Runs the layer on every rank and returns the full output [tokens, full width]; checks that
 // ranks holding the same columns agree exactly.
@@ -165,6 +205,11 @@ std::vector<double> run_layer(const Problem& p, const RunOptions& opt) {
     if (p.spec.style == ParallelStyle::kRow && p.spec.input_is_parallel) {
       const int64_t w = p.spec.in_features / layer.tp_size();
       x = p.x.narrow(1, rank * w, w).contiguous();
+    }
+    if (opt.fused) {
+      outputs[static_cast<size_t>(rank)] =
+          fused_output(layer, x.to(device, stream), punica, p.slots, stream);
+      return;
     }
     const Tensor y = layer.forward(x.to(device, stream), punica, stream);
     stream.synchronize();
@@ -240,6 +285,20 @@ void check_kind(const LinearSpec& spec, Backend backend, int tp, bool bias = tru
     const std::vector<double> one = run_layer(p, {single, 1, false});
     expect_same_within_rounding(got, one, ref, spec.dtype, name + " vs the unsharded layer");
   }
+}
+
+// The fused path (base GEMM with the shrink as extra rows, the expand left to the consumer)
+// equals the reference and the layer's own forward at size `tp`.
+void check_fused(const LinearSpec& spec, Backend backend, int tp) {
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, tp));
+  const Problem p = make_problem(spec, true, 4321 + tp);
+  const std::vector<double> ref = reference(p);
+  const std::string name =
+      spec.kind + " fused on " + test::backend_name(backend) + " tp" + std::to_string(tp);
+  const std::vector<double> fused = run_layer(p, {backend, tp, false, true});
+  expect_near_reference(fused, ref, spec.dtype, name + " vs double reference");
+  const std::vector<double> plain = run_layer(p, {backend, tp, false, false});
+  expect_same_within_rounding(fused, plain, ref, spec.dtype, name + " vs forward");
 }
 
 // Fully sharded equals not fully sharded (and both the reference) at size `tp`.
@@ -388,6 +447,99 @@ TEST(RowParallelLoraLinear, Bf16MatchesDoubleReference_tp2) {
 }
 TEST(RowParallelLoraLinear, Cuda_tp1) { check_kind(row(), Backend::kCuda, 1); }
 TEST(RowParallelLoraLinear, Nccl_tp2) { check_kind(row(), Backend::kNccl, 2); }
+
+TEST(ReplicatedLoraLinear, Fused_tp1) { check_fused(replicated(), Backend::kCpu, 1); }
+TEST(ColumnParallelLoraLinear, Fused_tp2) { check_fused(column(), Backend::kCpu, 2); }
+TEST(ColumnParallelLoraLinear, FusedPathFusedLoraOverMergedBase_tp2) {
+  check_fused(column_fused(), Backend::kCpu, 2);
+}
+TEST(MergedColumnLoraLinear, FusedGateUp_tp1) { check_fused(merged_gate_up(), Backend::kCpu, 1); }
+TEST(MergedColumnLoraLinear, FusedVariableSlices_tp4) {
+  check_fused(merged_variable(), Backend::kCpu, 4);
+}
+TEST(MergedQkvLoraLinear, Fused_tp1) { check_fused(merged_qkv(), Backend::kCpu, 1); }
+TEST(MergedQkvLoraLinear, FusedReplicatedKvHeads_tp4) {
+  check_fused(merged_qkv(), Backend::kCpu, 4);
+}
+TEST(QkvParallelLoraLinear, Fused_tp2) { check_fused(qkv_fused(), Backend::kCpu, 2); }
+TEST(RowParallelLoraLinear, Fused_tp1) { check_fused(row(), Backend::kCpu, 1); }
+TEST(RowParallelLoraLinear, FusedShrinkInTheAllReduce_tp4) { check_fused(row(), Backend::kCpu, 4); }
+TEST(RowParallelLoraLinear, FusedBf16_tp2) {
+  check_fused(LinearSpec::row(96, 64, DType::kBF16), Backend::kCpu, 2);
+}
+TEST(MergedQkvLoraLinear, FusedCuda_tp1) { check_fused(merged_qkv(), Backend::kCuda, 1); }
+TEST(RowParallelLoraLinear, FusedNccl_tp2) { check_fused(row(), Backend::kNccl, 2); }
+TEST(LoraLinearFused, RefusedWhereItCannotRun) {
+  LoraConfig sharded{kMaxLoras, kMaxRank, kF32, true};
+  LoraLinear a(column(), sharded, nullptr, Device::cpu(), kTokens);
+  EXPECT_FALSE(a.can_fuse());
+  LoraConfig plain{kMaxLoras, kMaxRank, kF32, false};
+  LoraLinear b(column(), plain, nullptr, Device::cpu(), kTokens);
+  EXPECT_TRUE(b.can_fuse());
+  PunicaWrapper punica(kMaxLoras, kTokens, 4, Device::cpu());
+  std::vector<int32_t> slots(3, 0);
+  punica.update_metadata(slots, {}, Stream());
+  b.load_base({Tensor::zeros({96, 64}, kF32)});
+  Tensor x = Tensor::zeros({3, 64}, kF32);
+  Tensor y = Tensor::empty({3, b.fused_row_width(kMaxLoras + 1)}, kF32);
+  EXPECT_THROW(b.forward_fused(x, y, punica, kMaxLoras + 1, Stream()), Error);
+  Tensor narrow_y = Tensor::empty({3, 96}, kF32);
+  EXPECT_THROW(b.forward_fused(x, narrow_y, punica, 2, Stream()), Error);
+}
+
+// Adapters written into and cleared from random slots: the base rows of the weight storage
+// (which holds every slot's A after them) and every other slot stay exactly as they were.
+void check_random_slot_writes(Backend backend) {
+  LORAPLEX_REQUIRE_GPUS(test::backend_gpus(backend, 1));
+  const Device device = test::backend_device(backend, 0);
+  const LinearSpec spec = merged_qkv();
+  std::mt19937_64 rng(99);
+  LoraLinear layer(spec, LoraConfig{kMaxLoras, kMaxRank, kF32, false}, nullptr, device, kTokens);
+  std::vector<Tensor> base;
+  for (const OutputSlice& o : spec.outputs) {
+    base.push_back(test::random_tensor({o.size, spec.in_features}, kF32, rng));
+  }
+  layer.load_base(base);
+  const std::vector<double> base_values = test::values_of(layer.weight());
+  std::map<int, std::vector<LoraSliceWeights>> held;
+  std::uniform_int_distribution<int> slot_of(0, kMaxLoras - 1), rank_of(0, kMaxRank);
+  for (int step = 0; step < 40; ++step) {
+    const int slot = slot_of(rng);
+    if (step % 3 == 2) {
+      layer.reset_lora(slot);
+      held.erase(slot);
+    } else {
+      std::vector<int> ranks;
+      for (int s = 0; s < num_lora_slices(spec); ++s) ranks.push_back(rank_of(rng));
+      held[slot] = make_adapter(spec, ranks, kF32, rng);
+      layer.set_lora(slot, held[slot]);
+    }
+    ASSERT_EQ(test::values_of(layer.weight()), base_values) << "step " << step;
+    for (int k = 0; k < kMaxLoras; ++k) {
+      for (int s = 0; s < num_lora_slices(spec); ++s) {
+        const auto it = held.find(k);
+        const LoraSliceWeights* w =
+            it == held.end() ? nullptr : &it->second[static_cast<size_t>(s)];
+        const int r = w != nullptr && w->a.defined() ? static_cast<int>(w->a.size(0)) : 0;
+        ASSERT_EQ(layer.lora_rank(k, s), r) << "step " << step << " slot " << k << " slice " << s;
+        if (r == 0) continue;
+        EXPECT_EQ(test::values_of(layer.lora_a(s).select(0, k).narrow(0, 0, r).contiguous()),
+                  w->a.to_double_vector())
+            << "step " << step << " slot " << k << " slice " << s;
+        EXPECT_EQ(test::values_of(layer.lora_b(s).select(0, k).narrow(1, 0, r).contiguous()),
+                  w->b.to_double_vector())
+            << "step " << step << " slot " << k << " slice " << s;
+      }
+    }
+  }
+}
+
+TEST(LoraLinearSlots, RandomWritesKeepTheBaseAndEveryOtherSlot) {
+  check_random_slot_writes(Backend::kCpu);
+}
+TEST(LoraLinearSlots, RandomWritesKeepTheBaseAndEveryOtherSlotCuda) {
+  check_random_slot_writes(Backend::kCuda);
+}
 
 TEST(ColumnParallelShardedLoraLinear, MatchesNotSharded_tp1) {
   check_sharded(column(), Backend::kCpu, 1);

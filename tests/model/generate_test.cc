@@ -95,6 +95,15 @@ TEST_F(GenerateTinyLlama, FewerLoraSlotsThanAdaptersWaitAndMatch) {
   EXPECT_GT(report.stats.steps, 12);
 }
 
+// Decode steps with LoRA take the fused path by default (the shrink in the base GEMM, the
+// expand in the op after it); the LoRA kernels after each GEMM give the same tokens.
+TEST_F(GenerateTinyLlama, LoraKernelsPathMatchesPeft) {
+  const auto order = identity_order(expected_.size());
+  engine::GenerateConfig cfg = fixture_config("tiny-llama", expected_, order);
+  cfg.lora_decode = model::LoraDecode::kKernels;
+  expect_matches(cfg, expected_, order);
+}
+
 TEST_F(GenerateTinyLlama, StopsAtEosUnlessIgnored) {
   const auto order = identity_order(expected_.size());
   engine::GenerateConfig cfg = fixture_config("tiny-llama", expected_, order);
@@ -202,6 +211,14 @@ TEST(GenerateTinyQwen2, OneMixedBatchMatchesPeft) {
   EXPECT_EQ(report.stats.max_step_adapters, 3);
 }
 
+TEST(GenerateTinyQwen2, LoraKernelsPathMatchesPeft) {
+  const auto expected = read_expected("tiny-qwen2");
+  const auto order = identity_order(expected.size());
+  engine::GenerateConfig cfg = fixture_config("tiny-qwen2", expected, order);
+  cfg.lora_decode = model::LoraDecode::kKernels;
+  expect_matches(cfg, expected, order);
+}
+
 TEST(GenerateTinyQwen2, OneSequenceAtATimeMatchesPeft) {
   const auto expected = read_expected("tiny-qwen2");
   auto order = identity_order(expected.size());
@@ -255,6 +272,17 @@ TEST_P(GenerateCuda, Float32MatchesPeft) {
   expect_matches(cfg, expected, order);
   cfg.max_num_seqs = 5;
   expect_matches(cfg, expected, order);
+}
+
+TEST_P(GenerateCuda, Float32LoraKernelsAndOverlapPathsMatchPeft) {
+  const auto expected = read_expected(GetParam());
+  const auto order = identity_order(expected.size());
+  engine::GenerateConfig cfg = fixture_config(GetParam(), expected, order);
+  cfg.device = Device::cuda(0);
+  for (model::LoraDecode path : {model::LoraDecode::kKernels, model::LoraDecode::kOverlap}) {
+    cfg.lora_decode = path;
+    expect_matches(cfg, expected, order);
+  }
 }
 
 TEST_P(GenerateCuda, Bfloat16FirstTokenWhereTheMarginIsClear) {

@@ -69,6 +69,8 @@ struct Options {
   int tensor_parallel_size = 1;
   bool fully_sharded_loras = false;
   std::string lora_tuning;
+  std::string lora_decode = "fused";
+  int64_t fused_lora_max_tokens = 512;
   int top_kernels = 15;
   bool timeline = false;
 };
@@ -273,6 +275,13 @@ int run(const std::vector<std::string>& args) {
                "duration, stream): what overlaps what");
   app.add_option("--lora-tune", o.lora_tuning,
                  "key=value,... over the LoRA kernels' tuning table (as bench kernels --tune)");
+  app.add_option("--lora-decode", o.lora_decode,
+                 "how decode steps run their LoRA: fused (the shrink in the base GEMM, the "
+                 "expand in the op after it; default), overlap (LoRA kernels on a second "
+                 "stream) or kernels (LoRA kernels after each GEMM)")
+      ->check(CLI::IsMember({"fused", "overlap", "kernels"}));
+  app.add_option("--fused-lora-max-tokens", o.fused_lora_max_tokens,
+                 "steps of up to this many tokens take the fused LoRA path (default 512)");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
   app.add_option("--json", o.json_path, "write the results as JSON");
   app.add_option("--adapter-dir", o.adapter_dir, "where the random adapters are written");
@@ -328,6 +337,10 @@ int run(const std::vector<std::string>& args) {
   dopts.tensor_parallel_size = tp;
   dopts.fully_sharded_loras = o.fully_sharded_loras;
   dopts.lora_tuning = o.lora_tuning;
+  dopts.fused_lora_max_tokens = o.fused_lora_max_tokens;
+  dopts.lora_decode = o.lora_decode == "overlap"   ? model::LoraDecode::kOverlap
+                      : o.lora_decode == "kernels" ? model::LoraDecode::kKernels
+                                                   : model::LoraDecode::kFused;
   // The decode step's collectives alone (tp > 1): 2 all-reduces per layer and the embedding's,
   // and the lm_head's all-gather, over the wave's rows.
   double collective_ms = 0.0;
@@ -431,6 +444,8 @@ int run(const std::vector<std::string>& args) {
   doc["tensor_parallel_size"] = tp;
   doc["fully_sharded_loras"] = o.fully_sharded_loras;
   if (!o.lora_tuning.empty()) doc["lora_tuning"] = o.lora_tuning;
+  doc["lora_decode"] = o.lora_decode;
+  doc["fused_lora_max_tokens"] = o.fused_lora_max_tokens;
   doc["decode_weight_bytes_per_gpu"] = weight_bytes / tp;
   doc["decode_collectives_ms"] = collective_ms;
   doc["decode_step_floor_ms"] = decode_floor_s * 1e3;

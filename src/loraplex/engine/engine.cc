@@ -52,6 +52,7 @@ model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType
   d.max_model_len = options.max_model_len;
   d.tensor_parallel_size = options.tensor_parallel_size;
   d.fully_sharded_loras = options.fully_sharded_loras;
+  d.lora_decode = options.lora_decode;
   return d;
 }
 

@@ -76,6 +76,8 @@ struct EngineOptions {
   int tensor_parallel_size = 1;
   /// vLLM's --fully-sharded-loras: adapters are sharded like the layers they modify.
   bool fully_sharded_loras = false;
+  /// How decode steps run the LoRA (model::DecoderOptions::lora_decode).
+  model::LoraDecode lora_decode = model::LoraDecode::kFused;
 };
 
 /// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size,

@@ -12,6 +12,7 @@
 #include "loraplex/core/device.h"
 #include "loraplex/core/dtype.h"
 #include "loraplex/engine/requests.h"
+#include "loraplex/model/executor.h"
 
 namespace loraplex::engine {
 
@@ -43,6 +44,7 @@ struct GenerateConfig {
   int64_t kv_block_size = 16;
   int tensor_parallel_size = 1;  // ranks (GPUs from `device` on, or CPU threads)
   bool fully_sharded_loras = false;
+  model::LoraDecode lora_decode = model::LoraDecode::kFused;
 };
 
 struct GenerateOutput {

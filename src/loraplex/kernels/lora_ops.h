@@ -59,7 +59,11 @@ struct ShrinkArgs {
   const void* x = nullptr;   // [num_tokens, x_row_stride] in
   int64_t x_row_stride = 0;  // elements between rows of x (>= hidden)
   int num_slices = 1;
-  const void* lora_a[kMaxSlices] = {};  // per slice [max_loras, max_rank, hidden] in
+  // Per slice: slot k's rows start at row k * a_slot_rows (0 = max_rank: [max_loras, max_rank,
+  // hidden]); a larger stride lets A live slot by slot inside a bigger matrix (the extra rows
+  // of a base weight, LoraLinear's fused layout).
+  const void* lora_a[kMaxSlices] = {};  // per slice [max_loras, a_slot_rows, hidden] in
+  int a_slot_rows = 0;
   int max_loras = 0;
   int max_rank = 0;
   const int32_t* ranks = nullptr;  // [num_slices, max_loras] in
@@ -67,6 +71,11 @@ struct ShrinkArgs {
   DType out_dtype = DType::kF32;  // f32, or `dtype`
   void* out = nullptr;            // [num_slices, num_tokens, max_rank] out
 };
+
+/// Rows of A between one slot and the next.
+inline int a_slot_rows(const ShrinkArgs& a) {
+  return a.a_slot_rows > 0 ? a.a_slot_rows : a.max_rank;
+}
 
 /// Expand: y[t, off_s : off_s + n_s] (+)= in[s, t, :rank] @ B_s[slot(t)][:, :rank]^T, with
 /// off_0 = offset_start and off_{s+1} = off_s + n_s. With add_inputs the sum is rounded once.

@@ -14,8 +14,44 @@
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/dtype.h"
 #include "loraplex/core/status.h"
+#include "loraplex/kernels/lora_ops.h"
 
 namespace loraplex::kernels {
+
+/// The LoRA of a projection, applied by the op that consumes the projection's output (the
+/// expand fused into the consumer: no launch of its own). The shrink came out of the base
+/// GEMM as extra output columns: the A of every slot stored as extra rows of the base weight,
+/// slot by slot, so each token's intermediate sits in its own row beside the base output.
+/// For a token t of slot k = meta.token_lora_mapping[t] >= 0 and each LoRA slice s whose rank
+/// r = ranks[s * max_loras + k] is > 0, the consumer's input row `in` becomes
+///   in[t, offset[s] + j] = round(in[t, offset[s] + j] + sum_{i < r} S(t, k, s, i) B_s[k, j, i])
+/// for j < width[s], with S(t, k, s, i) = shrink[t * shrink_row_stride + k * slot_cols +
+/// s * max_rank + i] and the sum in float32. Rows of slot -1 tokens, the intermediates of other
+/// slots and the columns at or past a slot's rank are never read.
+struct FusedLoraExpand {
+  /// The step's token grouping (the LoraBatchMeta of the same tokens): a kernel may take the
+  /// tokens of one slot together so that it reads their B once. meta.token_lora_mapping ==
+  /// nullptr: no LoRA (the op runs as without this struct).
+  LoraMetaView meta;
+  int num_slices = 0;
+  int max_loras = 0;
+  int max_rank = 0;                     // columns of a B row
+  int num_slots = 0;                    // slots whose intermediates the rows hold
+  const int32_t* ranks = nullptr;       // [num_slices, max_loras] in
+  const void* shrink = nullptr;         // [num_tokens, shrink_row_stride] in (activation dtype)
+  int64_t shrink_row_stride = 0;        // elements between tokens' intermediates
+  int64_t slot_cols = 0;                // >= num_slices * max_rank
+  const void* lora_b[kMaxSlices] = {};  // per slice [max_loras, width[s], max_rank] in
+  int64_t width[kMaxSlices] = {};       // output columns of slice s
+  int64_t offset[kMaxSlices] = {};      // first column of slice s in the consumer's input
+  bool active() const { return meta.token_lora_mapping != nullptr; }
+};
+
+/// The fused expand's arguments as far as they can be checked without reading device memory:
+/// slices that fit the consumer's `row_width` input columns and do not overlap, rows wide
+/// enough for num_slots slots. (A token's slot at or past num_slots is an error on the CPU; the
+/// CUDA kernels cannot report it and leave that token without LoRA.)
+Status check_fused_lora_expand(const FusedLoraExpand& e, int64_t row_width, const char* op);
 
 /// Residual add and RMSNorm in one pass, in transformers' order: the sum is rounded to `dtype`,
 /// kept as the new residual and normalised; the normalised row is rounded before the weight
@@ -24,6 +60,8 @@ namespace loraplex::kernels {
 ///   residual_out[r] = sum                        (residual_out == nullptr: not stored)
 ///   out[r] = round(round(sum * rsqrt(mean(sum^2) + eps)) * weight)
 /// residual_out may alias residual when rows == nullptr (each row is read before it is written).
+/// With `lora`, delta's row of each LoRA token first takes that token's expand (rounded), as
+/// FusedLoraExpand describes (its token is the source row s).
 struct AddRmsNormArgs {
   DType dtype = DType::kF32;  // of every tensor
   int64_t num_rows = 0;
@@ -40,6 +78,8 @@ struct AddRmsNormArgs {
   /// Zero delta2 after reading it (rows == nullptr only), so that the caller's buffer is ready
   /// to accumulate the next LoRA output without a memset.
   bool clear_delta2 = false;
+  int64_t delta_row_stride = 0;  // elements between rows of delta; 0 = hidden
+  FusedLoraExpand lora = {};     // applied to delta (which must then be given)
 };
 
 /// Paged KV cache geometry: each layer owns K and V of [num_blocks, block_size, kv_heads,
@@ -60,7 +100,8 @@ struct KvCacheView {
 /// x[i + d/2] = x[i + d/2] cos + x[i] sin), then stores the rotated k heads and the v heads in
 /// cache slot slot_mapping[t] (= block * block_size + offset; -1 = not stored). With `delta`
 /// (a LoRA output computed apart from the base qkv), each q, k and v value is first
-/// round(qkv + delta) (stored back to qkv for q and k, to the cache for v).
+/// round(qkv + delta) (stored back to qkv for q and k, to the cache for v). With `lora`, each
+/// token's qkv row first takes its expand (FusedLoraExpand), stored back likewise.
 struct RopeKvWriteArgs {
   DType dtype = DType::kF32;  // of qkv and the cache
   int64_t num_tokens = 0;
@@ -71,8 +112,9 @@ struct RopeKvWriteArgs {
   int64_t qkv_row_stride = 0;
   const int32_t* slot_mapping = nullptr;  // [num_tokens] in
   KvCacheView cache;                      // num_kv_heads and head_dim come from here
-  void* delta = nullptr;     // [num_tokens, (heads + 2 kv_heads) * head_dim] in, or nullptr
-  bool clear_delta = false;  // zero delta after reading it (see AddRmsNormArgs::clear_delta2)
+  void* delta = nullptr;      // [num_tokens, (heads + 2 kv_heads) * head_dim] in, or nullptr
+  bool clear_delta = false;   // zero delta after reading it (see AddRmsNormArgs::clear_delta2)
+  FusedLoraExpand lora = {};  // applied to the qkv rows
 };
 
 /// Causal attention of each token over its own sequence's cached keys 0..positions[t]
@@ -100,17 +142,21 @@ struct PagedAttentionArgs {
   void* out = nullptr;  // [num_tokens, num_heads * head_dim] out
 };
 
-/// out[t, j] = silu(x[t, j]) * x[t, n + j] for j < n (x = [gate | up]).
+/// out[t, j] = silu(x[t, j]) * x[t, n + j] for j < n (x = [gate | up]). With `lora`, the gate
+/// and up values are first x plus the token's expand (FusedLoraExpand, rounded); x is not
+/// written.
 struct SiluMulArgs {
   DType dtype = DType::kF32;
   int64_t num_rows = 0;
   int64_t n = 0;
-  const void* x = nullptr;  // [num_rows, 2n] in
+  const void* x = nullptr;  // [num_rows, x_row_stride] in
   void* out = nullptr;      // [num_rows, n] out
   /// x + delta (rounded) is what the gate and up halves are, when given (a LoRA output
   /// computed apart from the base gate_up).
-  void* delta = nullptr;     // [num_rows, 2n] in, or nullptr
-  bool clear_delta = false;  // zero delta after reading it (see AddRmsNormArgs::clear_delta2)
+  void* delta = nullptr;      // [num_rows, 2n] in, or nullptr
+  bool clear_delta = false;   // zero delta after reading it (see AddRmsNormArgs::clear_delta2)
+  int64_t x_row_stride = 0;   // elements between rows of x; 0 = 2n
+  FusedLoraExpand lora = {};  // applied to x's rows
 };
 
 /// ids[r] = argmax_j logits[r, j]; ties go to the lowest j. NaN never wins.

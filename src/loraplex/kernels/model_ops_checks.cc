@@ -15,6 +15,32 @@ Status check_cache(const KvCacheView& c, const char* op) {
 
 }  // namespace
 
+Status check_fused_lora_expand(const FusedLoraExpand& e, int64_t row_width, const char* op) {
+  if (!e.active()) return Status();
+  LORAPLEX_ENSURE(e.num_slices >= 1 && e.num_slices <= kMaxSlices && e.max_loras >= 1 &&
+                      e.max_rank >= 1 && e.ranks != nullptr && e.shrink != nullptr &&
+                      e.meta.max_loras == e.max_loras,
+                  op, ": bad fused LoRA expand (", e.num_slices, " slices, max_loras ", e.max_loras,
+                  ", max_rank ", e.max_rank, ", metadata for ", e.meta.max_loras, " slots)");
+  LORAPLEX_ENSURE(e.num_slots >= 1 && e.num_slots <= e.max_loras &&
+                      e.slot_cols >= int64_t{e.num_slices} * e.max_rank &&
+                      e.shrink_row_stride >= int64_t{e.num_slots} * e.slot_cols,
+                  op, ": fused LoRA expand: ", e.num_slots, " slots (max_loras ", e.max_loras,
+                  ") of ", e.slot_cols, " intermediate columns (>= ", e.num_slices * e.max_rank,
+                  ") need a row stride >= ", int64_t{e.num_slots} * e.slot_cols, ", got ",
+                  e.shrink_row_stride);
+  int64_t end = 0;
+  for (int s = 0; s < e.num_slices; ++s) {
+    LORAPLEX_ENSURE(e.lora_b[s] != nullptr && e.width[s] >= 1 && e.offset[s] >= end &&
+                        e.offset[s] + e.width[s] <= row_width,
+                    op, ": fused LoRA expand slice ", s, " (columns ", e.offset[s], " + ",
+                    e.width[s], ") must follow the previous slice and fit the ", row_width,
+                    " input columns");
+    end = e.offset[s] + e.width[s];
+  }
+  return Status();
+}
+
 Status check_rope_kv_write_args(const RopeKvWriteArgs& a) {
   LORAPLEX_RETURN_IF_ERROR(check_cache(a.cache, "rope_kv_write"));
   const KvCacheView& c = a.cache;
@@ -22,7 +48,8 @@ Status check_rope_kv_write_args(const RopeKvWriteArgs& a) {
                       a.qkv_row_stride >= (a.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                   "rope_kv_write: bad sizes (heads ", a.num_heads, ", kv heads ", c.num_kv_heads,
                   ", head dim ", c.head_dim, ", row stride ", a.qkv_row_stride, ")");
-  return Status();
+  return check_fused_lora_expand(a.lora, (a.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                                 "rope_kv_write");
 }
 
 Status check_paged_attention_args(const PagedAttentionArgs& a) {

@@ -154,11 +154,29 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   const int64_t a_rows = fully_sharded_column() ? ceil_div(max_rank, tp_) : max_rank;
   const int64_t b_cols = fully_sharded_column() ? a_rows * tp_ : max_rank;
   const int64_t a_cols = row ? in_local_ : spec_.in_features;
+  // Fused layout: the A of every slot lives in extra rows of the base weight, slot by slot
+  // ([W; slot 0: A of slice 0, 1, ...; slot 1: ...]), so one GEMM over the first rows gives the
+  // base output and the shrink of the slots in use together (forward_fused). Fully sharded
+  // layers keep their own A stacks (A re-laid out by rank, or a shrink that is all-reduced
+  // apart from the output).
+  fused_layout_ = !config_.fully_sharded;
+  slot_cols_ = fused_layout_ ? num_lora * max_rank : 0;
+  storage_ =
+      Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, spec_.dtype, device_);
+  weight_ = storage_.narrow(0, 0, out_local_);
+  if (fused_layout_) {
+    Tensor a_rows_all = storage_.narrow(0, out_local_, config_.max_loras * slot_cols_);
+    a_rows_all.zero_(Stream::default_for(device_));
+    a_rows_all = a_rows_all.view({config_.max_loras, num_lora, max_rank, in_local_});
+    for (int s = 0; s < num_lora; ++s) lora_a_.push_back(a_rows_all.select(1, s));
+  }
   for (int s = 0; s < num_lora; ++s) {
     int64_t width = spec_.fused_lora ? out_local_ : slices_[static_cast<size_t>(s)].local_size;
     if (fully_sharded_row()) width = out_full_ / tp_;
     lora_width_.push_back(width);
-    lora_a_.push_back(Tensor::zeros({config_.max_loras, a_rows, a_cols}, spec_.dtype, device_));
+    if (!fused_layout_) {
+      lora_a_.push_back(Tensor::zeros({config_.max_loras, a_rows, a_cols}, spec_.dtype, device_));
+    }
     lora_b_.push_back(Tensor::zeros({config_.max_loras, width, b_cols}, spec_.dtype, device_));
   }
   ranks_ = SlotRanks(num_lora, config_.max_loras, static_cast<int>(a_rows), device_);
@@ -244,8 +262,14 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
   }
   std::optional<WeightUpload> own;
   if (upload == nullptr) upload = &own.emplace(device_);
-  weight_ = Tensor::empty({out_local_, in_local_}, spec_.dtype, device_);
-  bias_ = any_bias ? Tensor::empty({out_local_}, spec_.dtype, device_) : Tensor();
+  // The fused GEMM adds the bias to its extra columns too: zeros there.
+  if (any_bias) {
+    bias_storage_ = Tensor::zeros({storage_.size(0)}, spec_.dtype, device_);
+    bias_ = bias_storage_.narrow(0, 0, out_local_);
+  } else {
+    bias_storage_ = Tensor();
+    bias_ = Tensor();
+  }
   for (size_t i = 0; i < weights.size(); ++i) {
     const LocalSlice& ls = slices_[i];
     upload->copy(
@@ -453,6 +477,61 @@ void LoraLinear::add_lora_to(const Tensor& x, Tensor& d, const PunicaWrapper& pu
   LayerWorkspace::Carver carver = workspace_->carver();
   Scratch scratch = carve(carver, tokens);
   add_lora(d, x, punica, scratch, stream);
+}
+
+int64_t LoraLinear::fused_row_width(int num_slots) const {
+  return output_width() + static_cast<int64_t>(num_slots) * slot_cols_;
+}
+
+bool LoraLinear::can_fuse() const {
+  return fused_layout_ && !(spec_.gather_output && tp_ > 1) &&
+         !(spec_.style == ParallelStyle::kRow && !spec_.input_is_parallel);
+}
+
+kernels::FusedLoraExpand LoraLinear::forward_fused(const Tensor& x, Tensor& y,
+                                                   const PunicaWrapper& punica, int num_slots,
+                                                   const Stream& stream) {
+  const std::string& k = spec_.kind;
+  LORAPLEX_CHECK(weight_.defined() && can_fuse(), k,
+                 ": forward_fused needs loaded weights, the fused layout (no fully sharded LoRA), "
+                 "no gathered output and a parallel input");
+  LORAPLEX_CHECK(num_slots >= 0 && num_slots <= config_.max_loras, k, ": forward_fused over ",
+                 num_slots, " slots, expected 0..max_loras ", config_.max_loras);
+  layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
+  layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
+  const int64_t tokens = x.size(0);
+  const int64_t width = fused_row_width(num_slots);
+  LORAPLEX_CHECK(
+      x.size(1) == input_width() && y.size(0) == tokens && y.size(1) == width && y.is_contiguous(),
+      k, ": forward_fused x ", shape_str(x.shape()), ", y ", shape_str(y.shape()),
+      ", expected y contiguous [", tokens, ", ", width, "]");
+  LORAPLEX_CHECK(punica.token_meta().num_tokens() == tokens, k, ": x has ", tokens,
+                 " tokens, the step's metadata has ", punica.token_meta().num_tokens());
+  const bool row = spec_.style == ParallelStyle::kRow;
+  const Tensor w = storage_.narrow(0, 0, width);
+  Tensor bias;
+  if (bias_storage_.defined() && !(row && rank_ != 0)) bias = bias_storage_.narrow(0, 0, width);
+  linear_base(x, w, bias, y, stream);
+  // The shrink is linear in x: the partial sums of a row-parallel layer's ranks add up in the
+  // same all-reduce as its output.
+  if (row && spec_.reduce_results && tp_ > 1) comm().all_reduce_sum(y, stream);
+  kernels::FusedLoraExpand e;
+  if (punica.token_meta().no_lora() || num_slots == 0) return e;
+  e.meta = punica.token_meta().view();
+  e.num_slices = num_lora_slices();
+  e.max_loras = config_.max_loras;
+  e.max_rank = static_cast<int>(config_.max_lora_rank);
+  e.num_slots = num_slots;
+  e.ranks = ranks_.device().data<int32_t>();
+  e.shrink = static_cast<const uint8_t*>(y.data_ptr()) + output_width() * dtype_size(spec_.dtype);
+  e.shrink_row_stride = width;
+  e.slot_cols = slot_cols_;
+  for (int s = 0; s < e.num_slices; ++s) {
+    e.lora_b[s] = lora_b_[static_cast<size_t>(s)].data_ptr();
+    e.width[s] = lora_width_[static_cast<size_t>(s)];
+    e.offset[s] = spec_.fused_lora ? 0 : slices_[static_cast<size_t>(s)].local_offset;
+  }
+  return e;
 }
 
 void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, Scratch& scratch,

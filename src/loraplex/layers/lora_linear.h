@@ -31,6 +31,7 @@
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
+#include "loraplex/kernels/model_ops.h"
 #include "loraplex/layers/lora_layer.h"
 #include "loraplex/layers/weight_upload.h"
 #include "loraplex/layers/workspace.h"
@@ -135,6 +136,21 @@ class LoraLinear {
   void forward_base(const Tensor& x, Tensor& y, const Stream& stream);
   void add_lora_to(const Tensor& x, Tensor& d, const PunicaWrapper& punica, const Stream& stream);
 
+  /// The fused path (decode steps): ONE GEMM over the base weight and the A rows of slots
+  /// 0..num_slots-1 writes each token's base output (columns [0, output_width()), bias added)
+  /// and its shrink for every one of those slots after it; row-parallel layers all-reduce the
+  /// whole rows. Returns the expand that the op consuming y applies (FusedLoraExpand: nothing
+  /// when the step has no LoRA or num_slots is 0), so the layer launches nothing for its LoRA.
+  /// Every token whose slot is >= 0 must have a slot below num_slots.
+  /// x: [tokens, input_width()] in; y: [tokens, fused_row_width(num_slots)] out, contiguous.
+  kernels::FusedLoraExpand forward_fused(const Tensor& x, Tensor& y, const PunicaWrapper& punica,
+                                         int num_slots, const Stream& stream);
+  /// Columns of forward_fused's output over `num_slots` slots.
+  int64_t fused_row_width(int num_slots) const;
+  /// Whether forward_fused can run: the fused weight layout (not fully sharded LoRA), an output
+  /// that is not gathered, an input that is this rank's shard.
+  bool can_fuse() const;
+
   const LinearSpec& spec() const { return spec_; }
   const LoraConfig& config() const { return config_; }
   Device device() const { return device_; }
@@ -147,10 +163,12 @@ class LoraLinear {
   int num_lora_slices() const { return static_cast<int>(lora_a_.size()); }
   /// The adapter rank installed in (slot, LoRA slice); 0 when empty or reset.
   int lora_rank(int slot, int slice) const;
-  /// This rank's base weight [local out, local in] and bias (undefined when none).
+  /// This rank's base weight [local out, local in] and bias (undefined when none); with the
+  /// fused layout, views of the first rows of the layer's weight storage.
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }
-  /// Device stacks of LoRA slice s: A [max_loras, rank rows, in], B [max_loras, n, rank cols].
+  /// Device stacks of LoRA slice s: A [max_loras, rank rows, in] (with the fused layout a view
+  /// whose slots lie slot_cols apart in the weight storage), B [max_loras, n, rank cols].
   const Tensor& lora_a(int s) const { return lora_a_[static_cast<size_t>(s)]; }
   const Tensor& lora_b(int s) const { return lora_b_[static_cast<size_t>(s)]; }
 
@@ -196,8 +214,12 @@ class LoraLinear {
   int64_t out_full_ = 0;
   std::vector<LocalSlice> slices_;
 
-  Tensor weight_;
-  Tensor bias_;
+  Tensor storage_;       // [local out (+ max_loras * slot_cols_ A rows), local in]
+  Tensor weight_;        // storage_'s first local out rows
+  Tensor bias_storage_;  // [storage_ rows]: the bias, then zeros (undefined when none)
+  Tensor bias_;          // its first local out entries
+  bool fused_layout_ = false;
+  int64_t slot_cols_ = 0;  // A rows per slot in storage_ (num_lora_slices * max_lora_rank)
   std::vector<Tensor> lora_a_;
   std::vector<Tensor> lora_b_;
   std::vector<int64_t> lora_width_;  // local output columns of each LoRA slice

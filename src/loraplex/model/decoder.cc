@@ -42,8 +42,8 @@ int64_t decode_graph_bucket(int64_t n, int64_t max_num_seqs) {
 }
 
 bool Decoder::GraphKey::operator<(const GraphKey& o) const {
-  return std::tie(bucket, token_lora, sampler_lora) <
-         std::tie(o.bucket, o.token_lora, o.sampler_lora);
+  return std::tie(bucket, token_lora, sampler_lora, fused_slots, sampling) <
+         std::tie(o.bucket, o.token_lora, o.sampler_lora, o.fused_slots, o.sampling);
 }
 
 struct Decoder::Graph {
@@ -364,9 +364,19 @@ void Decoder::allocate_step_buffers() {
   act_.rows = Tensor::empty({s, c.hidden_size}, dt, dev);
   act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
+  if (options_.lora_decode == LoraDecode::kFused && !options_.fully_sharded_loras &&
+      options_.fused_lora_max_tokens > 0) {
+    const int64_t f = std::min(t, options_.fused_lora_max_tokens);
+    const int m = options_.max_loras;
+    const Layer& l0 = layers_.front();
+    fused_.qkv = Tensor::empty({f * l0.qkv->fused_row_width(m)}, dt, dev);
+    fused_.delta = Tensor::empty({f * l0.o->fused_row_width(m)}, dt, dev);
+    if (l0.gate_up) fused_.gate_up = Tensor::empty({f * l0.gate_up->fused_row_width(m)}, dt, dev);
+  }
   // The LoRA-overlap path runs on one device: a sharded layer's collective needs its LoRA
   // output added before it.
-  if (dev.is_cuda() && !c.is_moe() && tp_size_ == 1) {
+  if (dev.is_cuda() && !c.is_moe() && tp_size_ == 1 &&
+      options_.lora_decode == LoraDecode::kOverlap) {
     const int64_t o = std::min(t, kOverlapTokens);
     deltas_.qkv = Tensor::zeros({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
     deltas_.o = Tensor::zeros({o, c.hidden_size}, dt, dev);
@@ -404,7 +414,7 @@ void Decoder::Inputs::upload(Section s, size_t bytes, const Stream& stream) cons
                         cuda_rt::CopyKind::kHostToDevice, stream.handle());
 }
 
-std::pair<bool, bool> Decoder::stage(const StepBatch& batch, int64_t padded, bool graph) {
+Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool graph) {
   const int64_t bs = kv_->block_size();
   int32_t* ids = in_.host_at<int32_t>(kTokenIds);
   int32_t* pos = in_.host_at<int32_t>(kPositions);
@@ -472,7 +482,23 @@ std::pair<bool, bool> Decoder::stage(const StepBatch& batch, int64_t padded, boo
   in_.upload(kBanned, rows * 4 * kMaxBannedTokens, stream_);
   in_.upload(kUniform, rows * 8, stream_);
   attention_->plan(att, stream_, graph ? padded : 0);
-  return punica_->upload_mappings(token_slots, sample_slots, stream_);
+  Staged staged;
+  std::tie(staged.token_lora, staged.sampler_lora) =
+      punica_->upload_mappings(token_slots, sample_slots, stream_);
+  for (int32_t slot : token_slots) staged.max_slot = std::max(staged.max_slot, slot);
+  return staged;
+}
+
+int Decoder::fused_lora_slots(int64_t tokens, const Staged& staged) const {
+  if (!staged.token_lora || !fused_.qkv.defined() || tokens > options_.fused_lora_max_tokens) {
+    return 0;
+  }
+  // 1, 2, 4, 8, then multiples of 8: at most 7 slots' rows computed for nothing.
+  const int used = staged.max_slot + 1;
+  int slots = 1;
+  while (slots < used && slots < 8) slots *= 2;
+  if (used > 8) slots = (used + 7) / 8 * 8;
+  return std::min(slots, options_.max_loras);
 }
 
 void Decoder::project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* delta) {
@@ -490,15 +516,13 @@ void Decoder::project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* 
 }
 
 void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool sampler_lora,
-                         Sampling sampling) {
+                         int fused_slots, Sampling sampling) {
   const ModelConfig& c = local_;
   const DType dt = options_.dtype;
   const Stream& st = stream_;
   punica_->build_metadata(static_cast<int>(n), static_cast<int>(num_sampled), token_lora,
                           sampler_lora, st);
   const PunicaWrapper& pw = *punica_;
-  const int64_t q = c.q_size();
-  const int64_t kv = c.kv_size();
   const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor x = rows_of(act_.x, n);
   Tensor h = rows_of(act_.h, n);
@@ -506,7 +530,8 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   Tensor attn = rows_of(act_.attn, n);
   Tensor delta = rows_of(act_.delta, n);
   const int32_t* positions = in_.device_at<int32_t>(kPositions);
-  const bool overlap = token_lora && deltas_.qkv.defined() && n <= deltas_.qkv.size(0);
+  const bool fused = fused_slots > 0;
+  const bool overlap = !fused && token_lora && deltas_.qkv.defined() && n <= deltas_.qkv.size(0);
   Tensor d_qkv, d_o, d_gu, d_down;
   if (overlap) {
     d_qkv = rows_of(deltas_.qkv, n);
@@ -520,67 +545,100 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
     // and a step that failed half-way: start every step from zeros.
     for (Tensor* d : {&d_qkv, &d_o, &d_gu, &d_down}) d->zero_(st);
   }
+  // A projection's output as the op after it reads it: its rows, and in the fused path the
+  // expand that op applies.
+  struct Projected {
+    void* data = nullptr;
+    int64_t row_stride = 0;
+    ops::FusedLoraExpand lora;
+  };
+  auto run_projection = [&](LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* d,
+                            const Tensor& fused_out) {
+    Projected p;
+    if (fused) {
+      p.row_stride = layer.fused_row_width(fused_slots);
+      Tensor y = fused_out.narrow(0, 0, n * p.row_stride).view({n, p.row_stride});
+      p.lora = layer.forward_fused(in, y, pw, fused_slots, st);
+      p.data = y.data_ptr();
+      return p;
+    }
+    project(layer, in, out, d);
+    p.data = out.data_ptr();
+    p.row_stride = out.size(1);
+    return p;
+  };
   embed_->forward(
       Tensor::from_blob(in_.device_at<int32_t>(kTokenIds), {n}, DType::kI32, options_.device), x,
       pw, st);
+  Projected mlp_out;  // the previous layer's MLP output, which the residual takes next
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& layer = layers_[l];
     const ops::KvCacheView cache = kv_->view(static_cast<int64_t>(l));
     // The residual takes the previous layer's MLP output as this layer normalises it.
-    const void* prev = l == 0 ? nullptr : delta.data_ptr();
     ops::AddRmsNormArgs in_norm{dt,
                                 n,
                                 c.hidden_size,
                                 eps,
                                 nullptr,
                                 x.data_ptr(),
-                                prev,
-                                prev ? x.data_ptr() : nullptr,
+                                mlp_out.data,
+                                mlp_out.data ? x.data_ptr() : nullptr,
                                 layer.input_norm.data_ptr(),
                                 h.data_ptr()};
+    in_norm.delta_row_stride = mlp_out.row_stride;
+    in_norm.lora = mlp_out.lora;
     in_norm.delta2 = l == 0 ? nullptr : ptr(d_down);
     in_norm.clear_delta2 = overlap;
     throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, in_norm, st));
-    project(*layer.qkv, h, qkv, overlap ? &d_qkv : nullptr);
+    const Projected qkv_out =
+        run_projection(*layer.qkv, h, qkv, overlap ? &d_qkv : nullptr, fused_.qkv);
     ops::RopeKvWriteArgs rope;
     rope.dtype = dt;
     rope.num_tokens = n;
     rope.num_heads = c.num_heads;
     rope.positions = positions;
     rope.inv_freq = inv_freq_.data<float>();
-    rope.qkv = qkv.data_ptr();
-    rope.qkv_row_stride = q + 2 * kv;
+    rope.qkv = qkv_out.data;
+    rope.qkv_row_stride = qkv_out.row_stride;
     rope.slot_mapping = in_.device_at<int32_t>(kKvSlots);
     rope.cache = cache;
     rope.delta = ptr(d_qkv);
     rope.clear_delta = overlap;
+    rope.lora = qkv_out.lora;
     throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, rope, st));
-    attention_->run(qkv.data_ptr(), q + 2 * kv, cache, attn.data_ptr(), st);
-    project(*layer.o, attn, delta, overlap ? &d_o : nullptr);
+    attention_->run(qkv_out.data, qkv_out.row_stride, cache, attn.data_ptr(), st);
+    const Projected o_out =
+        run_projection(*layer.o, attn, delta, overlap ? &d_o : nullptr, fused_.delta);
     ops::AddRmsNormArgs post{dt,
                              n,
                              c.hidden_size,
                              eps,
                              nullptr,
                              x.data_ptr(),
-                             delta.data_ptr(),
+                             o_out.data,
                              x.data_ptr(),
                              layer.post_norm.data_ptr(),
                              h.data_ptr()};
+    post.delta_row_stride = o_out.row_stride;
+    post.lora = o_out.lora;
     post.delta2 = ptr(d_o);
     post.clear_delta2 = overlap;
     throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, post, st));
     if (layer.moe) {
       layer.moe->forward(h, delta, pw, st);
+      mlp_out = Projected{delta.data_ptr(), c.hidden_size, {}};
     } else {
       Tensor gu = rows_of(act_.gate_up, n);
       Tensor act = rows_of(act_.act, n);
-      project(*layer.gate_up, h, gu, overlap ? &d_gu : nullptr);
-      ops::SiluMulArgs sm{dt, n, c.intermediate_size, gu.data_ptr(), act.data_ptr()};
+      const Projected gu_out =
+          run_projection(*layer.gate_up, h, gu, overlap ? &d_gu : nullptr, fused_.gate_up);
+      ops::SiluMulArgs sm{dt, n, c.intermediate_size, gu_out.data, act.data_ptr()};
+      sm.x_row_stride = gu_out.row_stride;
+      sm.lora = gu_out.lora;
       sm.delta = ptr(d_gu);
       sm.clear_delta = overlap;
       throw_if_error(ops::run(&ops::cpu::silu_mul, &ops::cuda::silu_mul, sm, st));
-      project(*layer.down, act, delta, overlap ? &d_down : nullptr);
+      mlp_out = run_projection(*layer.down, act, delta, overlap ? &d_down : nullptr, fused_.delta);
     }
   }
   // Only the sampled rows need the last residual add, the final norm and the lm_head.
@@ -592,10 +650,12 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
                                  eps,
                                  in_.device_at<int32_t>(kSampleRows),
                                  x.data_ptr(),
-                                 delta.data_ptr(),
+                                 mlp_out.data,
                                  nullptr,
                                  final_norm_.data_ptr(),
                                  rows.data_ptr()};
+  final_norm.delta_row_stride = mlp_out.row_stride;
+  final_norm.lora = mlp_out.lora;
   final_norm.delta2 = ptr(d_down);
   throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
@@ -617,18 +677,19 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   throw_if_error(ops::run(&ops::cpu::sample, &ops::cuda::sample, sa, st));
 }
 
-void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora, Sampling sampling) {
-  const GraphKey key{bucket, token_lora, sampler_lora, sampling};
+void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora, int fused_slots,
+                     Sampling sampling) {
+  const GraphKey key{bucket, token_lora, sampler_lora, fused_slots, sampling};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     // The first run of a bucket is eager, so that everything a step sets up lazily (cuBLASLt
     // plans, workspaces, kernel attributes) exists before capture; the capture then records
     // the same launches.
-    run_device(bucket, bucket, token_lora, sampler_lora, sampling);
+    run_device(bucket, bucket, token_lora, sampler_lora, fused_slots, sampling);
     auto graph = std::make_shared<Graph>();
     cuda_rt::begin_capture(stream_.handle());
     try {
-      run_device(bucket, bucket, token_lora, sampler_lora, sampling);
+      run_device(bucket, bucket, token_lora, sampler_lora, fused_slots, sampling);
     } catch (...) {
       try {
         cuda_rt::end_capture(stream_.handle());
@@ -697,12 +758,13 @@ StepResult Decoder::execute(const StepBatch& batch) {
                      pure_decode && bucket > 0;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
-  const auto [token_lora, sampler_lora] = stage(batch, padded, graph);
+  const Staged staged = stage(batch, padded, graph);
+  const int fused_slots = fused_lora_slots(padded, staged);
   const int64_t rows = graph ? padded : num_sampled;
   if (graph) {
-    replay(bucket, token_lora, sampler_lora, sampling);
+    replay(bucket, staged.token_lora, staged.sampler_lora, fused_slots, sampling);
   } else {
-    run_device(n, rows, token_lora, sampler_lora, sampling);
+    run_device(n, rows, staged.token_lora, staged.sampler_lora, fused_slots, sampling);
   }
   last_step_ = {n, padded, graph};
 

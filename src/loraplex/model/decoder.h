@@ -162,15 +162,26 @@ class Decoder final : public ModelExecutor {
   // tokens, each padding token a sequence of its own on the pad block) and enqueues their
   // upload, the LoRA mappings' and the attention plan (for a CUDA graph of `padded` sequences
   // when `graph`). Returns {any token has LoRA, any sampled row has LoRA}.
-  std::pair<bool, bool> stage(const StepBatch& batch, int64_t padded, bool graph);
-  // Every device operation of a step over the uploaded inputs: capturable.
+  struct Staged {
+    bool token_lora = false;    // any token has LoRA
+    bool sampler_lora = false;  // any sampled row has LoRA
+    int max_slot = -1;          // the highest slot of a token
+  };
+  Staged stage(const StepBatch& batch, int64_t padded, bool graph);
+  // The slots a step of `tokens` tokens runs its LoRA over in the fused path (slots 0 up to
+  // the highest one it uses, rounded up to a bucket so that few graphs cover every step), or
+  // 0 when the step takes another path.
+  int fused_lora_slots(int64_t tokens, const Staged& staged) const;
+  // Every device operation of a step over the uploaded inputs: capturable. fused_slots > 0:
+  // the projections run forward_fused over that many slots.
   void run_device(int64_t num_tokens, int64_t num_sampled, bool token_lora, bool sampler_lora,
-                  Sampling sampling);
+                  int fused_slots, Sampling sampling);
   // One projection: base product into `out`; its LoRA either added to `out` in stream order or,
   // when `delta` is given, computed into `delta` (zeroed first) on the LoRA stream beside the
   // base product, for the next elementwise op to add.
   void project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* delta);
-  void replay(int64_t bucket, bool token_lora, bool sampler_lora, Sampling sampling);
+  void replay(int64_t bucket, bool token_lora, bool sampler_lora, int fused_slots,
+              Sampling sampling);
 
   ModelConfig config_;
   // config_ as this rank sees it: its attention heads, KV heads and MLP columns.
@@ -197,6 +208,12 @@ class Decoder final : public ModelExecutor {
   // shape, 32 sequences, 8 adapters): 6.86 ms per decode step against 7.02 ms in sequence; the
   // LoRA stream at the highest priority was slower (7.36 ms: its blocks delay the GEMMs').
   static constexpr int64_t kOverlapTokens = 512;
+  // The fused path's projection outputs: [tokens, base columns + slots x intermediate columns]
+  // for up to options_.fused_lora_max_tokens tokens, viewed at each step's row width.
+  struct FusedOutputs {
+    Tensor qkv, gate_up, delta;  // flat
+  };
+  FusedOutputs fused_;
   struct LoraDeltas {
     Tensor qkv, o, gate_up, down;
   };
@@ -213,6 +230,7 @@ class Decoder final : public ModelExecutor {
     int64_t bucket;
     bool token_lora;
     bool sampler_lora;
+    int fused_slots;
     Sampling sampling;
     bool operator<(const GraphKey& o) const;
   };

@@ -20,6 +20,13 @@ class Communicator;
 
 namespace loraplex::model {
 
+/// How decode-sized steps run the LoRA of the projections:
+///   kFused: the shrink as extra rows of each base GEMM (LoraLinear::forward_fused) and the expand
+///           inside the op that consumes the projection: no LoRA launches of their own;
+///   kOverlap: each projection's LoRA kernels on a second stream beside its GEMM (one device);
+///   kKernels: each projection's LoRA kernels after its GEMM, in stream order.
+enum class LoraDecode { kFused, kOverlap, kKernels };
+
 struct DecoderOptions {
   DType dtype = DType::kF32;  // activations, weights on the device, KV cache, LoRA
   /// The device, or the first of a tensor-parallel group's (rank r runs on cuda:(index + r)).
@@ -42,6 +49,12 @@ struct DecoderOptions {
   /// vLLM's --fully-sharded-loras: column layers also shard LoRA-A by rank and row layers
   /// LoRA-B by output rows, embedding and lm_head LoRA keep only their vocab shard.
   bool fully_sharded_loras = false;
+  /// How a step of up to fused_lora_max_tokens tokens (decode) applies its LoRA; longer steps
+  /// always run each projection's LoRA kernels after its GEMM. In the fused path every token
+  /// pays the shrink of every slot up to the highest in use, which a decode step's GEMMs (bound
+  /// by the weight bytes) absorb and a long prefill's (bound by the arithmetic) do not.
+  LoraDecode lora_decode = LoraDecode::kFused;
+  int64_t fused_lora_max_tokens = 512;
   /// "key=value,..." over the device's LoRA kernel tuning table (kernels/cuda/lora_tuning.h),
   /// for benchmarks that compare kernel paths inside a model; empty: the table as it is.
   std::string lora_tuning;

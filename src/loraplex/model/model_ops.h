@@ -12,6 +12,7 @@ namespace loraplex::model::ops {
 using kernels::AddRmsNormArgs;
 using kernels::ArgmaxArgs;
 using kernels::FillUniformArgs;
+using kernels::FusedLoraExpand;
 using kernels::KvCacheView;
 using kernels::PagedAttentionArgs;
 using kernels::RopeKvWriteArgs;

@@ -69,6 +69,29 @@ StackDims check_stack(const Tensor& w, Device device, DType dtype, int64_t max_l
   return {w.size(0), w.size(1), w.size(2)};
 }
 
+// A slot-stacked LoRA-A [max_loras, rank rows, cols] whose slots may lie further apart than
+// one after the other (every slot's rows contiguous, slot k's from row k * slot_rows of a
+// larger matrix: LoraLinear keeps A as extra rows of its base weight). Returns slot_rows.
+int64_t check_a_stack(const Tensor& w, Device device, DType dtype, int64_t max_loras,
+                      const char* op, int slice) {
+  check_device(w, device, op, "LoRA-A");
+  LORAPLEX_CHECK(w.dim() == 3, op, ": LoRA-A of slice ", slice,
+                 " must be [max_loras, rows, cols], got ", w.describe());
+  const int64_t cols = w.size(2);
+  const bool rows_packed =
+      (w.size(2) <= 1 || w.stride(2) == 1) && (w.size(1) <= 1 || w.stride(1) == cols);
+  const bool slots_apart =
+      w.size(0) <= 1 || (w.stride(0) % cols == 0 && w.stride(0) >= w.size(1) * cols);
+  LORAPLEX_CHECK(rows_packed && slots_apart, op, ": LoRA-A of slice ", slice,
+                 " must have contiguous rows and slots that do not overlap, got strides ",
+                 shape_str(w.strides()));
+  LORAPLEX_CHECK(w.dtype() == dtype, op, ": LoRA-A of slice ", slice, " has dtype ", w.dtype(),
+                 ", expected ", dtype);
+  LORAPLEX_CHECK(w.size(0) == max_loras, op, ": LoRA-A of slice ", slice, " stacks ", w.size(0),
+                 " slots, expected max_loras ", max_loras);
+  return w.size(0) <= 1 ? w.size(1) : w.stride(0) / cols;
+}
+
 // A contiguous tensor of exactly `shape` and `dtype` on `device`.
 void check_exact(const Tensor& t, Device device, DType dtype, const Shape& shape, const char* op,
                  const char* name) {
@@ -97,13 +120,17 @@ kernels::ShrinkArgs make_shrink(const Tensor& out, const Tensor& x, std::span<co
   a.num_slices = num_slices;
   a.max_loras = meta.max_loras();
   for (int s = 0; s < num_slices; ++s) {
-    const StackDims d =
-        check_stack(lora_a[s], device, x.dtype(), meta.max_loras(), op, "LoRA-A", s);
-    LORAPLEX_CHECK(d.cols == a.hidden, op, ": LoRA-A of slice ", s, " has input size ", d.cols,
-                   ", x has ", a.hidden);
-    if (s == 0) a.max_rank = static_cast<int>(d.rows);
-    LORAPLEX_CHECK(d.rows == a.max_rank, op, ": LoRA-A of slice ", s, " has rank ", d.rows,
-                   ", slice 0 has ", a.max_rank);
+    const int64_t slot_rows = check_a_stack(lora_a[s], device, x.dtype(), meta.max_loras(), op, s);
+    const int64_t rows = lora_a[s].size(1);
+    LORAPLEX_CHECK(lora_a[s].size(2) == a.hidden, op, ": LoRA-A of slice ", s, " has input size ",
+                   lora_a[s].size(2), ", x has ", a.hidden);
+    if (s == 0) {
+      a.max_rank = static_cast<int>(rows);
+      a.a_slot_rows = static_cast<int>(slot_rows);
+    }
+    LORAPLEX_CHECK(rows == a.max_rank && slot_rows == a.a_slot_rows, op, ": LoRA-A of slice ", s,
+                   " has rank ", rows, " and ", slot_rows, " rows between slots; slice 0 has ",
+                   a.max_rank, " and ", a.a_slot_rows);
     a.lora_a[s] = lora_a[s].data_ptr();
   }
   check_ranks(ranks, num_slices, a.max_loras, a.max_rank, device, op);

@@ -24,6 +24,42 @@ Status dispatch(DType dtype, const char* op, Fn&& fn) {
 
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// Adds token t's fused LoRA expand (FusedLoraExpand) to `row`, the consumer's input row in
+// float32, rounding each changed value as it would be stored.
+template <typename T>
+void apply_fused_expand(const FusedLoraExpand& e, int64_t t, std::vector<float>& row) {
+  const int32_t k = e.meta.token_lora_mapping[t];
+  if (k < 0) return;
+  const T* shrink = static_cast<const T*>(e.shrink) + t * e.shrink_row_stride + k * e.slot_cols;
+  std::vector<float> s_row(static_cast<size_t>(e.max_rank));
+  for (int s = 0; s < e.num_slices; ++s) {
+    const int r = std::min(e.ranks[s * e.max_loras + k], e.max_rank);
+    if (r <= 0) continue;
+    for (int i = 0; i < r; ++i)
+      s_row[static_cast<size_t>(i)] = load_float(shrink[s * e.max_rank + i]);
+    const T* b = static_cast<const T*>(e.lora_b[s]) + k * e.width[s] * e.max_rank;
+    for (int64_t j = 0; j < e.width[s]; ++j) {
+      float acc = 0.0f;
+      for (int i = 0; i < r; ++i) {
+        acc += s_row[static_cast<size_t>(i)] * load_float(b[j * e.max_rank + i]);
+      }
+      float& v = row[static_cast<size_t>(e.offset[s] + j)];
+      v = load_float(store_float<T>(v + acc));
+    }
+  }
+}
+
+// Every LoRA token's slot must have its intermediate in the rows (below num_slots).
+Status check_token_slots(const FusedLoraExpand& e, int64_t num_tokens, const char* op) {
+  if (!e.active()) return Status();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t k = e.meta.token_lora_mapping[t];
+    LORAPLEX_ENSURE(k >= -1 && k < e.num_slots, op, ": token ", t, " has LoRA slot ", k,
+                    ", but the fused expand holds slots 0..", e.num_slots - 1);
+  }
+  return Status();
+}
+
 // Where sequence `seq`'s block table starts in a.block_tables.
 int64_t table_offset(const PagedAttentionArgs& a, int64_t seq) {
   return a.block_table_indptr != nullptr ? a.block_table_indptr[seq] : seq * a.max_blocks_per_seq;
@@ -45,8 +81,19 @@ Status fill_uniform(const FillUniformArgs& a) {
 Status add_rms_norm(const AddRmsNormArgs& a) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
                       a.weight != nullptr && a.out != nullptr &&
-                      !(a.clear_delta2 && a.rows != nullptr),
+                      !(a.clear_delta2 && a.rows != nullptr) &&
+                      !(a.lora.active() && a.delta == nullptr),
                   "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
+  LORAPLEX_RETURN_IF_ERROR(check_fused_lora_expand(a.lora, a.hidden, "add_rms_norm"));
+  if (a.lora.active()) {
+    for (int64_t r = 0; r < a.num_rows; ++r) {
+      const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+      LORAPLEX_ENSURE(a.lora.meta.token_lora_mapping[src] < a.lora.num_slots, "add_rms_norm: row ",
+                      r, " has LoRA slot ", a.lora.meta.token_lora_mapping[src],
+                      ", but the fused expand holds slots 0..", a.lora.num_slots - 1);
+    }
+  }
+  const int64_t delta_stride = a.delta_row_stride > 0 ? a.delta_row_stride : a.hidden;
   return dispatch(a.dtype, "add_rms_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* res = static_cast<const T*>(a.residual);
@@ -57,13 +104,20 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
     T* out = static_cast<T*>(a.out);
     parallel_for(0, a.num_rows, 8, [&](int64_t lo, int64_t hi) {
       std::vector<float> sum(static_cast<size_t>(a.hidden));
+      std::vector<float> delta_row(static_cast<size_t>(a.hidden));
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+        if (delta != nullptr) {
+          for (int64_t j = 0; j < a.hidden; ++j) {
+            delta_row[static_cast<size_t>(j)] = load_float(delta[src * delta_stride + j]);
+          }
+          if (a.lora.active()) apply_fused_expand<T>(a.lora, src, delta_row);
+        }
         float squares = 0.0f;
         for (int64_t j = 0; j < a.hidden; ++j) {
           float v = load_float(res[src * a.hidden + j]);
           if (delta != nullptr || delta2 != nullptr) {
-            float add = delta != nullptr ? load_float(delta[src * a.hidden + j]) : 0.0f;
+            float add = delta != nullptr ? delta_row[static_cast<size_t>(j)] : 0.0f;
             if (delta2 != nullptr) {
               add += load_float(delta2[src * a.hidden + j]);
               if (a.clear_delta2) delta2[src * a.hidden + j] = store_float<T>(0.0f);
@@ -87,6 +141,7 @@ Status add_rms_norm(const AddRmsNormArgs& a) {
 
 Status rope_kv_write(const RopeKvWriteArgs& a) {
   LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
+  LORAPLEX_RETURN_IF_ERROR(check_token_slots(a.lora, a.num_tokens, "rope_kv_write"));
   const KvCacheView& c = a.cache;
   const int64_t d = c.head_dim;
   const int64_t kv = c.num_kv_heads * d;
@@ -105,6 +160,7 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
     const int64_t heads = a.num_heads + c.num_kv_heads;
     parallel_for(0, a.num_tokens, 4, [&](int64_t lo, int64_t hi) {
       std::vector<float> cos_v(static_cast<size_t>(half)), sin_v(static_cast<size_t>(half));
+      std::vector<float> with_lora;
       for (int64_t t = lo; t < hi; ++t) {
         const float pos = static_cast<float>(a.positions[t]);
         for (int64_t i = 0; i < half; ++i) {
@@ -113,6 +169,15 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
           sin_v[static_cast<size_t>(i)] = std::sin(angle);
         }
         T* row = qkv + t * a.qkv_row_stride;
+        if (a.lora.active()) {
+          const int64_t width = (heads + c.num_kv_heads) * d;
+          with_lora.resize(static_cast<size_t>(width));
+          for (int64_t j = 0; j < width; ++j)
+            with_lora[static_cast<size_t>(j)] = load_float(row[j]);
+          apply_fused_expand<T>(a.lora, t, with_lora);
+          for (int64_t j = 0; j < width; ++j)
+            row[j] = store_float<T>(with_lora[static_cast<size_t>(j)]);
+        }
         if (a.delta != nullptr) {
           const int64_t width = (heads + c.num_kv_heads) * d;
           T* add = static_cast<T*>(a.delta) + t * width;
@@ -213,18 +278,25 @@ Status paged_attention(const PagedAttentionArgs& a) {
 }
 
 Status silu_mul(const SiluMulArgs& a) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "silu_mul: bad sizes");
+  const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1 && stride >= 2 * a.n, "silu_mul: bad sizes (n ", a.n,
+                  ", row stride ", stride, ")");
+  LORAPLEX_RETURN_IF_ERROR(check_fused_lora_expand(a.lora, 2 * a.n, "silu_mul"));
+  LORAPLEX_RETURN_IF_ERROR(check_token_slots(a.lora, a.num_rows, "silu_mul"));
   return dispatch(a.dtype, "silu_mul", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* x = static_cast<const T*>(a.x);
     T* delta = static_cast<T*>(a.delta);
     T* out = static_cast<T*>(a.out);
     parallel_for(0, a.num_rows, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row_f(static_cast<size_t>(2 * a.n));
       for (int64_t r = lo; r < hi; ++r) {
-        const T* row = x + r * 2 * a.n;
+        const T* row = x + r * stride;
         T* add = delta != nullptr ? delta + r * 2 * a.n : nullptr;
+        for (int64_t j = 0; j < 2 * a.n; ++j) row_f[static_cast<size_t>(j)] = load_float(row[j]);
+        if (a.lora.active()) apply_fused_expand<T>(a.lora, r, row_f);
         auto at = [&](int64_t j) {
-          const float v = load_float(row[j]);
+          const float v = row_f[static_cast<size_t>(j)];
           return add != nullptr ? load_float(store_float<T>(v + load_float(add[j]))) : v;
         };
         for (int64_t j = 0; j < a.n; ++j) {

@@ -43,8 +43,8 @@ void shrink_typed(const ShrinkArgs& a, const int32_t* mapping, const LoraTokens&
       load_row(x + t * a.x_row_stride, k_dim, xs);
       for (int s = 0; s < a.num_slices; ++s) {
         const int32_t rank = a.ranks[s * a.max_loras + slot];
-        const T* a_slot =
-            static_cast<const T*>(a.lora_a[s]) + static_cast<int64_t>(slot) * a.max_rank * k_dim;
+        const T* a_slot = static_cast<const T*>(a.lora_a[s]) +
+                          static_cast<int64_t>(slot) * a_slot_rows(a) * k_dim;
         const float* w;
         if constexpr (std::is_same_v<T, float>) {
           w = a_slot;

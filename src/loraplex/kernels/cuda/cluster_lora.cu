@@ -49,6 +49,7 @@ struct ClusterParams {
   const int32_t* ranks;  // [num_slices, max_loras]
   int max_loras;
   int max_rank;
+  int a_slot_rows;  // rows of A between slots (ShrinkArgs::a_slot_rows)
   int num_slices;
   int num_tokens;
   float scale;
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) cluster_lora_kernel(ClusterParams p)
       const int j = row - info.row_off[s];
       if (j >= info.rank[s]) continue;  // rows past the rank are masked after the reduction
       const T* src =
-          static_cast<const T*>(p.a[s]) + (int64_t{slot} * p.max_rank + j) * p.hidden + k0;
+          static_cast<const T*>(p.a[s]) + (int64_t{slot} * p.a_slot_rows + j) * p.hidden + k0;
       T* dst = as + row * p.x_pitch;
       for (int q = lane; q < kc8; q += 32) {
         const bool in = k0 + q * 8 < p.hidden;
@@ -530,6 +531,7 @@ Status launch_cluster(const ClusterPlan& plan, const ShrinkArgs& s, const Expand
   p.ranks = s.ranks;
   p.max_loras = s.max_loras;
   p.max_rank = s.max_rank;
+  p.a_slot_rows = a_slot_rows(s);
   p.num_slices = s.num_slices;
   p.num_tokens = static_cast<int>(s.num_tokens);
   p.scale = s.scale;

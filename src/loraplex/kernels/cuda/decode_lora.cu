@@ -52,6 +52,7 @@ struct DecodeParams {
   const void* a[kMaxSlices];
   int max_loras;
   int max_rank;
+  int a_slot_rows;  // rows of A between slots (ShrinkArgs::a_slot_rows)
   const int32_t* ranks;
   float scale;
   LoraMetaView meta;
@@ -165,7 +166,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Shared& sh,
   const bool hi_ok = r_hi < rank;
   const int64_t K = p.hidden;
   const T* a_lo =
-      static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r_lo) * K;
+      static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.a_slot_rows + r_lo) * K;
   const T* a_hi = a_lo + 8 * K;
   const T* xr = static_cast<const T*>(p.x) + static_cast<int64_t>(tok < 0 ? 0 : tok) * p.x_stride;
   const int64_t k_lo = static_cast<int64_t>(kc) * p.k_chunk;
@@ -487,6 +488,7 @@ Status launch_persistent(const PersistentPlan& plan, const ShrinkArgs& s, const 
   for (int i = 0; i < s.num_slices; ++i) p.a[i] = s.lora_a[i];
   p.max_loras = s.max_loras;
   p.max_rank = s.max_rank;
+  p.a_slot_rows = a_slot_rows(s);
   p.ranks = s.ranks;
   p.scale = s.scale;
   p.meta = meta;

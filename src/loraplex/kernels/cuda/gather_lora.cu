@@ -47,6 +47,7 @@ struct GatherParams {
   const int32_t* ranks;   // [num_slices, max_loras]
   int max_loras;
   int max_rank;
+  int a_slot_rows;  // rows of A between slots (ShrinkArgs::a_slot_rows)
   int num_slices;
   int num_tokens;
   int k_chunks;
@@ -305,8 +306,8 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     const int rank = p.ranks[s * p.max_loras + slot];
     if (!kEarly && r0 >= rank) continue;
     const int rows_ld = min(kRows, (kEarly ? p.max_rank : rank) - r0);
-    const T* arow =
-        static_cast<const T*>(p.a[s]) + (static_cast<int64_t>(slot) * p.max_rank + r0) * p.hidden;
+    const T* arow = static_cast<const T*>(p.a[s]) +
+                    (static_cast<int64_t>(slot) * p.a_slot_rows + r0) * p.hidden;
     auto before_x = [&]() {
       if constexpr (kEarly) wait_once();
     };
@@ -599,6 +600,7 @@ Status launch_gather(const GatherPlan& plan, const ShrinkArgs& s, const ExpandAr
   p.ranks = s.ranks;
   p.max_loras = s.max_loras;
   p.max_rank = s.max_rank;
+  p.a_slot_rows = a_slot_rows(s);
   p.num_slices = s.num_slices;
   p.num_tokens = static_cast<int>(s.num_tokens);
   p.k_chunks = plan.k_chunks;

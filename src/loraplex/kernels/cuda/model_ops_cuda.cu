@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 
@@ -107,9 +108,116 @@ __global__ void fill_uniform_kernel(FillUniformArgs a) {
   }
 }
 
+// kVec consecutive elements as one access.
+template <typename S, int kVec>
+struct alignas(sizeof(S) * kVec) Pack {
+  S v[kVec];
+};
+
+// ---------------------------------------------------------------------------------------------
+// The fused LoRA expand (FusedLoraExpand): the consumer kernels add each token's expand to their
+// input as they load it. Their LoRA forms take the tokens of one slot in groups (consecutive
+// in the metadata's sorted order): a thread reads the B rows of its columns for the group's
+// first token and finds them in L1 for the others, so a slot's B crosses from L2 about once a
+// step however many of its tokens there are.
+
+struct TokenGroup {
+  int slot = -1;
+  int begin = 0;  // first position in the sorted token order
+  int count = 0;
+};
+
+// Group g of the step: the active slots' tokens cut into groups of at most `size`, slot by slot.
+// Uniform across the CTA; false past the last group.
+__device__ bool find_token_group(const LoraMetaView& m, int g, int size, TokenGroup& out) {
+  const int active = *m.num_active_loras;
+  for (int a = 0; a < active; ++a) {
+    const int n = m.num_tokens_per_lora[a];
+    const int groups = (n + size - 1) / size;
+    if (g < groups) {
+      out.slot = m.active_lora_ids[a];
+      out.begin = m.lora_token_start_loc[a] + g * size;
+      out.count = min(size, n - g * size);
+      return true;
+    }
+    g -= groups;
+  }
+  return false;
+}
+
+// Groups any step of `tokens` tokens can have: sum over active entries of ceil(n / size).
+int max_token_groups(int64_t tokens, int size, int max_loras) {
+  return static_cast<int>((tokens + size - 1) / size + std::min<int64_t>(tokens, max_loras + 1));
+}
+
+// Stages a token's intermediate for every slice into `dst` as float32 [num_slices * max_rank],
+// zero at and past each slice's rank (so a product with it never needs those B columns).
+template <typename E>
+__device__ void stage_shrink(const FusedLoraExpand& e, int64_t t, int slot, float* dst) {
+  using S = typename E::Storage;
+  const S* src = static_cast<const S*>(e.shrink) + t * e.shrink_row_stride + slot * e.slot_cols;
+  const int cols = e.num_slices * e.max_rank;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const int rank = e.ranks[(c / e.max_rank) * e.max_loras + slot];
+    dst[c] = c % e.max_rank < rank ? E::load(src[c]) : 0.0f;
+  }
+}
+
+// v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
+// column j (all in one slice), with s the staged intermediate of the token. kVecB: B rows
+// are read 16 bytes at a time (max_rank a multiple of the vector, rows 16-byte aligned).
+template <typename E, int kVec, bool kVecB>
+__device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
+                                 float (&v)[kVec]) {
+  using S = typename E::Storage;
+  int s = 0;
+  while (s + 1 < e.num_slices && j >= e.offset[s + 1]) ++s;
+  if (j < e.offset[s] || j >= e.offset[s] + e.width[s]) return;
+  const int rank = e.ranks[s * e.max_loras + slot];
+  if (rank <= 0) return;
+  const float* sv = s_all + s * e.max_rank;
+  const S* b =
+      static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) {
+    const S* row = b + c * e.max_rank;
+    float acc = 0.0f;
+    if constexpr (kVecB) {
+      constexpr int kN = 16 / static_cast<int>(sizeof(S));
+      for (int i0 = 0; i0 < rank; i0 += kN) {
+        const Pack<S, kN> w = *reinterpret_cast<const Pack<S, kN>*>(row + i0);
+#pragma unroll
+        for (int q = 0; q < kN; ++q) acc += i0 + q < rank ? sv[i0 + q] * E::load(w.v[q]) : 0.0f;
+      }
+    } else {
+      for (int i = 0; i < rank; ++i) acc += sv[i] * E::load(row[i]);
+    }
+    v[c] = round_to<E>(v[c] + acc);
+  }
+}
+
+// Whether B rows can be read 16 bytes at a time.
+template <typename E>
+bool vector_b_rows(const FusedLoraExpand& e) {
+  constexpr int kN = 16 / static_cast<int>(sizeof(typename E::Storage));
+  bool ok = e.max_rank % kN == 0;
+  for (int s = 0; s < e.num_slices; ++s)
+    ok = ok && reinterpret_cast<uintptr_t>(e.lora_b[s]) % 16 == 0;
+  return ok;
+}
+
+// Tokens a LoRA consumer takes per group, and the shared memory its staged intermediates need.
+constexpr int kLoraGroupTokens = 4;
+size_t staged_shrink_bytes(const FusedLoraExpand& e, int group) {
+  return static_cast<size_t>(group) * e.num_slices * e.max_rank * sizeof(float);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Residual add + RMSNorm. The common case (16-byte aligned rows of up to kNormVecs 16-byte
 // vectors per thread) reads every input once with vector loads and keeps the sums in
-// registers; other rows take a scalar kernel of the same math. One block per output row.
+// registers; other rows take a scalar kernel of the same math. One block per output row; with
+// kLora the row's delta first takes its token's expand (its intermediate staged in shared
+// memory).
 constexpr int kNormVecs = 4;
 constexpr int kNormItems = 16;
 
@@ -119,18 +227,36 @@ struct alignas(16) Vec16 {
   S v[kN];
 };
 
-template <typename E>
+// The LoRA slot of row source `src` with its intermediate staged (-1: none). Every thread of the
+// block calls it (it synchronises).
+template <typename E, bool kLora>
+__device__ int stage_norm_lora(const AddRmsNormArgs& a, int64_t src, float* staged) {
+  if constexpr (!kLora) {
+    return -1;
+  } else {
+    int slot = a.lora.meta.token_lora_mapping[src];
+    if (slot >= a.lora.num_slots) slot = -1;
+    if (slot >= 0) stage_shrink<E>(a.lora, src, slot, staged);
+    __syncthreads();
+    return slot;
+  }
+}
+
+template <typename E, bool kLora, bool kVecB>
 __global__ void add_rms_norm_vec_kernel(AddRmsNormArgs a) {
   using S = typename E::Storage;
   using V = Vec16<S>;
   constexpr int kN = V::kN;
   __shared__ float shared[32];
+  extern __shared__ float staged[];  // kLora: [num_slices * max_rank]
   const int64_t r = blockIdx.x;
   const int64_t src = a.rows != nullptr ? a.rows[r] : r;
   const int64_t vecs = a.hidden / kN;
+  const int64_t dstride = a.delta_row_stride > 0 ? a.delta_row_stride : a.hidden;
+  const int slot = stage_norm_lora<E, kLora>(a, src, staged);
   const V* res = reinterpret_cast<const V*>(static_cast<const S*>(a.residual) + src * a.hidden);
   const V* delta = a.delta != nullptr
-                       ? reinterpret_cast<const V*>(static_cast<const S*>(a.delta) + src * a.hidden)
+                       ? reinterpret_cast<const V*>(static_cast<const S*>(a.delta) + src * dstride)
                        : nullptr;
   V* delta2 = a.delta2 != nullptr ? reinterpret_cast<V*>(static_cast<S*>(a.delta2) + src * a.hidden)
                                   : nullptr;
@@ -141,20 +267,23 @@ __global__ void add_rms_norm_vec_kernel(AddRmsNormArgs a) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
     if (i >= vecs) continue;
     const V x = res[i];
-    V d1{}, d2{};
-    if (delta != nullptr) d1 = delta[i];
+    float add[kN] = {};
+    if (delta != nullptr) {
+      const V d1 = delta[i];
+#pragma unroll
+      for (int e = 0; e < kN; ++e) add[e] = E::load(d1.v[e]);
+      if (kLora && slot >= 0) add_fused_expand<E, kN, kVecB>(a.lora, slot, i * kN, staged, add);
+    }
     if (delta2 != nullptr) {
-      d2 = delta2[i];
+      const V d2 = delta2[i];
       if (a.clear_delta2) delta2[i] = V{};
+#pragma unroll
+      for (int e = 0; e < kN; ++e) add[e] += E::load(d2.v[e]);
     }
 #pragma unroll
     for (int e = 0; e < kN; ++e) {
       float v = E::load(x.v[e]);
-      if (delta != nullptr || delta2 != nullptr) {
-        float add = delta != nullptr ? E::load(d1.v[e]) : 0.0f;
-        if (delta2 != nullptr) add += E::load(d2.v[e]);
-        v = round_to<E>(v + add);
-      }
+      if (delta != nullptr || delta2 != nullptr) v = round_to<E>(v + add[e]);
       sum[k][e] = v;
       squares += v * v;
     }
@@ -182,14 +311,17 @@ __global__ void add_rms_norm_vec_kernel(AddRmsNormArgs a) {
   }
 }
 
-template <typename E>
+template <typename E, bool kLora>
 __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   using S = typename E::Storage;
   __shared__ float shared[32];
+  extern __shared__ float staged[];  // kLora: [num_slices * max_rank]
   const int64_t r = blockIdx.x;
   const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+  const int64_t dstride = a.delta_row_stride > 0 ? a.delta_row_stride : a.hidden;
+  const int slot = stage_norm_lora<E, kLora>(a, src, staged);
   const S* res = static_cast<const S*>(a.residual) + src * a.hidden;
-  const S* delta = a.delta != nullptr ? static_cast<const S*>(a.delta) + src * a.hidden : nullptr;
+  const S* delta = a.delta != nullptr ? static_cast<const S*>(a.delta) + src * dstride : nullptr;
   S* delta2 = a.delta2 != nullptr ? static_cast<S*>(a.delta2) + src * a.hidden : nullptr;
   S* res_out = a.residual_out != nullptr ? static_cast<S*>(a.residual_out) + r * a.hidden : nullptr;
   const S* w = static_cast<const S*>(a.weight);
@@ -197,9 +329,10 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   auto sum_at = [&](int64_t j) {
     const float v = E::load(res[j]);
     if (delta == nullptr && delta2 == nullptr) return v;
-    float add = delta != nullptr ? E::load(delta[j]) : 0.0f;
-    if (delta2 != nullptr) add += E::load(delta2[j]);
-    return round_to<E>(v + add);
+    float add[1] = {delta != nullptr ? E::load(delta[j]) : 0.0f};
+    if (kLora && slot >= 0) add_fused_expand<E, 1, false>(a.lora, slot, j, staged, add);
+    if (delta2 != nullptr) add[0] += E::load(delta2[j]);
+    return round_to<E>(v + add[0]);
   };
   float kept[kNormItems];
   float squares = 0.0f;
@@ -234,44 +367,33 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
   }
 }
 
-// kVec consecutive elements as one access.
-template <typename S, int kVec>
-struct alignas(sizeof(S) * kVec) Pack {
-  S v[kVec];
-};
-
-// Grid x = token, y = a share of the token's items. An item is kVec consecutive frequencies of
-// one q or k head (its kVec rotation pairs: elements i.. and i + d/2..), then the v heads in
-// runs of kVec; one thread per item, so a decode batch of a few tokens still spreads over the
-// SMs. The k heads' rotated values and the v heads go to the token's cache slot.
-template <typename E, int kVec>
-__global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
+// ---------------------------------------------------------------------------------------------
+// RoPE + KV write. An item is kVec consecutive frequencies of one q or k head (its kVec rotation
+// pairs: elements i.. and i + d/2..), then the v heads in runs of kVec; one thread per item, so
+// a decode batch of a few tokens still spreads over the SMs. The k heads' rotated values and
+// the v heads go to the token's cache slot. add(j, values) adds what the projection's LoRA
+// contributes to the kVec values from column j; with `keep_v` the row keeps v plus that (what
+// the cache holds), as the CPU op leaves it.
+template <typename E, int kVec, typename Add>
+__device__ void rope_kv_write_item(const RopeKvWriteArgs& a, int64_t t, int64_t item, bool keep_v,
+                                   Add&& add) {
   using S = typename E::Storage;
   using P = Pack<S, kVec>;
   const KvCacheView& c = a.cache;
-  const int64_t t = blockIdx.x;
-  const int64_t item = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t d = c.head_dim;
   const int64_t half = d / 2;
   const int64_t kv = c.num_kv_heads * d;
   const int64_t q_cols = a.num_heads * d;
   const int64_t per_head = half / kVec;
   const int64_t rot_items = (a.num_heads + c.num_kv_heads) * per_head;
-  if (item >= rot_items + kv / kVec) return;
   const int64_t slot = a.slot_mapping[t];
   const bool store = slot >= 0 && slot < c.num_blocks * c.block_size;
   S* row = static_cast<S*>(a.qkv) + t * a.qkv_row_stride;
-  S* add = a.delta != nullptr ? static_cast<S*>(a.delta) + t * (q_cols + 2 * kv) : nullptr;
-  // kVec values at column j, plus the LoRA delta (cleared after reading) where there is one.
   auto load = [&](int64_t j, float(&out)[kVec]) {
     const P v = *reinterpret_cast<const P*>(row + j);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) out[k] = E::load(v.v[k]);
-    if (add == nullptr) return;
-    const P dv = *reinterpret_cast<const P*>(add + j);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) out[k] = round_to<E>(out[k] + E::load(dv.v[k]));
-    if (a.clear_delta) *reinterpret_cast<P*>(add + j) = P{};
+    add(j, out);
   };
   S* kc = static_cast<S*>(c.k) + (store ? slot : 0) * kv;
   S* vc = static_cast<S*>(c.v) + (store ? slot : 0) * kv;
@@ -306,8 +428,60 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
 #pragma unroll
   for (int k = 0; k < kVec; ++k) out.v[k] = E::store(v[k]);
   if (store) *reinterpret_cast<P*>(vc + j) = out;
-  // The row keeps v plus its delta, as the CPU op leaves it (what the cache holds).
-  if (add != nullptr) *reinterpret_cast<P*>(row + q_cols + kv + j) = out;
+  if (keep_v) *reinterpret_cast<P*>(row + q_cols + kv + j) = out;
+}
+
+template <int kVec>
+__host__ __device__ int64_t rope_items(const RopeKvWriteArgs& a) {
+  const KvCacheView& c = a.cache;
+  return (a.num_heads + c.num_kv_heads) * (c.head_dim / 2 / kVec) +
+         c.num_kv_heads * c.head_dim / kVec;
+}
+
+// Grid x = token, y = a share of the token's items; the optional delta (a LoRA output computed
+// apart) is added and cleared.
+template <typename E, int kVec>
+__global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
+  using S = typename E::Storage;
+  using P = Pack<S, kVec>;
+  const int64_t t = blockIdx.x;
+  const int64_t item = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (item >= rope_items<kVec>(a)) return;
+  const int64_t width = (a.num_heads + 2 * a.cache.num_kv_heads) * a.cache.head_dim;
+  S* add = a.delta != nullptr ? static_cast<S*>(a.delta) + t * width : nullptr;
+  rope_kv_write_item<E, kVec>(a, t, item, add != nullptr, [&](int64_t j, float(&v)[kVec]) {
+    if (add == nullptr) return;
+    const P dv = *reinterpret_cast<const P*>(add + j);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = round_to<E>(v[k] + E::load(dv.v[k]));
+    if (a.clear_delta) *reinterpret_cast<P*>(add + j) = P{};
+  });
+}
+
+// Grid x = a share of the items, y = token group (find_token_group); each thread runs its item
+// for every token of its group.
+template <typename E, int kVec, bool kVecB>
+__global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
+  extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
+  const FusedLoraExpand& e = a.lora;
+  TokenGroup g;
+  if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return;
+  if (g.slot >= e.num_slots) g.slot = -1;
+  const int cols = e.num_slices * e.max_rank;
+  if (g.slot >= 0) {
+    for (int i = 0; i < g.count; ++i) {
+      stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
+    }
+  }
+  __syncthreads();
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= rope_items<kVec>(a)) return;
+  for (int i = 0; i < g.count; ++i) {
+    const int64_t t = e.meta.sorted_token_indices[g.begin + i];
+    rope_kv_write_item<E, kVec>(a, t, item, g.slot >= 0, [&](int64_t j, float(&v)[kVec]) {
+      if (g.slot >= 0) add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, v);
+    });
+  }
 }
 
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
@@ -404,11 +578,10 @@ __device__ typename E::Storage silu_mul_one(float gv, float up) {
 template <typename E, int kVec>
 __global__ void silu_mul_kernel(SiluMulArgs a) {
   using S = typename E::Storage;
-  struct alignas(sizeof(S) * kVec) Pack {
-    S v[kVec];
-  };
+  using P = Pack<S, kVec>;
   const int64_t per_row = a.n / kVec;
   const int64_t total = a.num_rows * per_row;
+  const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
   const S* x = static_cast<const S*>(a.x);
   S* delta = static_cast<S*>(a.delta);
   S* out = static_cast<S*>(a.out);
@@ -416,18 +589,18 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / per_row;
     const int64_t j = (idx % per_row) * kVec;
-    const Pack g = *reinterpret_cast<const Pack*>(x + r * 2 * a.n + j);
-    const Pack u = *reinterpret_cast<const Pack*>(x + r * 2 * a.n + a.n + j);
-    Pack dg{}, du{};
+    const P g = *reinterpret_cast<const P*>(x + r * stride + j);
+    const P u = *reinterpret_cast<const P*>(x + r * stride + a.n + j);
+    P dg{}, du{};
     if (delta != nullptr) {
-      dg = *reinterpret_cast<const Pack*>(delta + r * 2 * a.n + j);
-      du = *reinterpret_cast<const Pack*>(delta + r * 2 * a.n + a.n + j);
+      dg = *reinterpret_cast<const P*>(delta + r * 2 * a.n + j);
+      du = *reinterpret_cast<const P*>(delta + r * 2 * a.n + a.n + j);
       if (a.clear_delta) {
-        *reinterpret_cast<Pack*>(delta + r * 2 * a.n + j) = Pack{};
-        *reinterpret_cast<Pack*>(delta + r * 2 * a.n + a.n + j) = Pack{};
+        *reinterpret_cast<P*>(delta + r * 2 * a.n + j) = P{};
+        *reinterpret_cast<P*>(delta + r * 2 * a.n + a.n + j) = P{};
       }
     }
-    Pack o;
+    P o;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       float gv = E::load(g.v[k]);
@@ -438,7 +611,49 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
       }
       o.v[k] = silu_mul_one<E>(gv, uv);
     }
-    *reinterpret_cast<Pack*>(out + r * a.n + j) = o;
+    *reinterpret_cast<P*>(out + r * a.n + j) = o;
+  }
+}
+
+// Grid x = kVec-column runs of the gate (and the same of up), y = token group.
+template <typename E, int kVec, bool kVecB>
+__global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size) {
+  using S = typename E::Storage;
+  using P = Pack<S, kVec>;
+  extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
+  const FusedLoraExpand& e = a.lora;
+  TokenGroup g;
+  if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return;
+  if (g.slot >= e.num_slots) g.slot = -1;
+  const int cols = e.num_slices * e.max_rank;
+  if (g.slot >= 0) {
+    for (int i = 0; i < g.count; ++i) {
+      stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
+    }
+  }
+  __syncthreads();
+  const int64_t j = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  if (j >= a.n) return;
+  const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
+  for (int i = 0; i < g.count; ++i) {
+    const int64_t t = e.meta.sorted_token_indices[g.begin + i];
+    const S* row = static_cast<const S*>(a.x) + t * stride;
+    const P gp = *reinterpret_cast<const P*>(row + j);
+    const P up = *reinterpret_cast<const P*>(row + a.n + j);
+    float gv[kVec], uv[kVec];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      gv[k] = E::load(gp.v[k]);
+      uv[k] = E::load(up.v[k]);
+    }
+    if (g.slot >= 0) {
+      add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, gv);
+      add_fused_expand<E, kVec, kVecB>(e, g.slot, a.n + j, staged + i * cols, uv);
+    }
+    P o;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) o.v[k] = silu_mul_one<E>(gv[k], uv[k]);
+    *reinterpret_cast<P*>(static_cast<S*>(a.out) + t * a.n + j) = o;
   }
 }
 
@@ -489,25 +704,61 @@ Status fill_uniform(const FillUniformArgs& a, cuda_rt::StreamHandle stream) {
   });
 }
 
+namespace {
+
+// The tokens a LoRA consumer takes per group: as many as the staged intermediates of a group
+// fit 48 KB of shared memory, at most kLoraGroupTokens.
+int lora_group_tokens(const FusedLoraExpand& e) {
+  const size_t per_token = staged_shrink_bytes(e, 1);
+  return static_cast<int>(std::min<size_t>(kLoraGroupTokens, (48u << 10) / per_token));
+}
+
+// Whether every slice starts and ends on a multiple of `vec` columns (a vector of the consumer
+// then lies in one slice).
+bool slices_on_vectors(const FusedLoraExpand& e, int64_t vec) {
+  bool ok = true;
+  for (int s = 0; s < e.num_slices; ++s) ok = ok && e.offset[s] % vec == 0 && e.width[s] % vec == 0;
+  return ok;
+}
+
+}  // namespace
+
 Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.hidden >= 1 && a.residual != nullptr &&
-                      a.weight != nullptr && a.out != nullptr,
+                      a.weight != nullptr && a.out != nullptr &&
+                      !(a.lora.active() && a.delta == nullptr),
                   "add_rms_norm: bad arguments (rows ", a.num_rows, ", hidden ", a.hidden, ")");
   LORAPLEX_ENSURE(!(a.clear_delta2 && a.rows != nullptr),
                   "add_rms_norm: clear_delta2 needs rows == nullptr");
+  LORAPLEX_RETURN_IF_ERROR(check_fused_lora_expand(a.lora, a.hidden, "add_rms_norm"));
+  LORAPLEX_ENSURE(lora_group_tokens(a.lora) >= 1 || !a.lora.active(),
+                  "add_rms_norm: a token's LoRA intermediate of ",
+                  a.lora.num_slices * a.lora.max_rank,
+                  " columns does not fit 48 KB of shared memory");
   if (a.num_rows == 0) return Status();
+  const int64_t dstride = a.delta_row_stride > 0 ? a.delta_row_stride : a.hidden;
+  const size_t smem = a.lora.active() ? staged_shrink_bytes(a.lora, 1) : 0;
   return dispatch(a.dtype, "add_rms_norm", [&](auto e) {
     using E = decltype(e);
     constexpr int kN = Vec16<typename E::Storage>::kN;
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const bool vec = a.hidden % kN == 0 && a.hidden <= int64_t{kNormVecs} * kThreads * kN &&
-                     aligned(a.residual) && aligned(a.delta) && aligned(a.delta2) &&
-                     aligned(a.residual_out) && aligned(a.weight) && aligned(a.out);
-    if (vec) {
-      add_rms_norm_vec_kernel<E>
-          <<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+                     dstride % kN == 0 && aligned(a.residual) && aligned(a.delta) &&
+                     aligned(a.delta2) && aligned(a.residual_out) && aligned(a.weight) &&
+                     aligned(a.out) && (!a.lora.active() || slices_on_vectors(a.lora, kN));
+    const unsigned grid = static_cast<unsigned>(a.num_rows);
+    if (!a.lora.active()) {
+      if (vec) {
+        add_rms_norm_vec_kernel<E, false, false><<<grid, kThreads, 0, raw(stream)>>>(a);
+      } else {
+        add_rms_norm_kernel<E, false><<<grid, kThreads, 0, raw(stream)>>>(a);
+      }
+    } else if (!vec) {
+      add_rms_norm_kernel<E, true><<<grid, kThreads, smem, raw(stream)>>>(a);
+    } else if (vector_b_rows<E>(a.lora)) {
+      add_rms_norm_vec_kernel<E, true, true><<<grid, kThreads, smem, raw(stream)>>>(a);
     } else {
-      add_rms_norm_kernel<E><<<static_cast<unsigned>(a.num_rows), kThreads, 0, raw(stream)>>>(a);
+      add_rms_norm_vec_kernel<E, true, false><<<grid, kThreads, smem, raw(stream)>>>(a);
     }
   });
 }
@@ -515,6 +766,10 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
 Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
   const KvCacheView& c = a.cache;
+  LORAPLEX_ENSURE(lora_group_tokens(a.lora) >= 1 || !a.lora.active(),
+                  "rope_kv_write: a token's LoRA intermediate of ",
+                  a.lora.num_slices * a.lora.max_rank,
+                  " columns does not fit 48 KB of shared memory");
   if (a.num_tokens == 0) return Status();
   return dispatch(a.dtype, "rope_kv_write", [&](auto e) {
     using E = decltype(e);
@@ -523,17 +778,31 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
     auto aligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlign == 0; };
     const bool vec = c.head_dim % (2 * kVec) == 0 && a.qkv_row_stride % kVec == 0 &&
                      aligned(a.qkv) && aligned(c.k) && aligned(c.v) &&
-                     (a.delta == nullptr || aligned(a.delta));
-    const int64_t per_token =
-        (a.num_heads + c.num_kv_heads) * (c.head_dim / 2) + c.num_kv_heads * c.head_dim;
+                     (a.delta == nullptr || aligned(a.delta)) &&
+                     (!a.lora.active() || slices_on_vectors(a.lora, kVec));
     constexpr int kRopeThreads = 128;
-    const dim3 grid(
-        static_cast<unsigned>(a.num_tokens),
-        static_cast<unsigned>((per_token / (vec ? kVec : 1) + kRopeThreads - 1) / kRopeThreads));
-    if (vec) {
-      rope_kv_write_kernel<E, kVec><<<grid, kRopeThreads, 0, raw(stream)>>>(a);
+    const int64_t items = vec ? rope_items<kVec>(a) : rope_items<1>(a);
+    const unsigned item_blocks = static_cast<unsigned>((items + kRopeThreads - 1) / kRopeThreads);
+    if (!a.lora.active()) {
+      const dim3 grid(static_cast<unsigned>(a.num_tokens), item_blocks);
+      if (vec) {
+        rope_kv_write_kernel<E, kVec><<<grid, kRopeThreads, 0, raw(stream)>>>(a);
+      } else {
+        rope_kv_write_kernel<E, 1><<<grid, kRopeThreads, 0, raw(stream)>>>(a);
+      }
+      return;
+    }
+    const int group = lora_group_tokens(a.lora);
+    const dim3 grid(item_blocks,
+                    static_cast<unsigned>(max_token_groups(a.num_tokens, group, a.lora.max_loras)));
+    const size_t smem = staged_shrink_bytes(a.lora, group);
+    if (!vec) {
+      rope_kv_write_lora_kernel<E, 1, false><<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
+    } else if (vector_b_rows<E>(a.lora)) {
+      rope_kv_write_lora_kernel<E, kVec, true><<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
     } else {
-      rope_kv_write_kernel<E, 1><<<grid, kRopeThreads, 0, raw(stream)>>>(a);
+      rope_kv_write_lora_kernel<E, kVec, false>
+          <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
     }
   });
 }
@@ -552,19 +821,43 @@ Status paged_attention(const PagedAttentionArgs& a, cuda_rt::StreamHandle stream
 }
 
 Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1, "silu_mul: bad sizes");
+  const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1 && stride >= 2 * a.n, "silu_mul: bad sizes (n ", a.n,
+                  ", row stride ", stride, ")");
+  LORAPLEX_RETURN_IF_ERROR(check_fused_lora_expand(a.lora, 2 * a.n, "silu_mul"));
+  LORAPLEX_ENSURE(lora_group_tokens(a.lora) >= 1 || !a.lora.active(),
+                  "silu_mul: a token's LoRA intermediate of ", a.lora.num_slices * a.lora.max_rank,
+                  " columns does not fit 48 KB of shared memory");
   if (a.num_rows == 0) return Status();
   return dispatch(a.dtype, "silu_mul", [&](auto e) {
     using E = decltype(e);
     constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Storage));
-    const bool aligned = a.n % kVec == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+    const bool aligned = a.n % kVec == 0 && stride % kVec == 0 &&
+                         reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(a.out) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(a.delta) % 16 == 0;
-    if (aligned) {
-      silu_mul_kernel<E, kVec>
-          <<<blocks_for(a.num_rows * a.n / kVec), kThreads, 0, raw(stream)>>>(a);
+                         reinterpret_cast<uintptr_t>(a.delta) % 16 == 0 &&
+                         (!a.lora.active() || slices_on_vectors(a.lora, kVec));
+    if (!a.lora.active()) {
+      if (aligned) {
+        silu_mul_kernel<E, kVec>
+            <<<blocks_for(a.num_rows * a.n / kVec), kThreads, 0, raw(stream)>>>(a);
+      } else {
+        silu_mul_kernel<E, 1><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
+      }
+      return;
+    }
+    const int group = lora_group_tokens(a.lora);
+    const size_t smem = staged_shrink_bytes(a.lora, group);
+    const unsigned groups =
+        static_cast<unsigned>(max_token_groups(a.num_rows, group, a.lora.max_loras));
+    const int64_t runs = aligned ? a.n / kVec : a.n;
+    const dim3 grid(static_cast<unsigned>((runs + kThreads - 1) / kThreads), groups);
+    if (!aligned) {
+      silu_mul_lora_kernel<E, 1, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
+    } else if (vector_b_rows<E>(a.lora)) {
+      silu_mul_lora_kernel<E, kVec, true><<<grid, kThreads, smem, raw(stream)>>>(a, group);
     } else {
-      silu_mul_kernel<E, 1><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
+      silu_mul_lora_kernel<E, kVec, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
     }
   });
 }

@@ -124,6 +124,7 @@ struct PrefillParams {
   const void* a[kMaxSlices];
   int max_loras;
   int max_rank;
+  int a_slot_rows;  // rows of A between slots (ShrinkArgs::a_slot_rows)
   const int32_t* ranks;
   float scale;
   LoraMetaView meta;
@@ -517,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
     const int s = tile_slice[tid >> 3];
     const int r = tile_r0[tid >> 3] + (tid & 7);
     row_src[kM + tid] = r < srank[s] ? static_cast<const T*>(p.a[s]) +
-                                           (static_cast<int64_t>(slot) * p.max_rank + r) * K
+                                           (static_cast<int64_t>(slot) * p.a_slot_rows + r) * K
                                      : nullptr;
   }
   __syncthreads();
@@ -816,6 +817,7 @@ Status launch_prefill(const PrefillPlan& plan, const ShrinkArgs& s, const LoraMe
   for (int i = 0; i < s.num_slices; ++i) p.a[i] = s.lora_a[i];
   p.max_loras = s.max_loras;
   p.max_rank = s.max_rank;
+  p.a_slot_rows = a_slot_rows(s);
   p.ranks = s.ranks;
   p.scale = s.scale;
   p.meta = meta;

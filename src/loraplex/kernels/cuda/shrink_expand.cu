@@ -28,6 +28,7 @@ struct GenericShrinkParams {
   const void* a[kMaxSlices];
   int max_loras;
   int max_rank;
+  int a_slot_rows;  // rows of A between slots (ShrinkArgs::a_slot_rows)
   const int32_t* ranks;
   const int32_t* mapping;
   float scale;
@@ -44,7 +45,8 @@ __global__ void __launch_bounds__(kGenericThreads) shrink_generic_kernel(Generic
   if (!valid_slot(slot, p.max_loras)) return;
   const int rank = p.ranks[s * p.max_loras + slot];
   const T* x = static_cast<const T*>(p.x) + t * p.x_stride;
-  const T* a = static_cast<const T*>(p.a[s]) + static_cast<int64_t>(slot) * p.max_rank * p.hidden;
+  const T* a =
+      static_cast<const T*>(p.a[s]) + static_cast<int64_t>(slot) * p.a_slot_rows * p.hidden;
   OutT* out = static_cast<OutT*>(p.out) + (static_cast<int64_t>(s) * p.num_tokens + t) * p.max_rank;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -126,6 +128,7 @@ Status launch_shrink_generic(const ShrinkArgs& a, const int32_t* mapping, Stream
   for (int s = 0; s < a.num_slices; ++s) p.a[s] = a.lora_a[s];
   p.max_loras = a.max_loras;
   p.max_rank = a.max_rank;
+  p.a_slot_rows = a_slot_rows(a);
   p.ranks = a.ranks;
   p.mapping = mapping;
   p.scale = a.scale;
