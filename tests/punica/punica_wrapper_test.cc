@@ -136,7 +136,8 @@ TEST_F(PunicaWrapper, RejectsBadSlotsRanksAndLayouts) {
   const std::vector<Tensor> a_t = {
       test::random_tensor({4, 32, 8}, DType::kBF16, rng).transpose(1, 2)};
   expect_error([&] { wrapper.add_lora_linear(y, x, a_t, b, ranks, 1.0f, ws, cpu); },
-               "LoRA-A of slice 0 must be contiguous, got strides [256, 1, 8]");
+               "LoRA-A of slice 0 must have contiguous rows and slots that do not overlap, got "
+               "strides [256, 1, 8]");
   Tensor ws_bf16 = Tensor::empty({1024}, DType::kBF16);
   expect_error([&] { wrapper.add_lora_linear(y, x, a, b, ranks, 1.0f, ws_bf16, cpu); },
                "workspace must be contiguous float32");

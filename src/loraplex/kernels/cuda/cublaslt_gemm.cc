@@ -1,24 +1,34 @@
 // cuBLASLt for the base GEMM. Row-major y[m, n] = x[m, k] W[n, k]^T is, in cuBLAS's
 // column-major terms, D(n x m) = op_T(A = W viewed k x n) * B (= x viewed k x m).
 //
-// Plans (descriptors, layouts and the heuristic's algorithm) are cached per thread and per
-// problem: heuristics are slow and the bias pointer is a descriptor attribute, so a plan is
-// never shared between threads. Each (thread, device, stream) has its own workspace so that
-// work queued on different streams never shares scratch memory.
+// Plans (descriptors, layouts and the algorithm) are cached per thread and per problem:
+// heuristics are slow and the bias pointer is a descriptor attribute, so a plan is never shared
+// between threads. Each (thread, device, stream) has its own workspace so that work queued on
+// different streams never shares scratch memory.
+//
+// The algorithm is the fastest of the heuristic's first kCandidates, timed on the problem's own
+// operands when the plan is made (not while a graph is being captured, and not for an
+// accumulating product, whose output the trials would change): the heuristic's first choice
+// is not always the fastest, notably for the odd widths of a base weight with LoRA-A rows after
+// it. Only with LORAPLEX_GEMM_AUTOTUNE=1: the ranks of a tensor-parallel group could otherwise
+// pick different algorithms for the same product.
 
 #include "loraplex/kernels/gemm.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 namespace loraplex::kernels::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+constexpr int kCandidates = 8;
 
 #define LORAPLEX_CUBLAS(expr)                                                                 \
   do {                                                                                        \
@@ -95,7 +105,66 @@ ThreadState& state() {
   return s;
 }
 
-Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uint32_t align[4]) {
+bool autotune_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("LORAPLEX_GEMM_AUTOTUNE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+// The fastest of `candidates` on g's operands (best of a few runs each), or the first when
+// timing is not possible. Leaves g.y written by the last trial (g.accumulate is false).
+int fastest_algo(cublasLtHandle_t handle, const Plan& p, const GemmArgs& g,
+                 const cublasLtMatmulHeuristicResult_t* candidates, int found, void* workspace,
+                 cudaStream_t stream) {
+  if (found <= 1 || g.accumulate || !autotune_enabled()) return 0;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return 0;
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    cudaGetLastError();
+    if (start != nullptr) cudaEventDestroy(start);
+    return 0;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run = [&](int i) {
+    return cublasLtMatmul(handle, p.desc, &alpha, g.w, p.a, g.x, p.b, &beta, g.y, p.c, g.y, p.c,
+                          &candidates[i].algo, workspace, kWorkspaceBytes, stream);
+  };
+  int best = 0;
+  float best_ms = 0.0f;
+  for (int i = 0; i < found; ++i) {
+    if (run(i) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; an algorithm that fails is skipped
+    float ms_min = -1.0f;
+    for (int rep = 0; rep < 3; ++rep) {
+      cudaEventRecord(start, stream);
+      run(i);
+      cudaEventRecord(stop, stream);
+      float ms = 0.0f;
+      if (cudaEventSynchronize(stop) != cudaSuccess ||
+          cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+        ms = -1.0f;
+      }
+      if (ms >= 0.0f && (ms_min < 0.0f || ms < ms_min)) ms_min = ms;
+    }
+    if (ms_min >= 0.0f && (best_ms == 0.0f || ms_min < best_ms)) {
+      best = i;
+      best_ms = ms_min;
+    }
+  }
+  cudaGetLastError();
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return best;
+}
+
+Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uint32_t align[4],
+                  void* workspace, cudaStream_t stream) {
   const cudaDataType_t t = cuda_type(g.dtype);
   LORAPLEX_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T;
@@ -129,11 +198,11 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uin
   for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i) {
     st = cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof(align[i]));
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result,
-                                        &found);
+    st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, kCandidates,
+                                        results, &found);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   LORAPLEX_CUBLAS(st);
@@ -141,7 +210,11 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uin
     return unsupported("cuBLASLt has no algorithm for y = x W^T with m ", g.m, ", n ", g.n, ", k ",
                        g.k, ", dtype ", g.dtype);
   }
-  p.algo = result.algo;
+  if (g.bias != nullptr) {
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                   &g.bias, sizeof(g.bias)));
+  }
+  p.algo = results[fastest_algo(handle, p, g, results, found, workspace, stream)].algo;
   p.ready = true;
   return Status();
 }
@@ -181,19 +254,6 @@ Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
                     align[1],
                     align[2],
                     align[3]};
-  std::unique_ptr<Plan>& plan = s.plans[key];
-  if (plan == nullptr) plan = std::make_unique<Plan>();
-  if (!plan->ready) {
-    const Status st = build_plan(*plan, h->second, g, align);
-    if (!st.ok()) {
-      plan.reset();
-      return st;
-    }
-  }
-  if (g.bias != nullptr) {
-    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                   &g.bias, sizeof(g.bias)));
-  }
   std::unique_ptr<Workspace>& ws = s.workspaces[{device, stream}];
   if (ws == nullptr) {
     ws = std::make_unique<Workspace>();
@@ -204,6 +264,21 @@ Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
                     detail::concat("cuBLASLt gemm: cannot allocate a ", kWorkspaceBytes >> 20,
                                    " MiB workspace on cuda:", device));
     }
+  }
+  std::unique_ptr<Plan>& plan = s.plans[key];
+  if (plan == nullptr) plan = std::make_unique<Plan>();
+  if (!plan->ready) {
+    const Status st =
+        build_plan(*plan, h->second, g, align, ws->ptr, static_cast<cudaStream_t>(stream));
+    if (!st.ok()) {
+      plan.reset();
+      return st;
+    }
+  }
+
+  if (g.bias != nullptr) {
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                   &g.bias, sizeof(g.bias)));
   }
   const float alpha = 1.0f;
   const float beta = g.accumulate ? 1.0f : 0.0f;
