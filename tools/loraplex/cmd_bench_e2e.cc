@@ -446,6 +446,8 @@ int run(const std::vector<std::string>& args) {
   if (!o.lora_tuning.empty()) doc["lora_tuning"] = o.lora_tuning;
   doc["lora_decode"] = o.lora_decode;
   doc["fused_lora_max_tokens"] = o.fused_lora_max_tokens;
+  const char* autotune = std::getenv("LORAPLEX_GEMM_AUTOTUNE");
+  doc["gemm_autotune"] = autotune != nullptr && std::string(autotune) == "1";
   doc["decode_weight_bytes_per_gpu"] = weight_bytes / tp;
   doc["decode_collectives_ms"] = collective_ms;
   doc["decode_step_floor_ms"] = decode_floor_s * 1e3;
