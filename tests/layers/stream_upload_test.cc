@@ -188,8 +188,11 @@ void check_linear(const LinearSpec& spec, Backend backend, int tp, bool fully_sh
       for (int s = 0; s < sync_layer.num_lora_slices(); ++s) {
         EXPECT_EQ(stream_layer.lora_rank(slot, s), sync_layer.lora_rank(slot, s))
             << "slot " << slot << " slice " << s;
-        EXPECT_EQ(target.values(stream_layer.lora_a(s)), target.values(sync_layer.lora_a(s)));
-        EXPECT_EQ(target.values(stream_layer.lora_b(s)), target.values(sync_layer.lora_b(s)));
+        // One slot at a time: a layer's A stack is a view of its weight storage, slots apart.
+        EXPECT_EQ(target.values(stream_layer.lora_a(s).select(0, slot)),
+                  target.values(sync_layer.lora_a(s).select(0, slot)));
+        EXPECT_EQ(target.values(stream_layer.lora_b(s).select(0, slot)),
+                  target.values(sync_layer.lora_b(s).select(0, slot)));
       }
     }
     Tensor x = x_full;

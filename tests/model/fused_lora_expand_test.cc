@@ -328,8 +328,9 @@ std::vector<std::vector<double>> run_rope(const ExpandCase& c, const RopeShape& 
   if (lora) a.lora = d.lora;
   throw_if_error(ops::run(&ops::cpu::rope_kv_write, &ops::cuda::rope_kv_write, a, stream));
   stream.synchronize();
-  const Tensor qkv = lora ? d.rows.narrow(1, 0, c.base_width) : plain;
-  return {values_of(qkv.contiguous(stream)), values_of(k), values_of(v)};
+  const Tensor qkv = lora ? d.rows.narrow(1, 0, c.base_width).contiguous(stream) : plain;
+  stream.synchronize();
+  return {values_of(qkv), values_of(k), values_of(v)};
 }
 
 void check_rope(const ExpandCase& c, const RopeShape& r, Device device, const std::string& what) {

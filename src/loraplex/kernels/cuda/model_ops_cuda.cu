@@ -709,7 +709,7 @@ namespace {
 // The tokens a LoRA consumer takes per group: as many as the staged intermediates of a group
 // fit 48 KB of shared memory, at most kLoraGroupTokens.
 int lora_group_tokens(const FusedLoraExpand& e) {
-  const size_t per_token = staged_shrink_bytes(e, 1);
+  const size_t per_token = std::max<size_t>(staged_shrink_bytes(e, 1), 1);
   return static_cast<int>(std::min<size_t>(kLoraGroupTokens, (48u << 10) / per_token));
 }
 
