@@ -165,8 +165,11 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
       Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, spec_.dtype, device_);
   weight_ = storage_.narrow(0, 0, out_local_);
   if (fused_layout_) {
+    // Zeros before any upload: slot writes come later on other streams, unordered with this.
     Tensor a_rows_all = storage_.narrow(0, out_local_, config_.max_loras * slot_cols_);
-    a_rows_all.zero_(Stream::default_for(device_));
+    const Stream zeroing = Stream::default_for(device_);
+    a_rows_all.zero_(zeroing);
+    zeroing.synchronize();
     a_rows_all = a_rows_all.view({config_.max_loras, num_lora, max_rank, in_local_});
     for (int s = 0; s < num_lora; ++s) lora_a_.push_back(a_rows_all.select(1, s));
   }
@@ -262,10 +265,12 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
   }
   std::optional<WeightUpload> own;
   if (upload == nullptr) upload = &own.emplace(device_);
-  // The fused GEMM adds the bias to its extra columns too: zeros there.
+  // The fused GEMM adds the bias to its extra columns too: zeros there. Only those are
+  // cleared here: the bias itself is uploaded on another stream, unordered with this one.
   if (any_bias) {
-    bias_storage_ = Tensor::zeros({storage_.size(0)}, spec_.dtype, device_);
+    bias_storage_ = Tensor::empty({storage_.size(0)}, spec_.dtype, device_);
     bias_ = bias_storage_.narrow(0, 0, out_local_);
+    bias_storage_.narrow(0, out_local_, storage_.size(0) - out_local_).zero_();
   } else {
     bias_storage_ = Tensor();
     bias_ = Tensor();

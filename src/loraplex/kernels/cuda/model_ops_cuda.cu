@@ -164,8 +164,10 @@ __device__ void stage_shrink(const FusedLoraExpand& e, int64_t t, int slot, floa
 }
 
 // v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
-// column j (all in one slice), with s the staged intermediate of the token. kVecB: B rows
-// are read 16 bytes at a time (max_rank a multiple of the vector, rows 16-byte aligned).
+// column j (all in one slice), with s the staged intermediate of the token (zero past the
+// rank). kVecB: B rows are read 16 bytes at a time (max_rank a multiple of the vector, rows
+// 16-byte aligned), the kVec rows of a rank chunk all in flight before their products; in the
+// last chunk the values past the rank are loaded and discarded.
 template <typename E, int kVec, bool kVecB>
 __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
                                  float (&v)[kVec]) {
@@ -178,22 +180,34 @@ __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, 
   const float* sv = s_all + s * e.max_rank;
   const S* b =
       static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
+  float acc[kVec] = {};
+  if constexpr (kVecB) {
+    constexpr int kN = 16 / static_cast<int>(sizeof(S));
+    using P = Pack<S, kN>;
+    for (int i0 = 0; i0 < rank; i0 += kN) {
+      P w[kVec];
 #pragma unroll
-  for (int c = 0; c < kVec; ++c) {
-    const S* row = b + c * e.max_rank;
-    float acc = 0.0f;
-    if constexpr (kVecB) {
-      constexpr int kN = 16 / static_cast<int>(sizeof(S));
-      for (int i0 = 0; i0 < rank; i0 += kN) {
-        const Pack<S, kN> w = *reinterpret_cast<const Pack<S, kN>*>(row + i0);
+      for (int c = 0; c < kVec; ++c) w[c] = *reinterpret_cast<const P*>(b + c * e.max_rank + i0);
+      float x[kN];
 #pragma unroll
-        for (int q = 0; q < kN; ++q) acc += i0 + q < rank ? sv[i0 + q] * E::load(w.v[q]) : 0.0f;
+      for (int q = 0; q < kN; ++q) x[q] = sv[i0 + q];
+      const bool whole = i0 + kN <= rank;
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) {
+#pragma unroll
+        for (int q = 0; q < kN; ++q) {
+          acc[c] += x[q] * (whole || i0 + q < rank ? E::load(w[c].v[q]) : 0.0f);
+        }
       }
-    } else {
-      for (int i = 0; i < rank; ++i) acc += sv[i] * E::load(row[i]);
     }
-    v[c] = round_to<E>(v[c] + acc);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) {
+      for (int i = 0; i < rank; ++i) acc[c] += sv[i] * E::load(b[c * e.max_rank + i]);
+    }
   }
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
 }
 
 // Whether B rows can be read 16 bytes at a time.
@@ -206,8 +220,7 @@ bool vector_b_rows(const FusedLoraExpand& e) {
   return ok;
 }
 
-// Tokens a LoRA consumer takes per group, and the shared memory its staged intermediates need.
-constexpr int kLoraGroupTokens = 4;
+// The shared memory a group's staged intermediates need.
 size_t staged_shrink_bytes(const FusedLoraExpand& e, int group) {
   return static_cast<size_t>(group) * e.num_slices * e.max_rank * sizeof(float);
 }
@@ -458,8 +471,9 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   });
 }
 
-// Grid x = a share of the items, y = token group (find_token_group); each thread runs its item
-// for every token of its group.
+// Grid x = a share of the items, y = token group (find_token_group). The block's threads are
+// group_size rows of blockDim / group_size items: the tokens of a group run side by side on the
+// same items, so the B rows they share are read from L2 once and from L1 after.
 template <typename E, int kVec, bool kVecB>
 __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
@@ -474,14 +488,15 @@ __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
     }
   }
   __syncthreads();
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (item >= rope_items<kVec>(a)) return;
-  for (int i = 0; i < g.count; ++i) {
-    const int64_t t = e.meta.sorted_token_indices[g.begin + i];
-    rope_kv_write_item<E, kVec>(a, t, item, g.slot >= 0, [&](int64_t j, float(&v)[kVec]) {
-      if (g.slot >= 0) add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, v);
-    });
-  }
+  const int per_token = static_cast<int>(blockDim.x) / group_size;
+  const int i = static_cast<int>(threadIdx.x) / per_token;
+  const int64_t item =
+      static_cast<int64_t>(blockIdx.x) * per_token + static_cast<int>(threadIdx.x) % per_token;
+  if (i >= g.count || item >= rope_items<kVec>(a)) return;
+  const int64_t t = e.meta.sorted_token_indices[g.begin + i];
+  rope_kv_write_item<E, kVec>(a, t, item, g.slot >= 0, [&](int64_t j, float(&v)[kVec]) {
+    if (g.slot >= 0) add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, v);
+  });
 }
 
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
@@ -615,7 +630,8 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
   }
 }
 
-// Grid x = kVec-column runs of the gate (and the same of up), y = token group.
+// Grid x = kVec-column runs of the gate (and the same of up), y = token group; the tokens of a
+// group side by side as in rope_kv_write_lora_kernel.
 template <typename E, int kVec, bool kVecB>
 __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size) {
   using S = typename E::Storage;
@@ -632,29 +648,31 @@ __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size) {
     }
   }
   __syncthreads();
-  const int64_t j = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
-  if (j >= a.n) return;
+  const int per_token = static_cast<int>(blockDim.x) / group_size;
+  const int i = static_cast<int>(threadIdx.x) / per_token;
+  const int64_t j =
+      (static_cast<int64_t>(blockIdx.x) * per_token + static_cast<int>(threadIdx.x) % per_token) *
+      kVec;
+  if (i >= g.count || j >= a.n) return;
   const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
-  for (int i = 0; i < g.count; ++i) {
-    const int64_t t = e.meta.sorted_token_indices[g.begin + i];
-    const S* row = static_cast<const S*>(a.x) + t * stride;
-    const P gp = *reinterpret_cast<const P*>(row + j);
-    const P up = *reinterpret_cast<const P*>(row + a.n + j);
-    float gv[kVec], uv[kVec];
+  const int64_t t = e.meta.sorted_token_indices[g.begin + i];
+  const S* row = static_cast<const S*>(a.x) + t * stride;
+  const P gp = *reinterpret_cast<const P*>(row + j);
+  const P up = *reinterpret_cast<const P*>(row + a.n + j);
+  float gv[kVec], uv[kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      gv[k] = E::load(gp.v[k]);
-      uv[k] = E::load(up.v[k]);
-    }
-    if (g.slot >= 0) {
-      add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, gv);
-      add_fused_expand<E, kVec, kVecB>(e, g.slot, a.n + j, staged + i * cols, uv);
-    }
-    P o;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) o.v[k] = silu_mul_one<E>(gv[k], uv[k]);
-    *reinterpret_cast<P*>(static_cast<S*>(a.out) + t * a.n + j) = o;
+  for (int k = 0; k < kVec; ++k) {
+    gv[k] = E::load(gp.v[k]);
+    uv[k] = E::load(up.v[k]);
   }
+  if (g.slot >= 0) {
+    add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, gv);
+    add_fused_expand<E, kVec, kVecB>(e, g.slot, a.n + j, staged + i * cols, uv);
+  }
+  P o;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) o.v[k] = silu_mul_one<E>(gv[k], uv[k]);
+  *reinterpret_cast<P*>(static_cast<S*>(a.out) + t * a.n + j) = o;
 }
 
 template <typename E>
@@ -706,11 +724,16 @@ Status fill_uniform(const FillUniformArgs& a, cuda_rt::StreamHandle stream) {
 
 namespace {
 
-// The tokens a LoRA consumer takes per group: as many as the staged intermediates of a group
-// fit 48 KB of shared memory, at most kLoraGroupTokens.
-int lora_group_tokens(const FusedLoraExpand& e) {
+// The tokens a LoRA consumer takes per group: about a step's tokens per slot (a power of two
+// up to 8, so that the block splits evenly; the slots in use are not known on the host), no
+// more than the staged intermediates of a group fit in 48 KB of shared memory. 0: not even one.
+int lora_group_tokens(const FusedLoraExpand& e, int64_t tokens) {
   const size_t per_token = std::max<size_t>(staged_shrink_bytes(e, 1), 1);
-  return static_cast<int>(std::min<size_t>(kLoraGroupTokens, (48u << 10) / per_token));
+  const int64_t fits = static_cast<int64_t>((48u << 10) / per_token);
+  const int64_t per_slot = tokens / std::max(e.num_slots, 1);
+  int group = 1;
+  while (group < 8 && group * 2 <= per_slot && group * 2 <= fits) group *= 2;
+  return fits >= 1 ? group : 0;
 }
 
 // Whether every slice starts and ends on a multiple of `vec` columns (a vector of the consumer
@@ -731,7 +754,7 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(!(a.clear_delta2 && a.rows != nullptr),
                   "add_rms_norm: clear_delta2 needs rows == nullptr");
   LORAPLEX_RETURN_IF_ERROR(check_fused_lora_expand(a.lora, a.hidden, "add_rms_norm"));
-  LORAPLEX_ENSURE(lora_group_tokens(a.lora) >= 1 || !a.lora.active(),
+  LORAPLEX_ENSURE(!a.lora.active() || lora_group_tokens(a.lora, 1) >= 1,
                   "add_rms_norm: a token's LoRA intermediate of ",
                   a.lora.num_slices * a.lora.max_rank,
                   " columns does not fit 48 KB of shared memory");
@@ -766,7 +789,7 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
 Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_RETURN_IF_ERROR(check_rope_kv_write_args(a));
   const KvCacheView& c = a.cache;
-  LORAPLEX_ENSURE(lora_group_tokens(a.lora) >= 1 || !a.lora.active(),
+  LORAPLEX_ENSURE(!a.lora.active() || lora_group_tokens(a.lora, 1) >= 1,
                   "rope_kv_write: a token's LoRA intermediate of ",
                   a.lora.num_slices * a.lora.max_rank,
                   " columns does not fit 48 KB of shared memory");
@@ -792,8 +815,9 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
       }
       return;
     }
-    const int group = lora_group_tokens(a.lora);
-    const dim3 grid(item_blocks,
+    const int group = lora_group_tokens(a.lora, a.num_tokens);
+    const int per_token = kRopeThreads / group;
+    const dim3 grid(static_cast<unsigned>((items + per_token - 1) / per_token),
                     static_cast<unsigned>(max_token_groups(a.num_tokens, group, a.lora.max_loras)));
     const size_t smem = staged_shrink_bytes(a.lora, group);
     if (!vec) {
@@ -825,7 +849,7 @@ Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.num_rows >= 0 && a.n >= 1 && stride >= 2 * a.n, "silu_mul: bad sizes (n ", a.n,
                   ", row stride ", stride, ")");
   LORAPLEX_RETURN_IF_ERROR(check_fused_lora_expand(a.lora, 2 * a.n, "silu_mul"));
-  LORAPLEX_ENSURE(lora_group_tokens(a.lora) >= 1 || !a.lora.active(),
+  LORAPLEX_ENSURE(!a.lora.active() || lora_group_tokens(a.lora, 1) >= 1,
                   "silu_mul: a token's LoRA intermediate of ", a.lora.num_slices * a.lora.max_rank,
                   " columns does not fit 48 KB of shared memory");
   if (a.num_rows == 0) return Status();
@@ -846,12 +870,13 @@ Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
       }
       return;
     }
-    const int group = lora_group_tokens(a.lora);
+    const int group = lora_group_tokens(a.lora, a.num_rows);
     const size_t smem = staged_shrink_bytes(a.lora, group);
     const unsigned groups =
         static_cast<unsigned>(max_token_groups(a.num_rows, group, a.lora.max_loras));
     const int64_t runs = aligned ? a.n / kVec : a.n;
-    const dim3 grid(static_cast<unsigned>((runs + kThreads - 1) / kThreads), groups);
+    const int per_token = kThreads / group;
+    const dim3 grid(static_cast<unsigned>((runs + per_token - 1) / per_token), groups);
     if (!aligned) {
       silu_mul_lora_kernel<E, 1, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
     } else if (vector_b_rows<E>(a.lora)) {
