@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "loraplex/kernels/model_ops.h"
 
@@ -128,19 +129,33 @@ struct TokenGroup {
 };
 
 // Group g of the step: the active slots' tokens cut into groups of at most `size`, slot by slot.
-// Uniform across the CTA; false past the last group.
+// Every warp finds it on its own, 32 active slots per round (a loop over the slots one by one
+// is a chain of dependent loads: 22 us with 64 slots). False past the last group.
 __device__ bool find_token_group(const LoraMetaView& m, int g, int size, TokenGroup& out) {
   const int active = *m.num_active_loras;
-  for (int a = 0; a < active; ++a) {
-    const int n = m.num_tokens_per_lora[a];
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  for (int a0 = 0; a0 < active; a0 += 32) {
+    const int a = a0 + lane;
+    const int n = a < active ? m.num_tokens_per_lora[a] : 0;
     const int groups = (n + size - 1) / size;
-    if (g < groups) {
-      out.slot = m.active_lora_ids[a];
-      out.begin = m.lora_token_start_loc[a] + g * size;
-      out.count = min(size, n - g * size);
+    int incl = groups;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += up;
+    }
+    const unsigned past = __ballot_sync(0xffffffffu, g < incl);
+    if (past != 0) {
+      const int owner = __ffs(past) - 1;
+      const int first = __shfl_sync(0xffffffffu, incl - groups, owner);
+      const int entry = a0 + owner;
+      const int count = m.num_tokens_per_lora[entry];
+      const int k = g - first;
+      out.slot = m.active_lora_ids[entry];
+      out.begin = m.lora_token_start_loc[entry] + k * size;
+      out.count = min(size, count - k * size);
       return true;
     }
-    g -= groups;
+    g -= __shfl_sync(0xffffffffu, incl, 31);
   }
   return false;
 }
@@ -219,6 +234,9 @@ bool vector_b_rows(const FusedLoraExpand& e) {
     ok = ok && reinterpret_cast<uintptr_t>(e.lora_b[s]) % 16 == 0;
   return ok;
 }
+
+// A LoRA consumer step with fewer threads than this at its widest vectors takes narrower ones.
+constexpr int64_t kSmallStepThreads = int64_t{64} << 10;
 
 // The shared memory a group's staged intermediates need.
 size_t staged_shrink_bytes(const FusedLoraExpand& e, int group) {
@@ -874,15 +892,25 @@ Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
     const size_t smem = staged_shrink_bytes(a.lora, group);
     const unsigned groups =
         static_cast<unsigned>(max_token_groups(a.num_rows, group, a.lora.max_loras));
-    const int64_t runs = aligned ? a.n / kVec : a.n;
     const int per_token = kThreads / group;
-    const dim3 grid(static_cast<unsigned>((runs + per_token - 1) / per_token), groups);
+    const bool vector_b = vector_b_rows<E>(a.lora);
+    auto launch = [&](auto vec) {
+      constexpr int kV = decltype(vec)::value;
+      const dim3 grid(static_cast<unsigned>((a.n / kV + per_token - 1) / per_token), groups);
+      if (kV > 1 && vector_b) {
+        silu_mul_lora_kernel<E, kV, true><<<grid, kThreads, smem, raw(stream)>>>(a, group);
+      } else {
+        silu_mul_lora_kernel<E, kV, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
+      }
+    };
+    // A few tokens spread over the SMs only with fewer columns a thread: each token's B is what
+    // the step reads, and 16-byte runs of a few rows would leave most SMs idle.
     if (!aligned) {
-      silu_mul_lora_kernel<E, 1, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
-    } else if (vector_b_rows<E>(a.lora)) {
-      silu_mul_lora_kernel<E, kVec, true><<<grid, kThreads, smem, raw(stream)>>>(a, group);
+      launch(std::integral_constant<int, 1>{});
+    } else if (a.num_rows * (a.n / kVec) < kSmallStepThreads) {
+      launch(std::integral_constant<int, 2>{});
     } else {
-      silu_mul_lora_kernel<E, kVec, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
+      launch(std::integral_constant<int, kVec>{});
     }
   });
 }
