@@ -113,8 +113,9 @@ def save_bf16_checkpoint(model, model_dir):
     model.to(torch.bfloat16).save_pretrained(model_dir)
 
 
-def load_f32(cls, model_dir):
-    model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+def load_f32(cls, model_dir, **config_overrides):
+    model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                **config_overrides)
     model.eval()
     return model
 
@@ -167,12 +168,14 @@ def reference(model, tok, prompt):
     }
 
 
-def write_expected(fixture_dir, model_cls, model_dir, tok, requests, adapter_dirs, aliases=None):
-    """Runs every request alone through PEFT (or the base model) and writes expected.jsonl and
-    requests.jsonl. `aliases` maps an extra adapter name to one whose outputs it must equal."""
+def write_expected(fixture_dir, model_cls, model_dir, tok, requests, adapter_dirs, aliases=None,
+                   config_overrides=None, name="expected"):
+    """Runs every request alone through PEFT (or the base model) and writes <name>.jsonl (and,
+    for "expected", requests.jsonl). `aliases` maps an extra adapter name to one whose outputs it
+    must equal; `config_overrides` changes config.json's values for this run."""
     lines = []
     for prompt, adapter in requests:
-        base = load_f32(model_cls, model_dir)
+        base = load_f32(model_cls, model_dir, **(config_overrides or {}))
         model = base if adapter is None else PeftModel.from_pretrained(base, adapter_dirs[adapter])
         model.eval()
         r = reference(model, tok, prompt)
@@ -181,9 +184,11 @@ def write_expected(fixture_dir, model_cls, model_dir, tok, requests, adapter_dir
         for line in list(lines):
             if line["adapter"] == target:
                 lines.append({**line, "adapter": alias})
-    with open(os.path.join(fixture_dir, "expected.jsonl"), "w") as f:
+    with open(os.path.join(fixture_dir, name + ".jsonl"), "w") as f:
         for line in lines:
             f.write(json.dumps(line) + "\n")
+    if name != "expected":
+        return lines
     with open(os.path.join(fixture_dir, "requests.jsonl"), "w") as f:
         for line in lines:
             f.write(json.dumps({"prompt": line["prompt"], "adapter": line["adapter"]}) + "\n")
@@ -508,6 +513,11 @@ def build_qwen3_moe(out_root, llama_tokenizer):
     requests = [(p, a) for p in PROMPTS[:5] for a in [None, "attn", "experts", "both"]]
     write_expected(fixture, transformers.Qwen3MoeForCausalLM, model_dir, tok, requests,
                    adapter_dirs, aliases={"experts2d": "experts"})
+    # The same checkpoint with norm_topk_prob false: the top-3 weights not renormalised.
+    write_expected(fixture, transformers.Qwen3MoeForCausalLM, model_dir, tok,
+                   [(p, a) for p in PROMPTS[:5] for a in [None, "both"]], adapter_dirs,
+                   config_overrides={"norm_topk_prob": False},
+                   name="expected_norm_topk_prob_false")
     write_readme(fixture, """# tiny-qwen3-moe
 
 A random Qwen3MoeForCausalLM (2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 32, q_norm /
@@ -518,7 +528,9 @@ adapters (bf16): `attn` (q/k/v/o, r 8), `experts` (only PEFT's 3-D target_parame
 mlp.experts.gate_up_proj / down_proj, r 4), `both` (q/k/v/o and the 3-D experts, r 6) and
 `experts2d` (the `experts` LoRA converted to per-expert 2-D gate_proj/up_proj/down_proj modules,
 as PEFT saves adapters of transformers 4.x Qwen3-MoE; its expected lines are those of
-`experts`, and the script checks it against ParamWrapper.get_delta_weight).""")
+`experts`, and the script checks it against ParamWrapper.get_delta_weight).
+expected_norm_topk_prob_false.jsonl: the base model and `both` with config.json's
+norm_topk_prob set to false (the router's top-3 probabilities used as they are).""")
 
 
 def main():

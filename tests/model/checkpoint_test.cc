@@ -1,7 +1,7 @@
 // Checkpoint layouts that must give exactly the fixture's tokens: sharded weights with an
 // index, float32 instead of bfloat16 storage (the same values), the Mistral architecture name for
-// Llama math, Mixtral with transformers-5 fused expert names; and errors that name the file and
-// the tensor.
+// Llama math, Mixtral and Qwen3-MoE with transformers-5 fused expert names, Qwen3-MoE without
+// top-k renormalisation; and errors that name the file and the tensor.
 
 #include <gtest/gtest.h>
 
@@ -164,19 +164,76 @@ TEST_F(CheckpointVariants, MixtralWithTransformers5FusedExpertNames) {
   expect_fixture_tokens("tiny-mixtral", dir, 2);
 }
 
+TEST_F(CheckpointVariants, Qwen3MoeWithTransformers5FusedExpertNames) {
+  // The 3-D parameters transformers 5 holds in memory (mlp.experts.gate_up_proj [E, 2I, H],
+  // down_proj [E, H, I]) written out instead of the per-expert 4.x names it saves.
+  const std::string dir = copy_model("tiny-qwen3-moe");
+  const auto tensors = read_all(dir + "/model.safetensors");
+  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
+  std::vector<std::pair<std::string, Tensor>> out;
+  const int64_t experts = 8, inter = 32, hidden = 64;
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
+    Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string ep = p + std::to_string(e) + ".";
+      gate_up.select(0, e).narrow(0, 0, inter).copy_from(by_name.at(ep + "gate_proj.weight"));
+      gate_up.select(0, e).narrow(0, inter, inter).copy_from(by_name.at(ep + "up_proj.weight"));
+      down.select(0, e).copy_from(by_name.at(ep + "down_proj.weight"));
+    }
+    out.emplace_back(p + "gate_up_proj", gate_up);
+    out.emplace_back(p + "down_proj", down);
+  }
+  for (const auto& [name, t] : tensors) {
+    if (name.find(".mlp.experts.") == std::string::npos) out.emplace_back(name, t);
+  }
+  write_safetensors(dir + "/model.safetensors", out);
+  expect_fixture_tokens("tiny-qwen3-moe", dir, 3);
+}
+
+TEST_F(CheckpointVariants, Qwen3MoeWithNormTopkProbFalse) {
+  // The same checkpoint with the router's top-k probabilities used as they are, against what
+  // transformers + PEFT generate with that config (the tokens differ from the renormalised ones).
+  const std::string dir = copy_model("tiny-qwen3-moe");
+  edit_config(dir, [](nlohmann::json& j) { j["norm_topk_prob"] = false; });
+  const auto expected = read_expected("tiny-qwen3-moe", "expected_norm_topk_prob_false.jsonl");
+  const auto renormalised = read_expected("tiny-qwen3-moe");
+  std::vector<size_t> order(expected.size());
+  std::iota(order.begin(), order.end(), 0);
+  engine::GenerateConfig cfg = fixture_config("tiny-qwen3-moe", expected, order);
+  cfg.model_dir = dir;
+  const engine::GenerateReport report = engine::run_generate(cfg);
+  size_t differ = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    EXPECT_EQ(report.outputs[i].output_token_ids, expected[i].output_token_ids) << "request " << i;
+    for (const ExpectedLine& r : renormalised) {
+      if (r.prompt == expected[i].prompt && r.adapter == expected[i].adapter) {
+        differ += r.output_token_ids != expected[i].output_token_ids;
+      }
+    }
+  }
+  EXPECT_GE(differ, 3u);
+}
+
 TEST_F(CheckpointVariants, MissingTensorIsNamed) {
-  const std::string dir = copy_model("tiny-qwen2");
-  auto tensors = read_all(dir + "/model.safetensors");
-  std::erase_if(tensors,
-                [](const auto& p) { return p.first == "model.layers.1.self_attn.k_proj.bias"; });
-  write_safetensors(dir + "/model.safetensors", tensors);
-  try {
-    expect_fixture_tokens("tiny-qwen2", dir, 30);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'model.layers.1.self_attn.k_proj.bias'"),
-              std::string::npos)
-        << e.what();
+  const std::pair<const char*, const char*> cases[] = {
+      {"tiny-qwen2", "model.layers.1.self_attn.k_proj.bias"},
+      {"tiny-qwen3", "model.layers.1.self_attn.k_norm.weight"}};
+  for (const auto& [fixture, missing] : cases) {
+    const std::string dir = copy_model(fixture);
+    auto tensors = read_all(dir + "/model.safetensors");
+    std::erase_if(tensors, [&](const auto& p) { return p.first == missing; });
+    write_safetensors(dir + "/model.safetensors", tensors);
+    try {
+      expect_fixture_tokens(fixture, dir, 30);
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      std::string quoted = "'";
+      quoted += missing;
+      quoted += "'";
+      EXPECT_NE(std::string(e.what()).find(quoted), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -219,14 +219,16 @@ TEST(GenerateTinyMixtral, OneMixedBatchMatchesPeft) {
   expect_matches(fixture_config("tiny-mixtral", expected, order), expected, order);
 }
 
-TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
-  const auto expected = read_expected("tiny-mixtral");
+// The fixture's expert adapter as PEFT's 3-D parameters ("experts") and converted to per-expert
+// 2-D modules ("experts2d") through one LoRA slot that the two forms take in turn.
+void expect_2d_and_3d_expert_adapters_agree(const std::string& fixture) {
+  const auto expected = read_expected(fixture);
   std::vector<size_t> order;
   for (size_t i = 0; i < expected.size(); ++i) {
     if (expected[i].adapter == "experts" || expected[i].adapter == "experts2d") order.push_back(i);
   }
   ASSERT_GE(order.size(), 4u);
-  engine::GenerateConfig cfg = fixture_config("tiny-mixtral", expected, order);
+  engine::GenerateConfig cfg = fixture_config(fixture, expected, order);
   cfg.max_loras = 1;  // one slot: the two forms replace each other in it
   cfg.max_num_seqs = 3;
   const auto report = engine::run_generate(cfg);
@@ -238,6 +240,46 @@ TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
     }
     EXPECT_EQ(report.outputs[i].output_token_ids, expected[order[i]].output_token_ids);
   }
+}
+
+TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
+  expect_2d_and_3d_expert_adapters_agree("tiny-mixtral");
+}
+
+TEST(GenerateTinyQwen3, OneMixedBatchMatchesPeft) {
+  // The base model, an attention adapter and an all-linear one (q/k LoRA before q_norm/k_norm).
+  const auto expected = read_expected("tiny-qwen3");
+  ASSERT_EQ(expected.size(), 18u);
+  const auto order = identity_order(expected.size());
+  const auto report =
+      expect_matches(fixture_config("tiny-qwen3", expected, order), expected, order);
+  EXPECT_EQ(report.stats.max_batch, 18);
+  EXPECT_EQ(report.stats.max_step_adapters, 2);
+}
+
+TEST(GenerateTinyQwen3, OneSequenceAtATimeMatchesPeft) {
+  const auto expected = read_expected("tiny-qwen3");
+  auto order = identity_order(expected.size());
+  std::mt19937_64 rng(7);
+  std::shuffle(order.begin(), order.end(), rng);
+  engine::GenerateConfig cfg = fixture_config("tiny-qwen3", expected, order);
+  cfg.max_num_seqs = 1;
+  expect_matches(cfg, expected, order);
+}
+
+TEST(GenerateTinyQwen3Moe, OneMixedBatchMatchesPeft) {
+  // The base model and adapters on attention, on the experts (3-D and 2-D) and on both.
+  const auto expected = read_expected("tiny-qwen3-moe");
+  ASSERT_EQ(expected.size(), 25u);
+  const auto order = identity_order(expected.size());
+  const auto report =
+      expect_matches(fixture_config("tiny-qwen3-moe", expected, order), expected, order);
+  EXPECT_EQ(report.stats.max_batch, 25);
+  EXPECT_EQ(report.stats.max_step_adapters, 4);
+}
+
+TEST(GenerateTinyQwen3Moe, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
+  expect_2d_and_3d_expert_adapters_agree("tiny-qwen3-moe");
 }
 
 // The CUDA path reproduces the float32 references token for token, and in bfloat16 the first
@@ -272,7 +314,8 @@ TEST_P(GenerateCuda, Bfloat16FirstTokenWhereTheMarginIsClear) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GenerateCuda,
-                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mixtral"),
+                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-qwen3",
+                                           "tiny-qwen3-moe"),
                          [](const auto& info) {
                            std::string n = info.param;
                            std::replace(n.begin(), n.end(), '-', '_');
