@@ -346,13 +346,19 @@ def check_2d_conversion(model_dir, adapter_dirs, cfg, model_cls=transformers.Mix
     assert checked == 2 * cfg.num_hidden_layers * num_experts, checked
 
 
-def build_mixtral(out_root, llama_tokenizer):
-    fixture = os.path.join(out_root, "tiny-mixtral")
+def new_fixture(out_root, name, llama_tokenizer):
+    """An empty testdata/<name> with model/ holding tiny-llama's byte-level tokenizer."""
+    fixture = os.path.join(out_root, name)
     shutil.rmtree(fixture, ignore_errors=True)
     model_dir = os.path.join(fixture, "model")
     os.makedirs(model_dir)
     shutil.copy(llama_tokenizer, os.path.join(model_dir, "tokenizer.json"))
     tok = hf_tokenizer(model_dir, "<|begin_of_text|>", "<|end_of_text|>")
+    return fixture, model_dir, tok
+
+
+def build_mixtral(out_root, llama_tokenizer):
+    fixture, model_dir, tok = new_fixture(out_root, "tiny-mixtral", llama_tokenizer)
     cfg = transformers.MixtralConfig(
         vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
@@ -424,12 +430,7 @@ def init_weights(model, seed, router_scale=0.5):
 
 
 def build_qwen3(out_root, llama_tokenizer):
-    fixture = os.path.join(out_root, "tiny-qwen3")
-    shutil.rmtree(fixture, ignore_errors=True)
-    model_dir = os.path.join(fixture, "model")
-    os.makedirs(model_dir)
-    shutil.copy(llama_tokenizer, os.path.join(model_dir, "tokenizer.json"))
-    tok = hf_tokenizer(model_dir, "<|begin_of_text|>", "<|end_of_text|>")
+    fixture, model_dir, tok = new_fixture(out_root, "tiny-qwen3", llama_tokenizer)
     # head_dim 32 is not hidden / heads (16): the explicit head_dim is what counts.
     cfg = transformers.Qwen3Config(
         vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -467,12 +468,7 @@ and `all` (all-linear, r 8 with rank_pattern/alpha_pattern, bf16).""")
 
 
 def build_qwen3_moe(out_root, llama_tokenizer):
-    fixture = os.path.join(out_root, "tiny-qwen3-moe")
-    shutil.rmtree(fixture, ignore_errors=True)
-    model_dir = os.path.join(fixture, "model")
-    os.makedirs(model_dir)
-    shutil.copy(llama_tokenizer, os.path.join(model_dir, "tokenizer.json"))
-    tok = hf_tokenizer(model_dir, "<|begin_of_text|>", "<|end_of_text|>")
+    fixture, model_dir, tok = new_fixture(out_root, "tiny-qwen3-moe", llama_tokenizer)
     num_experts = 8
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

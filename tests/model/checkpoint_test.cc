@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -75,6 +76,41 @@ class CheckpointVariants : public ::testing::Test {
     }
   }
 
+  // Rewrites the 2-layer, hidden-64 MoE checkpoint in `dir` from the per-expert 4.x names
+  // (<moe>.experts.N.<gate|up|down>.weight, router <moe>.gate.weight) to the 3-D parameters
+  // transformers 5 holds in memory: mlp.experts.gate_up_proj [E, 2I, H] (gate rows, then up),
+  // mlp.experts.down_proj [E, H, I] and the router at mlp.gate.weight.
+  static void fuse_experts(const std::string& dir, const std::string& moe,
+                           const std::array<std::string, 3>& names, int64_t experts,
+                           int64_t inter) {
+    const int64_t hidden = 64;
+    const auto tensors = read_all(dir + "/model.safetensors");
+    std::map<std::string, Tensor> left(tensors.begin(), tensors.end());
+    std::vector<std::pair<std::string, Tensor>> out;
+    auto take = [&](const std::string& name) {
+      const Tensor t = left.at(name);
+      left.erase(name);
+      return t;
+    };
+    for (int l = 0; l < 2; ++l) {
+      const std::string old_p = "model.layers." + std::to_string(l) + "." + moe + ".";
+      const std::string new_p = "model.layers." + std::to_string(l) + ".mlp.";
+      Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
+      Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
+      for (int64_t e = 0; e < experts; ++e) {
+        const std::string ep = old_p + "experts." + std::to_string(e) + ".";
+        gate_up.select(0, e).narrow(0, 0, inter).copy_from(take(ep + names[0] + ".weight"));
+        gate_up.select(0, e).narrow(0, inter, inter).copy_from(take(ep + names[1] + ".weight"));
+        down.select(0, e).copy_from(take(ep + names[2] + ".weight"));
+      }
+      out.emplace_back(new_p + "experts.gate_up_proj", gate_up);
+      out.emplace_back(new_p + "experts.down_proj", down);
+      out.emplace_back(new_p + "gate.weight", take(old_p + "gate.weight"));
+    }
+    out.insert(out.end(), left.begin(), left.end());
+    write_safetensors(dir + "/model.safetensors", out);
+  }
+
   fs::path tmp_;
 };
 
@@ -138,57 +174,13 @@ TEST_F(CheckpointVariants, MistralArchitectureRunsLlamaMath) {
 
 TEST_F(CheckpointVariants, MixtralWithTransformers5FusedExpertNames) {
   const std::string dir = copy_model("tiny-mixtral");
-  const auto tensors = read_all(dir + "/model.safetensors");
-  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
-  std::vector<std::pair<std::string, Tensor>> out;
-  const int64_t experts = 4, inter = 96, hidden = 64;
-  for (int l = 0; l < 2; ++l) {
-    const std::string old_p = "model.layers." + std::to_string(l) + ".block_sparse_moe.";
-    const std::string new_p = "model.layers." + std::to_string(l) + ".mlp.";
-    Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
-    Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
-    for (int64_t e = 0; e < experts; ++e) {
-      const std::string ep = old_p + "experts." + std::to_string(e) + ".";
-      gate_up.select(0, e).narrow(0, 0, inter).copy_from(by_name.at(ep + "w1.weight"));
-      gate_up.select(0, e).narrow(0, inter, inter).copy_from(by_name.at(ep + "w3.weight"));
-      down.select(0, e).copy_from(by_name.at(ep + "w2.weight"));
-    }
-    out.emplace_back(new_p + "experts.gate_up_proj", gate_up);
-    out.emplace_back(new_p + "experts.down_proj", down);
-    out.emplace_back(new_p + "gate.weight", by_name.at(old_p + "gate.weight"));
-  }
-  for (const auto& [name, t] : tensors) {
-    if (name.find("block_sparse_moe") == std::string::npos) out.emplace_back(name, t);
-  }
-  write_safetensors(dir + "/model.safetensors", out);
+  fuse_experts(dir, "block_sparse_moe", {"w1", "w3", "w2"}, 4, 96);
   expect_fixture_tokens("tiny-mixtral", dir, 2);
 }
 
 TEST_F(CheckpointVariants, Qwen3MoeWithTransformers5FusedExpertNames) {
-  // The 3-D parameters transformers 5 holds in memory (mlp.experts.gate_up_proj [E, 2I, H],
-  // down_proj [E, H, I]) written out instead of the per-expert 4.x names it saves.
   const std::string dir = copy_model("tiny-qwen3-moe");
-  const auto tensors = read_all(dir + "/model.safetensors");
-  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
-  std::vector<std::pair<std::string, Tensor>> out;
-  const int64_t experts = 8, inter = 32, hidden = 64;
-  for (int l = 0; l < 2; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
-    Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
-    Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
-    for (int64_t e = 0; e < experts; ++e) {
-      const std::string ep = p + std::to_string(e) + ".";
-      gate_up.select(0, e).narrow(0, 0, inter).copy_from(by_name.at(ep + "gate_proj.weight"));
-      gate_up.select(0, e).narrow(0, inter, inter).copy_from(by_name.at(ep + "up_proj.weight"));
-      down.select(0, e).copy_from(by_name.at(ep + "down_proj.weight"));
-    }
-    out.emplace_back(p + "gate_up_proj", gate_up);
-    out.emplace_back(p + "down_proj", down);
-  }
-  for (const auto& [name, t] : tensors) {
-    if (name.find(".mlp.experts.") == std::string::npos) out.emplace_back(name, t);
-  }
-  write_safetensors(dir + "/model.safetensors", out);
+  fuse_experts(dir, "mlp", {"gate_proj", "up_proj", "down_proj"}, 8, 32);
   expect_fixture_tokens("tiny-qwen3-moe", dir, 3);
 }
 

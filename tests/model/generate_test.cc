@@ -202,14 +202,19 @@ TEST(GenerateTinyQwen2, OneMixedBatchMatchesPeft) {
   EXPECT_EQ(report.stats.max_step_adapters, 3);
 }
 
-TEST(GenerateTinyQwen2, OneSequenceAtATimeMatchesPeft) {
-  const auto expected = read_expected("tiny-qwen2");
+// The fixture's requests in a shuffled order, one sequence per step.
+void expect_one_sequence_at_a_time_matches(const std::string& fixture, uint64_t seed) {
+  const auto expected = read_expected(fixture);
   auto order = identity_order(expected.size());
-  std::mt19937_64 rng(5);
+  std::mt19937_64 rng(seed);
   std::shuffle(order.begin(), order.end(), rng);
-  engine::GenerateConfig cfg = fixture_config("tiny-qwen2", expected, order);
+  engine::GenerateConfig cfg = fixture_config(fixture, expected, order);
   cfg.max_num_seqs = 1;
   expect_matches(cfg, expected, order);
+}
+
+TEST(GenerateTinyQwen2, OneSequenceAtATimeMatchesPeft) {
+  expect_one_sequence_at_a_time_matches("tiny-qwen2", 5);
 }
 
 TEST(GenerateTinyMixtral, OneMixedBatchMatchesPeft) {
@@ -258,13 +263,7 @@ TEST(GenerateTinyQwen3, OneMixedBatchMatchesPeft) {
 }
 
 TEST(GenerateTinyQwen3, OneSequenceAtATimeMatchesPeft) {
-  const auto expected = read_expected("tiny-qwen3");
-  auto order = identity_order(expected.size());
-  std::mt19937_64 rng(7);
-  std::shuffle(order.begin(), order.end(), rng);
-  engine::GenerateConfig cfg = fixture_config("tiny-qwen3", expected, order);
-  cfg.max_num_seqs = 1;
-  expect_matches(cfg, expected, order);
+  expect_one_sequence_at_a_time_matches("tiny-qwen3", 7);
 }
 
 TEST(GenerateTinyQwen3Moe, OneMixedBatchMatchesPeft) {
