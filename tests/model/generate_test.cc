@@ -251,15 +251,19 @@ TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
   expect_2d_and_3d_expert_adapters_agree("tiny-mixtral");
 }
 
+// All of the fixture's `requests` in one batch, whose steps hold the base model and `adapters`.
+void expect_one_batch_matches(const std::string& fixture, size_t requests, int64_t adapters) {
+  const auto expected = read_expected(fixture);
+  ASSERT_EQ(expected.size(), requests);
+  const auto order = identity_order(expected.size());
+  const auto report = expect_matches(fixture_config(fixture, expected, order), expected, order);
+  EXPECT_EQ(report.stats.max_batch, static_cast<int64_t>(requests));
+  EXPECT_EQ(report.stats.max_step_adapters, adapters);
+}
+
 TEST(GenerateTinyQwen3, OneMixedBatchMatchesPeft) {
   // The base model, an attention adapter and an all-linear one (q/k LoRA before q_norm/k_norm).
-  const auto expected = read_expected("tiny-qwen3");
-  ASSERT_EQ(expected.size(), 18u);
-  const auto order = identity_order(expected.size());
-  const auto report =
-      expect_matches(fixture_config("tiny-qwen3", expected, order), expected, order);
-  EXPECT_EQ(report.stats.max_batch, 18);
-  EXPECT_EQ(report.stats.max_step_adapters, 2);
+  expect_one_batch_matches("tiny-qwen3", 18, 2);
 }
 
 TEST(GenerateTinyQwen3, OneSequenceAtATimeMatchesPeft) {
@@ -268,13 +272,7 @@ TEST(GenerateTinyQwen3, OneSequenceAtATimeMatchesPeft) {
 
 TEST(GenerateTinyQwen3Moe, OneMixedBatchMatchesPeft) {
   // The base model and adapters on attention, on the experts (3-D and 2-D) and on both.
-  const auto expected = read_expected("tiny-qwen3-moe");
-  ASSERT_EQ(expected.size(), 25u);
-  const auto order = identity_order(expected.size());
-  const auto report =
-      expect_matches(fixture_config("tiny-qwen3-moe", expected, order), expected, order);
-  EXPECT_EQ(report.stats.max_batch, 25);
-  EXPECT_EQ(report.stats.max_step_adapters, 4);
+  expect_one_batch_matches("tiny-qwen3-moe", 25, 4);
 }
 
 TEST(GenerateTinyQwen3Moe, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
