@@ -624,7 +624,7 @@ TEST_F(EngineTinyLlama, MetricsCountRequestsTokensAndTimes) {
 }
 
 TEST(EngineFixtures, QwenAndMixtralMatchPeft) {
-  for (const char* fixture : {"tiny-qwen2", "tiny-mixtral"}) {
+  for (const char* fixture : {"tiny-qwen2", "tiny-mixtral", "tiny-qwen3", "tiny-qwen3-moe"}) {
     const std::vector<ExpectedLine> expected = read_expected(fixture);
     EngineOptions o = small_options();
     o.max_num_batched_tokens = 5;  // chunked prefill as well

@@ -1,7 +1,8 @@
 // Fused MoE with LoRA: the whole layer (routing, SiLU-gated experts, router-weighted sum, w13
 // and w2 LoRA deltas) against a double-precision computation written from the definitions, for
 // per-expert 2-D adapters and PEFT's 3-D expert parameters, at tensor-parallel sizes 1/2/4,
-// fully sharded vs not, reset and validation, GPU and NCCL variants.
+// fully sharded vs not, routing with exact ties and with every token on one expert (top-k
+// renormalised or not), reset and validation, GPU and NCCL variants.
 
 #include <gtest/gtest.h>
 
@@ -49,6 +50,8 @@ struct MoeProblem {
   std::map<int, std::vector<std::vector<ExpertLora>>> final_lora;
   bool gate_up_3d = false;
   GateUpLayout layout = GateUpLayout::kConcatenated;
+  int top_k = kTopK;
+  bool renormalize = true;  // Mixtral; Qwen3-MoE with norm_topk_prob
 };
 
 ExpertLora as_matrices(const LoraSliceWeights& w) {
@@ -106,7 +109,7 @@ void make_routing_unambiguous(MoeProblem& p, std::mt19937_64& rng) {
   }
 }
 
-MoeProblem make_base(uint64_t seed, int tokens) {
+MoeProblem make_base(uint64_t seed, int tokens, bool unambiguous = true) {
   std::mt19937_64 rng(seed);
   MoeProblem p;
   p.tokens = tokens;
@@ -117,15 +120,15 @@ MoeProblem make_base(uint64_t seed, int tokens) {
     p.w3.push_back(test::random_tensor({kInter, kHidden}, kF32, rng, 0.3f));
     p.w2.push_back(test::random_tensor({kHidden, kInter}, kF32, rng, 0.3f));
   }
-  make_routing_unambiguous(p, rng);
+  if (unambiguous) make_routing_unambiguous(p, rng);
   p.slots = test::mixed_slots(tokens, kMaxLoras, rng);
   return p;
 }
 
 // Slot 0: all projections, rank 16. Slot 1: rank 9 everywhere, then replaced by rank 5 on w1
 // and w2 only with expert 3 untargeted. Slot 2: ranks 2..4 varying by expert. Slot 3: none.
-MoeProblem make_problem(uint64_t seed, int tokens = 29) {
-  MoeProblem p = make_base(seed, tokens);
+MoeProblem make_problem(uint64_t seed, int tokens = 29, bool unambiguous = true) {
+  MoeProblem p = make_base(seed, tokens, unambiguous);
   std::mt19937_64 rng(seed + 1);
   const bool all[3] = {true, true, true};
   const bool w1_w2[3] = {true, false, true};
@@ -162,7 +165,7 @@ std::vector<double> reference(const MoeProblem& p) {
   }
   std::vector<double> y(static_cast<size_t>(p.tokens * kHidden), 0.0);
   for (int t = 0; t < p.tokens; ++t) {
-    // softmax, top-k, renormalise
+    // softmax, top-k (ties to the lower expert id), renormalised when the problem says so
     std::vector<double> prob(kExperts);
     double mx = -1e300;
     for (int e = 0; e < kExperts; ++e) mx = std::max(mx, logits[t * kExperts + e]);
@@ -173,13 +176,13 @@ std::vector<double> reference(const MoeProblem& p) {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return prob[a] > prob[b]; });
     double picked = 0.0;
-    for (int k = 0; k < kTopK; ++k) picked += prob[order[k]];
+    for (int k = 0; k < p.top_k; ++k) picked += prob[order[k]];
     const std::vector<double> xt(xv.begin() + t * kHidden, xv.begin() + (t + 1) * kHidden);
     const int slot = p.slots[static_cast<size_t>(t)];
     const auto lora = p.final_lora.find(slot);
-    for (int k = 0; k < kTopK; ++k) {
+    for (int k = 0; k < p.top_k; ++k) {
       const int e = order[k];
-      const double w = prob[e] / picked;
+      const double w = p.renormalize ? prob[e] / picked : prob[e];
       std::vector<double> gate(kInter, 0.0), up(kInter, 0.0);
       for (int64_t o = 0; o < kInter; ++o) {
         for (int64_t i = 0; i < kHidden; ++i) {
@@ -229,7 +232,7 @@ std::vector<double> run_moe(const MoeProblem& p, Backend backend, int tp, bool f
     const Stream stream = Stream::default_for(device);
     PunicaWrapper punica(kMaxLoras, p.tokens, 4, device);
     punica.update_metadata(p.slots, {}, stream);
-    MoeSpec spec{kExperts, kTopK, kHidden, kInter, kF32, true};
+    MoeSpec spec{kExperts, p.top_k, kHidden, kInter, kF32, p.renormalize};
     FusedMoeWithLora layer(spec, {kMaxLoras, kMaxRank, kF32, fully_sharded}, comm, device,
                            p.tokens);
     if (p.gate_up_3d) {
@@ -299,6 +302,69 @@ TEST(FusedMoeLoraSharded, DecodeNaiveBlocks_tp4) {
   check_moe(make_problem(15, 2), Backend::kCpu, 4, true);
 }
 TEST(FusedMoeLora, Cuda_tp1) { check_moe(make_problem(1), Backend::kCuda, 1, false); }
+
+// ---------------------------------------------------------------- routing
+
+// Routing decided by input column 0 alone: router row e is c[e] there and zero elsewhere, and
+// every token's x[0] is positive, so logit e = c[e] * x[t, 0] exactly (the other products are
+// zeros) and equal c give equal logits whatever the summation order: exact ties.
+MoeProblem make_routed_problem(uint64_t seed, const std::vector<float>& c, int top_k,
+                               bool renormalize) {
+  MoeProblem p = make_problem(seed, 29, false);
+  p.top_k = top_k;
+  p.renormalize = renormalize;
+  std::fill_n(p.router.data<float>(), kExperts * kHidden, 0.0f);
+  for (int e = 0; e < kExperts; ++e) p.router.data<float>()[e * kHidden] = c[e];
+  for (int t = 0; t < p.tokens; ++t) {
+    float& x0 = p.x.data<float>()[t * kHidden];
+    x0 = 0.25f + std::abs(x0);
+  }
+  return p;
+}
+
+// Expert 2 first, then experts 1, 3 and 5 tie: top-2 takes expert 1 (the lowest id) and leaves
+// 3 and 5; top-3 takes 1 and 3 with equal weights. The reference breaks ties by expert id.
+const std::vector<float> kTiedRouter = {1.0f, 2.0f, 3.0f, 2.0f, 0.5f, 2.0f, -1.0f, 0.0f};
+// Expert 5 far above the rest, which all tie: every token's first choice is expert 5, its
+// second expert 0.
+const std::vector<float> kOneExpertRouter = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 9.0f, 0.0f, 0.0f};
+
+TEST(FusedMoeRouting, TiesGoToTheLowestExpertId) {
+  for (bool renormalize : {true, false}) {
+    for (int top_k : {2, 3}) {
+      SCOPED_TRACE("top_k " + std::to_string(top_k) + (renormalize ? " renormalised" : ""));
+      check_moe(make_routed_problem(71, kTiedRouter, top_k, renormalize), Backend::kCpu, 1, false);
+    }
+  }
+  check_moe(make_routed_problem(72, kTiedRouter, 2, false), Backend::kCpu, 2, false);
+}
+
+TEST(FusedMoeRouting, AllTokensOnOneExpert) {
+  for (bool renormalize : {true, false}) {
+    for (int top_k : {1, 2}) {
+      SCOPED_TRACE("top_k " + std::to_string(top_k) + (renormalize ? " renormalised" : ""));
+      check_moe(make_routed_problem(73, kOneExpertRouter, top_k, renormalize), Backend::kCpu, 1,
+                false);
+    }
+  }
+  check_moe(make_routed_problem(74, kOneExpertRouter, 1, true), Backend::kCpu, 2, true);
+}
+
+// Without renormalisation (Qwen3-MoE's norm_topk_prob false) the top-k weights are the softmax
+// probabilities themselves: the output differs from the renormalised layer's.
+TEST(FusedMoeRouting, RenormalisationChangesTheOutputAsTheReferenceSays) {
+  MoeProblem p = make_problem(75);
+  const std::vector<double> renormalised = run_moe(p, Backend::kCpu, 1, false);
+  p.renormalize = false;
+  check_moe(p, Backend::kCpu, 1, false);
+  EXPECT_GT(test::tolerance_ratio(run_moe(p, Backend::kCpu, 1, false), renormalised, 1e-3, 1e-3),
+            1.0);
+}
+
+TEST(FusedMoeRouting, Cuda_tp1) {
+  check_moe(make_routed_problem(76, kTiedRouter, 3, false), Backend::kCuda, 1, false);
+  check_moe(make_routed_problem(77, kOneExpertRouter, 2, true), Backend::kCuda, 1, false);
+}
 TEST(FusedMoeLora, Nccl_tp2) { check_moe(make_problem(2), Backend::kNccl, 2, false); }
 TEST(FusedMoeLoraSharded, Nccl_tp2) { check_moe(make_problem(12), Backend::kNccl, 2, true); }
 

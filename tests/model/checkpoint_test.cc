@@ -1,10 +1,11 @@
 // Checkpoint layouts that must give exactly the fixture's tokens: sharded weights with an
 // index, float32 instead of bfloat16 storage (the same values), the Mistral architecture name for
-// Llama math, Mixtral with transformers-5 fused expert names; and errors that name the file and
-// the tensor.
+// Llama math, Mixtral and Qwen3-MoE with transformers-5 fused expert names, Qwen3-MoE without
+// top-k renormalisation; and errors that name the file and the tensor.
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -75,6 +76,41 @@ class CheckpointVariants : public ::testing::Test {
     }
   }
 
+  // Rewrites the 2-layer, hidden-64 MoE checkpoint in `dir` from the per-expert 4.x names
+  // (<moe>.experts.N.<gate|up|down>.weight, router <moe>.gate.weight) to the 3-D parameters
+  // transformers 5 holds in memory: mlp.experts.gate_up_proj [E, 2I, H] (gate rows, then up),
+  // mlp.experts.down_proj [E, H, I] and the router at mlp.gate.weight.
+  static void fuse_experts(const std::string& dir, const std::string& moe,
+                           const std::array<std::string, 3>& names, int64_t experts,
+                           int64_t inter) {
+    const int64_t hidden = 64;
+    const auto tensors = read_all(dir + "/model.safetensors");
+    std::map<std::string, Tensor> left(tensors.begin(), tensors.end());
+    std::vector<std::pair<std::string, Tensor>> out;
+    auto take = [&](const std::string& name) {
+      const Tensor t = left.at(name);
+      left.erase(name);
+      return t;
+    };
+    for (int l = 0; l < 2; ++l) {
+      const std::string old_p = "model.layers." + std::to_string(l) + "." + moe + ".";
+      const std::string new_p = "model.layers." + std::to_string(l) + ".mlp.";
+      Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
+      Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
+      for (int64_t e = 0; e < experts; ++e) {
+        const std::string ep = old_p + "experts." + std::to_string(e) + ".";
+        gate_up.select(0, e).narrow(0, 0, inter).copy_from(take(ep + names[0] + ".weight"));
+        gate_up.select(0, e).narrow(0, inter, inter).copy_from(take(ep + names[1] + ".weight"));
+        down.select(0, e).copy_from(take(ep + names[2] + ".weight"));
+      }
+      out.emplace_back(new_p + "experts.gate_up_proj", gate_up);
+      out.emplace_back(new_p + "experts.down_proj", down);
+      out.emplace_back(new_p + "gate.weight", take(old_p + "gate.weight"));
+    }
+    out.insert(out.end(), left.begin(), left.end());
+    write_safetensors(dir + "/model.safetensors", out);
+  }
+
   fs::path tmp_;
 };
 
@@ -138,45 +174,58 @@ TEST_F(CheckpointVariants, MistralArchitectureRunsLlamaMath) {
 
 TEST_F(CheckpointVariants, MixtralWithTransformers5FusedExpertNames) {
   const std::string dir = copy_model("tiny-mixtral");
-  const auto tensors = read_all(dir + "/model.safetensors");
-  std::map<std::string, Tensor> by_name(tensors.begin(), tensors.end());
-  std::vector<std::pair<std::string, Tensor>> out;
-  const int64_t experts = 4, inter = 96, hidden = 64;
-  for (int l = 0; l < 2; ++l) {
-    const std::string old_p = "model.layers." + std::to_string(l) + ".block_sparse_moe.";
-    const std::string new_p = "model.layers." + std::to_string(l) + ".mlp.";
-    Tensor gate_up = Tensor::empty({experts, 2 * inter, hidden}, DType::kBF16);
-    Tensor down = Tensor::empty({experts, hidden, inter}, DType::kBF16);
-    for (int64_t e = 0; e < experts; ++e) {
-      const std::string ep = old_p + "experts." + std::to_string(e) + ".";
-      gate_up.select(0, e).narrow(0, 0, inter).copy_from(by_name.at(ep + "w1.weight"));
-      gate_up.select(0, e).narrow(0, inter, inter).copy_from(by_name.at(ep + "w3.weight"));
-      down.select(0, e).copy_from(by_name.at(ep + "w2.weight"));
-    }
-    out.emplace_back(new_p + "experts.gate_up_proj", gate_up);
-    out.emplace_back(new_p + "experts.down_proj", down);
-    out.emplace_back(new_p + "gate.weight", by_name.at(old_p + "gate.weight"));
-  }
-  for (const auto& [name, t] : tensors) {
-    if (name.find("block_sparse_moe") == std::string::npos) out.emplace_back(name, t);
-  }
-  write_safetensors(dir + "/model.safetensors", out);
+  fuse_experts(dir, "block_sparse_moe", {"w1", "w3", "w2"}, 4, 96);
   expect_fixture_tokens("tiny-mixtral", dir, 2);
 }
 
+TEST_F(CheckpointVariants, Qwen3MoeWithTransformers5FusedExpertNames) {
+  const std::string dir = copy_model("tiny-qwen3-moe");
+  fuse_experts(dir, "mlp", {"gate_proj", "up_proj", "down_proj"}, 8, 32);
+  expect_fixture_tokens("tiny-qwen3-moe", dir, 3);
+}
+
+TEST_F(CheckpointVariants, Qwen3MoeWithNormTopkProbFalse) {
+  // The same checkpoint with the router's top-k probabilities used as they are, against what
+  // transformers + PEFT generate with that config (the tokens differ from the renormalised ones).
+  const std::string dir = copy_model("tiny-qwen3-moe");
+  edit_config(dir, [](nlohmann::json& j) { j["norm_topk_prob"] = false; });
+  const auto expected = read_expected("tiny-qwen3-moe", "expected_norm_topk_prob_false.jsonl");
+  const auto renormalised = read_expected("tiny-qwen3-moe");
+  std::vector<size_t> order(expected.size());
+  std::iota(order.begin(), order.end(), 0);
+  engine::GenerateConfig cfg = fixture_config("tiny-qwen3-moe", expected, order);
+  cfg.model_dir = dir;
+  const engine::GenerateReport report = engine::run_generate(cfg);
+  size_t differ = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    EXPECT_EQ(report.outputs[i].output_token_ids, expected[i].output_token_ids) << "request " << i;
+    for (const ExpectedLine& r : renormalised) {
+      if (r.prompt == expected[i].prompt && r.adapter == expected[i].adapter) {
+        differ += r.output_token_ids != expected[i].output_token_ids;
+      }
+    }
+  }
+  EXPECT_GE(differ, 3u);
+}
+
 TEST_F(CheckpointVariants, MissingTensorIsNamed) {
-  const std::string dir = copy_model("tiny-qwen2");
-  auto tensors = read_all(dir + "/model.safetensors");
-  std::erase_if(tensors,
-                [](const auto& p) { return p.first == "model.layers.1.self_attn.k_proj.bias"; });
-  write_safetensors(dir + "/model.safetensors", tensors);
-  try {
-    expect_fixture_tokens("tiny-qwen2", dir, 30);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'model.layers.1.self_attn.k_proj.bias'"),
-              std::string::npos)
-        << e.what();
+  const std::pair<const char*, const char*> cases[] = {
+      {"tiny-qwen2", "model.layers.1.self_attn.k_proj.bias"},
+      {"tiny-qwen3", "model.layers.1.self_attn.k_norm.weight"}};
+  for (const auto& [fixture, missing] : cases) {
+    const std::string dir = copy_model(fixture);
+    auto tensors = read_all(dir + "/model.safetensors");
+    std::erase_if(tensors, [&](const auto& p) { return p.first == missing; });
+    write_safetensors(dir + "/model.safetensors", tensors);
+    try {
+      expect_fixture_tokens(fixture, dir, 30);
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      std::string quoted = "'";
+      quoted += missing;
+      quoted += "'";
+      EXPECT_NE(std::string(e.what()).find(quoted), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -1,9 +1,11 @@
 // The decoder's step on random weights of a tiny shape: a prompt run whole or in chunks gives
-// the same tokens, a mixed batch gives what each sequence gives alone, and on a GPU the CUDA-
-// graph decode steps give the same tokens as eager steps and as the CPU (float32).
+// the same tokens, a mixed batch gives what each sequence gives alone, the Qwen3 benchmark
+// shapes' families run at a small size, and on a GPU the CUDA-graph decode steps give the same
+// tokens as eager steps and as the CPU (float32).
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -182,6 +184,81 @@ TEST(RandomDecoder, RandomPeftAdaptersLoadAndMoveTheOutput) {
   ASSERT_EQ(r.logprobs.size(), 2u);
   EXPECT_NE(r.logprobs[0], r.logprobs[1]) << "the adapter changed nothing";
   EXPECT_THROW(write_random_peft_adapter(dir + "x", c, 8, {"qkv"}, 1), Error);
+}
+
+// The Qwen3 benchmark shapes are the published models', and the same families at a small size
+// run on the CPU from random weights, with a random adapter on every linear projection (the
+// experts' for Qwen3-MoE); the decode floor's byte count is what the decoder uploads.
+TEST(RandomDecoder, Qwen3ShapesAndTheirFamiliesAtTinyScale) {
+  const ModelConfig dense = model_shape("qwen3-8b");
+  EXPECT_EQ(dense.arch, Architecture::kQwen3);
+  EXPECT_EQ(std::vector<int64_t>({dense.hidden_size, dense.num_layers, dense.num_heads,
+                                  dense.num_kv_heads, dense.head_dim, dense.intermediate_size,
+                                  dense.vocab_size}),
+            std::vector<int64_t>({4096, 36, 32, 8, 128, 12288, 151936}));
+  EXPECT_TRUE(dense.qk_norm);
+  EXPECT_FALSE(dense.is_moe());
+  const ModelConfig moe = model_shape("qwen3-30b-a3b");
+  EXPECT_EQ(moe.arch, Architecture::kQwen3Moe);
+  EXPECT_EQ(std::vector<int64_t>({moe.hidden_size, moe.num_layers, moe.num_heads, moe.num_kv_heads,
+                                  moe.head_dim, moe.num_experts, moe.num_experts_per_tok,
+                                  moe.intermediate_size, moe.vocab_size}),
+            std::vector<int64_t>({2048, 48, 32, 4, 128, 128, 8, 768, 151936}));
+  EXPECT_TRUE(moe.qk_norm);
+  EXPECT_TRUE(moe.moe_renormalize);
+  EXPECT_EQ(model_shape("qwen3-30b-a3b", 3).num_layers, 3);
+  for (ModelConfig c : {dense, moe}) {
+    c.vocab_size = 300;
+    c.hidden_size = 64;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 32;
+    c.intermediate_size = c.is_moe() ? 32 : 96;
+    if (c.is_moe()) c.num_experts = 8;
+    c.max_position_embeddings = 256;
+    const std::string name = architecture_name(c.arch);
+    DecoderOptions o;
+    o.max_loras = 1;
+    o.max_lora_rank = 4;
+    o.max_num_tokens = 64;
+    o.max_num_seqs = 4;
+    o.kv_blocks = 16;
+    auto d = Decoder::create_random(c, o, 5);
+    EXPECT_EQ(d->weight_bytes(), decode_weight_bytes(c, DType::kF32) + c.vocab_size * 64 * 4)
+        << name;
+    Seq s;
+    s.tokens = prompt(19, 8);
+    for (int32_t& t : s.tokens) t %= 300;
+    s.blocks = {0, 1};
+    const auto whole = generate(*d, {s}, 0, 5);
+    EXPECT_EQ(generate(*d, {s}, 4, 5), whole) << name;
+    const std::string dir = ::testing::TempDir() + "/loraplex_random_" + name;
+    write_random_peft_adapter(dir, c, 4, all_linear_targets(c), 6);
+    AdapterManagerConfig mc;
+    mc.max_loras = 1;
+    mc.max_lora_rank = 4;
+    AdapterManager manager(d->targets(), mc);
+    const AdapterInfo info = manager.load("r", dir);
+    EXPECT_EQ(info.modules.size(),
+              static_cast<size_t>(c.num_layers * (4 + 3 * (c.is_moe() ? c.num_experts : 1))))
+        << name;
+    AdapterManager::Lease lease = manager.acquire("r");
+    StepBatch b;
+    for (int32_t slot : {-1, lease.slot()}) {
+      SequenceStep q;
+      q.tokens = s.tokens;
+      q.blocks = slot < 0 ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{4, 5};
+      q.lora_slot = slot;
+      q.sample = true;
+      b.seqs.push_back(q);
+    }
+    b.want_logprobs = true;
+    const StepResult r = d->execute(b);
+    EXPECT_EQ(r.token_ids[0], whole[0][0]) << name;
+    EXPECT_GT(std::abs(r.logprobs[0] - r.logprobs[1]), 1e-5)
+        << name << ": the adapter changed nothing";
+  }
 }
 
 TEST(RandomDecoderCuda, GraphStepsEqualEagerStepsAndTheCpu) {

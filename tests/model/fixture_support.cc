@@ -14,8 +14,8 @@ std::string fixture_dir(const std::string& name) {
   return std::string(LORAPLEX_TEST_DATA_DIR) + "/" + name;
 }
 
-std::vector<ExpectedLine> read_expected(const std::string& fixture) {
-  const std::string path = fixture_dir(fixture) + "/expected.jsonl";
+std::vector<ExpectedLine> read_expected(const std::string& fixture, const std::string& file) {
+  const std::string path = fixture_dir(fixture) + "/" + file;
   std::ifstream in(path);
   LORAPLEX_CHECK(in.good(), path, ": cannot open");
   std::vector<ExpectedLine> out;

@@ -25,7 +25,9 @@ struct ExpectedLine {
 
 /// testdata/<name>.
 std::string fixture_dir(const std::string& name);
-std::vector<ExpectedLine> read_expected(const std::string& fixture);
+/// The lines of testdata/<fixture>/<file>.
+std::vector<ExpectedLine> read_expected(const std::string& fixture,
+                                        const std::string& file = "expected.jsonl");
 
 /// A GenerateConfig for `fixture` with every adapter under adapters/ (sorted by name), the
 /// requests of expected.jsonl in `order` (indices into it), 12 tokens, EOS ignored, greedy.

@@ -219,14 +219,19 @@ TEST(GenerateTinyQwen2, LoraKernelsPathMatchesPeft) {
   expect_matches(cfg, expected, order);
 }
 
-TEST(GenerateTinyQwen2, OneSequenceAtATimeMatchesPeft) {
-  const auto expected = read_expected("tiny-qwen2");
+// The fixture's requests in a shuffled order, one sequence per step.
+void expect_one_sequence_at_a_time_matches(const std::string& fixture, uint64_t seed) {
+  const auto expected = read_expected(fixture);
   auto order = identity_order(expected.size());
-  std::mt19937_64 rng(5);
+  std::mt19937_64 rng(seed);
   std::shuffle(order.begin(), order.end(), rng);
-  engine::GenerateConfig cfg = fixture_config("tiny-qwen2", expected, order);
+  engine::GenerateConfig cfg = fixture_config(fixture, expected, order);
   cfg.max_num_seqs = 1;
   expect_matches(cfg, expected, order);
+}
+
+TEST(GenerateTinyQwen2, OneSequenceAtATimeMatchesPeft) {
+  expect_one_sequence_at_a_time_matches("tiny-qwen2", 5);
 }
 
 TEST(GenerateTinyMixtral, OneMixedBatchMatchesPeft) {
@@ -236,14 +241,16 @@ TEST(GenerateTinyMixtral, OneMixedBatchMatchesPeft) {
   expect_matches(fixture_config("tiny-mixtral", expected, order), expected, order);
 }
 
-TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
-  const auto expected = read_expected("tiny-mixtral");
+// The fixture's expert adapter as PEFT's 3-D parameters ("experts") and converted to per-expert
+// 2-D modules ("experts2d") through one LoRA slot that the two forms take in turn.
+void expect_2d_and_3d_expert_adapters_agree(const std::string& fixture) {
+  const auto expected = read_expected(fixture);
   std::vector<size_t> order;
   for (size_t i = 0; i < expected.size(); ++i) {
     if (expected[i].adapter == "experts" || expected[i].adapter == "experts2d") order.push_back(i);
   }
   ASSERT_GE(order.size(), 4u);
-  engine::GenerateConfig cfg = fixture_config("tiny-mixtral", expected, order);
+  engine::GenerateConfig cfg = fixture_config(fixture, expected, order);
   cfg.max_loras = 1;  // one slot: the two forms replace each other in it
   cfg.max_num_seqs = 3;
   const auto report = engine::run_generate(cfg);
@@ -255,6 +262,38 @@ TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
     }
     EXPECT_EQ(report.outputs[i].output_token_ids, expected[order[i]].output_token_ids);
   }
+}
+
+TEST(GenerateTinyMixtral, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
+  expect_2d_and_3d_expert_adapters_agree("tiny-mixtral");
+}
+
+// All of the fixture's `requests` in one batch, whose steps hold the base model and `adapters`.
+void expect_one_batch_matches(const std::string& fixture, size_t requests, int64_t adapters) {
+  const auto expected = read_expected(fixture);
+  ASSERT_EQ(expected.size(), requests);
+  const auto order = identity_order(expected.size());
+  const auto report = expect_matches(fixture_config(fixture, expected, order), expected, order);
+  EXPECT_EQ(report.stats.max_batch, static_cast<int64_t>(requests));
+  EXPECT_EQ(report.stats.max_step_adapters, adapters);
+}
+
+TEST(GenerateTinyQwen3, OneMixedBatchMatchesPeft) {
+  // The base model, an attention adapter and an all-linear one (q/k LoRA before q_norm/k_norm).
+  expect_one_batch_matches("tiny-qwen3", 18, 2);
+}
+
+TEST(GenerateTinyQwen3, OneSequenceAtATimeMatchesPeft) {
+  expect_one_sequence_at_a_time_matches("tiny-qwen3", 7);
+}
+
+TEST(GenerateTinyQwen3Moe, OneMixedBatchMatchesPeft) {
+  // The base model and adapters on attention, on the experts (3-D and 2-D) and on both.
+  expect_one_batch_matches("tiny-qwen3-moe", 25, 4);
+}
+
+TEST(GenerateTinyQwen3Moe, ExpertAdapterIn2dAnd3dFormGiveTheSameTokens) {
+  expect_2d_and_3d_expert_adapters_agree("tiny-qwen3-moe");
 }
 
 // The CUDA path reproduces the float32 references token for token, and in bfloat16 the first
@@ -300,7 +339,8 @@ TEST_P(GenerateCuda, Bfloat16FirstTokenWhereTheMarginIsClear) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GenerateCuda,
-                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mixtral"),
+                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-qwen3",
+                                           "tiny-qwen3-moe"),
                          [](const auto& info) {
                            std::string n = info.param;
                            std::replace(n.begin(), n.end(), '-', '_');

@@ -1,6 +1,6 @@
 // The decoder's non-LoRA ops against direct double-precision formulas: paged attention over
 // scattered blocks equals contiguous causal attention, RoPE + KV write, residual add + RMSNorm,
-// SiLU-mul, argmax ties,
+// Qwen3's per-head q/k RMSNorm, SiLU-mul, argmax ties,
 // the sampler and the KV-cache block pool. The same cases run on CUDA against the CPU (skipped
 // without a GPU).
 
@@ -336,6 +336,118 @@ TEST(ModelOps, LoraDeltasAreAddedAndCleared) {
   EXPECT_FALSE(ops::cpu::add_rms_norm(g).ok());
 }
 
+// Qwen3's per-head q/k RMSNorm over packed qkv rows: odd head counts and sizes, rows wider than
+// the heads (the tail must stay as it was), a LoRA delta added first.
+struct QkNormCase {
+  int64_t t = 7, heads = 3, kv = 2, d = 13, pad = 5;
+  float eps = 1e-6f;
+  int64_t width() const { return (heads + 2 * kv) * d; }
+  int64_t stride() const { return width() + pad; }
+};
+
+struct QkNormResult {
+  Tensor qkv, delta;  // on the CPU
+};
+
+// Runs qk_rms_norm on `device` over copies of qkv and delta (undefined: none).
+QkNormResult run_qk_norm(const QkNormCase& c, const Tensor& qkv, const Tensor& qw, const Tensor& kw,
+                         const Tensor& delta, DType dt, Device device) {
+  const Stream stream = device.is_cpu() ? Stream() : Stream::create(device);
+  Tensor x = qkv.to(device, stream).clone(stream);
+  Tensor dl = delta.defined() ? delta.to(device, stream).clone(stream) : Tensor();
+  const Tensor qwd = qw.to(device, stream), kwd = kw.to(device, stream);
+  ops::QkRmsNormArgs a;
+  a.dtype = dt;
+  a.num_tokens = c.t;
+  a.num_heads = c.heads;
+  a.num_kv_heads = c.kv;
+  a.head_dim = c.d;
+  a.eps = c.eps;
+  a.qkv = x.data_ptr();
+  a.qkv_row_stride = c.stride();
+  a.q_weight = qwd.data_ptr();
+  a.k_weight = kwd.data_ptr();
+  a.delta = dl.defined() ? dl.data_ptr() : nullptr;
+  a.clear_delta = dl.defined();
+  throw_if_error(ops::run(&ops::cpu::qk_rms_norm, &ops::cuda::qk_rms_norm, a, stream));
+  return {x.to(Device::cpu(), stream), dl.defined() ? dl.to(Device::cpu(), stream) : Tensor()};
+}
+
+// transformers' Qwen3RMSNorm per head, in double: x / sqrt(mean(x^2) + eps) * w for every q and
+// k head of x = qkv + delta; v heads and the row's tail as they were.
+std::vector<double> reference_qk_norm(const QkNormCase& c, const Tensor& qkv, const Tensor& qw,
+                                      const Tensor& kw, const Tensor& delta) {
+  std::vector<double> out = qkv.to_double_vector();
+  const std::vector<double> dv = delta.defined() ? delta.to_double_vector() : std::vector<double>();
+  const std::vector<double> q = qw.to_double_vector(), k = kw.to_double_vector();
+  for (int64_t t = 0; t < c.t; ++t) {
+    for (int64_t h = 0; h < c.heads + c.kv; ++h) {
+      std::vector<double> x(static_cast<size_t>(c.d));
+      double squares = 0.0;
+      for (int64_t i = 0; i < c.d; ++i) {
+        x[i] = out[t * c.stride() + h * c.d + i] +
+               (dv.empty() ? 0.0 : dv[t * c.width() + h * c.d + i]);
+        squares += x[i] * x[i];
+      }
+      const double inv = 1.0 / std::sqrt(squares / static_cast<double>(c.d) + c.eps);
+      for (int64_t i = 0; i < c.d; ++i) {
+        out[t * c.stride() + h * c.d + i] = x[i] * inv * (h < c.heads ? q[i] : k[i]);
+      }
+    }
+  }
+  return out;
+}
+
+TEST(ModelOps, QkRmsNormNormalisesEachQAndKHeadAndLeavesV) {
+  for (const QkNormCase c :
+       {QkNormCase{}, QkNormCase{1, 1, 1, 2, 0}, QkNormCase{5, 8, 2, 128, 3}}) {
+    std::mt19937_64 rng(static_cast<uint64_t>(c.d));
+    // Values far from unit scale, so that a missing normalisation cannot pass.
+    const Tensor qkv = random_tensor({c.t, c.stride()}, DType::kF32, rng, 7.0f);
+    const Tensor qw = random_tensor({c.d}, DType::kF32, rng),
+                 kw = random_tensor({c.d}, DType::kF32, rng);
+    const std::string what = "heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv) +
+                             " d " + std::to_string(c.d);
+    const QkNormResult plain = run_qk_norm(c, qkv, qw, kw, Tensor(), DType::kF32, Device::cpu());
+    test::expect_close(plain.qkv, reference_qk_norm(c, qkv, qw, kw, Tensor()), 1e-5, 1e-6,
+                       "qk_rms_norm " + what);
+    // v heads and the tail are bit for bit what they were.
+    const std::vector<double> before = qkv.to_double_vector(), after = plain.qkv.to_double_vector();
+    for (int64_t t = 0; t < c.t; ++t) {
+      for (int64_t j = (c.heads + c.kv) * c.d; j < c.stride(); ++j) {
+        ASSERT_EQ(after[t * c.stride() + j], before[t * c.stride() + j]) << what << " column " << j;
+      }
+    }
+    // With a LoRA delta: q and k become norm(qkv + delta), their delta entries are cleared, and
+    // v's delta is left for rope_kv_write (v itself is not touched here).
+    const Tensor delta = random_tensor({c.t, c.width()}, DType::kF32, rng, 3.0f);
+    const std::vector<double> dv = delta.to_double_vector();
+    const QkNormResult with = run_qk_norm(c, qkv, qw, kw, delta, DType::kF32, Device::cpu());
+    test::expect_close(with.qkv, reference_qk_norm(c, qkv, qw, kw, delta), 1e-5, 1e-6,
+                       "qk_rms_norm with a delta " + what);
+    const std::vector<double> left = with.delta.to_double_vector();
+    for (int64_t t = 0; t < c.t; ++t) {
+      for (int64_t j = 0; j < c.width(); ++j) {
+        const size_t i = static_cast<size_t>(t * c.width() + j);
+        ASSERT_EQ(left[i], j < (c.heads + c.kv) * c.d ? 0.0 : dv[i]) << what << " delta " << j;
+      }
+    }
+  }
+  // Sizes are checked: a row stride narrower than the heads is refused.
+  QkNormCase bad;
+  Tensor x = Tensor::zeros({bad.t, bad.stride()}, DType::kF32);
+  const Tensor w = Tensor::zeros({bad.d}, DType::kF32);
+  ops::QkRmsNormArgs a;
+  a.num_tokens = bad.t;
+  a.num_heads = bad.heads;
+  a.num_kv_heads = bad.kv;
+  a.head_dim = bad.d;
+  a.qkv = x.data_ptr();
+  a.qkv_row_stride = bad.width() - 1;
+  a.q_weight = a.k_weight = w.data_ptr();
+  EXPECT_FALSE(ops::cpu::qk_rms_norm(a).ok());
+}
+
 TEST(ModelOps, ArgmaxTiesGoToTheLowestIdAndNanNeverWins) {
   const std::vector<float> logits = {1.0f, 3.0f, NAN, 3.0f, -2.0f,  // row 0: tie 1 / 3
                                      NAN,  NAN,  NAN, NAN,  0.5f};  // row 1: only id 4
@@ -519,6 +631,32 @@ TEST(ModelOpsCuda, ElementwiseOpsMatchCpu) {
         ops::cuda::argmax({dt, rows, n, xg.data_ptr(), n, am_gpu.data<int32_t>()}, stream));
     const Tensor am_host = am_gpu.to(Device::cpu(), stream);
     for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(am_host.data<int32_t>()[r], am_cpu[r]) << r;
+  }
+}
+
+TEST(ModelOpsCuda, QkRmsNormMatchesCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  // Heads narrower than a warp, of several lanes' elements, and not a multiple of 32.
+  for (const QkNormCase c :
+       {QkNormCase{}, QkNormCase{33, 8, 2, 128, 0}, QkNormCase{4, 5, 5, 200, 7}}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      std::mt19937_64 rng(static_cast<uint64_t>(c.d) + 100);
+      const double tol = dt == DType::kF32 ? 1e-5 : 2e-2;
+      const Tensor qkv = random_tensor({c.t, c.stride()}, dt, rng, 5.0f);
+      const Tensor qw = random_tensor({c.d}, dt, rng), kw = random_tensor({c.d}, dt, rng);
+      const Tensor delta = random_tensor({c.t, c.width()}, dt, rng);
+      const std::string what = std::string(dtype_name(dt)) + " d " + std::to_string(c.d);
+      for (const Tensor& d : {Tensor(), delta}) {
+        const QkNormResult cpu = run_qk_norm(c, qkv, qw, kw, d, dt, Device::cpu());
+        const QkNormResult gpu = run_qk_norm(c, qkv, qw, kw, d, dt, Device::cuda(0));
+        test::expect_close(gpu.qkv, cpu.qkv.to_double_vector(), tol, tol,
+                           "cuda qk_rms_norm " + what + (d.defined() ? " with a delta" : ""));
+        if (d.defined()) {
+          test::expect_close(gpu.delta, cpu.delta.to_double_vector(), 0, 0,
+                             "cuda qk_rms_norm delta " + what);
+        }
+      }
+    }
   }
 }
 

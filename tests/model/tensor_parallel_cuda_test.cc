@@ -36,7 +36,8 @@ namespace {
 
 TEST(TensorParallelCuda, FixturesMatchPeftOnTwoAndFourGpus) {
   LORAPLEX_REQUIRE_GPUS(2);
-  for (const char* fixture : {"tiny-llama", "tiny-qwen2", "tiny-mixtral"}) {
+  for (const char* fixture :
+       {"tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-qwen3", "tiny-qwen3-moe"}) {
     const auto expected = read_expected(fixture);
     std::vector<size_t> order(expected.size());
     std::iota(order.begin(), order.end(), 0);

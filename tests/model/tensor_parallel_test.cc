@@ -84,7 +84,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"tiny-qwen2", 2, false}, Case{"tiny-qwen2", 2, true},
                       Case{"tiny-mixtral", 1, false}, Case{"tiny-mixtral", 2, false},
                       Case{"tiny-mixtral", 4, false}, Case{"tiny-mixtral", 2, true},
-                      Case{"tiny-mixtral", 4, true}),
+                      Case{"tiny-mixtral", 4, true}, Case{"tiny-qwen3", 2, false},
+                      Case{"tiny-qwen3", 4, true}, Case{"tiny-qwen3-moe", 2, false},
+                      Case{"tiny-qwen3-moe", 4, true}),
     case_name);
 
 // ---------------------------------------------------------------- what each rank holds
@@ -101,8 +103,9 @@ int64_t expected_rank_bytes(const model::ModelConfig& c, int tp, int r) {
   const int64_t inter = c.intermediate_size / tp;
   int64_t n = 2 * vocab_rows * h + h;  // embedding, lm_head (tied or not), final norm
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    n += 2 * h;                     // norms
-    n += (q + 2 * kv) * h + q * h;  // qkv, o
+    n += 2 * h;                          // norms
+    if (c.qk_norm) n += 2 * c.head_dim;  // q_norm and k_norm, whole on every rank
+    n += (q + 2 * kv) * h + q * h;       // qkv, o
     if (c.qkv_bias) n += q + 2 * kv;
     if (c.is_moe()) {
       n += c.num_experts * h + c.num_experts * 3 * inter * h;
@@ -114,7 +117,8 @@ int64_t expected_rank_bytes(const model::ModelConfig& c, int tp, int r) {
 }
 
 TEST(TensorParallelShards, EachRankLoadsOnlyItsShard) {
-  for (const char* fixture : {"tiny-llama", "tiny-qwen2", "tiny-mixtral"}) {
+  for (const char* fixture :
+       {"tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-qwen3", "tiny-qwen3-moe"}) {
     const std::string dir = fixture_dir(fixture) + "/model";
     const model::ModelConfig c = model::ModelConfig::from_file(dir + "/config.json");
     for (int tp : {2, 4}) {
@@ -137,25 +141,31 @@ TEST(TensorParallelShards, EachRankLoadsOnlyItsShard) {
   }
 }
 
-// Random weights and random adapters (attention and every expert's w1, w2, w3) of a small MoE
-// shape: each rank keeps its shard of the same full tensors, so tp 2 and 4 compute what one
-// device computes, with and without the adapter.
-TEST(TensorParallelShards, RandomMoeWithExpertAdaptersEqualsOneDevice) {
+// Random weights and random adapters (attention and every expert's w1, w2, w3, or Qwen3-MoE's
+// gate_proj, up_proj, down_proj) of a small MoE shape: each rank keeps its shard of the same full
+// tensors, so tp 2 and 4 compute what one device computes, with and without the adapter.
+class TensorParallelRandomMoe : public ::testing::TestWithParam<model::Architecture> {};
+
+TEST_P(TensorParallelRandomMoe, ExpertAdaptersEqualOneDevice) {
   model::ModelConfig c;
-  c.arch = model::Architecture::kMixtral;
+  c.arch = GetParam();
+  const bool qwen = c.arch == model::Architecture::kQwen3Moe;
   c.vocab_size = 500;
   c.hidden_size = 64;
   c.intermediate_size = 96;
   c.num_layers = 2;
   c.num_heads = 4;
   c.num_kv_heads = 2;
-  c.head_dim = 16;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
+  c.head_dim = qwen ? 32 : 16;
+  c.qk_norm = qwen;
+  c.num_experts = qwen ? 6 : 4;
+  c.num_experts_per_tok = qwen ? 3 : 2;
+  c.moe_renormalize = !qwen;  // Qwen3-MoE with norm_topk_prob false
   c.max_position_embeddings = 256;
-  const std::string dir = ::testing::TempDir() + "/loraplex_tp_moe_adapter";
+  const std::string dir =
+      ::testing::TempDir() + "/loraplex_tp_moe_adapter_" + model::architecture_name(c.arch);
   const std::vector<std::string> targets = model::all_linear_targets(c);
-  EXPECT_EQ(targets.back(), "w3");
+  EXPECT_EQ(targets.back(), qwen ? "down_proj" : "w3");
   model::write_random_peft_adapter(dir, c, 8, targets, 21);
   std::vector<model::StepResult> results;
   for (int tp : {1, 2, 4}) {
@@ -198,6 +208,13 @@ TEST(TensorParallelShards, RandomMoeWithExpertAdaptersEqualsOneDevice) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, TensorParallelRandomMoe,
+                         ::testing::Values(model::Architecture::kMixtral,
+                                           model::Architecture::kQwen3Moe),
+                         [](const auto& info) {
+                           return std::string(model::architecture_name(info.param));
+                         });
 
 // ---------------------------------------------------------------- refusals
 

@@ -249,14 +249,15 @@ int run(const std::vector<std::string>& args) {
       "a checkpoint), with and without LoRA, against the floor measured in the same run"};
   app.add_option("--shape", o.shape,
                  "model shape: llama3-8b, llama3-70b, mistral-7b, qwen2-7b, "
-                 "mixtral-8x7b, tiny");
+                 "mixtral-8x7b, qwen3-8b, qwen3-30b-a3b, tiny");
   app.add_option("--model", o.model_dir, "a checkpoint directory instead of --shape");
   app.add_option("--layers", o.layers, "keep only this many decoder layers (0 = all)");
   app.add_option("--dtype", o.dtype, "bfloat16 (default), float16 or float32");
   app.add_option("--adapters", o.adapters, "random PEFT adapters (default 8)");
   app.add_option("--rank", o.rank, "their rank (default 16)");
   app.add_option("--targets", o.targets,
-                 "their target modules (default: all 7 linear; MoE: attention and w1, w2, w3)")
+                 "their target modules (default: the 7 linear projections; the MLP ones are the "
+                 "experts' in MoE models, named w1, w2, w3 in Mixtral)")
       ->delimiter(',');
   app.add_option("--distribution", o.distribution, "requests over adapters: uniform or zipf");
   app.add_option("--requests", o.requests, "requests (default 32)");

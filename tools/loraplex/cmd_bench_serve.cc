@@ -676,7 +676,7 @@ int run(const std::vector<std::string>& args) {
                  "tokenizer.json)");
   app.add_option("--shape", a.shape,
                  "random weights of a named shape instead of --model: llama3-8b, llama3-70b, "
-                 "mistral-7b, qwen2-7b, mixtral-8x7b, tiny");
+                 "mistral-7b, qwen2-7b, mixtral-8x7b, qwen3-8b, qwen3-30b-a3b, tiny");
   app.add_option("--layers", a.layers, "--shape: keep this many decoder layers (0 = all)");
   app.add_option("--adapters", a.random_adapters, "--shape: random PEFT adapters in the pool");
   app.add_option("--rank", a.random_rank, "--shape: their rank (all linear layers)");

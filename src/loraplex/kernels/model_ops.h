@@ -1,10 +1,10 @@
 #pragma once
-// The non-LoRA ops of the decoder (residual add + RMSNorm, RoPE + paged KV cache write, paged
-// attention, SiLU-and-multiply, greedy argmax, uniform fill) as framework-free argument structs
-// over raw pointers. The CPU versions (cpu/model_ops_cpu.cc) define the semantics; the CUDA
-// versions (cuda/model_ops_cuda.cu) implement the same structs and are tested against them;
-// punica/op_dispatch routes between them (model/model_ops.h is the decoder's view). Launchers
-// return Status and never throw.
+// The non-LoRA ops of the decoder (residual add + RMSNorm, per-head q/k RMSNorm, RoPE + paged KV
+// cache write, paged attention, SiLU-and-multiply, greedy argmax, uniform fill) as framework-free
+// argument structs over raw pointers. The CPU versions (cpu/model_ops_cpu.cc) define the
+// semantics; the CUDA versions (cuda/model_ops_cuda.cu) implement the same structs and are tested
+// against them; punica/op_dispatch routes between them (model/model_ops.h is the decoder's view).
+// Launchers return Status and never throw.
 //
 // Activations are f32, f16 or bf16 (`dtype`); every op reads and accumulates in float32 and
 // rounds once when it stores, so the float32 path follows transformers' float32 math exactly.
@@ -117,6 +117,30 @@ struct RopeKvWriteArgs {
   FusedLoraExpand lora = {};  // applied to the qkv rows
 };
 
+/// Qwen3's per-head RMSNorm of q and k (q_norm / k_norm), in place on each token's packed qkv
+/// row [q heads | k heads | v heads], between the qkv projection and RoPE. For every q head and
+/// every k head x of head_dim values, with w = q_weight for q heads and k_weight for k heads:
+///   x = round(round(x * rsqrt(mean(x^2) + eps)) * w)
+/// (transformers' Qwen3RMSNorm: float32 statistics, the normalised value rounded to the
+/// activation dtype before the weight multiplies it). v heads are not touched. With `delta` (a
+/// LoRA output computed apart from the base qkv), each q and k value is first round(x + delta)
+/// and, with clear_delta, those q and k delta entries are zeroed; v's delta entries are left for
+/// rope_kv_write to add.
+struct QkRmsNormArgs {
+  DType dtype = DType::kF32;  // of qkv, the weights and delta
+  int64_t num_tokens = 0;
+  int64_t num_heads = 0;     // q heads; k heads start at column num_heads * head_dim
+  int64_t num_kv_heads = 0;  // k heads
+  int64_t head_dim = 0;
+  float eps = 1e-6f;
+  void* qkv = nullptr;  // [num_tokens, qkv_row_stride] in/out
+  int64_t qkv_row_stride = 0;
+  const void* q_weight = nullptr;  // [head_dim] in
+  const void* k_weight = nullptr;  // [head_dim] in
+  void* delta = nullptr;           // [num_tokens, (heads + 2 kv_heads) * head_dim] in, or nullptr
+  bool clear_delta = false;        // zero delta's q and k entries after reading them
+};
+
 /// Causal attention of each token over its own sequence's cached keys 0..positions[t]
 /// (grouped-query: q head h reads kv head h / (num_heads / num_kv_heads)):
 ///   out[t, h] = softmax(q[t, h] . K^T * scale) V, softmax in float32.
@@ -184,11 +208,13 @@ struct FillUniformArgs {
 /// both reject the same inputs with the same messages.
 Status check_rope_kv_write_args(const RopeKvWriteArgs& a);
 Status check_paged_attention_args(const PagedAttentionArgs& a);
+Status check_qk_rms_norm_args(const QkRmsNormArgs& a);
 
 namespace cpu {
 Status fill_uniform(const FillUniformArgs& a);
 Status add_rms_norm(const AddRmsNormArgs& a);
 Status rope_kv_write(const RopeKvWriteArgs& a);
+Status qk_rms_norm(const QkRmsNormArgs& a);
 Status paged_attention(const PagedAttentionArgs& a);
 Status silu_mul(const SiluMulArgs& a);
 Status argmax(const ArgmaxArgs& a);
@@ -200,6 +226,7 @@ namespace cuda {
 Status fill_uniform(const FillUniformArgs& a, cuda_rt::StreamHandle stream);
 Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream);
 Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream);
+Status qk_rms_norm(const QkRmsNormArgs& a, cuda_rt::StreamHandle stream);
 Status paged_attention(const PagedAttentionArgs& a, cuda_rt::StreamHandle stream);
 Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream);
 Status argmax(const ArgmaxArgs& a, cuda_rt::StreamHandle stream);

@@ -63,4 +63,14 @@ Status check_paged_attention_args(const PagedAttentionArgs& a) {
   return Status();
 }
 
+Status check_qk_rms_norm_args(const QkRmsNormArgs& a) {
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_heads >= 1 && a.num_kv_heads >= 1 && a.head_dim >= 1 &&
+                      a.qkv_row_stride >= (a.num_heads + 2 * a.num_kv_heads) * a.head_dim &&
+                      (a.num_tokens == 0 ||
+                       (a.qkv != nullptr && a.q_weight != nullptr && a.k_weight != nullptr)),
+                  "qk_rms_norm: bad arguments (heads ", a.num_heads, ", kv heads ", a.num_kv_heads,
+                  ", head dim ", a.head_dim, ", row stride ", a.qkv_row_stride, ")");
+  return Status();
+}
+
 }  // namespace loraplex::kernels

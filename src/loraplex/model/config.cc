@@ -63,17 +63,21 @@ Architecture parse_architecture(const Reader& r) {
     if (type == "llama") name = "LlamaForCausalLM";
     if (type == "mistral") name = "MistralForCausalLM";
     if (type == "qwen2") name = "Qwen2ForCausalLM";
+    if (type == "qwen3") name = "Qwen3ForCausalLM";
     if (type == "mixtral") name = "MixtralForCausalLM";
+    if (type == "qwen3_moe") name = "Qwen3MoeForCausalLM";
     LORAPLEX_CHECK(!name.empty(), r.source, ": model_type '", type,
-                   "' is not supported (expected llama, mistral, qwen2 or mixtral)");
+                   "' is not supported (expected llama, mistral, qwen2, qwen3, mixtral or "
+                   "qwen3_moe)");
   }
-  for (Architecture arch : {Architecture::kLlama, Architecture::kMistral, Architecture::kQwen2,
-                            Architecture::kMixtral}) {
+  for (Architecture arch :
+       {Architecture::kLlama, Architecture::kMistral, Architecture::kQwen2, Architecture::kQwen3,
+        Architecture::kMixtral, Architecture::kQwen3Moe}) {
     if (name == architecture_name(arch)) return arch;
   }
   LORAPLEX_FAIL(r.source, ": architecture '", name,
                 "' is not supported (expected LlamaForCausalLM, MistralForCausalLM, "
-                "Qwen2ForCausalLM or MixtralForCausalLM)");
+                "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM)");
 }
 
 // transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; 4.x writes rope_theta at
@@ -155,6 +159,41 @@ void check_no_sliding_window(const Reader& r, Architecture arch) {
   }
 }
 
+// Qwen3-MoE: every layer routed over num_experts experts. transformers makes layer l a dense MLP
+// (of intermediate_size) when l is in mlp_only_layers or (l + 1) is not a multiple of
+// decoder_sparse_step; loraplex runs one kind of MLP in every layer, so such a config is refused.
+void parse_qwen3_moe(const Reader& r, ModelConfig& c) {
+  // Hub checkpoints say num_experts; transformers 5 saves it as num_local_experts (its alias).
+  const bool local = r.has("num_local_experts");
+  c.num_experts = r.positive(local ? "num_local_experts" : "num_experts");
+  if (local && r.has("num_experts")) {
+    LORAPLEX_CHECK(r.positive("num_experts") == c.num_experts, r.source, ": num_experts ",
+                   r.integer("num_experts"), " and num_local_experts ", c.num_experts, " disagree");
+  }
+  c.num_experts_per_tok = r.positive("num_experts_per_tok");
+  LORAPLEX_CHECK(c.num_experts_per_tok <= c.num_experts, r.source, ": num_experts_per_tok ",
+                 c.num_experts_per_tok, " exceeds num_experts ", c.num_experts);
+  c.intermediate_size = r.positive("moe_intermediate_size");
+  c.moe_renormalize = r.boolean_or("norm_topk_prob", false);
+  const int64_t step = r.has("decoder_sparse_step") ? r.positive("decoder_sparse_step") : 1;
+  LORAPLEX_CHECK(step == 1, r.source, ": decoder_sparse_step ", step,
+                 " makes layer 0 a dense MLP layer: models that mix dense and MoE layers are not "
+                 "supported (expected 1)");
+  if (!r.has("mlp_only_layers")) return;
+  const json& only = r.j.at("mlp_only_layers");
+  LORAPLEX_CHECK(only.is_array(), r.source, ": field 'mlp_only_layers' is ", only.dump(),
+                 ", expected a list of layer indices");
+  for (const json& l : only) {
+    LORAPLEX_CHECK(l.is_number_integer(), r.source, ": field 'mlp_only_layers' holds ", l.dump(),
+                   ", expected layer indices");
+    const int64_t layer = l.get<int64_t>();
+    LORAPLEX_CHECK(layer < 0 || layer >= c.num_layers, r.source, ": mlp_only_layers makes layer ",
+                   layer,
+                   " a dense MLP layer: models that mix dense and MoE layers are not "
+                   "supported (expected [])");
+  }
+}
+
 std::vector<int32_t> parse_token_ids(const Reader& r, const char* key) {
   std::vector<int32_t> ids;
   if (!r.has(key)) return ids;
@@ -183,8 +222,12 @@ const char* architecture_name(Architecture arch) {
       return "MistralForCausalLM";
     case Architecture::kQwen2:
       return "Qwen2ForCausalLM";
+    case Architecture::kQwen3:
+      return "Qwen3ForCausalLM";
     case Architecture::kMixtral:
       return "MixtralForCausalLM";
+    case Architecture::kQwen3Moe:
+      return "Qwen3MoeForCausalLM";
   }
   return "unknown";
 }
@@ -196,7 +239,9 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   c.arch = parse_architecture(r);
   c.vocab_size = r.positive("vocab_size");
   c.hidden_size = r.positive("hidden_size");
-  c.intermediate_size = r.positive("intermediate_size");
+  // Qwen3-MoE's intermediate_size is the width of dense layers, which loraplex refuses;
+  // its experts' width is moe_intermediate_size.
+  if (c.arch != Architecture::kQwen3Moe) c.intermediate_size = r.positive("intermediate_size");
   c.num_layers = r.positive("num_hidden_layers");
   c.num_heads = r.positive("num_attention_heads");
   c.num_kv_heads = r.has("num_key_value_heads") ? r.positive("num_key_value_heads") : c.num_heads;
@@ -204,6 +249,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
                  " is not a multiple of num_key_value_heads ", c.num_kv_heads);
   if (r.has("head_dim")) {
     c.head_dim = r.positive("head_dim");
+  } else if (c.arch == Architecture::kQwen3) {
+    c.head_dim = 128;  // Qwen3Config's default, not hidden_size / num_attention_heads
   } else {
     LORAPLEX_CHECK(c.hidden_size % c.num_heads == 0, source,
                    ": head_dim is not given and hidden_size ", c.hidden_size,
@@ -223,18 +270,21 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   check_no_sliding_window(r, c.arch);
   LORAPLEX_CHECK(!r.has("quantization_config"), source,
                  ": quantization_config is set: quantized checkpoints are not supported");
+  const bool qwen3 = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
   if (c.arch == Architecture::kQwen2) {
     c.qkv_bias = true;  // Qwen2 attention always has q/k/v bias and no o_proj bias.
-  } else if (c.arch == Architecture::kLlama) {
+  } else if (c.arch == Architecture::kLlama || qwen3) {
     c.qkv_bias = c.o_bias = r.boolean_or("attention_bias", false);
-    c.mlp_bias = r.boolean_or("mlp_bias", false);
   }
+  if (c.arch == Architecture::kLlama) c.mlp_bias = r.boolean_or("mlp_bias", false);
+  c.qk_norm = qwen3;
   if (c.arch == Architecture::kMixtral) {
     c.num_experts = r.positive("num_local_experts");
     c.num_experts_per_tok = r.positive("num_experts_per_tok");
     LORAPLEX_CHECK(c.num_experts_per_tok <= c.num_experts, source, ": num_experts_per_tok ",
                    c.num_experts_per_tok, " exceeds num_local_experts ", c.num_experts);
   }
+  if (c.arch == Architecture::kQwen3Moe) parse_qwen3_moe(r, c);
   const std::vector<int32_t> bos = parse_token_ids(r, "bos_token_id");
   c.bos_token_id = bos.empty() ? -1 : bos.front();
   c.eos_token_ids = parse_token_ids(r, "eos_token_id");

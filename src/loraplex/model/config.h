@@ -1,9 +1,10 @@
 #pragma once
 // The hyper-parameters of a Hugging Face decoder checkpoint (config.json), for the families that
-// share loraplex's decoder: Llama, Mistral, Qwen2 and Mixtral. Parsing accepts the fields that do
-// not change the math (transformers 4.x and 5.x spellings alike) and refuses, naming the field,
-// any value that would change it (sliding-window attention switched on, an unknown RoPE scaling,
-// an activation other than SiLU), so a checkpoint never runs with silently different math.
+// share loraplex's decoder: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE. Parsing accepts
+// the fields that do not change the math (transformers 4.x and 5.x spellings alike) and refuses,
+// naming the field, any value that would change it (sliding-window attention switched on, an
+// unknown RoPE scaling, an activation other than SiLU, Qwen3-MoE layers made dense), so a
+// checkpoint never runs with silently different math.
 
 #include <cstdint>
 #include <string>
@@ -15,7 +16,7 @@
 
 namespace loraplex::model {
 
-enum class Architecture { kLlama, kMistral, kQwen2, kMixtral };
+enum class Architecture { kLlama, kMistral, kQwen2, kQwen3, kMixtral, kQwen3Moe };
 
 /// "LlamaForCausalLM", ...
 const char* architecture_name(Architecture arch);
@@ -34,7 +35,7 @@ struct ModelConfig {
   Architecture arch = Architecture::kLlama;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;  // per expert for Mixtral
+  int64_t intermediate_size = 0;  // per expert for MoE models (Qwen3-MoE: moe_intermediate_size)
   int64_t num_layers = 0;
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;
@@ -44,11 +45,17 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   int64_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;    // Qwen2 always; Llama with attention_bias
-  bool o_bias = false;      // Llama with attention_bias
-  bool mlp_bias = false;    // Llama with mlp_bias
-  int64_t num_experts = 0;  // Mixtral: num_local_experts (0 = dense MLP)
+  bool qkv_bias = false;  // Qwen2 always; Llama and Qwen3 with attention_bias
+  bool o_bias = false;    // Llama and Qwen3 with attention_bias
+  bool mlp_bias = false;  // Llama with mlp_bias
+  // Qwen3: an RMSNorm over head_dim of every q and k head (q_norm / k_norm weights), after the
+  // projection and before RoPE.
+  bool qk_norm = false;
+  int64_t num_experts = 0;  // Mixtral: num_local_experts; Qwen3-MoE: num_experts (0 = dense)
   int64_t num_experts_per_tok = 0;
+  // The top-k router probabilities renormalised to sum 1: Mixtral always, Qwen3-MoE when
+  // norm_topk_prob is true.
+  bool moe_renormalize = true;
   int32_t bos_token_id = -1;
   std::vector<int32_t> eos_token_ids;
   DType checkpoint_dtype = DType::kBF16;  // "dtype" / "torch_dtype", informational

@@ -1,6 +1,7 @@
 #include "loraplex/model/decoder.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -182,9 +183,9 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   const int max_tokens = static_cast<int>(options_.max_num_tokens);
   const int64_t h = c.hidden_size;
   auto weight = [&](const std::string& name, const Shape& s) { return src.get(name, s); };
-  auto norm = [&](const std::string& name) {
-    Tensor t = Tensor::empty({h}, dt, dev);
-    upload.copy(t, weight(name, {h}));
+  auto norm = [&](const std::string& name, int64_t n) {
+    Tensor t = Tensor::empty({n}, dt, dev);
+    upload.copy(t, weight(name, {n}));
     return t;
   };
   auto add = [&](const std::string& module, const LoraLayerHandle& handle, int slice, int64_t in,
@@ -214,7 +215,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   lm_head_->load_base(head, Tensor(), &upload);
   add("lm_head", LoraLayerHandle::of<LoraSliceWeights>(*lm_head_, "lm_head", 1), 0, h, c.vocab_size,
       TargetKind::kLmHead, host_only(head));
-  final_norm_ = norm("model.norm.weight");
+  final_norm_ = norm("model.norm.weight", h);
 
   const int64_t q = c.q_size();
   const int64_t kv = c.kv_size();
@@ -222,9 +223,14 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     Layer layer;
-    layer.input_norm = norm(p + "input_layernorm.weight");
-    layer.post_norm = norm(p + "post_attention_layernorm.weight");
+    layer.input_norm = norm(p + "input_layernorm.weight", h);
+    layer.post_norm = norm(p + "post_attention_layernorm.weight", h);
     const std::string a = p + "self_attn.";
+    if (c.qk_norm) {
+      // One weight over head_dim shared by every head: whole on every rank.
+      layer.q_norm = norm(a + "q_norm.weight", c.head_dim);
+      layer.k_norm = norm(a + "k_norm.weight", c.head_dim);
+    }
     layer.qkv = std::make_unique<LoraLinear>(
         LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), lora, comm, dev,
         max_tokens, workspace_);
@@ -277,20 +283,25 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       spec.hidden = h;
       spec.intermediate = inter;
       spec.dtype = dt;
-      spec.renormalize = true;
+      spec.renormalize = c.moe_renormalize;
       layer.moe = std::make_unique<FusedMoeWithLora>(spec, lora, comm, dev, max_tokens, workspace_);
-      // transformers 5 still saves Mixtral with the 4.x names (block_sparse_moe.experts.N.wK);
-      // a checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
-      const std::string old_p = p + "block_sparse_moe.";
+      // transformers 5 still saves Mixtral and Qwen3-MoE with the 4.x per-expert names
+      // (block_sparse_moe.experts.N.w1/w3/w2; mlp.experts.N.gate_proj/up_proj/down_proj); a
+      // checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
+      const bool qwen = c.arch == Architecture::kQwen3Moe;
       const std::string new_p = p + "mlp.";
+      const std::string old_p = qwen ? new_p : p + "block_sparse_moe.";
+      const std::array<std::string, 3> names_2d =
+          qwen ? std::array<std::string, 3>{"gate_proj", "up_proj", "down_proj"}
+               : std::array<std::string, 3>{"w1", "w3", "w2"};
       const int64_t e_count = c.num_experts;
-      if (src.has(old_p + "gate.weight")) {
+      if (src.has(old_p + "experts.0." + names_2d[0] + ".weight")) {
         std::vector<Tensor> w1, w2, w3;
         for (int64_t e = 0; e < e_count; ++e) {
           const std::string ep = old_p + "experts." + std::to_string(e) + ".";
-          w1.push_back(weight(ep + "w1.weight", {inter, h}));
-          w2.push_back(weight(ep + "w2.weight", {h, inter}));
-          w3.push_back(weight(ep + "w3.weight", {inter, h}));
+          w1.push_back(weight(ep + names_2d[0] + ".weight", {inter, h}));
+          w3.push_back(weight(ep + names_2d[1] + ".weight", {inter, h}));
+          w2.push_back(weight(ep + names_2d[2] + ".weight", {h, inter}));
         }
         layer.moe->load_base(weight(old_p + "gate.weight", {e_count, h}), w1, w3, w2, &upload);
       } else {
@@ -321,9 +332,9 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       for (int64_t e = 0; e < e_count; ++e) {
         const std::string ep = old_p + "experts." + std::to_string(e) + ".";
         const int base = 2 + 3 * static_cast<int>(e);
-        add(ep + "w1", moe_h, base + 0, h, inter);
-        add(ep + "w3", moe_h, base + 1, h, inter);
-        add(ep + "w2", moe_h, base + 2, inter, h);
+        add(ep + names_2d[0], moe_h, base + 0, h, inter);
+        add(ep + names_2d[1], moe_h, base + 1, h, inter);
+        add(ep + names_2d[2], moe_h, base + 2, inter, h);
       }
     }
     layers_.push_back(std::move(layer));
@@ -490,7 +501,9 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
 }
 
 int Decoder::fused_lora_slots(int64_t tokens, const Staged& staged) const {
-  if (!staged.token_lora || !fused_.qkv.defined() || tokens > options_.fused_lora_max_tokens) {
+  // Qwen3's q/k norm comes between the projection and RoPE, which adds the fused q/k LoRA.
+  if (!staged.token_lora || !fused_.qkv.defined() || tokens > options_.fused_lora_max_tokens ||
+      config_.qk_norm) {
     return 0;
   }
   // 1, 2, 4, 8, then multiples of 8: at most 7 slots' rows computed for nothing.
@@ -592,6 +605,25 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
     throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, in_norm, st));
     const Projected qkv_out =
         run_projection(*layer.qkv, h, qkv, overlap ? &d_qkv : nullptr, fused_.qkv);
+    if (c.qk_norm) {
+      // Qwen3: q and k normalised per head after the projection, its LoRA included, and
+      // before RoPE (so the fused path, whose q/k LoRA RoPE adds, is off for these models). It
+      // adds and clears the q and k part of the LoRA delta; v's stays for RoPE.
+      ops::QkRmsNormArgs qk;
+      qk.dtype = dt;
+      qk.num_tokens = n;
+      qk.num_heads = c.num_heads;
+      qk.num_kv_heads = c.num_kv_heads;
+      qk.head_dim = c.head_dim;
+      qk.eps = eps;
+      qk.qkv = qkv_out.data;
+      qk.qkv_row_stride = qkv_out.row_stride;
+      qk.q_weight = layer.q_norm.data_ptr();
+      qk.k_weight = layer.k_norm.data_ptr();
+      qk.delta = ptr(d_qkv);
+      qk.clear_delta = overlap;
+      throw_if_error(ops::run(&ops::cpu::qk_rms_norm, &ops::cuda::qk_rms_norm, qk, st));
+    }
     ops::RopeKvWriteArgs rope;
     rope.dtype = dt;
     rope.num_tokens = n;

@@ -1,8 +1,8 @@
 #pragma once
-// The decoder shared by Llama, Mistral, Qwen2 and Mixtral: read the hyper-parameters, bind the
-// weights, forward. One step runs a whole mixed batch (prefills, prompt chunks and decodes of
-// different sequences, each with its own adapter slot) through the paged KV cache and samples
-// on the model's device; only the sampled ids come back.
+// The decoder shared by Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE: read the
+// hyper-parameters, bind the weights, forward. One step runs a whole mixed batch (prefills,
+// prompt chunks and decodes of different sequences, each with its own adapter slot) through the
+// paged KV cache and samples on the model's device; only the sampled ids come back.
 //
 // Every buffer a step touches is allocated at load, so a step never allocates, and on CUDA the
 // device work of a step waits on the host only once, at its end, for the sampled ids. A pure
@@ -81,7 +81,8 @@ class Decoder final : public ModelExecutor {
 
   /// Every module an adapter may target (PEFT module paths without "base_model.model.":
   /// "model.layers.0.self_attn.q_proj", "lm_head", "model.layers.1.mlp.experts" (3-D),
-  /// "model.layers.1.block_sparse_moe.experts.5.w1", ...), for the adapter manager. This
+  /// "model.layers.1.block_sparse_moe.experts.5.w1", "model.layers.1.mlp.experts.5.gate_proj"
+  /// (Qwen3-MoE), ...), for the adapter manager. This
   /// replica's layers only.
   const LoraTargetRegistry& targets() const override { return targets_; }
 
@@ -89,8 +90,10 @@ class Decoder final : public ModelExecutor {
   struct Layer {
     Tensor input_norm;
     Tensor post_norm;
-    std::unique_ptr<LoraLinear> qkv;      // column, 3 LoRA slices (q, k, v)
-    std::unique_ptr<LoraLinear> o;        // row
+    Tensor q_norm;                    // Qwen3: [head_dim], every q head; undefined without qk_norm
+    Tensor k_norm;                    // Qwen3: [head_dim], every k head
+    std::unique_ptr<LoraLinear> qkv;  // column, 3 LoRA slices (q, k, v)
+    std::unique_ptr<LoraLinear> o;    // row
     std::unique_ptr<LoraLinear> gate_up;  // merged column, 2 LoRA slices
     std::unique_ptr<LoraLinear> down;     // row
     std::unique_ptr<FusedMoeWithLora> moe;

@@ -13,6 +13,9 @@ Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream) {
 Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream) {
   return dispatch_rope_kv_write(a, stream);
 }
+Status qk_rms_norm(const QkRmsNormArgs& a, const Stream& stream) {
+  return dispatch_qk_rms_norm(a, stream);
+}
 Status paged_attention(const PagedAttentionArgs& a, const Stream& stream) {
   return dispatch_paged_attention(a, stream);
 }

@@ -15,6 +15,7 @@ using kernels::FillUniformArgs;
 using kernels::FusedLoraExpand;
 using kernels::KvCacheView;
 using kernels::PagedAttentionArgs;
+using kernels::QkRmsNormArgs;
 using kernels::RopeKvWriteArgs;
 using kernels::SiluMulArgs;
 using kernels::uniform_at;
@@ -24,6 +25,7 @@ using kernels::cpu::add_rms_norm;
 using kernels::cpu::argmax;
 using kernels::cpu::fill_uniform;
 using kernels::cpu::paged_attention;
+using kernels::cpu::qk_rms_norm;
 using kernels::cpu::rope_kv_write;
 using kernels::cpu::silu_mul;
 }  // namespace cpu
@@ -32,6 +34,7 @@ namespace cuda {
 Status fill_uniform(const FillUniformArgs& a, const Stream& stream);
 Status add_rms_norm(const AddRmsNormArgs& a, const Stream& stream);
 Status rope_kv_write(const RopeKvWriteArgs& a, const Stream& stream);
+Status qk_rms_norm(const QkRmsNormArgs& a, const Stream& stream);
 Status paged_attention(const PagedAttentionArgs& a, const Stream& stream);
 Status silu_mul(const SiluMulArgs& a, const Stream& stream);
 Status argmax(const ArgmaxArgs& a, const Stream& stream);

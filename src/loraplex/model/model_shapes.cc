@@ -27,7 +27,8 @@ ModelConfig llama(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, 
 }  // namespace
 
 std::vector<std::string> model_shape_names() {
-  return {"llama3-8b", "llama3-70b", "mistral-7b", "qwen2-7b", "mixtral-8x7b", "tiny"};
+  return {"llama3-8b",    "llama3-70b", "mistral-7b",    "qwen2-7b",
+          "mixtral-8x7b", "qwen3-8b",   "qwen3-30b-a3b", "tiny"};
 }
 
 ModelConfig model_shape(const std::string& name, int64_t layers) {
@@ -49,6 +50,21 @@ ModelConfig model_shape(const std::string& name, int64_t layers) {
     c.arch = Architecture::kMixtral;
     c.num_experts = 8;
     c.num_experts_per_tok = 2;
+  } else if (name == "qwen3-8b" || name == "qwen3-30b-a3b") {
+    const bool moe = name == "qwen3-30b-a3b";
+    c = moe ? llama(151936, 2048, 768, 48, 32, 4, 1000000.0, 40960)
+            : llama(151936, 4096, 12288, 36, 32, 8, 1000000.0, 40960);
+    c.arch = moe ? Architecture::kQwen3Moe : Architecture::kQwen3;
+    c.head_dim = 128;  // not hidden / heads (64) for the MoE
+    c.qk_norm = true;
+    c.rms_norm_eps = 1e-6;
+    c.bos_token_id = 151643;
+    c.eos_token_ids = {151645};
+    if (moe) {
+      c.num_experts = 128;
+      c.num_experts_per_tok = 8;
+      c.moe_renormalize = true;  // norm_topk_prob
+    }
   } else if (name == "tiny") {
     c = llama(1000, 64, 160, 2, 4, 2, 10000.0, 1024);
   } else {
@@ -69,7 +85,7 @@ int64_t decode_weight_bytes(const ModelConfig& c, DType dtype) {
   const int64_t attn = h * (c.q_size() + 2 * c.kv_size()) + c.q_size() * h;
   const int64_t experts = c.is_moe() ? c.num_experts : 1;
   const int64_t mlp = experts * 3 * h * c.intermediate_size + (c.is_moe() ? c.num_experts * h : 0);
-  const int64_t per_layer = attn + mlp + 2 * h;
+  const int64_t per_layer = attn + mlp + 2 * h + (c.qk_norm ? 2 * c.head_dim : 0);
   const int64_t params = c.num_layers * per_layer + h + c.vocab_size * h;
   return params * static_cast<int64_t>(dtype_size(dtype));
 }

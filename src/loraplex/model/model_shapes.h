@@ -10,9 +10,9 @@
 
 namespace loraplex::model {
 
-/// llama3-8b, llama3-70b, mistral-7b, qwen2-7b, mixtral-8x7b (and "tiny", a few-MB model for
-/// tests). layers > 0 keeps only that many decoder layers (a large shape on one GPU). Throws
-/// naming the shape and listing the known ones.
+/// llama3-8b, llama3-70b, mistral-7b, qwen2-7b, mixtral-8x7b, qwen3-8b, qwen3-30b-a3b (and
+/// "tiny", a few-MB model for tests). layers > 0 keeps only that many decoder layers (a large shape
+/// on one GPU). Throws naming the shape and listing the known ones.
 ModelConfig model_shape(const std::string& name, int64_t layers = 0);
 std::vector<std::string> model_shape_names();
 

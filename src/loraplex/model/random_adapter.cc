@@ -16,7 +16,7 @@ std::vector<std::string> all_linear_targets() {
 }
 
 std::vector<std::string> all_linear_targets(const ModelConfig& config) {
-  if (!config.is_moe()) return all_linear_targets();
+  if (config.arch != Architecture::kMixtral) return all_linear_targets();
   return {"q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"};
 }
 
@@ -37,13 +37,16 @@ void write_random_peft_adapter(const std::string& dir, const ModelConfig& c, int
                   "' (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; w1, w2, w3 "
                   "of MoE experts)");
   };
+  // Mixtral's experts are w1/w3/w2; Qwen3-MoE's are gate_proj/up_proj/down_proj, the names
+  // of a dense MLP.
+  const bool mixtral = c.arch == Architecture::kMixtral;
   for (const std::string& t : targets) {
     dims(t);
     const bool expert = t == "w1" || t == "w2" || t == "w3";
     const bool mlp = t == "gate_proj" || t == "up_proj" || t == "down_proj";
-    LORAPLEX_CHECK(!(c.is_moe() && mlp) && (c.is_moe() || !expert), "random adapter: ", t,
-                   c.is_moe() ? " is an expert projection of this MoE model (w1, w2, w3)"
-                              : " is an expert projection, and this model has no experts");
+    LORAPLEX_CHECK(!(mixtral && mlp) && (mixtral || !expert), "random adapter: ", t,
+                   mixtral ? " is an expert projection of this MoE model (w1, w2, w3)"
+                           : " is a Mixtral expert projection, and this model has none");
   }
   std::filesystem::create_directories(dir);
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -60,12 +63,13 @@ void write_random_peft_adapter(const std::string& dir, const ModelConfig& c, int
     for (const std::string& t : targets) {
       const auto [in, out] = dims(t);
       const bool attn = t == "q_proj" || t == "k_proj" || t == "v_proj" || t == "o_proj";
-      const bool expert = t == "w1" || t == "w2" || t == "w3";
-      // Experts in transformers 4.x's names (block_sparse_moe.experts.E.wK), one pair each.
+      // Experts in transformers 4.x's names (block_sparse_moe.experts.E.wK, or
+      // mlp.experts.E.gate_proj for Qwen3-MoE), one pair each.
       std::vector<std::string> modules;
-      if (expert) {
+      if (!attn && c.is_moe()) {
+        const std::string experts = mixtral ? ".block_sparse_moe.experts." : ".mlp.experts.";
         for (int64_t e = 0; e < c.num_experts; ++e) {
-          modules.push_back(layer + ".block_sparse_moe.experts." + std::to_string(e) + "." + t);
+          modules.push_back(layer + experts + std::to_string(e) + "." + t);
         }
       } else {
         modules.push_back(layer + (attn ? ".self_attn." : ".mlp.") + t);

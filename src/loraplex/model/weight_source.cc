@@ -28,7 +28,13 @@ RandomWeights::RandomWeights(const ModelConfig& config, DType dtype, Device devi
 
 bool RandomWeights::has(const std::string& name) const {
   if (name == "lm_head.weight") return !config_.tie_word_embeddings;
-  // Mixtral in the transformers 4.x names (per-expert w1/w2/w3), never the fused 5.x ones.
+  // MoE experts in the transformers 4.x names (per-expert w1/w2/w3 under block_sparse_moe for
+  // Mixtral, gate_proj/up_proj/down_proj under mlp.experts.N for Qwen3-MoE), never the fused
+  // 5.x ones (mlp.experts.gate_up_proj / down_proj).
+  if (config_.arch == Architecture::kQwen3Moe) {
+    return !name.ends_with(".mlp.experts.gate_up_proj") &&
+           !name.ends_with(".mlp.experts.down_proj");
+  }
   return name.find(".mlp.gate.weight") == std::string::npos &&
          name.find(".mlp.experts.") == std::string::npos;
 }
@@ -36,7 +42,8 @@ bool RandomWeights::has(const std::string& name) const {
 Tensor RandomWeights::get(const std::string& name, const Shape& shape) const {
   LORAPLEX_CHECK(has(name), origin_, ": no tensor '", name, "'");
   Tensor t = Tensor::empty(shape, dtype_, device_);
-  const bool norm = name.ends_with("layernorm.weight") || name == "model.norm.weight";
+  // Every RMSNorm weight (input, post-attention, final, Qwen3's q_norm / k_norm).
+  const bool norm = name.ends_with("norm.weight");
   ops::FillUniformArgs a;
   a.dtype = dtype_;
   a.n = t.numel();

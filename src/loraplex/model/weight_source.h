@@ -36,9 +36,9 @@ class CheckpointWeights : public WeightSource {
   Checkpoint ckpt_;
 };
 
-/// Every tensor a Llama/Mistral/Qwen2/Mixtral checkpoint of `config` holds (Mixtral with the
-/// transformers 4.x names), uniform in [-0.04, 0.04] from a hash of (seed, name, index), on
-/// `device` in `dtype`; RMSNorm weights are 1. Made on `stream` as they are asked for (the
+/// Every tensor a checkpoint of `config` holds (MoE experts with the transformers 4.x names),
+/// uniform in [-0.04, 0.04] from a hash of (seed, name, index), on `device` in `dtype`; RMSNorm
+/// weights are 1. Made on `stream` as they are asked for (the
 /// caller copies each before asking for the next on the same stream, so memory is reused).
 class RandomWeights : public WeightSource {
  public:

@@ -151,6 +151,9 @@ Status dispatch_add_rms_norm(const kernels::AddRmsNormArgs& args, const Stream& 
 Status dispatch_rope_kv_write(const kernels::RopeKvWriteArgs& args, const Stream& stream) {
   return route(&kernels::cpu::rope_kv_write, &kernels::cuda::rope_kv_write, args, stream);
 }
+Status dispatch_qk_rms_norm(const kernels::QkRmsNormArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::qk_rms_norm, &kernels::cuda::qk_rms_norm, args, stream);
+}
 Status dispatch_paged_attention(const kernels::PagedAttentionArgs& args, const Stream& stream) {
   return route(&kernels::cpu::paged_attention, &kernels::cuda::paged_attention, args, stream);
 }

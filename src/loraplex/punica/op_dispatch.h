@@ -65,6 +65,7 @@ Status dispatch_write_column(const kernels::WriteColumnArgs& args, const Stream&
 Status dispatch_fill_uniform(const kernels::FillUniformArgs& args, const Stream& stream);
 Status dispatch_add_rms_norm(const kernels::AddRmsNormArgs& args, const Stream& stream);
 Status dispatch_rope_kv_write(const kernels::RopeKvWriteArgs& args, const Stream& stream);
+Status dispatch_qk_rms_norm(const kernels::QkRmsNormArgs& args, const Stream& stream);
 Status dispatch_paged_attention(const kernels::PagedAttentionArgs& args, const Stream& stream);
 Status dispatch_silu_mul(const kernels::SiluMulArgs& args, const Stream& stream);
 Status dispatch_argmax(const kernels::ArgmaxArgs& args, const Stream& stream);

@@ -206,6 +206,43 @@ Status rope_kv_write(const RopeKvWriteArgs& a) {
   });
 }
 
+Status qk_rms_norm(const QkRmsNormArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_qk_rms_norm_args(a));
+  return dispatch(a.dtype, "qk_rms_norm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const int64_t d = a.head_dim;
+    const int64_t heads = a.num_heads + a.num_kv_heads;
+    const int64_t delta_row = (a.num_heads + 2 * a.num_kv_heads) * d;
+    const T* qw = static_cast<const T*>(a.q_weight);
+    const T* kw = static_cast<const T*>(a.k_weight);
+    parallel_for(0, a.num_tokens * heads, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> v(static_cast<size_t>(d));
+      for (int64_t item = lo; item < hi; ++item) {
+        const int64_t t = item / heads;
+        const int64_t h = item % heads;
+        T* x = static_cast<T*>(a.qkv) + t * a.qkv_row_stride + h * d;
+        T* add = a.delta != nullptr ? static_cast<T*>(a.delta) + t * delta_row + h * d : nullptr;
+        const T* w = h < a.num_heads ? qw : kw;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < d; ++i) {
+          float xi = load_float(x[i]);
+          if (add != nullptr) {
+            xi = load_float(store_float<T>(xi + load_float(add[i])));
+            if (a.clear_delta) add[i] = store_float<T>(0.0f);
+          }
+          v[static_cast<size_t>(i)] = xi;
+          squares += xi * xi;
+        }
+        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + a.eps);
+        for (int64_t i = 0; i < d; ++i) {
+          const float normed = load_float(store_float<T>(v[static_cast<size_t>(i)] * inv));
+          x[i] = store_float<T>(load_float(w[i]) * normed);
+        }
+      }
+    });
+  });
+}
+
 Status paged_attention(const PagedAttentionArgs& a) {
   LORAPLEX_RETURN_IF_ERROR(check_paged_attention_args(a));
   const KvCacheView& c = a.cache;

@@ -61,6 +61,7 @@ Status gemm_xwt(const GemmArgs&, StreamHandle) { return no_cuda("linear_base"); 
 Status fill_uniform(const FillUniformArgs&, StreamHandle) { return no_cuda("fill_uniform"); }
 Status add_rms_norm(const AddRmsNormArgs&, StreamHandle) { return no_cuda("add_rms_norm"); }
 Status rope_kv_write(const RopeKvWriteArgs&, StreamHandle) { return no_cuda("rope_kv_write"); }
+Status qk_rms_norm(const QkRmsNormArgs&, StreamHandle) { return no_cuda("qk_rms_norm"); }
 Status paged_attention(const PagedAttentionArgs&, StreamHandle) {
   return no_cuda("paged_attention");
 }

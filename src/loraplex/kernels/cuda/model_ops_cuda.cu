@@ -517,6 +517,45 @@ __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   });
 }
 
+// One warp per (token, q or k head): lanes stride over head_dim and a shuffle sum gives the
+// head's sum of squares; the second pass reloads the values and writes them normalised. Each
+// element is read and written by the same lane, so in place (and clearing the delta after its
+// last read) is safe.
+constexpr int kQkNormThreads = 128;
+
+template <typename E>
+__global__ void qk_rms_norm_kernel(QkRmsNormArgs a) {
+  using S = typename E::Storage;
+  const int64_t heads = a.num_heads + a.num_kv_heads;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (kQkNormThreads / 32) + threadIdx.x / 32;
+  if (item >= a.num_tokens * heads) return;  // the whole warp leaves together
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t t = item / heads;
+  const int64_t h = item % heads;
+  const int64_t d = a.head_dim;
+  S* x = static_cast<S*>(a.qkv) + t * a.qkv_row_stride + h * d;
+  S* add = a.delta != nullptr
+               ? static_cast<S*>(a.delta) + t * (a.num_heads + 2 * a.num_kv_heads) * d + h * d
+               : nullptr;
+  const S* w = static_cast<const S*>(h < a.num_heads ? a.q_weight : a.k_weight);
+  auto value = [&](int64_t i) {
+    const float v = E::load(x[i]);
+    return add != nullptr ? round_to<E>(v + E::load(add[i])) : v;
+  };
+  float squares = 0.0f;
+  for (int64_t i = lane; i < d; i += 32) {
+    const float v = value(i);
+    squares += v * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+  const float inv = 1.0f / sqrtf(squares / static_cast<float>(d) + a.eps);
+  for (int64_t i = lane; i < d; i += 32) {
+    const float v = value(i);
+    if (add != nullptr && a.clear_delta) add[i] = E::store(0.0f);
+    x[i] = E::store(E::load(w[i]) * round_to<E>(v * inv));
+  }
+}
+
 // One block per (token, head). Pass 1: the maximum score. Pass 2: keys in chunks of blockDim:
 // each thread scores one key into shared memory, then threads own output dimensions and
 // accumulate p * v over the chunk. No scratch proportional to the context.
@@ -846,6 +885,19 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
       rope_kv_write_lora_kernel<E, kVec, false>
           <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
     }
+  });
+}
+
+Status qk_rms_norm(const QkRmsNormArgs& a, cuda_rt::StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_qk_rms_norm_args(a));
+  const int64_t items = a.num_tokens * (a.num_heads + a.num_kv_heads);
+  if (items == 0) return Status();
+  constexpr int64_t kWarps = kQkNormThreads / 32;
+  const int64_t blocks = (items + kWarps - 1) / kWarps;
+  LORAPLEX_ENSURE(blocks <= 0x7fffffff, "qk_rms_norm: ", items, " heads exceed one grid");
+  return dispatch(a.dtype, "qk_rms_norm", [&](auto e) {
+    qk_rms_norm_kernel<decltype(e)>
+        <<<static_cast<unsigned>(blocks), kQkNormThreads, 0, raw(stream)>>>(a);
   });
 }
 
