@@ -4,13 +4,15 @@ kernel grid (vLLM's Triton kernels beside each case), the end-to-end runs and th
 each with its device, date, commit and command.
 
 usage: benchmarks_md.py [--kernels JSON]... [--vllm CSV [--vllm-run TEXT]]
-                        [--e2e JSON]... [--serve JSON]... [--out FILE] [--summary]
+                        [--e2e JSON]... [--paths JSON...]... [--serve JSON]... [--out FILE]
+                        [--summary]
 
   --kernels   `loraplex bench kernels --json` output
   --vllm      vLLM's Triton kernels on the same grid (../shared/anchors/vllm_bench's CSV),
               matched to the kernel runs of the same device
   --vllm-run  where and when that CSV was measured (printed beside it)
   --e2e       `loraplex bench e2e --json` output
+  --paths     `bench e2e` runs of one call that differ only in --lora-decode: one table
   --serve     `loraplex bench serve --json` output (PATH=DEVICE for a run over HTTP)
   --out       where to write (default: standard output)
   --summary   a few plain-text lines per kernel run instead of the document
@@ -210,6 +212,43 @@ def e2e_table(doc, source, hf=None, explain=True):
     return out + [""]
 
 
+def paths_table(paths):
+    """`bench e2e` runs of one call that differ only in --lora-decode: one row per workload and
+    path, against its own base run, or, without one, a run of the same workload's."""
+    docs = [(p, json.load(open(p))) for p in paths]
+    key = lambda d: tuple(d.get("workload", {}).get(k) for k in
+                          ("requests", "adapters", "prompt_len", "gen_len", "max_num_seqs"))
+    bases = {key(d): d["results"]["base"] for _, d in docs if "base" in d.get("results", {})}
+    first = docs[0][1]
+    text = (f"{first.get('date', '?')}, commit `{first.get('commit', '?')}`, one call: "
+            f"`loraplex bench e2e --shape {first.get('shape', '?')} --lora-decode PATH` "
+            f"({first.get('dtype', '?')}, adapters of rank {first['workload'].get('rank', '?')} "
+            "on all seven projections, uniform), the workloads of the targets: 32 requests of "
+            "128 + 64 tokens, 256 of 128 + 16 over 64 adapters, one request. *fused*: the "
+            "shrink as extra rows of each base GEMM, the expand in the op after it; *overlap*: "
+            "the LoRA kernels on a second stream (HEAD's path before). The step's components "
+            "(CUPTI, ms) come from the runs that were profiled. Files: " +
+            ", ".join(f"`{p}`" for p, _ in docs) + ".")
+    out = ["### LoRA in decode steps: the paths side by side", "", para(text), "",
+           "| workload | path | base step ms | mixed step ms | mixed / base step | "
+           "mixed / base tok/s | single / base tok/s | GEMMs ms | norm, RoPE, act ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for _, d in docs:
+        w = d["workload"]
+        base = d["results"].get("base") or bases.get(key(d), {})
+        mixed = d["results"].get("mixed", {})
+        single = d["results"].get("single", {})
+        ratio = lambda r, k: (r[k] / base[k]) if r.get(k) and base.get(k) else None
+        comp = mixed.get("decode_step_breakdown_ms", {})
+        out.append("| %d x %d adapters | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            w.get("requests", 0), w.get("adapters", 0), d.get("lora_decode", "?"),
+            fmt(base.get("decode_step_ms")), fmt(mixed.get("decode_step_ms")),
+            fmt(ratio(mixed, "decode_step_ms"), "%.3f"), fmt(ratio(mixed, "tok_s"), "%.3f"),
+            fmt(ratio(single, "tok_s"), "%.3f"), fmt(comp.get("base_gemm"), "%.2f"),
+            fmt(comp.get("norm_rope_act"), "%.2f")))
+    return out + [""]
+
+
 def ab_table(old_path, new_path):
     """The kernel benchmark of two builds in one call: the ratio of every case and figure."""
     old, new = json.load(open(old_path)), json.load(open(new_path))
@@ -279,6 +318,8 @@ def main():
     p.add_argument("--e2e", action="append", default=[])
     p.add_argument("--serve", action="append", default=[])
     p.add_argument("--hf", help="the HF transformers + PEFT anchor's JSON (hf_peft_bench.py)")
+    p.add_argument("--paths", nargs="+", action="append", default=[], metavar="JSON",
+                   help="`bench e2e` runs of one call that differ only in --lora-decode")
     p.add_argument("--ab", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                    help="two `bench kernels` JSON files of one call: old and new build")
     p.add_argument("--note", action="append", default=[],
@@ -306,6 +347,8 @@ def main():
     for k, path in enumerate(a.e2e):
         doc = json.load(open(path))
         sections[doc.get("device", "?")] += e2e_table(doc, path, hf, explain=k == 0)
+    for group in a.paths:
+        sections[json.load(open(group[0])).get("device", "?")] += paths_table(group)
     for old, new in a.ab:
         sections[json.load(open(new)).get("device", "?")] += ab_table(old, new)
     for note in a.note:

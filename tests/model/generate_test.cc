@@ -95,8 +95,8 @@ TEST_F(GenerateTinyLlama, FewerLoraSlotsThanAdaptersWaitAndMatch) {
   EXPECT_GT(report.stats.steps, 12);
 }
 
-// Decode steps with LoRA take the fused path by default (the shrink in the base GEMM, the
-// expand in the op after it); the LoRA kernels after each GEMM give the same tokens.
+// On the CPU decode steps with LoRA take the fused path by default (the shrink in the base
+// GEMM, the expand in the op after it); the LoRA kernels after each GEMM give the same tokens.
 TEST_F(GenerateTinyLlama, LoraKernelsPathMatchesPeft) {
   const auto order = identity_order(expected_.size());
   engine::GenerateConfig cfg = fixture_config("tiny-llama", expected_, order);
@@ -313,12 +313,15 @@ TEST_P(GenerateCuda, Float32MatchesPeft) {
   expect_matches(cfg, expected, order);
 }
 
-TEST_P(GenerateCuda, Float32LoraKernelsAndOverlapPathsMatchPeft) {
+// The default (kAuto) takes the overlap path for these decode steps and the fused one for the
+// prefills of up to 512 tokens; each path alone gives the same tokens.
+TEST_P(GenerateCuda, Float32EveryLoraDecodePathMatchesPeft) {
   const auto expected = read_expected(GetParam());
   const auto order = identity_order(expected.size());
   engine::GenerateConfig cfg = fixture_config(GetParam(), expected, order);
   cfg.device = Device::cuda(0);
-  for (model::LoraDecode path : {model::LoraDecode::kKernels, model::LoraDecode::kOverlap}) {
+  for (model::LoraDecode path :
+       {model::LoraDecode::kFused, model::LoraDecode::kKernels, model::LoraDecode::kOverlap}) {
     cfg.lora_decode = path;
     expect_matches(cfg, expected, order);
   }

@@ -69,7 +69,7 @@ struct Options {
   int tensor_parallel_size = 1;
   bool fully_sharded_loras = false;
   std::string lora_tuning;
-  std::string lora_decode = "fused";
+  std::string lora_decode = "auto";
   int64_t fused_lora_max_tokens = 512;
   int top_kernels = 15;
   bool timeline = false;
@@ -278,9 +278,10 @@ int run(const std::vector<std::string>& args) {
                  "key=value,... over the LoRA kernels' tuning table (as bench kernels --tune)");
   app.add_option("--lora-decode", o.lora_decode,
                  "how decode steps run their LoRA: fused (the shrink in the base GEMM, the "
-                 "expand in the op after it; default), overlap (LoRA kernels on a second "
-                 "stream) or kernels (LoRA kernels after each GEMM)")
-      ->check(CLI::IsMember({"fused", "overlap", "kernels"}));
+                 "expand in the op after it), overlap (LoRA kernels on a second stream), "
+                 "kernels (LoRA kernels after each GEMM) or auto (overlap up to 64 tokens, "
+                 "else fused; default)")
+      ->check(CLI::IsMember({"auto", "fused", "overlap", "kernels"}));
   app.add_option("--fused-lora-max-tokens", o.fused_lora_max_tokens,
                  "steps of up to this many tokens take the fused LoRA path (default 512)");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
@@ -341,7 +342,8 @@ int run(const std::vector<std::string>& args) {
   dopts.fused_lora_max_tokens = o.fused_lora_max_tokens;
   dopts.lora_decode = o.lora_decode == "overlap"   ? model::LoraDecode::kOverlap
                       : o.lora_decode == "kernels" ? model::LoraDecode::kKernels
-                                                   : model::LoraDecode::kFused;
+                      : o.lora_decode == "fused"   ? model::LoraDecode::kFused
+                                                   : model::LoraDecode::kAuto;
   // The decode step's collectives alone (tp > 1): 2 all-reduces per layer and the embedding's,
   // and the lm_head's all-gather, over the wave's rows.
   double collective_ms = 0.0;

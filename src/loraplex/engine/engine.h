@@ -77,7 +77,7 @@ struct EngineOptions {
   /// vLLM's --fully-sharded-loras: adapters are sharded like the layers they modify.
   bool fully_sharded_loras = false;
   /// How decode steps run the LoRA (model::DecoderOptions::lora_decode).
-  model::LoraDecode lora_decode = model::LoraDecode::kFused;
+  model::LoraDecode lora_decode = model::LoraDecode::kAuto;
 };
 
 /// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size,

@@ -44,7 +44,7 @@ struct GenerateConfig {
   int64_t kv_block_size = 16;
   int tensor_parallel_size = 1;  // ranks (GPUs from `device` on, or CPU threads)
   bool fully_sharded_loras = false;
-  model::LoraDecode lora_decode = model::LoraDecode::kFused;
+  model::LoraDecode lora_decode = model::LoraDecode::kAuto;
 };
 
 struct GenerateOutput {

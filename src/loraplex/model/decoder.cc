@@ -375,7 +375,8 @@ void Decoder::allocate_step_buffers() {
   act_.rows = Tensor::empty({s, c.hidden_size}, dt, dev);
   act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
-  if (options_.lora_decode == LoraDecode::kFused && !options_.fully_sharded_loras &&
+  const LoraDecode path = options_.lora_decode;
+  if ((path == LoraDecode::kFused || path == LoraDecode::kAuto) && !options_.fully_sharded_loras &&
       options_.fused_lora_max_tokens > 0) {
     const int64_t f = std::min(t, options_.fused_lora_max_tokens);
     const int m = options_.max_loras;
@@ -387,7 +388,7 @@ void Decoder::allocate_step_buffers() {
   // The LoRA-overlap path runs on one device: a sharded layer's collective needs its LoRA
   // output added before it.
   if (dev.is_cuda() && !c.is_moe() && tp_size_ == 1 &&
-      options_.lora_decode == LoraDecode::kOverlap) {
+      (path == LoraDecode::kOverlap || path == LoraDecode::kAuto)) {
     const int64_t o = std::min(t, kOverlapTokens);
     deltas_.qkv = Tensor::zeros({o, c.q_size() + 2 * c.kv_size()}, dt, dev);
     deltas_.o = Tensor::zeros({o, c.hidden_size}, dt, dev);
@@ -504,6 +505,10 @@ int Decoder::fused_lora_slots(int64_t tokens, const Staged& staged) const {
   // Qwen3's q/k norm comes between the projection and RoPE, which adds the fused q/k LoRA.
   if (!staged.token_lora || !fused_.qkv.defined() || tokens > options_.fused_lora_max_tokens ||
       config_.qk_norm) {
+    return 0;
+  }
+  if (options_.lora_decode == LoraDecode::kAuto && deltas_.qkv.defined() &&
+      tokens <= kAutoOverlapTokens) {
     return 0;
   }
   // 1, 2, 4, 8, then multiples of 8: at most 7 slots' rows computed for nothing.
