@@ -286,6 +286,7 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
     }
   }
   if (own) own->finish();
+  loaded_ = true;
 }
 
 void LoraLinear::set_lora(int slot, const std::vector<LoraSliceWeights>& slices) {
@@ -420,7 +421,7 @@ Tensor LoraLinear::forward(const Tensor& x, const PunicaWrapper& punica, const S
 void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica,
                          const Stream& stream) {
   const std::string& k = spec_.kind;
-  LORAPLEX_CHECK(weight_.defined(), k, ": forward before load_base");
+  LORAPLEX_CHECK(loaded_, k, ": forward before load_base");
   layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
   layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
   const int64_t tokens = x.size(0);
@@ -456,7 +457,7 @@ void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica
 
 void LoraLinear::forward_base(const Tensor& x, Tensor& y, const Stream& stream) {
   const std::string& k = spec_.kind;
-  LORAPLEX_CHECK(weight_.defined(), k, ": forward before load_base");
+  LORAPLEX_CHECK(loaded_, k, ": forward before load_base");
   LORAPLEX_CHECK(tp_ == 1, k, ": forward_base needs a single device (tensor-parallel size ", tp_,
                  ")");
   layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
@@ -497,7 +498,7 @@ kernels::FusedLoraExpand LoraLinear::forward_fused(const Tensor& x, Tensor& y,
                                                    const PunicaWrapper& punica, int num_slots,
                                                    const Stream& stream) {
   const std::string& k = spec_.kind;
-  LORAPLEX_CHECK(weight_.defined() && can_fuse(), k,
+  LORAPLEX_CHECK(loaded_ && can_fuse(), k,
                  ": forward_fused needs loaded weights, the fused layout (no fully sharded LoRA), "
                  "no gathered output and a parallel input");
   LORAPLEX_CHECK(num_slots >= 0 && num_slots <= config_.max_loras, k, ": forward_fused over ",

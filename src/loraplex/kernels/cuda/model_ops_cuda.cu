@@ -225,6 +225,25 @@ __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, 
   for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
 }
 
+// The block's token group (blockIdx.y) with every token's intermediate staged in `staged`
+// ([group_size, num_slices * max_rank]); false past the last group. A slot the rows do not
+// hold (at or past num_slots) leaves its tokens without LoRA. All threads call it (it
+// synchronises).
+template <typename E>
+__device__ bool begin_token_group(const FusedLoraExpand& e, int group_size, float* staged,
+                                  TokenGroup& g) {
+  if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return false;
+  if (g.slot >= e.num_slots) g.slot = -1;
+  const int cols = e.num_slices * e.max_rank;
+  if (g.slot >= 0) {
+    for (int i = 0; i < g.count; ++i) {
+      stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
+    }
+  }
+  __syncthreads();
+  return true;
+}
+
 // Whether B rows can be read 16 bytes at a time.
 template <typename E>
 bool vector_b_rows(const FusedLoraExpand& e) {
@@ -497,15 +516,8 @@ __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
   const FusedLoraExpand& e = a.lora;
   TokenGroup g;
-  if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return;
-  if (g.slot >= e.num_slots) g.slot = -1;
+  if (!begin_token_group<E>(e, group_size, staged, g)) return;
   const int cols = e.num_slices * e.max_rank;
-  if (g.slot >= 0) {
-    for (int i = 0; i < g.count; ++i) {
-      stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
-    }
-  }
-  __syncthreads();
   const int per_token = static_cast<int>(blockDim.x) / group_size;
   const int i = static_cast<int>(threadIdx.x) / per_token;
   const int64_t item =
@@ -696,15 +708,8 @@ __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size) {
   extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
   const FusedLoraExpand& e = a.lora;
   TokenGroup g;
-  if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return;
-  if (g.slot >= e.num_slots) g.slot = -1;
+  if (!begin_token_group<E>(e, group_size, staged, g)) return;
   const int cols = e.num_slices * e.max_rank;
-  if (g.slot >= 0) {
-    for (int i = 0; i < g.count; ++i) {
-      stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
-    }
-  }
-  __syncthreads();
   const int per_token = static_cast<int>(blockDim.x) / group_size;
   const int i = static_cast<int>(threadIdx.x) / per_token;
   const int64_t j =
