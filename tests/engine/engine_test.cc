@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -329,6 +330,20 @@ TEST_F(EngineTinyLlama, SeededSamplingIsBatchIndependent) {
   EXPECT_NE(engine->submit(r).wait().token_ids, alone.token_ids);
 }
 
+TEST_F(EngineTinyLlama, TinyTemperaturesSampleGreedily) {
+  // Logits divided by 1e-40 overflow to inf: sampled at random before vLLM's epsilon applied.
+  auto engine = make_engine("tiny-llama", small_options());
+  for (const float t : {1e-40f, 1e-30f, 1e-6f}) {
+    for (size_t i = 0; i < 6; ++i) {
+      Request r = fixture_request(expected_[i]);
+      r.options.temperature = t;
+      r.options.seed = 77 + i;
+      EXPECT_EQ(engine->submit(r).wait().token_ids, expected_[i].output_token_ids)
+          << "temperature " << t << ", request " << i;
+    }
+  }
+}
+
 TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   EngineOptions o = small_options();
   o.num_kv_blocks = 300;  // 1200 tokens: more than max_model_len
@@ -349,6 +364,9 @@ TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   r.prompt_ids.assign(1020, 17);
   r.options.max_tokens = 5;
   refused(r, RequestError::Kind::kTooLong, "1025 tokens exceeds max_model_len 1024");
+  r.options.max_tokens = std::numeric_limits<int64_t>::max();
+  refused(r, RequestError::Kind::kTooLong, "exceeds max_model_len 1024");
+  EXPECT_EQ(engine->metrics().request_params_max_tokens.count, 0);
   r = fixture_request(expected_[0]);
   r.adapter = "nosuch";
   refused(r, RequestError::Kind::kUnknownAdapter, "adapter 'nosuch' is not loaded");

@@ -419,9 +419,7 @@ Pending Engine::Impl::prepare(Request&& request) {
   r.handle->pending.prompt_tokens = p.seq->num_prompt_tokens;
   r.handle->inbox = inbox;
   r.adapter = request.adapter;
-  r.sampling.temperature = o.temperature;
-  r.sampling.top_k = o.top_k < 0 ? 0 : o.top_k;
-  r.sampling.top_p = o.top_p;
+  r.sampling = sampling_params_of(o);
   if (o.min_tokens > 0) r.banned = min_tokens_banned_ids(o, eos);
   r.prompt_len = p.seq->num_prompt_tokens;
   if (tokenizer != nullptr) {

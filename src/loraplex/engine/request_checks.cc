@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <string>
 
 #include "loraplex/core/error.h"
 #include "loraplex/model/step_batch.h"
@@ -16,7 +18,21 @@ template <typename... Args>
 
 constexpr RequestError::Kind kInvalid = RequestError::Kind::kInvalid;
 
+// "len + max_tokens = total" where the sum is representable; max_tokens may be near 2^63.
+std::string length_sum(int64_t len, int64_t max_tokens) {
+  std::string s = detail::concat("the prompt (", len, " tokens) + max_tokens (", max_tokens, ")");
+  if (max_tokens <= std::numeric_limits<int64_t>::max() - len) {
+    s += detail::concat(" = ", len + max_tokens, " tokens");
+  }
+  return s;
+}
+
 }  // namespace
+
+model::SamplingParams sampling_params_of(const RequestOptions& o) {
+  if (o.temperature < kGreedyTemperatureBelow) return model::SamplingParams{0.0f, 0, 1.0f};
+  return model::SamplingParams{o.temperature, o.top_k < 0 ? 0 : o.top_k, o.top_p};
+}
 
 std::vector<int32_t> min_tokens_banned_ids(const RequestOptions& o,
                                            const std::vector<int32_t>& eos_token_ids) {
@@ -72,15 +88,14 @@ void check_prompt(const std::vector<int32_t>& ids, const RequestOptions& o,
              limits.vocab_size, ")");
     }
   }
+  // Compared without adding: max_tokens may be anything up to 2^63 - 1.
   const int64_t len = static_cast<int64_t>(ids.size());
-  if (len + o.max_tokens > limits.max_model_len) {
-    refuse(RequestError::Kind::kTooLong, "the prompt (", len, " tokens) + max_tokens (",
-           o.max_tokens, ") = ", len + o.max_tokens, " tokens exceeds max_model_len ",
+  if (len > limits.max_model_len || o.max_tokens > limits.max_model_len - len) {
+    refuse(RequestError::Kind::kTooLong, length_sum(len, o.max_tokens), " exceeds max_model_len ",
            limits.max_model_len);
   }
-  if (len + o.max_tokens > limits.kv_cache_tokens) {
-    refuse(RequestError::Kind::kTooLong, "the prompt (", len, " tokens) + max_tokens (",
-           o.max_tokens, ") = ", len + o.max_tokens, " tokens exceeds the KV cache (",
+  if (len > limits.kv_cache_tokens || o.max_tokens > limits.kv_cache_tokens - len) {
+    refuse(RequestError::Kind::kTooLong, length_sum(len, o.max_tokens), " exceeds the KV cache (",
            limits.kv_cache_tokens, " tokens)");
   }
 }
