@@ -61,8 +61,8 @@ def check(name, cond, detail=""):
 class Server:
     """A `loraplex serve` process; its port is read from the 'listening on' line."""
 
-    def __init__(self, args, model=MODEL):
-        self.proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", "0", *args],
+    def __init__(self, args, model=MODEL, port=0):
+        self.proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", str(port), *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.log = []
@@ -272,6 +272,14 @@ try:
                 name="a broken config.json: exit 1 naming the file")
     start_fails(["--model", MODEL, "--port", "0", "--bogus"], "--bogus",
                 name="an unknown flag: exit 1 naming it")
+    start_fails(["--model", MODEL, "--port", "0", "--max-model-len", "4096"], "--max-model-len 4096",
+                "max_position_embeddings 1024", "--allow-long-max-model-len",
+                name="--max-model-len beyond the model's positions: exit 1 naming both")
+    start_fails(["--model", MODEL, "--port", "0", "--lora", f"a,b={os.path.join(ADAPTERS, 'sql')}"],
+                "'a,b'", name="an adapter name outside the character set: exit 1 naming it")
+    start_fails(["--model", MODEL, "--port", "0", "--enable-lora-loading"],
+                "--allowed-lora-paths",
+                name="--enable-lora-loading with nowhere to load from: exit 1 saying so")
     p = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=60)
     check("--help exits 0", p.returncode == 0 and "--lora-dir" in p.stdout, p.stderr)
 
@@ -310,7 +318,7 @@ try:
                    "--lora", f"pirate={os.path.join(ADAPTERS, 'pirate')}",
                    "--lora-dir", ADAPTERS, "--num-kv-blocks", "640", "--max-num-seqs", "48",
                    "--max-model-len", "512", "--max-body-bytes", "65536", "--max-loras", "4",
-                   "--max-cpu-loras", "8"])
+                   "--max-cpu-loras", "8", "--enable-lora-loading", "--allowed-lora-paths", tmp])
     port = main.port
     start_fails(["--model", MODEL, "--port", str(port)], "cannot listen", str(port),
                 "in use", name="a port in use: exit 1 naming the address")
@@ -454,8 +462,13 @@ try:
 
     # ------------------------------------------------------------------------- errors
 
-    def expect_error(name, status_want, path, body=None, raw=None, param=None, needles=()):
-        status, payload, _ = request(port, "POST", path, body, raw=raw)
+    def completion_tokens_of(port, body):
+        status, got = post(port, "/v1/completions", dict(body, return_token_ids=True))
+        return got["choices"][0]["token_ids"] if status == 200 else (status, got)
+
+    def expect_error(name, status_want, path, body=None, raw=None, param=None, needles=(),
+                     headers=None):
+        status, payload, _ = request(port, "POST", path, body, raw=raw, headers=headers)
         try:
             err = json.loads(payload).get("error", {})
         except ValueError:
@@ -494,6 +507,26 @@ try:
                  raw=json.dumps({"model": BASE, "prompt": "x" * 70000}).encode())
     expect_error("n > 1 is refused: 400", 400, "/v1/completions",
                  {"model": BASE, "prompt": "x", "n": 2}, param="n")
+    expect_error("max_tokens near 2^63 is refused, not wrapped: 400", 400, "/v1/completions",
+                 {"model": BASE, "prompt": "x", "max_tokens": 2**63 - 1},
+                 needles=("9223372036854775807", "512"))
+    expect_error("a body not declared JSON: 415", 415, "/v1/completions",
+                 raw=json.dumps({"model": BASE, "prompt": "x"}).encode(),
+                 headers={"Content-Type": "text/plain"})
+    expect_error("a load from outside the allowed roots: 400 naming lora_path", 400,
+                 "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"},
+                 param="lora_path")
+    expect_error("an adapter name with a comma: 400 naming lora_name", 400,
+                 "/v1/load_lora_adapter",
+                 {"lora_name": "a,b", "lora_path": os.path.join(ADAPTERS, "sql")},
+                 param="lora_name")
+    greedy = completion_tokens_of(port, {"model": "sql", "prompt": reference[3]["prompt"],
+                                         "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    tiny_t = completion_tokens_of(port, {"model": "sql", "prompt": reference[3]["prompt"],
+                                         "max_tokens": 12, "temperature": 1e-40, "seed": 3,
+                                         "ignore_eos": True})
+    check("temperature 1e-40 samples greedily (below vLLM's 1e-5)", greedy == tiny_t and
+          isinstance(greedy, list), (greedy, tiny_t))
     status, payload, _ = request(port, "GET", "/v1/nothing")
     check("an unknown route: 404 in OpenAI's shape", status == 404 and
           json.loads(payload)["error"]["code"] == 404, (status, payload))
@@ -665,11 +698,22 @@ try:
     check("... the stream was cut short, not finished", b'"finish_reason":"length"' not in rest)
     check("... promptly", seconds < 10, seconds)
 
+    # The same port again at once: the stopped server closed connections itself, so its side
+    # of them waits in TIME_WAIT for a minute.
+    try:
+        again = Server(["--num-kv-blocks", "64"], port=port)
+        status, _, _ = request(port, "GET", "/health", key=None)
+        check("a restart on the same port comes up at once", status == 200, status)
+        again.stop()
+    except RuntimeError as e:
+        check("a restart on the same port comes up at once", False, e)
+
     # ------- a full server (every sequence slot busy, one request waiting): 503, unload order
 
     # 32 long requests fill every sequence slot for a few seconds (32 x 1000 tokens), so that
     # what follows happens while they run; the test ends them early by hanging up.
     small = Server(["--lora", f"sql={os.path.join(ADAPTERS, 'sql')}", "--max-num-seqs", "32",
+                    "--enable-lora-loading", "--allowed-lora-paths", ADAPTERS,
                     "--max-waiting", "1", "--num-kv-blocks", "2100"])
     sp = small.port
     sql_req = sql_ref[2]

@@ -2,169 +2,24 @@
 // port, driven with an HTTP client and raw sockets. Expected tokens come from the fake's own
 // rule (FakeBackend::expected_tokens), never from the server's output.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 #include <httplib.h>
 
-#include <filesystem>
-#include <fstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
-#include "fake_backend.h"
-#include "loraplex/server/http_server.h"
-#include "loraplex/server/openai_service.h"
+#include "server_test_support.h"
 
 namespace loraplex::server {
 namespace {
 
 using json = nlohmann::ordered_json;
+using testing::Events;
 using testing::FakeBackend;
-
-const char* kChatml =
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-
-// SSE events of a response body: the JSON after each "data: ", and whether [DONE] closed it.
-struct Events {
-  std::vector<json> chunks;
-  bool done = false;
-};
-
-Events parse_sse(const std::string& body) {
-  Events e;
-  size_t pos = 0;
-  while (true) {
-    const size_t start = body.find("data: ", pos);
-    if (start == std::string::npos) break;
-    const size_t end = body.find("\n\n", start);
-    const std::string data = body.substr(start + 6, end - start - 6);
-    if (data == "[DONE]") {
-      e.done = true;
-    } else {
-      e.chunks.push_back(json::parse(data));
-    }
-    pos = end == std::string::npos ? body.size() : end + 2;
-  }
-  return e;
-}
-
-// A raw connection, for the tests that need to stop reading or hang up mid-response.
-class RawConnection {
- public:
-  explicit RawConnection(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }
-  ~RawConnection() { close(); }
-  bool connected() const { return connected_; }
-  void send_post(const std::string& path, const std::string& body) {
-    const std::string req =
-        "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
-        "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-        "\r\n\r\n" + body;
-    ASSERT_EQ(::send(fd_, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
-  }
-  // Reads until `needle` has been seen `times` times (or the peer closes).
-  std::string read_until(const std::string& needle, int times) {
-    std::string got;
-    char buf[4096];
-    while (true) {
-      int seen = 0;
-      for (size_t p = got.find(needle); p != std::string::npos; p = got.find(needle, p + 1)) ++seen;
-      if (seen >= times) return got;
-      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-      if (n <= 0) return got;
-      got.append(buf, static_cast<size_t>(n));
-    }
-  }
-  void close() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-  bool connected_ = false;
-};
-
-class ServerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    lora_dir_ = std::filesystem::temp_directory_path() /
-                ("loraplex_server_test_" + std::to_string(::getpid()) + "_" +
-                 ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(lora_dir_ / "sql");
-    std::ofstream(lora_dir_ / "sql" / "adapter_config.json") << "{}";
-    std::filesystem::create_directories(lora_dir_ / "pirate");
-    std::ofstream(lora_dir_ / "pirate" / "adapter_config.json") << "{}";
-    std::filesystem::create_directories(lora_dir_ / "broken");  // no adapter_config.json
-    backend_.max_model_len_ = 400;
-  }
-
-  void start(const std::string& api_key = "", size_t max_body = 1 << 20) {
-    ServiceConfig config;
-    config.served_model_name = "base-model";
-    config.model_root = "/models/base";
-    config.lora_dir = lora_dir_.string();
-    config.chat_template =
-        std::make_shared<jinja::ChatTemplate>(kChatml, json::object(), "test template");
-    config.version = "9.9.9";
-    config.poll_interval = std::chrono::milliseconds(5);
-    service_ = std::make_unique<OpenAIService>(backend_, config);
-    HttpOptions http;
-    http.port = 0;
-    http.api_key = api_key;
-    http.max_body_bytes = max_body;
-    http.threads = 48;
-    server_ = std::make_unique<HttpServer>(*service_, http);
-    port_ = server_->bind();
-    thread_ = std::thread([this] { server_->serve(); });
-  }
-
-  void TearDown() override {
-    if (server_) server_->stop();
-    if (thread_.joinable()) thread_.join();
-    server_.reset();
-    service_.reset();
-    std::filesystem::remove_all(lora_dir_);
-  }
-
-  httplib::Client client() {
-    httplib::Client c("127.0.0.1", port_);
-    c.set_read_timeout(30, 0);
-    return c;
-  }
-
-  httplib::Result post(const std::string& path, const json& body, httplib::Headers headers = {}) {
-    return client().Post(path.c_str(), headers, body.dump(), "application/json");
-  }
-
-  static json error_of(const httplib::Result& r) { return json::parse(r->body).at("error"); }
-
-  // The completion text the fake produces for a text prompt on `adapter`.
-  std::string expected_completion(const std::string& prompt, const std::string& adapter,
-                                  int64_t max_tokens) {
-    return FakeBackend::expected_text(
-        FakeBackend::expected_tokens(backend_.encode(prompt, true), adapter, max_tokens));
-  }
-
-  FakeBackend backend_;
-  std::unique_ptr<OpenAIService> service_;
-  std::unique_ptr<HttpServer> server_;
-  std::thread thread_;
-  int port_ = 0;
-  std::filesystem::path lora_dir_;
-};
+using testing::parse_sse;
+using testing::RawConnection;
+using testing::ServerTest;
 
 TEST_F(ServerTest, HealthVersionAndModels) {
   start();
@@ -360,6 +215,7 @@ TEST_F(ServerTest, ReturnTokenIdsWholeAndStreamed) {
 }
 
 TEST_F(ServerTest, LoadingANameStillBeingUnloadedIs409) {
+  allow_runtime_loading();
   start();
   backend_.still_unloading = true;
   auto load = post("/v1/load_lora_adapter",
@@ -526,6 +382,7 @@ TEST_F(ServerTest, OverloadedIs503) {
 }
 
 TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
+  allow_runtime_loading();
   start();
   const std::string sql = (lora_dir_ / "sql").string();
   auto load = post("/v1/load_lora_adapter", {{"lora_name", "mine"}, {"lora_path", sql}});
@@ -539,7 +396,8 @@ TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
   auto missing = post("/v1/load_lora_adapter", {{"lora_name", "x"}});
   ASSERT_TRUE(missing);
   EXPECT_EQ(missing->status, 400);
-  auto nowhere = post("/v1/load_lora_adapter", {{"lora_name", "x"}, {"lora_path", "/no/such/dir"}});
+  auto nowhere = post("/v1/load_lora_adapter",
+                      {{"lora_name", "x"}, {"lora_path", (lora_dir_ / "nowhere").string()}});
   ASSERT_TRUE(nowhere);
   EXPECT_EQ(nowhere->status, 404);
   auto broken = post("/v1/load_lora_adapter",
@@ -565,6 +423,7 @@ TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
 }
 
 TEST_F(ServerTest, ConcurrentStreamsWithAReloadInTheMiddle) {
+  allow_runtime_loading();
   start();
   backend_.load_adapter("sql", (lora_dir_ / "sql").string());
   const std::vector<std::string> models = {"base-model", "sql", "pirate"};

@@ -4,6 +4,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "loraplex/server/adapter_policy.h"
 #include "loraplex/server/prometheus.h"
 #include "loraplex/template/errors.h"
 
@@ -53,6 +54,20 @@ HttpReply text_reply(int status, std::string body) {
   return HttpReply{status, "text/plain; charset=utf-8", std::move(body)};
 }
 
+// vLLM registers the adapter endpoints only when runtime updating is allowed: a client sees a
+// 404, here with the reason.
+[[noreturn]] void refuse_runtime_updating() {
+  throw ApiException(ApiError{404,
+                              "runtime adapter loading and unloading is off: start the server with "
+                              "--enable-lora-loading (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                              "NotFoundError", ""});
+}
+
+std::string string_field(const json& j, const char* name) {
+  const auto it = j.find(name);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 }  // namespace
 
 ApiError api_error_of(const engine::RequestError& e) {
@@ -70,7 +85,14 @@ ApiError api_error_of(const engine::RequestError& e) {
 }
 
 OpenAIService::OpenAIService(ServingBackend& backend, ServiceConfig config)
-    : backend_(backend), config_(std::move(config)) {}
+    : backend_(backend),
+      config_(std::move(config)),
+      lora_roots_(canonical_roots(config_.lora_roots)) {}
+
+void OpenAIService::log_failure(const Submitted& s, const std::string& error) const {
+  if (config_.log)
+    config_.log("request " + s.header.id + " (model " + s.header.model + ") failed: " + error);
+}
 
 void OpenAIService::wait_until_unloaded(const std::string& name, const std::string& param) {
   // An unloaded adapter keeps its name until its last request in flight has finished (they
@@ -87,7 +109,8 @@ void OpenAIService::wait_until_unloaded(const std::string& name, const std::stri
 std::string OpenAIService::resolve_adapter(const std::string& model) {
   if (model.empty() || model == config_.served_model_name) return "";
   if (backend_.has_adapter(model)) return model;
-  if (!config_.lora_dir.empty() && safe_component(model)) {
+  // A name outside the adapter name set can never have been loaded, nor be loaded here.
+  if (!config_.lora_dir.empty() && safe_component(model) && adapter_name_problem(model).empty()) {
     const std::filesystem::path dir = std::filesystem::path(config_.lora_dir) / model;
     std::error_code ec;
     if (std::filesystem::is_directory(dir, ec)) {
@@ -219,6 +242,7 @@ HttpReply OpenAIService::complete(Submitted& s) {
     }
   }
   if (last.finish_reason == engine::FinishReason::kError) {
+    log_failure(s, last.error);
     throw_api(500, "generation failed: " + last.error);
   }
   const Usage usage{last.prompt_tokens, last.completion_tokens, last.cached_tokens};
@@ -264,6 +288,7 @@ void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
     }
     engine::RequestOutput out = s.stream->next(config_.poll_interval);
     if (out.finished && out.finish_reason == engine::FinishReason::kError) {
+      log_failure(s, out.error);
       send(sse_event(error_body(ApiError{500, "generation failed: " + out.error, "", ""})));
       send(kSseDone);
       return;
@@ -313,20 +338,28 @@ HttpReply OpenAIService::list_models() const {
 }
 
 HttpReply OpenAIService::load_adapter(std::string_view body) {
+  if (!config_.runtime_lora_updating) refuse_runtime_updating();
   const json j = parse_json_object(body);
-  const std::string name = j.contains("lora_name") && j["lora_name"].is_string()
-                               ? j["lora_name"].get<std::string>()
-                               : std::string();
-  const std::string path = j.contains("lora_path") && j["lora_path"].is_string()
-                               ? j["lora_path"].get<std::string>()
-                               : std::string();
+  const std::string name = string_field(j, "lora_name");
+  const std::string path = string_field(j, "lora_path");
   if (name.empty() || path.empty()) {
     throw ApiException(ApiError{400, "Both 'lora_name' and 'lora_path' must be provided.",
                                 "InvalidUserInput", ""});
   }
+  if (const std::string problem = adapter_name_problem(name); !problem.empty()) {
+    throw ApiException(ApiError{400, problem, "InvalidUserInput", "lora_name"});
+  }
   if (name == config_.served_model_name) {
     throw ApiException(
         ApiError{400, "'" + name + "' is the base model's name", "InvalidUserInput", "lora_name"});
+  }
+  // Checked before anything looks at the path, and answered alike whether it exists or not.
+  if (!inside_roots(path, lora_roots_)) {
+    throw ApiException(ApiError{400,
+                                "lora_path '" + path +
+                                    "' is not under a directory adapters may be loaded from "
+                                    "(--lora-dir, --allowed-lora-paths)",
+                                "InvalidUserInput", "lora_path"});
   }
   if (backend_.has_adapter(name)) {
     throw ApiException(ApiError{400, "The lora adapter '" + name + "' has already been loaded.",
@@ -349,10 +382,9 @@ HttpReply OpenAIService::load_adapter(std::string_view body) {
 }
 
 HttpReply OpenAIService::unload_adapter(std::string_view body) {
+  if (!config_.runtime_lora_updating) refuse_runtime_updating();
   const json j = parse_json_object(body);
-  const std::string name = j.contains("lora_name") && j["lora_name"].is_string()
-                               ? j["lora_name"].get<std::string>()
-                               : std::string();
+  const std::string name = string_field(j, "lora_name");
   if (name.empty()) {
     throw ApiException(
         ApiError{400, "'lora_name' must be provided.", "InvalidUserInput", "lora_name"});
