@@ -786,6 +786,33 @@ try:
     check("... and nothing is left running", running(m) == 0 and waiting(m) == 0)
     rc, seconds = small.stop(signal.SIGTERM)
     check("SIGTERM: exit 0", rc == 0 and seconds < 10, (rc, seconds, "".join(small.log)))
+
+    # An adapter whose files are replaced after it left the CPU cache and its GPU slot (one of
+    # each): the reload refuses it, the request fails saying why, and the server logs it.
+    changing = os.path.join(tmp, "changing")
+    shutil.copytree(os.path.join(ADAPTERS, "sql"), changing)
+    for f in os.listdir(changing):
+        os.chmod(os.path.join(changing, f), 0o644)
+    swap = Server(["--lora", f"chg={changing}", "--lora", f"pirate={os.path.join(ADAPTERS, 'pirate')}",
+                   "--max-loras", "1", "--max-cpu-loras", "1", "--num-kv-blocks", "64"])
+    body = {"prompt": sql_req["prompt"], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    first = post(swap.port, "/v1/completions", dict(body, model="chg"))
+    other = post(swap.port, "/v1/completions", dict(body, model="pirate"))
+    weights = os.path.join(changing, "adapter_model.safetensors")
+    os.remove(weights)
+    shutil.copy(os.path.join(ADAPTERS, "pirate", "adapter_model.safetensors"), weights)
+    status, body_after = post(swap.port, "/v1/completions", dict(body, model="chg"))
+    message = error_of(body_after).get("message", "")
+    check("an adapter reloaded unchanged serves its tokens",
+          first[0] == 200 and first[1]["choices"][0]["token_ids"] == sql_req["output_token_ids"]
+          and other[0] == 200, (first, other))
+    check("an adapter whose files changed since it was loaded: refused, naming the file",
+          status == 500 and "changed on disk" in message and weights in message,
+          (status, body_after))
+    swap.stop()
+    check("... and the server logged it",
+          any("failed: adapter 'chg'" in line for line in swap.log), "".join(swap.log))
 finally:
     shutil.rmtree(tmp, ignore_errors=True)
 
