@@ -527,6 +527,38 @@ try:
                                          "ignore_eos": True})
     check("temperature 1e-40 samples greedily (below vLLM's 1e-5)", greedy == tiny_t and
           isinstance(greedy, list), (greedy, tiny_t))
+
+    # vLLM's fields through the openai client: implemented ones change the result as vLLM's
+    # do; unimplemented ones are a 400 naming the field, never ignored.
+    ref = reference[3]
+    plain = oa.completions.create(model=model_of(ref["adapter"]), prompt=ref["prompt"],
+                                  max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    stop_at = plain.choices[0].text[3:6]
+    cut = plain.choices[0].text.find(stop_at)
+    for include in (False, True):
+        c = oa.completions.create(model=model_of(ref["adapter"]), prompt=ref["prompt"],
+                                  max_tokens=12, temperature=0, stop=[stop_at],
+                                  extra_body={"ignore_eos": True,
+                                              "include_stop_str_in_output": include})
+        want = plain.choices[0].text[:cut + (len(stop_at) if include else 0)]
+        check(f"include_stop_str_in_output={include}: the text up to the stop string"
+              f"{', with it' if include else ''}", c.choices[0].text == want and
+              c.choices[0].finish_reason == "stop", (c.choices[0].text, want))
+    c = oa.completions.create(model=BASE, prompt=ref["prompt"], max_tokens=1,
+                              extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    full_ids = ref["prompt_token_ids"]
+    check("truncate_prompt_tokens keeps BOS and the prompt's last tokens",
+          extra(c.choices[0], "prompt_token_ids") == [full_ids[0], full_ids[-1]],
+          (extra(c.choices[0], "prompt_token_ids"), full_ids))
+    for field, value in [("guided_json", {"type": "object"}), ("allowed_token_ids", [1, 2]),
+                         ("use_beam_search", True), ("prompt_logprobs", 1),
+                         ("bad_words", ["x"])]:
+        try:
+            oa.completions.create(model=BASE, prompt="x", max_tokens=1,
+                                  extra_body={field: value})
+            check(f"'{field}' is refused, not ignored (400)", False, "accepted")
+        except openai.BadRequestError as e:
+            check(f"'{field}' is refused, not ignored (400)", field in str(e), str(e))
     status, payload, _ = request(port, "GET", "/v1/nothing")
     check("an unknown route: 404 in OpenAI's shape", status == 404 and
           json.loads(payload)["error"]["code"] == 404, (status, payload))

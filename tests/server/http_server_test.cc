@@ -214,6 +214,61 @@ TEST_F(ServerTest, ReturnTokenIdsWholeAndStreamed) {
   EXPECT_EQ(error_of(wrong).at("param"), "return_token_ids");
 }
 
+// vLLM's truncate_prompt_tokens keeps a prompt's last tokens (a text prompt keeps its BOS, as a
+// tokenizer truncating on the left does); add_special_tokens false leaves BOS out.
+TEST_F(ServerTest, TruncatePromptTokensAndAddSpecialTokens) {
+  start();
+  const auto prompt_of = [&](const json& body) {
+    json b = body;
+    b["max_tokens"] = 2;
+    b["return_token_ids"] = true;
+    auto r = post("/v1/completions", b);
+    EXPECT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+    const json j = json::parse(r->body);
+    EXPECT_EQ(j["choices"][0]["token_ids"].get<std::vector<int32_t>>(),
+              FakeBackend::expected_tokens(
+                  j["choices"][0]["prompt_token_ids"].get<std::vector<int32_t>>(), "", 2));
+    return j["choices"][0]["prompt_token_ids"].get<std::vector<int32_t>>();
+  };
+  // The fake encodes bytes, BOS = 1.
+  EXPECT_EQ(prompt_of({{"prompt", "abcdef"}, {"truncate_prompt_tokens", 3}}),
+            (std::vector<int32_t>{1, 'e', 'f'}));
+  EXPECT_EQ(prompt_of({{"prompt", "abcdef"}}),
+            (std::vector<int32_t>{1, 'a', 'b', 'c', 'd', 'e', 'f'}));
+  EXPECT_EQ(prompt_of({{"prompt", "abcdef"}, {"add_special_tokens", false}}),
+            (std::vector<int32_t>{'a', 'b', 'c', 'd', 'e', 'f'}));
+  EXPECT_EQ(
+      prompt_of(
+          {{"prompt", "abcdef"}, {"add_special_tokens", false}, {"truncate_prompt_tokens", 2}}),
+      (std::vector<int32_t>{'e', 'f'}));
+  EXPECT_EQ(prompt_of({{"prompt", json::array({5, 6, 7, 8})}, {"truncate_prompt_tokens", 2}}),
+            (std::vector<int32_t>{7, 8}));
+  EXPECT_EQ(prompt_of({{"prompt", "abc"}, {"truncate_prompt_tokens", 10}}),
+            (std::vector<int32_t>{1, 'a', 'b', 'c'}));
+  // -1: max_model_len (400 here), so a long prompt keeps room for no output: too long.
+  auto too_long =
+      post("/v1/completions",
+           {{"prompt", std::string(500, 'x')}, {"truncate_prompt_tokens", -1}, {"max_tokens", 1}});
+  ASSERT_TRUE(too_long);
+  EXPECT_EQ(too_long->status, 400);
+  auto fits = post("/v1/completions", {{"prompt", std::string(500, 'x')},
+                                       {"truncate_prompt_tokens", 300},
+                                       {"max_tokens", 1},
+                                       {"return_token_ids", true}});
+  ASSERT_TRUE(fits);
+  ASSERT_EQ(fits->status, 200) << fits->body;
+  EXPECT_EQ(json::parse(fits->body)["usage"]["prompt_tokens"], 300);
+  // Chat: the rendered prompt's last tokens.
+  auto chat = post("/v1/chat/completions",
+                   {{"messages", json::array({{{"role", "user"}, {"content", "hello"}}})},
+                    {"truncate_prompt_tokens", 4},
+                    {"max_tokens", 1}});
+  ASSERT_TRUE(chat);
+  ASSERT_EQ(chat->status, 200) << chat->body;
+  EXPECT_EQ(json::parse(chat->body)["usage"]["prompt_tokens"], 4);
+}
+
 TEST_F(ServerTest, LoadingANameStillBeingUnloadedIs409) {
   allow_runtime_loading();
   start();
@@ -430,7 +485,7 @@ TEST_F(ServerTest, ConcurrentStreamsWithAReloadInTheMiddle) {
   constexpr int kClients = 32;
   std::vector<std::string> texts(kClients);
   std::vector<int> statuses(kClients, 0);
-  std::vector<bool> done(kClients, false);
+  std::vector<char> done(kClients, 0);  // not vector<bool>: its bits share bytes across threads
   std::vector<std::thread> threads;
   for (int i = 0; i < kClients; ++i) {
     threads.emplace_back([&, i] {

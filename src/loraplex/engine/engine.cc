@@ -423,7 +423,9 @@ Pending Engine::Impl::prepare(Request&& request) {
   if (o.min_tokens > 0) r.banned = min_tokens_banned_ids(o, eos);
   r.prompt_len = p.seq->num_prompt_tokens;
   if (tokenizer != nullptr) {
-    r.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer, r.handle->prompt_ids, o.stop);
+    r.detok = std::make_unique<IncrementalDetokenizer>(
+        *tokenizer, r.handle->prompt_ids, o.stop,
+        DetokenizeOptions{o.include_stop_str_in_output, o.skip_special_tokens});
   }
   r.options = std::move(o);
   return p;
@@ -768,9 +770,11 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob) {
   piece.token_ids.push_back(token);
   if (o.logprobs && logprob != nullptr) piece.logprobs.push_back(*logprob);
   if (r.detok != nullptr) {
-    // A stop token's own text is not part of the output.
-    if (!stop_token) {
-      const std::optional<std::string> matched = r.detok->add(token, generated >= o.min_tokens);
+    // A stop token's own text is not part of the output, unless asked for (the request ends
+    // here: no stop string is looked for in it).
+    if (!stop_token || o.include_stop_str_in_output) {
+      const std::optional<std::string> matched =
+          r.detok->add(token, generated >= o.min_tokens && !stop_token);
       if (matched) {
         reason = FinishReason::kStop;
         stop_reason = *matched;

@@ -96,6 +96,10 @@ struct RequestOptions {
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool ignore_eos = false;
   bool logprobs = false;  // the log-probability of each sampled token
+  /// The matched stop string, or the stop token's text, stays in the output (vLLM's
+  /// include_stop_str_in_output).
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;  // special tokens have no text
 };
 
 struct Request {

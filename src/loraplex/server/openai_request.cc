@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "loraplex/server/api_error.h"
+#include "loraplex/server/unsupported_fields.h"
 
 namespace loraplex::server {
 namespace {
@@ -93,6 +94,7 @@ void refuse_unless(bool ok, const std::string& param, const std::string& what) {
 
 // The sampling fields shared by both endpoints (OpenAI's and vLLM's extra ones).
 void parse_common(const json& body, GenerationRequest& r) {
+  refuse_unsupported_fields(body);
   if (const json* m = field(body, "model")) {
     if (!m->is_string()) bad_type("model", "a string", *m);
     r.model = m->get<std::string>();
@@ -119,6 +121,16 @@ void parse_common(const json& body, GenerationRequest& r) {
     o.min_tokens = *m;
   }
   if (auto e = get_bool(body, "ignore_eos")) o.ignore_eos = *e;
+  if (auto i = get_bool(body, "include_stop_str_in_output")) o.include_stop_str_in_output = *i;
+  if (auto k = get_bool(body, "skip_special_tokens")) o.skip_special_tokens = *k;
+  // Read by slow tokenizers only; with tokenizer.json vLLM ignores it too.
+  (void)get_bool(body, "spaces_between_special_tokens");
+  if (auto t = get_int(body, "truncate_prompt_tokens")) {
+    refuse_unless(
+        *t == -1 || *t >= 1, "truncate_prompt_tokens",
+        "'truncate_prompt_tokens' must be -1 (max_model_len) or >= 1, got " + std::to_string(*t));
+    r.truncate_prompt_tokens = *t;
+  }
   if (const json* stop = field(body, "stop")) {
     if (stop->is_string()) {
       o.stop.push_back(stop->get<std::string>());
@@ -281,7 +293,9 @@ GenerationRequest parse_completion_request(std::string_view body_text) {
   const json body = parse_json_object(body_text);
   GenerationRequest r;
   r.kind = GenerationRequest::Kind::kCompletion;
+  r.add_special_tokens = true;
   parse_common(body, r);
+  if (auto a = get_bool(body, "add_special_tokens")) r.add_special_tokens = *a;
   set_max_tokens(r, get_int(body, "max_tokens"), "max_tokens");
   check_min_tokens(r);
   const json* prompt = field(body, "prompt");

@@ -30,10 +30,14 @@ struct GenerationRequest {
   std::string prompt;
   std::vector<int32_t> prompt_ids;
 
+  /// vLLM's truncate_prompt_tokens: keep the prompt's last N tokens (-1: max_model_len).
+  std::optional<int64_t> truncate_prompt_tokens;
+
   // Chat: the messages with text content flattened (vLLM's "string" content format).
   nlohmann::ordered_json messages;
   jinja::ChatRenderOptions chat;
-  bool add_special_tokens = false;  // chat default: the template writes BOS itself
+  // Chat's default: the template writes BOS itself; completions' default is true.
+  bool add_special_tokens = false;
 
   bool stream = false;
   bool include_usage = false;     // stream_options.include_usage

@@ -1,5 +1,6 @@
 #include "loraplex/server/openai_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <filesystem>
@@ -48,6 +49,17 @@ json model_card(const std::string& id, const std::string& root, const json& pare
 bool safe_component(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
          name.find('\\') == std::string::npos && name.find('\0') == std::string::npos;
+}
+
+// vLLM's truncate_prompt_tokens: the last `k` ids (k = -1: max_model_len), after the first
+// `keep` (the special tokens a text prompt's encoding starts with, which a tokenizer truncating
+// on the left keeps).
+void truncate_left(std::vector<int32_t>& ids, size_t keep, int64_t k, int64_t max_model_len) {
+  const size_t limit = static_cast<size_t>(k < 0 ? max_model_len : k);
+  if (ids.size() <= limit) return;
+  keep = std::min(keep, limit);
+  ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(keep),
+            ids.end() - static_cast<std::ptrdiff_t>(limit - keep));
 }
 
 HttpReply text_reply(int status, std::string body) {
@@ -159,6 +171,9 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
       throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "messages");
     }
     if (req.prompt_ids.empty()) throw_api(400, "the chat prompt encodes to no tokens", "messages");
+    if (r.truncate_prompt_tokens) {
+      truncate_left(req.prompt_ids, 0, *r.truncate_prompt_tokens, backend_.max_model_len());
+    }
     if (!r.max_tokens_given) {
       // vLLM's default for chat: whatever context the prompt leaves.
       const int64_t room = backend_.max_model_len() - static_cast<int64_t>(req.prompt_ids.size());
@@ -173,9 +188,31 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
       }
       req.options.max_tokens = room;
     }
-  } else {
-    req.prompt = r.prompt;
+  } else if (!r.prompt_ids.empty()) {
     req.prompt_ids = r.prompt_ids;
+    if (r.truncate_prompt_tokens) {
+      truncate_left(req.prompt_ids, 0, *r.truncate_prompt_tokens, backend_.max_model_len());
+    }
+  } else if (r.add_special_tokens && !r.truncate_prompt_tokens) {
+    req.prompt = r.prompt;  // the engine encodes it, with special tokens
+  } else {
+    try {
+      req.prompt_ids = backend_.encode(r.prompt, r.add_special_tokens);
+      if (r.truncate_prompt_tokens) {
+        size_t special = 0;
+        if (r.add_special_tokens) {
+          const std::vector<int32_t> plain = backend_.encode(r.prompt, false);
+          if (plain.size() < req.prompt_ids.size() &&
+              std::equal(plain.rbegin(), plain.rend(), req.prompt_ids.rbegin())) {
+            special = req.prompt_ids.size() - plain.size();
+          }
+        }
+        truncate_left(req.prompt_ids, special, *r.truncate_prompt_tokens, backend_.max_model_len());
+      }
+    } catch (const Error& e) {
+      throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "prompt");
+    }
+    if (req.prompt_ids.empty()) throw_api(400, "the prompt encodes to no tokens", "prompt");
   }
   s.header.id = new_request_id(kind == GenerationRequest::Kind::kChat ? "chatcmpl-" : "cmpl-");
   s.header.created = unix_now();
