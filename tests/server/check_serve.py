@@ -505,8 +505,19 @@ try:
                  needles=("512",))
     expect_error("an over-size body: 413", 413, "/v1/completions",
                  raw=json.dumps({"model": BASE, "prompt": "x" * 70000}).encode())
-    expect_error("n > 1 is refused: 400", 400, "/v1/completions",
-                 {"model": BASE, "prompt": "x", "n": 2}, param="n")
+    expect_error("n = 0 is refused: 400", 400, "/v1/completions",
+                 {"model": BASE, "prompt": "x", "n": 0}, param="n")
+    # n > 1: each choice as the same request alone with seed + i (vLLM's parallel sampling).
+    several = oa.completions.create(model="pirate", prompt=reference[2]["prompt"], n=3,
+                                    max_tokens=10, temperature=0.9, seed=21,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    alone = [completion_tokens_of(port, {"model": "pirate", "prompt": reference[2]["prompt"],
+                                         "max_tokens": 10, "temperature": 0.9, "seed": 21 + i,
+                                         "ignore_eos": True}) for i in range(3)]
+    got = [extra(c, "token_ids") for c in sorted(several.choices, key=lambda c: c.index)]
+    check("n=3: each choice equals the request alone with seed + i, usage counts all",
+          got == alone and several.usage.completion_tokens == 30 and len(set(map(tuple, got))) > 1,
+          (got, alone, several.usage))
     expect_error("max_tokens near 2^63 is refused, not wrapped: 400", 400, "/v1/completions",
                  {"model": BASE, "prompt": "x", "max_tokens": 2**63 - 1},
                  needles=("9223372036854775807", "512"))

@@ -118,6 +118,10 @@ std::unique_ptr<GenerationStream> FakeBackend::submit(engine::Request request) {
   }
   ++active;
   ++submitted;
+  if (request.options.seed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    seeds_.push_back(*request.options.seed);
+  }
   return std::make_unique<FakeStream>(*this, std::move(request), std::move(prompt));
 }
 
@@ -131,6 +135,11 @@ AdapterInfo FakeBackend::load_adapter(const std::string& name, const std::string
   info.name = name;
   info.dir = dir;
   return info;
+}
+
+std::vector<uint64_t> FakeBackend::seeds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return seeds_;
 }
 
 bool FakeBackend::unload_adapter(const std::string& name) {

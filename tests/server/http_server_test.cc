@@ -85,11 +85,11 @@ TEST_F(ServerTest, MalformedRequestsGetOpenAIErrors) {
   ASSERT_TRUE(wrong_type);
   EXPECT_EQ(wrong_type->status, 400);
   EXPECT_EQ(error_of(wrong_type).at("param"), "max_tokens");
-  auto n2 = post("/v1/chat/completions",
-                 {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"n", 2}});
-  ASSERT_TRUE(n2);
-  EXPECT_EQ(n2->status, 400);
-  EXPECT_EQ(error_of(n2).at("param"), "n");
+  auto n0 = post("/v1/chat/completions",
+                 {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"n", 0}});
+  ASSERT_TRUE(n0);
+  EXPECT_EQ(n0->status, 400);
+  EXPECT_EQ(error_of(n0).at("param"), "n");
   auto route = c.Get("/v1/nothing");
   ASSERT_TRUE(route);
   EXPECT_EQ(route->status, 404);
@@ -267,6 +267,66 @@ TEST_F(ServerTest, TruncatePromptTokensAndAddSpecialTokens) {
   ASSERT_TRUE(chat);
   ASSERT_EQ(chat->status, 200) << chat->body;
   EXPECT_EQ(json::parse(chat->body)["usage"]["prompt_tokens"], 4);
+}
+
+// n > 1: one engine request per choice (seed + i each), whole or streamed, the prompt counted
+// once in the usage and every choice's tokens.
+TEST_F(ServerTest, SeveralChoices) {
+  start();
+  const std::string want = expected_completion("abc", "", 5);
+  auto whole =
+      post("/v1/completions", {{"prompt", "abc"}, {"max_tokens", 5}, {"n", 3}, {"seed", 40}});
+  ASSERT_TRUE(whole);
+  ASSERT_EQ(whole->status, 200) << whole->body;
+  const json j = json::parse(whole->body);
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], want);
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 15);
+  EXPECT_EQ(backend_.seeds(), (std::vector<uint64_t>{40, 41, 42}));
+  for (const bool chat : {false, true}) {
+    json body = {{"max_tokens", 4}, {"n", 2}, {"stream", true}};
+    body["stream_options"] = {{"include_usage", true}};
+    if (chat) {
+      body["messages"] = json::array({{{"role", "user"}, {"content", "q"}}});
+    } else {
+      body["prompt"] = "abc";
+    }
+    auto r = post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200);
+    const testing::Events e = parse_sse(r->body);
+    ASSERT_TRUE(e.done);
+    std::vector<std::string> texts(2);
+    std::vector<int> roles(2, 0);
+    std::vector<int> finishes(2, 0);
+    for (size_t k = 0; k + 1 < e.chunks.size(); ++k) {
+      const json& c = e.chunks[k]["choices"][0];
+      const int i = c["index"].get<int>();
+      ASSERT_TRUE(i == 0 || i == 1) << c.dump();
+      texts[i] += chat ? c["delta"].value("content", "") : c["text"].get<std::string>();
+      roles[i] += chat && c["delta"].contains("role");
+      finishes[i] += !c["finish_reason"].is_null();
+    }
+    const std::string expected =
+        chat ? FakeBackend::expected_text(FakeBackend::expected_tokens(
+                   backend_.encode("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", false),
+                   "", 4))
+             : expected_completion("abc", "", 4);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(texts[i], expected) << "choice " << i << (chat ? " (chat)" : "");
+      EXPECT_EQ(finishes[i], 1) << i;
+      EXPECT_EQ(roles[i], chat ? 1 : 0) << i;
+    }
+    EXPECT_EQ(e.chunks.back()["usage"]["completion_tokens"], 8);
+  }
+  auto best_of = post("/v1/completions", {{"prompt", "x"}, {"n", 2}, {"best_of", 3}});
+  ASSERT_TRUE(best_of);
+  EXPECT_EQ(best_of->status, 400);
+  EXPECT_EQ(error_of(best_of).at("param"), "best_of");
 }
 
 TEST_F(ServerTest, LoadingANameStillBeingUnloadedIs409) {

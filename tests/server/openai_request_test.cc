@@ -214,7 +214,7 @@ TEST(OpenAIRequest, InvalidBodiesAre400NamingTheField) {
       {false, R"({"prompt": "x", "top_p": 0})", "top_p"},
       {false, R"({"prompt": "x", "top_p": 1.5})", "top_p"},
       {false, R"({"prompt": "x", "top_k": -2})", "top_k"},
-      {false, R"({"prompt": "x", "n": 2})", "n"},
+      {false, R"({"prompt": "x", "n": 129})", "n"},
       {false, R"({"prompt": "x", "best_of": 3})", "best_of"},
       {false, R"({"prompt": "x", "stop": 5})", "stop"},
       {false, R"({"prompt": "x", "stop": [""]})", "stop"},

@@ -219,7 +219,7 @@ struct HttpServer::Impl {
           },
           [submitted](bool success) {
             // A response that did not complete (the client left mid-write) ends its request.
-            if (!success) submitted->stream->abort();
+            if (!success) submitted->abort();
           });
     });
   }

@@ -157,10 +157,16 @@ void parse_common(const json& body, GenerationRequest& r) {
     }
   }
   if (auto n = get_int(body, "n")) {
-    refuse_unless(*n == 1, "n", "only n=1 is supported, got n=" + std::to_string(*n));
+    refuse_unless(
+        *n >= 1 && *n <= kMaxChoices, "n",
+        "'n' must be in 1 .. " + std::to_string(kMaxChoices) + ", got " + std::to_string(*n));
+    r.n = *n;
   }
   if (auto b = get_int(body, "best_of")) {
-    refuse_unless(*b == 1, "best_of", "only best_of=1 is supported");
+    // best_of > n would sample more and return the best: beam-search-like ranking, not done.
+    refuse_unless(*b == r.n, "best_of",
+                  "'best_of' must equal 'n' (" + std::to_string(r.n) +
+                      "): returning the best of more samples is not implemented");
   }
   if (auto s = get_bool(body, "stream")) r.stream = *s;
   if (auto t = get_bool(body, "return_token_ids")) r.return_token_ids = *t;

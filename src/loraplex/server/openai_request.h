@@ -2,9 +2,9 @@
 // Parses and validates the bodies of POST /v1/completions and /v1/chat/completions into what
 // the engine takes (engine::Request) plus what the response needs (stream flags, logprobs).
 // Every wrong type or value is an ApiException (400) naming the field; fields loraplex does
-// not implement with a non-default value (n > 1, penalties, logit_bias, top logprobs, ...) are
-// refused rather than ignored, so a client never gets a result it did not ask for. Unknown
-// fields are ignored, as vLLM ignores them.
+// not implement with a non-default value (penalties, logit_bias, top logprobs, beam search,
+// structured output, ...; unsupported_fields.h) are refused rather than ignored, so a client
+// never gets a result it did not ask for. Unknown fields are ignored, as vLLM ignores them.
 
 #include <cstdint>
 #include <optional>
@@ -18,6 +18,9 @@
 
 namespace loraplex::server {
 
+/// The most choices (n) one request may ask for.
+inline constexpr int64_t kMaxChoices = 128;
+
 struct GenerationRequest {
   enum class Kind { kCompletion, kChat };
   Kind kind = Kind::kCompletion;
@@ -25,6 +28,7 @@ struct GenerationRequest {
 
   engine::RequestOptions options;
   bool max_tokens_given = false;  // false: the server picks the default (16, or the context)
+  int64_t n = 1;                  // choices, each its own engine request
 
   // Completions: the prompt as text or token ids (one of them).
   std::string prompt;

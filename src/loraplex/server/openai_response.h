@@ -53,23 +53,28 @@ nlohmann::ordered_json chat_logprobs(const std::vector<TokenLogprob>& tokens);
 // and `token_ids` (the generated ids, or a chunk's new ones) are written where vLLM writes
 // them when they are not null (the default: left out).
 
-std::string completion_body(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                            const Usage& usage, const nlohmann::ordered_json& logprobs,
-                            const nlohmann::ordered_json& prompt_token_ids = {},
-                            const nlohmann::ordered_json& token_ids = {});
-std::string chat_body(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                      const Usage& usage, const nlohmann::ordered_json& logprobs,
-                      const nlohmann::ordered_json& prompt_token_ids = {},
-                      const nlohmann::ordered_json& token_ids = {});
+/// One choice of a whole response (n > 1 gives several, index = their order).
+struct Choice {
+  std::string text;
+  Finish finish;
+  nlohmann::ordered_json logprobs;   // null: not asked for
+  nlohmann::ordered_json token_ids;  // null: not asked for
+};
 
-/// One streamed completion chunk; `finish` null fields while the choice goes on.
-std::string completion_chunk(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                             const nlohmann::ordered_json& logprobs,
+std::string completion_body(const ResponseHeader& h, const std::vector<Choice>& choices,
+                            const Usage& usage,
+                            const nlohmann::ordered_json& prompt_token_ids = {});
+std::string chat_body(const ResponseHeader& h, const std::vector<Choice>& choices,
+                      const Usage& usage, const nlohmann::ordered_json& prompt_token_ids = {});
+
+/// One streamed completion chunk of choice `index`; `finish` null fields while it goes on.
+std::string completion_chunk(const ResponseHeader& h, int index, const std::string& text,
+                             const Finish& finish, const nlohmann::ordered_json& logprobs,
                              const nlohmann::ordered_json& prompt_token_ids = {},
                              const nlohmann::ordered_json& token_ids = {});
-/// One streamed chat chunk; `delta` is {"role": "assistant", "content": ""} first, then
-/// {"content": "..."}.
-std::string chat_chunk(const ResponseHeader& h, const nlohmann::ordered_json& delta,
+/// One streamed chat chunk of choice `index`; `delta` is {"role": "assistant", "content": ""}
+/// first, then {"content": "..."}.
+std::string chat_chunk(const ResponseHeader& h, int index, const nlohmann::ordered_json& delta,
                        const Finish& finish, const nlohmann::ordered_json& logprobs,
                        const nlohmann::ordered_json& prompt_token_ids = {},
                        const nlohmann::ordered_json& token_ids = {});

@@ -217,9 +217,16 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
   s.header.id = new_request_id(kind == GenerationRequest::Kind::kChat ? "chatcmpl-" : "cmpl-");
   s.header.created = unix_now();
   s.header.model = r.model.empty() ? config_.served_model_name : r.model;
+  // n > 1: n requests of the same prompt (the prefix cache shares its blocks once one has
+  // computed them); with a seed, choice i samples from seed + i, as vLLM's parallel sampling.
   try {
-    s.stream = backend_.submit(std::move(req));
+    for (int64_t i = 0; i < r.n; ++i) {
+      engine::Request one = req;
+      if (one.options.seed && i > 0) *one.options.seed += static_cast<uint64_t>(i);
+      s.streams.push_back(backend_.submit(std::move(one)));
+    }
   } catch (const engine::RequestError& e) {
+    s.abort();
     throw ApiException(api_error_of(e));
   }
   return s;
@@ -259,109 +266,135 @@ Finish OpenAIService::finish_of(const engine::RequestOutput& out,
   return f;
 }
 
+void OpenAIService::Submitted::abort() {
+  for (const auto& st : streams) st->abort();
+}
+
 HttpReply OpenAIService::complete(Submitted& s) {
-  std::string text;
-  std::vector<TokenLogprob> lps;
-  std::vector<int32_t> ids;
-  engine::RequestOutput last;
-  while (true) {
-    if (stopping_) s.stream->abort();
-    engine::RequestOutput out = s.stream->next(config_.poll_interval);
-    text += out.text;
-    ids.insert(ids.end(), out.token_ids.begin(), out.token_ids.end());
-    if (s.request.logprobs) {
-      std::vector<TokenLogprob> more = logprobs_of(out);
-      lps.insert(lps.end(), more.begin(), more.end());
-    }
-    if (out.finished) {
-      last = std::move(out);
-      break;
-    }
-  }
-  if (last.finish_reason == engine::FinishReason::kError) {
-    log_failure(s, last.error);
-    throw_api(500, "generation failed: " + last.error);
-  }
-  const Usage usage{last.prompt_tokens, last.completion_tokens, last.cached_tokens};
-  const Finish finish = finish_of(last, s.request);
   const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
-  json logprobs;
-  if (s.request.logprobs) logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
-  json prompt_ids;
-  json token_ids;
-  if (s.request.return_token_ids) {
-    prompt_ids = s.stream->prompt_ids();
-    token_ids = ids;
+  std::vector<Choice> choices;
+  Usage usage;
+  // The choices run together in the engine; each is read to its end in turn.
+  for (size_t i = 0; i < s.streams.size(); ++i) {
+    GenerationStream& st = *s.streams[i];
+    Choice c;
+    std::vector<TokenLogprob> lps;
+    std::vector<int32_t> ids;
+    engine::RequestOutput out;
+    do {
+      if (stopping_) s.abort();
+      out = st.next(config_.poll_interval);
+      c.text += out.text;
+      ids.insert(ids.end(), out.token_ids.begin(), out.token_ids.end());
+      if (s.request.logprobs) {
+        std::vector<TokenLogprob> more = logprobs_of(out);
+        lps.insert(lps.end(), more.begin(), more.end());
+      }
+    } while (!out.finished);
+    if (out.finish_reason == engine::FinishReason::kError) {
+      log_failure(s, out.error);
+      s.abort();
+      throw_api(500, "generation failed: " + out.error);
+    }
+    c.finish = finish_of(out, s.request);
+    if (s.request.logprobs) c.logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
+    if (s.request.return_token_ids) c.token_ids = ids;
+    // The prompt counts once, as in vLLM; every choice's tokens count.
+    if (i == 0) usage = Usage{out.prompt_tokens, 0, out.cached_tokens};
+    usage.completion_tokens += out.completion_tokens;
+    choices.push_back(std::move(c));
   }
-  return HttpReply{
-      200, "application/json",
-      chat ? chat_body(s.header, text, finish, usage, logprobs, prompt_ids, token_ids)
-           : completion_body(s.header, text, finish, usage, logprobs, prompt_ids, token_ids)};
+  json prompt_ids;
+  if (s.request.return_token_ids) prompt_ids = s.streams.front()->prompt_ids();
+  return HttpReply{200, "application/json",
+                   chat ? chat_body(s.header, choices, usage, prompt_ids)
+                        : completion_body(s.header, choices, usage, prompt_ids)};
 }
 
 void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
   const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
-  int64_t text_offset = 0;
+  const size_t n = s.streams.size();
   auto send = [&](const std::string& event) {
     if (sink.write(event)) return true;
-    s.stream->abort();
+    s.abort();
     return false;
   };
-  // vLLM's return_token_ids: the prompt's ids go with the first chunk only.
+  // vLLM's return_token_ids: the prompt's ids go with the first chunk only (of each choice,
+  // for completions).
   json prompt_ids;
-  if (s.request.return_token_ids) prompt_ids = s.stream->prompt_ids();
+  if (s.request.return_token_ids) prompt_ids = s.streams.front()->prompt_ids();
+  std::vector<json> first_prompt_ids(n, chat ? json() : prompt_ids);
   if (chat) {
-    if (!send(sse_event(chat_chunk(s.header, json{{"role", "assistant"}, {"content", ""}}, Finish{},
-                                   json(), prompt_ids)))) {
-      return;
-    }
-    prompt_ids = json();
-  }
-  while (true) {
-    if (stopping_ || !sink.connected()) {
-      // A client that left (or a shutdown) ends its request: nothing keeps generating.
-      s.stream->abort();
-      return;
-    }
-    engine::RequestOutput out = s.stream->next(config_.poll_interval);
-    if (out.finished && out.finish_reason == engine::FinishReason::kError) {
-      log_failure(s, out.error);
-      send(sse_event(error_body(ApiError{500, "generation failed: " + out.error, "", ""})));
-      send(kSseDone);
-      return;
-    }
-    if (!out.finished && out.text.empty() && out.token_ids.empty()) continue;
-    const Finish finish = out.finished ? finish_of(out, s.request) : Finish{};
-    json logprobs;
-    if (s.request.logprobs) {
-      const std::vector<TokenLogprob> lps = logprobs_of(out);
-      logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, text_offset);
-    }
-    text_offset += static_cast<int64_t>(out.text.size());
-    json token_ids;
-    if (s.request.return_token_ids) token_ids = out.token_ids;
-    std::string chunk;
-    if (chat) {
-      json delta = json::object();
-      if (!out.text.empty() || !out.finished) delta["content"] = out.text;
-      chunk = chat_chunk(s.header, delta, finish, logprobs, json(), token_ids);
-    } else {
-      chunk = completion_chunk(s.header, out.text, finish, logprobs, prompt_ids, token_ids);
-      prompt_ids = json();
-    }
-    if (!send(sse_event(chunk))) return;
-    if (out.finished) {
-      if (s.request.include_usage) {
-        const Usage usage{out.prompt_tokens, out.completion_tokens, out.cached_tokens};
-        if (!send(sse_event(usage_chunk(
-                s.header, chat ? "chat.completion.chunk" : "text_completion", usage)))) {
-          return;
-        }
+    for (size_t i = 0; i < n; ++i) {
+      if (!send(sse_event(chat_chunk(s.header, static_cast<int>(i),
+                                     json{{"role", "assistant"}, {"content", ""}}, Finish{}, json(),
+                                     i == 0 ? prompt_ids : json())))) {
+        return;
       }
-      send(kSseDone);
+    }
+  }
+  std::vector<int64_t> text_offset(n, 0);
+  std::vector<bool> finished(n, false);
+  size_t left = n;
+  Usage usage;
+  // One choice waits for its tokens as long as it likes; several take turns, briefly each.
+  const auto wait = n == 1 ? config_.poll_interval : std::chrono::milliseconds(2);
+  while (left > 0) {
+    for (size_t i = 0; i < n; ++i) {
+      if (finished[i]) continue;
+      if (stopping_ || !sink.connected()) {
+        // A client that left (or a shutdown) ends its requests: nothing keeps generating.
+        s.abort();
+        return;
+      }
+      engine::RequestOutput out = s.streams[i]->next(wait);
+      if (out.finished && out.finish_reason == engine::FinishReason::kError) {
+        log_failure(s, out.error);
+        s.abort();
+        send(sse_event(error_body(ApiError{500, "generation failed: " + out.error, "", ""})));
+        send(kSseDone);
+        return;
+      }
+      if (!out.finished && out.text.empty() && out.token_ids.empty()) continue;
+      const Finish finish = out.finished ? finish_of(out, s.request) : Finish{};
+      json logprobs;
+      if (s.request.logprobs) {
+        const std::vector<TokenLogprob> lps = logprobs_of(out);
+        logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, text_offset[i]);
+      }
+      text_offset[i] += static_cast<int64_t>(out.text.size());
+      json token_ids;
+      if (s.request.return_token_ids) token_ids = out.token_ids;
+      std::string chunk;
+      const int index = static_cast<int>(i);
+      if (chat) {
+        json delta = json::object();
+        if (!out.text.empty() || !out.finished) delta["content"] = out.text;
+        chunk = chat_chunk(s.header, index, delta, finish, logprobs, json(), token_ids);
+      } else {
+        chunk = completion_chunk(s.header, index, out.text, finish, logprobs, first_prompt_ids[i],
+                                 token_ids);
+        first_prompt_ids[i] = json();
+      }
+      if (!send(sse_event(chunk))) return;
+      if (out.finished) {
+        finished[i] = true;
+        --left;
+        if (i == 0) {
+          usage.prompt_tokens = out.prompt_tokens;
+          usage.cached_tokens = out.cached_tokens;
+        }
+        usage.completion_tokens += out.completion_tokens;
+      }
+    }
+  }
+  if (s.request.include_usage) {
+    if (!send(sse_event(
+            usage_chunk(s.header, chat ? "chat.completion.chunk" : "text_completion", usage)))) {
       return;
     }
   }
+  send(kSseDone);
 }
 
 HttpReply OpenAIService::list_models() const {

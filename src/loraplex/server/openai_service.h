@@ -71,7 +71,9 @@ class OpenAIService {
   struct Submitted {
     GenerationRequest request;
     ResponseHeader header;
-    std::unique_ptr<GenerationStream> stream;
+    std::vector<std::unique_ptr<GenerationStream>> streams;  // one per choice (n)
+    /// Ends every choice's request.
+    void abort();
   };
   /// Parses `body` (completion or chat), resolves the model, renders the chat template and
   /// submits. Throws ApiException: 400 bad request or prompt too long, 404 unknown model,
