@@ -344,6 +344,53 @@ TEST_F(EngineTinyLlama, TinyTemperaturesSampleGreedily) {
   }
 }
 
+// vLLM's logits processing through the whole engine (CPU): a large bias forces its id, allowed
+// ids bound every output, a bad word's first token is never sampled where greedy picked it, and
+// penalties change a greedy output only where it repeats.
+TEST_F(EngineTinyLlama, LogitsProcessingChangesTheSampledTokens) {
+  auto engine = make_engine("tiny-llama", small_options());
+  const ExpectedLine& e = expected_[1];  // an adapter's request
+  Request r = fixture_request(e);
+  r.options.logit_bias = {{321, 100.0f}};
+  EXPECT_EQ(engine->submit(r).wait().token_ids, std::vector<int32_t>(12, 321));
+  r = fixture_request(e);
+  r.options.allowed_token_ids = {17, 400, 803};
+  for (int32_t id : engine->submit(r).wait().token_ids) {
+    EXPECT_TRUE(id == 17 || id == 400 || id == 803) << id;
+  }
+  // Sampled (seeded) too: still only the allowed ids.
+  r.options.temperature = 1.0f;
+  r.options.seed = 5;
+  for (int32_t id : engine->submit(r).wait().token_ids) {
+    EXPECT_TRUE(id == 17 || id == 400 || id == 803) << id;
+  }
+  // The greedy first token's text as a bad word: something else comes first.
+  r = fixture_request(e);
+  const std::string first = engine->tokenizer().decode({e.output_token_ids[0]}, true);
+  const std::vector<int32_t> first_ids = engine->tokenizer().encode(first, false);
+  if (first_ids.size() == 1 && first_ids[0] == e.output_token_ids[0]) {
+    r.options.bad_words = {first};
+    const std::vector<int32_t> got = engine->submit(r).wait().token_ids;
+    ASSERT_FALSE(got.empty());
+    EXPECT_NE(got[0], e.output_token_ids[0]);
+    for (int32_t id : got) EXPECT_NE(id, e.output_token_ids[0]);
+  }
+  // A presence penalty leaves the first token (nothing generated yet) as greedy had it.
+  r = fixture_request(e);
+  r.options.presence_penalty = 2.0f;
+  r.options.frequency_penalty = 2.0f;
+  const std::vector<int32_t> penalized = engine->submit(r).wait().token_ids;
+  EXPECT_EQ(penalized[0], e.output_token_ids[0]);
+  // Logprobs with adjusted logits are refused, naming the fields.
+  r.options.logprobs = true;
+  try {
+    engine->submit(r);
+    ADD_FAILURE() << "logprobs with penalties accepted";
+  } catch (const RequestError& err) {
+    EXPECT_NE(std::string(err.what()).find("logprobs"), std::string::npos) << err.what();
+  }
+}
+
 TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   EngineOptions o = small_options();
   o.num_kv_blocks = 300;  // 1200 tokens: more than max_model_len

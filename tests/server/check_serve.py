@@ -555,15 +555,42 @@ try:
         check(f"include_stop_str_in_output={include}: the text up to the stop string"
               f"{', with it' if include else ''}", c.choices[0].text == want and
               c.choices[0].finish_reason == "stop", (c.choices[0].text, want))
+    # Logits processing: a bias that forces an id, allowed ids that bound the output, a bad
+    # word that removes greedy's first token, penalties; greedy outputs as the CPU engine's
+    # own (the engine tests check those against the rule).
+    forced = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                         "max_tokens": 6, "temperature": 0,
+                                         "ignore_eos": True, "logit_bias": {"321": 100}})
+    check("logit_bias +100 forces its id", forced == [321] * 6, forced)
+    bounded = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                          "max_tokens": 12, "temperature": 0.9, "seed": 4,
+                                          "ignore_eos": True,
+                                          "allowed_token_ids": [17, 400, 803]})
+    check("allowed_token_ids bound a sampled output",
+          isinstance(bounded, list) and set(bounded) <= {17, 400, 803}, bounded)
+    base_greedy = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                              "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True})
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        pen = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                          "max_tokens": 12, "temperature": 0,
+                                          "ignore_eos": True, penalty: 2.0})
+        check(f"{penalty} leaves the first token and changes nothing before a repeat",
+              isinstance(pen, list) and pen[0] == base_greedy[0] and
+              (len(set(base_greedy)) < len(base_greedy) or pen == base_greedy), (pen, base_greedy))
+    status, body = post(port, "/v1/completions", {"model": BASE, "prompt": "x",
+                                                  "presence_penalty": 3})
+    check("presence_penalty out of vLLM's range: 400 naming it", status == 400 and
+          "presence_penalty" in error_of(body).get("message", ""), (status, body))
     c = oa.completions.create(model=BASE, prompt=ref["prompt"], max_tokens=1,
                               extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
     full_ids = ref["prompt_token_ids"]
     check("truncate_prompt_tokens keeps BOS and the prompt's last tokens",
           extra(c.choices[0], "prompt_token_ids") == [full_ids[0], full_ids[-1]],
           (extra(c.choices[0], "prompt_token_ids"), full_ids))
-    for field, value in [("guided_json", {"type": "object"}), ("allowed_token_ids", [1, 2]),
+    for field, value in [("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
                          ("use_beam_search", True), ("prompt_logprobs", 1),
-                         ("bad_words", ["x"])]:
+                         ("logits_processors", ["a.b"])]:
         try:
             oa.completions.create(model=BASE, prompt="x", max_tokens=1,
                                   extra_body={field: value})

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,9 +84,6 @@ TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
   const std::vector<std::pair<std::string, std::string>> refused = {
       {"use_beam_search", "true"},
       {"length_penalty", "0.5"},
-      {"allowed_token_ids", "[1, 2]"},
-      {"allowed_token_ids", "[]"},
-      {"bad_words", R"(["x"])"},
       {"logits_processors", R"(["a.b"])"},
       {"guided_json", R"({"type": "object"})"},
       {"guided_regex", R"("a+")"},
@@ -109,10 +107,6 @@ TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
       {"modalities", R"(["text", "audio"])"},
       {"prediction", "{}"},
       {"response_format", R"({"type": "json_object"})"},
-      {"presence_penalty", "0.5"},
-      {"frequency_penalty", "0.5"},
-      {"repetition_penalty", "1.2"},
-      {"logit_bias", R"({"5": 10})"},
       {"min_p", "0.1"},
   };
   for (const auto& [name, value] : refused) {
@@ -149,6 +143,36 @@ TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
   for (const auto& [name, value] : neutral) {
     const std::string body = R"({"prompt": "x", ")" + name + "\": " + value + "}";
     EXPECT_NO_THROW(parse_completion_request(body)) << body;
+  }
+}
+
+TEST(OpenAIRequest, LogitsProcessingFields) {
+  const GenerationRequest r = parse_completion_request(
+      R"({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25,
+          "repetition_penalty": 1.2, "logit_bias": {"5": 10, "17": -150.5},
+          "allowed_token_ids": [3, 4], "bad_words": ["foo", " bar"]})");
+  EXPECT_FLOAT_EQ(r.options.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r.options.frequency_penalty, -0.25f);
+  EXPECT_FLOAT_EQ(r.options.repetition_penalty, 1.2f);
+  EXPECT_EQ(r.options.logit_bias, (std::map<int32_t, float>{{5, 10.0f}, {17, -100.0f}}));
+  EXPECT_EQ(r.options.allowed_token_ids, (std::vector<int32_t>{3, 4}));
+  EXPECT_EQ(r.options.bad_words, (std::vector<std::string>{"foo", " bar"}));
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias"},
+           {R"({"prompt": "x", "logit_bias": {"-1": 1}})", "logit_bias"},
+           {R"({"prompt": "x", "logit_bias": {"5": "high"}})", "logit_bias"},
+           {R"({"prompt": "x", "logit_bias": [5]})", "logit_bias"},
+           {R"({"prompt": "x", "allowed_token_ids": []})", "allowed_token_ids"},
+           {R"({"prompt": "x", "allowed_token_ids": [-3]})", "allowed_token_ids"},
+           {R"({"prompt": "x", "bad_words": "foo"})", "bad_words"},
+           {R"({"prompt": "x", "bad_words": [1]})", "bad_words"},
+           {R"({"prompt": "x", "presence_penalty": "a lot"})", "presence_penalty"}}) {
+    try {
+      parse_completion_request(body);
+      ADD_FAILURE() << "accepted: " << body;
+    } catch (const ApiException& e) {
+      EXPECT_EQ(e.error().param, param) << body;
+    }
   }
 }
 
@@ -223,8 +247,6 @@ TEST(OpenAIRequest, InvalidBodiesAre400NamingTheField) {
       {false, R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options"},
       {false, R"({"prompt": "x", "logprobs": 5})", "logprobs"},
       {false, R"({"prompt": "x", "min_tokens": 9, "max_tokens": 3})", "min_tokens"},
-      {false, R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty"},
-      {false, R"({"prompt": "x", "logit_bias": {"5": 1}})", "logit_bias"},
       {false, R"({"prompt": "x", "echo": true})", "echo"},
       {false, R"({"prompt": "x", "suffix": "tail"})", "suffix"},
       {true, R"({"messages": []})", "messages"},

@@ -15,6 +15,7 @@
 #include "loraplex/engine/block_manager.h"
 #include "loraplex/engine/detokenizer.h"
 #include "loraplex/engine/engine_metrics.h"
+#include "loraplex/engine/logit_adjustments.h"
 #include "loraplex/engine/manager_slots.h"
 #include "loraplex/engine/request_checks.h"
 #include "loraplex/engine/scheduler.h"
@@ -87,6 +88,7 @@ struct Record {
   model::SamplingParams sampling;
   std::mt19937_64 rng;
   std::vector<int32_t> banned;  // until min_tokens is reached
+  LogitsProcessing processing;  // penalties, logit_bias, allowed ids, bad words
   std::unique_ptr<IncrementalDetokenizer> detok;
   int64_t prompt_len = 0;
   int64_t generated = 0;
@@ -421,6 +423,7 @@ Pending Engine::Impl::prepare(Request&& request) {
   r.adapter = request.adapter;
   r.sampling = sampling_params_of(o);
   if (o.min_tokens > 0) r.banned = min_tokens_banned_ids(o, eos);
+  r.processing = LogitsProcessing(o, r.handle->prompt_ids, tokenizer.get());
   r.prompt_len = p.seq->num_prompt_tokens;
   if (tokenizer != nullptr) {
     r.detok = std::make_unique<IncrementalDetokenizer>(
@@ -690,6 +693,10 @@ void Engine::Impl::run_step(const StepPlan& plan) {
       st.sampling = r.sampling;
       st.uniform = model::next_uniform(r.rng);
       if (s.num_tokens() - s.num_prompt_tokens < r.options.min_tokens) st.banned = r.banned;
+      if (r.processing.active()) {
+        const std::vector<int32_t> output(s.tokens.begin() + s.num_prompt_tokens, s.tokens.end());
+        r.processing.step(output, st.adjust, st.only_listed);
+      }
       if (r.options.logprobs) batch.want_logprobs = true;
     }
     if (!s.adapter.empty()) step_adapters.insert(s.adapter);

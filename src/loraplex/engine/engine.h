@@ -100,6 +100,13 @@ struct RequestOptions {
   /// include_stop_str_in_output).
   bool include_stop_str_in_output = false;
   bool skip_special_tokens = true;  // special tokens have no text
+  // vLLM's logits processing (logit_adjustments.h), applied before temperature, top-k, top-p.
+  float presence_penalty = 0.0f;        // subtracted once from each id generated so far
+  float frequency_penalty = 0.0f;       // subtracted per time each id was generated
+  float repetition_penalty = 1.0f;      // divides (> 0) or multiplies (< 0) prompt and output ids
+  std::map<int32_t, float> logit_bias;  // added to the id's logit (-100 .. 100)
+  std::vector<int32_t> allowed_token_ids;  // only these may be sampled; empty: every id
+  std::vector<std::string> bad_words;      // never completed in the output
 };
 
 struct Request {

@@ -69,6 +69,44 @@ void check_request_options(const RequestOptions& o, const RequestLimits& limits)
              ")");
     }
   }
+  // vLLM's ranges.
+  if (!(o.presence_penalty >= -2.0f && o.presence_penalty <= 2.0f)) {
+    refuse(kInvalid, "presence_penalty ", o.presence_penalty, ", expected -2 .. 2");
+  }
+  if (!(o.frequency_penalty >= -2.0f && o.frequency_penalty <= 2.0f)) {
+    refuse(kInvalid, "frequency_penalty ", o.frequency_penalty, ", expected -2 .. 2");
+  }
+  if (!(o.repetition_penalty > 0.0f && o.repetition_penalty <= 2.0f)) {
+    refuse(kInvalid, "repetition_penalty ", o.repetition_penalty, ", expected (0, 2]");
+  }
+  for (const auto& [id, bias] : o.logit_bias) {
+    if (id < 0 || id >= limits.vocab_size) {
+      refuse(kInvalid, "logit_bias token id ", id, " is outside the vocabulary [0, ",
+             limits.vocab_size, ")");
+    }
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      refuse(kInvalid, "logit_bias ", bias, " for token id ", id, ", expected -100 .. 100");
+    }
+  }
+  for (int32_t id : o.allowed_token_ids) {
+    if (id < 0 || id >= limits.vocab_size) {
+      refuse(kInvalid, "allowed_token_ids: token id ", id, " is outside the vocabulary [0, ",
+             limits.vocab_size, ")");
+    }
+  }
+  if (!o.bad_words.empty() && !limits.has_tokenizer) {
+    refuse(kInvalid, "bad_words need a tokenizer, and this engine has none");
+  }
+  const bool processing = o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f ||
+                          o.repetition_penalty != 1.0f || !o.logit_bias.empty() ||
+                          !o.allowed_token_ids.empty() || !o.bad_words.empty();
+  if (processing && o.logprobs) {
+    // vLLM returns the raw model's log-probabilities; the sampler here computes them from the
+    // logits it samples from, which these fields have changed.
+    refuse(kInvalid,
+           "logprobs together with penalties, logit_bias, allowed_token_ids or bad_words are not "
+           "supported (they would be of the adjusted logits, not the model's)");
+  }
   if (o.min_tokens > 0) {
     const size_t banned = min_tokens_banned_ids(o, limits.eos_token_ids).size();
     if (banned > static_cast<size_t>(model::kMaxBannedTokens)) {

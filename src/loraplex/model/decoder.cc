@@ -599,6 +599,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   final_norm.delta2 = ptr(d_down);
   throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
+  adjust_.apply(logits.data_ptr(), dt, c.vocab_size, st);  // a no-op unless the step has any
   ops::SampleArgs sa;
   sa.dtype = dt;
   sa.num_rows = num_sampled;
@@ -693,8 +694,10 @@ StepResult Decoder::execute(const StepBatch& batch) {
   const auto [n, num_sampled, pure_decode] = summarize(batch);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
+  // Logits adjustments vary in size from step to step: such a step runs eagerly.
+  const bool adjusting = adjust_.stage(batch, local_.vocab_size);
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
-                     pure_decode && bucket > 0;
+                     pure_decode && bucket > 0 && !adjusting;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
   const auto [token_lora, sampler_lora] = stage(batch, padded, graph);

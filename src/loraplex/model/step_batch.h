@@ -13,6 +13,16 @@ namespace loraplex::model {
 /// Banned token ids per sampled row (min_tokens bans the stop tokens until it is reached).
 inline constexpr int kMaxBannedTokens = 8;
 
+/// A change of one logit before sampling, in vLLM's order: l = logit + bias (logit_bias, or
+/// -inf to ban the id: bad_words, allowed_token_ids); then the repetition penalty (l / r when
+/// l > 0, else l * r); then l -= subtract (frequency_penalty * count + presence_penalty).
+struct LogitAdjustment {
+  int32_t id = 0;
+  float bias = 0.0f;
+  float repetition = 1.0f;
+  float subtract = 0.0f;
+};
+
 /// How one sequence picks its next token. The rule, the same on the CPU and the GPU:
 ///  * temperature == 0 (or top_k == 1): the largest logit, ties to the lowest id, NaN never.
 ///  * otherwise l = logit / temperature (NaN = -inf, banned ids = -inf); top_k > 0 keeps the
@@ -45,6 +55,11 @@ struct SequenceStep {
   double uniform = 0.0;
   /// Ids that may not be sampled in this step (at most kMaxBannedTokens).
   std::vector<int32_t> banned;
+  /// Applied to the logits before sampling (each id at most once); with `only_listed` every id
+  /// without an entry becomes -inf first (allowed_token_ids). Log-probabilities are then those
+  /// of the adjusted logits.
+  std::vector<LogitAdjustment> adjust;
+  bool only_listed = false;
 };
 
 struct StepBatch {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include "loraplex/server/api_error.h"
 #include "loraplex/server/unsupported_fields.h"
@@ -92,6 +94,18 @@ void refuse_unless(bool ok, const std::string& param, const std::string& what) {
   if (!ok) throw_api(400, what, param);
 }
 
+std::vector<int32_t> token_ids(const json& list, const char* param) {
+  std::vector<int32_t> ids;
+  for (const json& id : list) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      throw_api(400, std::string("'") + param + "' token ids must be integers >= 0", param);
+    }
+    ids.push_back(id.get<int32_t>());
+  }
+  return ids;
+}
+
 // The sampling fields shared by both endpoints (OpenAI's and vLLM's extra ones).
 void parse_common(const json& body, GenerationRequest& r) {
   refuse_unsupported_fields(body);
@@ -179,22 +193,47 @@ void parse_common(const json& body, GenerationRequest& r) {
       refuse_unless(!*c, "stream_options", "continuous_usage_stats is not supported");
     }
   }
-  // Sampling controls loraplex does not implement: accepted only at their neutral values.
-  if (auto p = get_number(body, "presence_penalty")) {
-    refuse_unless(*p == 0.0, "presence_penalty", "'presence_penalty' is not supported (use 0)");
-  }
-  if (auto p = get_number(body, "frequency_penalty")) {
-    refuse_unless(*p == 0.0, "frequency_penalty", "'frequency_penalty' is not supported (use 0)");
-  }
+  // vLLM's logits processing: ranges are the engine's to check (it names the limit).
+  if (auto p = get_number(body, "presence_penalty")) o.presence_penalty = static_cast<float>(*p);
+  if (auto p = get_number(body, "frequency_penalty")) o.frequency_penalty = static_cast<float>(*p);
   if (auto p = get_number(body, "repetition_penalty")) {
-    refuse_unless(*p == 1.0, "repetition_penalty", "'repetition_penalty' is not supported (use 1)");
+    o.repetition_penalty = static_cast<float>(*p);
   }
   if (auto p = get_number(body, "min_p")) {
     refuse_unless(*p == 0.0, "min_p", "'min_p' is not supported (use 0)");
   }
   if (const json* lb = field(body, "logit_bias")) {
-    if (!lb->is_object()) bad_type("logit_bias", "an object", *lb);
-    refuse_unless(lb->empty(), "logit_bias", "'logit_bias' is not supported");
+    if (!lb->is_object()) bad_type("logit_bias", "an object of token ids to biases", *lb);
+    for (const auto& [key, value] : lb->items()) {
+      int64_t id = -1;
+      try {
+        size_t used = 0;
+        id = std::stoll(key, &used);
+        if (used != key.size()) id = -1;
+      } catch (const std::exception&) {
+        id = -1;
+      }
+      refuse_unless(id >= 0 && id <= std::numeric_limits<int32_t>::max(), "logit_bias",
+                    "'logit_bias' keys must be token ids, got '" + key + "'");
+      if (!value.is_number() || !std::isfinite(value.get<double>())) {
+        bad_type("logit_bias", "an object of token ids to numbers", value);
+      }
+      // OpenAI's and vLLM's range: values beyond it are clamped, not refused.
+      o.logit_bias[static_cast<int32_t>(id)] =
+          static_cast<float>(std::clamp(value.get<double>(), -100.0, 100.0));
+    }
+  }
+  if (const json* a = field(body, "allowed_token_ids")) {
+    if (!a->is_array()) bad_type("allowed_token_ids", "a list of token ids", *a);
+    refuse_unless(!a->empty(), "allowed_token_ids", "'allowed_token_ids' must not be empty");
+    o.allowed_token_ids = token_ids(*a, "allowed_token_ids");
+  }
+  if (const json* b = field(body, "bad_words")) {
+    if (!b->is_array()) bad_type("bad_words", "a list of strings", *b);
+    for (const json& w : *b) {
+      if (!w.is_string()) bad_type("bad_words", "a list of strings", *b);
+      o.bad_words.push_back(w.get<std::string>());
+    }
   }
   if (const json* rf = field(body, "response_format")) {
     if (!rf->is_object()) bad_type("response_format", "an object", *rf);
@@ -222,18 +261,6 @@ void check_min_tokens(const GenerationRequest& r) {
                       ") must not exceed 'max_tokens' (" + std::to_string(r.options.max_tokens) +
                       ")");
   }
-}
-
-std::vector<int32_t> token_ids(const json& list, const char* param) {
-  std::vector<int32_t> ids;
-  for (const json& id : list) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
-        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-      throw_api(400, std::string("'") + param + "' token ids must be integers >= 0", param);
-    }
-    ids.push_back(id.get<int32_t>());
-  }
-  return ids;
 }
 
 // vLLM's "string" content format: text parts joined with newlines.

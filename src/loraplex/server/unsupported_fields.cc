@@ -32,15 +32,13 @@ constexpr const char* kStructured =
     "structured output (a token mask from a grammar) is not implemented; docs/serving.md says "
     "why";
 constexpr const char* kLogitsProcessing =
-    "sampling implements temperature, top_k, top_p, min_tokens, stop and seed, no other logits "
-    "processing";
+    "custom logits processors are not supported (penalties, logit_bias, allowed_token_ids and "
+    "bad_words are)";
 
 const std::vector<Unsupported>& table() {
   static const std::vector<Unsupported> t = {
       {"use_beam_search", is_false, "beam search is not implemented"},
       {"length_penalty", equals(1.0), "it applies to beam search, which is not implemented"},
-      {"allowed_token_ids", never, kLogitsProcessing},
-      {"bad_words", is_empty, kLogitsProcessing},
       {"logits_processors", is_empty, kLogitsProcessing},
       {"guided_json", never, kStructured},
       {"guided_regex", never, kStructured},

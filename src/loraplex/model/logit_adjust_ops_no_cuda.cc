@@ -1,0 +1,11 @@
+// Without the CUDA backend cuda::adjust_logits reports kUnsupported (as sampling_ops_no_cuda.cc).
+
+#include "loraplex/model/logit_adjust_ops.h"
+
+namespace loraplex::model::ops::cuda {
+
+Status adjust_logits(const AdjustLogitsArgs&, const Stream&) {
+  return unsupported("adjust_logits: this build of loraplex has no CUDA backend");
+}
+
+}  // namespace loraplex::model::ops::cuda
