@@ -17,6 +17,12 @@
 namespace loraplex::model::ops::cuda {
 namespace {
 
+using kernels::cuda::bf16;
+using kernels::cuda::f16;
+using kernels::cuda::from_float;
+using kernels::cuda::launch_status;
+using kernels::cuda::to_float;
+
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float adjust(float logit, const LogitAdjustment& e) {
