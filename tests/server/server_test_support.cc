@@ -54,36 +54,44 @@ bool RawConnection::send_post(const std::string& path, const std::string& body) 
                   std::to_string(body.size()) + "\r\n\r\n" + body);
 }
 
+namespace {
+
+// The next bytes from `fd`, waiting until `deadline`: empty when none came in time, and
+// `closed` set when the peer ended the stream (or reset it).
+std::string next_bytes(int fd, std::chrono::steady_clock::time_point deadline, bool& closed) {
+  closed = false;
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  if (left.count() <= 0) return "";
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
+  char buf[4096];
+  const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+  closed = n <= 0;
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+}
+
+}  // namespace
+
 std::string RawConnection::read_until(const std::string& needle, int times, int timeout_ms) {
   std::string got;
-  char buf[4096];
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     int seen = 0;
     for (size_t p = got.find(needle); p != std::string::npos; p = got.find(needle, p + 1)) ++seen;
     if (seen >= times) return got;
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return got;
-    pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return got;
-    const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-    if (n <= 0) return got;
-    got.append(buf, static_cast<size_t>(n));
+    bool closed = false;
+    const std::string more = next_bytes(fd_, deadline, closed);
+    if (more.empty()) return got;
+    got += more;
   }
 }
 
 bool RawConnection::closed_by_peer(int timeout_ms) {
-  char buf[4096];
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return false;
-    pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return false;
-    const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-    if (n <= 0) return true;  // end of stream, or reset
+    bool closed = false;
+    if (next_bytes(fd_, deadline, closed).empty()) return closed;
   }
 }
 

@@ -37,8 +37,23 @@ inline float adjusted_logit(float logit, const LogitAdjustment& e) {
   return l - e.subtract;
 }
 
+/// The checks both versions make on the host: dtype, sizes and the pointers they need (an empty
+/// batch needs none).
+inline Status check_adjust_logits_args(const AdjustLogitsArgs& a) {
+  LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16,
+                  "adjust_logits: logits dtype ", a.dtype,
+                  ", expected float32, float16 or bfloat16");
+  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab,
+                  "adjust_logits: num_rows ", a.num_rows, ", vocab ", a.vocab, ", row_stride ",
+                  a.row_stride);
+  LORAPLEX_ENSURE(a.num_rows == 0 ||
+                      (a.logits != nullptr && a.row_begin != nullptr && a.only_listed != nullptr),
+                  "adjust_logits: a required pointer is null");
+  return Status();
+}
+
 namespace cpu {
-/// Checks the ids (in the vocabulary) and the row offsets.
+/// Checks the ids (in the vocabulary) and the row offsets too (they are on the host here).
 Status adjust_logits(const AdjustLogitsArgs& a);
 }  // namespace cpu
 

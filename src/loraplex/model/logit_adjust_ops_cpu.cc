@@ -33,15 +33,8 @@ void write(DType dtype, void* logits, int64_t i, float v) {
 }  // namespace
 
 Status adjust_logits(const AdjustLogitsArgs& a) {
-  LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16,
-                  "adjust_logits: logits dtype ", a.dtype,
-                  ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab,
-                  "adjust_logits: num_rows ", a.num_rows, ", vocab ", a.vocab, ", row_stride ",
-                  a.row_stride);
+  LORAPLEX_RETURN_IF_ERROR(check_adjust_logits_args(a));
   if (a.num_rows == 0) return Status();
-  LORAPLEX_ENSURE(a.logits != nullptr && a.row_begin != nullptr && a.only_listed != nullptr,
-                  "adjust_logits: a required pointer is null");
   LORAPLEX_ENSURE(a.row_begin[0] == 0, "adjust_logits: row_begin[0] is ", a.row_begin[0]);
   for (int64_t r = 0; r < a.num_rows; ++r) {
     LORAPLEX_ENSURE(a.row_begin[r + 1] >= a.row_begin[r], "adjust_logits: row ", r,

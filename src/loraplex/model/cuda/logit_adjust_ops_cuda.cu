@@ -54,16 +54,10 @@ __global__ void __launch_bounds__(kThreads) adjust_logits_kernel(AdjustLogitsArg
 }  // namespace
 
 Status adjust_logits(const AdjustLogitsArgs& a, const Stream& stream) {
-  LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16,
-                  "adjust_logits: logits dtype ", a.dtype,
-                  ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(a.num_rows >= 0 && a.vocab >= 1 && a.row_stride >= a.vocab,
-                  "adjust_logits: num_rows ", a.num_rows, ", vocab ", a.vocab, ", row_stride ",
-                  a.row_stride);
+  LORAPLEX_RETURN_IF_ERROR(check_adjust_logits_args(a));
   if (a.num_rows == 0) return Status();
-  LORAPLEX_ENSURE(a.logits != nullptr && a.row_begin != nullptr && a.only_listed != nullptr &&
-                      a.entries != nullptr && a.scratch != nullptr,
-                  "adjust_logits: a required pointer is null");
+  LORAPLEX_ENSURE(a.entries != nullptr && a.scratch != nullptr,
+                  "adjust_logits: entries or scratch is null");
   const auto s = static_cast<cudaStream_t>(stream.handle());
   const dim3 grid(static_cast<unsigned>(a.num_rows));
   switch (a.dtype) {
