@@ -391,6 +391,36 @@ TEST_F(EngineTinyLlama, LogitsProcessingChangesTheSampledTokens) {
   }
 }
 
+// Top logprobs: per token the k most probable ids, most probable first; greedy's token is the
+// first, with the sampled token's own log-probability.
+TEST_F(EngineTinyLlama, TopLogprobsRankTheStepsTokens) {
+  auto engine = make_engine("tiny-llama", small_options());
+  std::vector<Request> batch;
+  for (size_t i = 0; i < 4; ++i) {
+    Request r = fixture_request(expected_[i]);
+    r.options.logprobs = true;
+    r.options.top_logprobs = i == 3 ? 0 : static_cast<int>(2 + i);
+    batch.push_back(r);
+  }
+  std::vector<RequestHandle> hs = engine->submit_all(std::move(batch));
+  for (size_t i = 0; i < hs.size(); ++i) {
+    const RequestOutput out = hs[i].wait();
+    EXPECT_EQ(out.token_ids, expected_[i].output_token_ids) << i;
+    if (i == 3) {
+      EXPECT_TRUE(out.top_logprobs.empty());
+      continue;
+    }
+    ASSERT_EQ(out.top_logprobs.size(), out.token_ids.size()) << i;
+    for (size_t t = 0; t < out.token_ids.size(); ++t) {
+      const auto& top = out.top_logprobs[t];
+      ASSERT_EQ(top.size(), 2 + i);
+      EXPECT_EQ(top[0].first, out.token_ids[t]) << i << " " << t;
+      EXPECT_EQ(top[0].second, out.logprobs[t]) << i << " " << t;
+      for (size_t k = 1; k < top.size(); ++k) EXPECT_LE(top[k].second, top[k - 1].second);
+    }
+  }
+}
+
 TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   EngineOptions o = small_options();
   o.num_kv_blocks = 300;  // 1200 tokens: more than max_model_len

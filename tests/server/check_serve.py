@@ -582,6 +582,23 @@ try:
                                                   "presence_penalty": 3})
     check("presence_penalty out of vLLM's range: 400 naming it", status == 400 and
           "presence_penalty" in error_of(body).get("message", ""), (status, body))
+    # Top logprobs: greedy's token ranks first, with its own log-probability.
+    c = oa.completions.create(model="vocab", prompt=ref["prompt"], max_tokens=6, temperature=0,
+                              logprobs=3, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    check("completions logprobs=3: each token's top 3 (and it), greedy's the most probable",
+          len(lp.top_logprobs) == 6 and all(
+              len(top) >= 3 and max(top.values()) == top[tok] == tlp
+              for top, tok, tlp in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs)),
+          lp.model_dump())
+    cc = oa.chat.completions.create(model="vocab", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    items = cc.choices[0].logprobs.content
+    check("chat top_logprobs=2: two per token, the sampled one first",
+          len(items) == 4 and all(len(i.top_logprobs) == 2 and
+                                  i.top_logprobs[0].logprob == i.logprob and
+                                  i.top_logprobs[1].logprob <= i.logprob for i in items),
+          cc.model_dump())
     c = oa.completions.create(model=BASE, prompt=ref["prompt"], max_tokens=1,
                               extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
     full_ids = ref["prompt_token_ids"]

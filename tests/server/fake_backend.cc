@@ -37,6 +37,13 @@ class FakeStream : public GenerationStream {
     out.token_ids = {id};
     out.text = backend_.token_text(id);
     if (request_.options.logprobs) out.logprobs = {-0.25f * static_cast<float>(produced_)};
+    if (request_.options.top_logprobs > 0) {
+      // The sampled id first, then the ids after it, each less probable.
+      auto& top = out.top_logprobs.emplace_back();
+      for (int t = 0; t < request_.options.top_logprobs; ++t) {
+        top.emplace_back(id + t, -0.25f * static_cast<float>(produced_) - static_cast<float>(t));
+      }
+    }
     out.completion_tokens = static_cast<int64_t>(produced_);
     if (produced_ == tokens_.size()) {
       reason_ = engine::FinishReason::kLength;

@@ -271,6 +271,37 @@ TEST_F(ServerTest, TruncatePromptTokensAndAddSpecialTokens) {
 
 // n > 1: one engine request per choice (seed + i each), whole or streamed, the prompt counted
 // once in the usage and every choice's tokens.
+// Top logprobs in OpenAI's shapes: completions a dict per token (the top ones and the sampled
+// one), chat a list per token; the fake ranks the sampled id first.
+TEST_F(ServerTest, TopLogprobsInBothShapes) {
+  start();
+  auto r = post("/v1/completions", {{"prompt", "abc"}, {"max_tokens", 3}, {"logprobs", 2}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json lp = json::parse(r->body)["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["top_logprobs"].size(), 3u);
+  for (size_t t = 0; t < 3; ++t) {
+    const json& top = lp["top_logprobs"][t];
+    EXPECT_EQ(top.size(), 2u) << top.dump();
+    EXPECT_TRUE(top.contains(lp["tokens"][t].get<std::string>())) << top.dump();
+  }
+  auto c = post("/v1/chat/completions",
+                {{"messages", json::array({{{"role", "user"}, {"content", "q"}}})},
+                 {"max_tokens", 2},
+                 {"logprobs", true},
+                 {"top_logprobs", 3}});
+  ASSERT_TRUE(c);
+  ASSERT_EQ(c->status, 200) << c->body;
+  const json content = json::parse(c->body)["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  for (const json& item : content) {
+    ASSERT_EQ(item["top_logprobs"].size(), 3u) << item.dump();
+    EXPECT_EQ(item["top_logprobs"][0]["token"], item["token"]);
+    EXPECT_EQ(item["top_logprobs"][0]["logprob"], item["logprob"]);
+    EXPECT_TRUE(item["top_logprobs"][1]["bytes"].is_array());
+  }
+}
+
 TEST_F(ServerTest, SeveralChoices) {
   start();
   const std::string want = expected_completion("abc", "", 5);

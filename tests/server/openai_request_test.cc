@@ -245,7 +245,7 @@ TEST(OpenAIRequest, InvalidBodiesAre400NamingTheField) {
       {false, R"({"prompt": "x", "stop_token_ids": [1.5]})", "stop_token_ids"},
       {false, R"({"prompt": "x", "stream": "yes"})", "stream"},
       {false, R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options"},
-      {false, R"({"prompt": "x", "logprobs": 5})", "logprobs"},
+      {false, R"({"prompt": "x", "logprobs": 21})", "logprobs"},
       {false, R"({"prompt": "x", "min_tokens": 9, "max_tokens": 3})", "min_tokens"},
       {false, R"({"prompt": "x", "echo": true})", "echo"},
       {false, R"({"prompt": "x", "suffix": "tail"})", "suffix"},

@@ -7,6 +7,7 @@
 
 #include "loraplex/core/error.h"
 #include "loraplex/model/step_batch.h"
+#include "loraplex/model/top_logprobs_ops.h"
 
 namespace loraplex::engine {
 namespace {
@@ -68,6 +69,10 @@ void check_request_options(const RequestOptions& o, const RequestLimits& limits)
       refuse(kInvalid, "stop token id ", id, " is outside the vocabulary [0, ", limits.vocab_size,
              ")");
     }
+  }
+  if (o.top_logprobs < 0 || o.top_logprobs > model::ops::kMaxTopLogprobs) {
+    refuse(kInvalid, "top_logprobs ", o.top_logprobs, ", expected 0 .. ",
+           model::ops::kMaxTopLogprobs);
   }
   // vLLM's ranges.
   if (!(o.presence_penalty >= -2.0f && o.presence_penalty <= 2.0f)) {

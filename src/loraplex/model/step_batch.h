@@ -67,6 +67,9 @@ struct StepBatch {
   /// Also return the log-probability of each sampled token under the raw model distribution
   /// (log-softmax of the logits, before temperature and filtering), as vLLM does.
   bool want_logprobs = false;
+  /// Also return, for every sampled row, the ids of its this many largest logits and their
+  /// log-probabilities (0: none; at most ops::kMaxTopLogprobs), before any adjustment.
+  int top_logprobs = 0;
 };
 
 struct StepResult {
@@ -74,6 +77,9 @@ struct StepResult {
   std::vector<int32_t> token_ids;
   /// Same order; empty unless StepBatch::want_logprobs.
   std::vector<float> logprobs;
+  /// [sampled rows, StepBatch::top_logprobs], rows in the same order; empty unless asked for.
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
 };
 
 }  // namespace loraplex::model

@@ -363,9 +363,11 @@ GenerationRequest parse_completion_request(std::string_view body_text) {
   }
   if (const json* lp = field(body, "logprobs")) {
     if (!lp->is_number_integer()) bad_type("logprobs", "an integer", *lp);
-    refuse_unless(lp->get<int64_t>() == 0, "logprobs",
-                  "only logprobs=0 (the sampled tokens' log-probabilities) is supported, got " +
-                      std::to_string(lp->get<int64_t>()));
+    const int64_t k = lp->get<int64_t>();
+    refuse_unless(k >= 0 && k <= kMaxTopLogprobs, "logprobs",
+                  "'logprobs' must be in 0 .. " + std::to_string(kMaxTopLogprobs) + ", got " +
+                      std::to_string(k));
+    r.options.top_logprobs = static_cast<int>(k);
     r.logprobs = true;
   }
   if (auto s = get_string(body, "suffix")) {
@@ -440,8 +442,11 @@ GenerationRequest parse_chat_request(std::string_view body_text) {
   }
   if (auto lp = get_bool(body, "logprobs")) r.logprobs = *lp;
   if (auto top = get_int(body, "top_logprobs")) {
-    refuse_unless(*top == 0, "top_logprobs",
-                  "only top_logprobs=0 is supported (the sampled tokens' log-probabilities)");
+    refuse_unless(*top >= 0 && *top <= kMaxTopLogprobs, "top_logprobs",
+                  "'top_logprobs' must be in 0 .. " + std::to_string(kMaxTopLogprobs) + ", got " +
+                      std::to_string(*top));
+    refuse_unless(*top == 0 || r.logprobs, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    r.options.top_logprobs = static_cast<int>(*top);
   }
   r.options.logprobs = r.logprobs;
   return r;

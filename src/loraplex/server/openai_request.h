@@ -20,6 +20,8 @@ namespace loraplex::server {
 
 /// The most choices (n) one request may ask for.
 inline constexpr int64_t kMaxChoices = 128;
+/// The most top logprobs per token (vLLM's default max_logprobs).
+inline constexpr int64_t kMaxTopLogprobs = 20;
 
 struct GenerationRequest {
   enum class Kind { kCompletion, kChat };

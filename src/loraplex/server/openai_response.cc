@@ -57,21 +57,33 @@ json completion_logprobs(const std::vector<TokenLogprob>& tokens, int64_t text_o
     j["text_offset"].push_back(offset);
     j["token_logprobs"].push_back(t.logprob);
     j["tokens"].push_back(t.token);
-    j["top_logprobs"].push_back(json{{t.token, t.logprob}});
+    json top = json::object();
+    for (const auto& [text, lp] : t.top) {
+      if (!top.contains(text)) top[text] = lp;
+    }
+    if (!top.contains(t.token)) top[t.token] = t.logprob;
+    j["top_logprobs"].push_back(std::move(top));
     offset += static_cast<int64_t>(t.token.size());
   }
   return j;
 }
 
 json chat_logprobs(const std::vector<TokenLogprob>& tokens) {
+  const auto bytes_of = [](const std::string& text) {
+    json bytes = json::array();
+    for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
+    return bytes;
+  };
   json content = json::array();
   for (const TokenLogprob& t : tokens) {
-    json bytes = json::array();
-    for (unsigned char c : t.token) bytes.push_back(static_cast<int>(c));
+    json top = json::array();
+    for (const auto& [text, lp] : t.top) {
+      top.push_back(json{{"token", text}, {"logprob", lp}, {"bytes", bytes_of(text)}});
+    }
     content.push_back(json{{"token", t.token},
                            {"logprob", t.logprob},
-                           {"bytes", bytes},
-                           {"top_logprobs", json::array()}});
+                           {"bytes", bytes_of(t.token)},
+                           {"top_logprobs", top}});
   }
   return json{{"content", content}};
 }

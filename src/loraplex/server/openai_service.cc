@@ -235,7 +235,12 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
 std::vector<TokenLogprob> OpenAIService::logprobs_of(const engine::RequestOutput& out) const {
   std::vector<TokenLogprob> lps;
   for (size_t i = 0; i < out.token_ids.size() && i < out.logprobs.size(); ++i) {
-    lps.push_back({backend_.token_text(out.token_ids[i]), out.logprobs[i]});
+    TokenLogprob t{backend_.token_text(out.token_ids[i]), out.logprobs[i], {}};
+    if (i < out.top_logprobs.size()) {
+      for (const auto& [id, lp] : out.top_logprobs[i])
+        t.top.emplace_back(backend_.token_text(id), lp);
+    }
+    lps.push_back(std::move(t));
   }
   return lps;
 }
