@@ -96,15 +96,17 @@ class ConnectionServer : public httplib::Server {
  private:
   bool process_and_close_socket(socket_t sock) override {
     bool admitted = false;
+    bool closing = false;
     size_t open = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       open = open_.size();
-      admitted = !closing_ && open < options_.max_connections;
+      closing = closing_;
+      admitted = !closing && open < options_.max_connections;
       if (admitted) open_.insert(sock);
     }
     if (!admitted) {
-      if (!closing_) refuse(sock, open);
+      if (!closing) refuse(sock, open);
       ::close(sock);
       return false;
     }
