@@ -245,8 +245,8 @@ TEST(AdapterManager, ReloadRefusesFilesChangedSinceTheLoad) {
   m.load("sql", tmp.sub("sql"));
   m.load("pirate", tmp.sub("pirate"));  // evicts sql from the CPU cache
   EXPECT_FALSE(m.info("sql")->in_cpu_cache);
-  { EXPECT_EQ(m.acquire("sql").slot(), 0); }  // unchanged: reloads
-  m.load("rslora", fixture("rslora"));        // evicts sql again
+  { EXPECT_EQ(m.acquire("sql").slot(), 0); }     // unchanged: reloads
+  m.load("rslora", fixture("rslora"));           // evicts sql again
   { EXPECT_EQ(m.acquire("rslora").slot(), 0); }  // and takes its GPU slot
   EXPECT_FALSE(m.info("sql")->in_cpu_cache);
   EXPECT_EQ(m.info("sql")->slot, -1);
