@@ -38,20 +38,27 @@ std::vector<float> random_rows(int64_t rows, int64_t vocab, uint64_t seed) {
   return v;
 }
 
+// float32 rows of `logits` into `ids` and `lps` ([rows, k] each).
+model::ops::TopLogprobsArgs args_for(const std::vector<float>& logits, int64_t rows, int64_t vocab,
+                                     int k, std::vector<int32_t>& ids, std::vector<float>& lps) {
+  model::ops::TopLogprobsArgs a;
+  a.num_rows = rows;
+  a.vocab = vocab;
+  a.row_stride = vocab;
+  a.logits = logits.data();
+  a.k = k;
+  a.ids = ids.data();
+  a.logprobs = lps.data();
+  return a;
+}
+
 TEST(TopLogprobs, CpuRanksEveryRowAndGivesTokenLogprob) {
   for (const auto& [rows, vocab, k] :
        std::vector<std::tuple<int64_t, int64_t, int>>{{1, 1, 1}, {3, 77, 5}, {5, 1000, 20}}) {
     const std::vector<float> logits = random_rows(rows, vocab, static_cast<uint64_t>(vocab));
     std::vector<int32_t> ids(static_cast<size_t>(rows * k));
     std::vector<float> lps(ids.size());
-    model::ops::TopLogprobsArgs a;
-    a.num_rows = rows;
-    a.vocab = vocab;
-    a.row_stride = vocab;
-    a.logits = logits.data();
-    a.k = k;
-    a.ids = ids.data();
-    a.logprobs = lps.data();
+    model::ops::TopLogprobsArgs a = args_for(logits, rows, vocab, k, ids, lps);
     ASSERT_TRUE(model::ops::cpu::top_logprobs(a).ok());
     for (int64_t r = 0; r < rows; ++r) {
       const std::span<const float> row(logits.data() + r * vocab, static_cast<size_t>(vocab));
@@ -113,14 +120,7 @@ TEST(TopLogprobs, CudaMatchesCpu) {
     const std::vector<float> logits = random_rows(rows, vocab, static_cast<uint64_t>(rows + vocab));
     std::vector<int32_t> ids(static_cast<size_t>(rows * k));
     std::vector<float> lps(ids.size());
-    model::ops::TopLogprobsArgs a;
-    a.num_rows = rows;
-    a.vocab = vocab;
-    a.row_stride = vocab;
-    a.logits = logits.data();
-    a.k = k;
-    a.ids = ids.data();
-    a.logprobs = lps.data();
+    model::ops::TopLogprobsArgs a = args_for(logits, rows, vocab, k, ids, lps);
     ASSERT_TRUE(model::ops::cpu::top_logprobs(a).ok());
     const Tensor d_logits = Tensor::from_vector(logits, {rows * vocab}).to(gpu, stream);
     Tensor d_ids = Tensor::empty({rows * k}, DType::kI32, gpu);

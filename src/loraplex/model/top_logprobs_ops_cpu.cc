@@ -1,9 +1,9 @@
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <numeric>
 #include <vector>
 
+#include "loraplex/model/sampler.h"
 #include "loraplex/model/top_logprobs_ops.h"
 
 namespace loraplex::model::ops::cpu {
@@ -23,16 +23,7 @@ Status top_logprobs(const TopLogprobsArgs& a) {
         row[i] = a.dtype == DType::kF16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
       }
     }
-    // As token_logprob: the maximum weighs 1 (no NaN from infinite maxima); NaNs left out.
-    double m = -std::numeric_limits<double>::infinity();
-    for (float v : row) {
-      if (!std::isnan(v)) m = std::max(m, static_cast<double>(v));
-    }
-    double sum = 0.0;
-    for (float v : row) {
-      if (!std::isnan(v)) sum += static_cast<double>(v) == m ? 1.0 : std::exp(v - m);
-    }
-    const double log_sum = std::log(sum);
+    const LogSoftmaxNorm norm = log_softmax_norm(row);
     std::iota(order.begin(), order.end(), 0);
     const auto before = [&](int32_t x, int32_t y) {
       const float vx = row[static_cast<size_t>(x)];
@@ -45,7 +36,8 @@ Status top_logprobs(const TopLogprobsArgs& a) {
       const int32_t id = order[static_cast<size_t>(t)];
       const double x = row[static_cast<size_t>(id)];
       a.ids[r * a.k + t] = id;
-      a.logprobs[r * a.k + t] = static_cast<float>((x == m ? 0.0 : x - m) - log_sum);
+      a.logprobs[r * a.k + t] =
+          static_cast<float>((x == norm.max ? 0.0 : x - norm.max) - norm.log_sum);
     }
   }
   return Status();
