@@ -21,10 +21,11 @@ PREFIX="${BUILD_PREFIX:-build}"
 TEST_TARGETS=(adapters:loraplex_adapters_stress_tests adapters:loraplex_safetensors_tests
               server:loraplex_server_protocol_tests template:loraplex_template_tests)
 # The engine's step loop, handles, aborts and adapter loads across threads (tiny model, CPU),
-# TSan only; the tests that exercise threads (about 15 s under TSan). The tensor-parallel
+# and the HTTP server's connection threads (against the fake backend), TSan only; the tests that exercise threads (about 15 s under TSan). The tensor-parallel
 # ranks' threads, their collectives and their failures, likewise.
 TSAN_ONLY_TARGETS=(
   "engine:loraplex_engine_tests:*Streams*:*Abort*:*Unload*:*ManyThreads*:*Refusals*:*PrefixCache*:*MaxWaiting*"
+  "server:loraplex_server_http_tests"
   "model:loraplex_tensor_parallel_tests:*Failures*:*AFailedRank*:*tiny_llama_tp2:*tiny_mixtral_tp2")
 
 TOTAL_START=$SECONDS

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -225,8 +226,53 @@ TEST(AdapterManager, ReloadFailureNamesTheFileAndKeepsTheManagerUsable) {
   EXPECT_NE(msg.find(tmp.sub("sql") + "/adapter_model.safetensors"), std::string::npos) << msg;
   EXPECT_TRUE(m.contains("sql"));
   EXPECT_EQ(m.acquire("rslora").slot(), 0);
+  // The file put back is another file (new inode and time): loaded again, it serves.
   fs::copy(fixture("sql") + "/adapter_model.safetensors", tmp.sub("sql"));
+  EXPECT_NE(error_of<Error>([&] { m.acquire("sql"); }).find("changed on disk"), std::string::npos);
+  m.unload("sql");
+  m.load("sql", tmp.sub("sql"));
   EXPECT_EQ(m.acquire("sql").slot(), 0);
+}
+
+// Files replaced after the adapter left the CPU cache: the reload refuses rather than serve
+// other weights under the same name; untouched files reload as before.
+TEST(AdapterManager, ReloadRefusesFilesChangedSinceTheLoad) {
+  TinyLlamaTargets t;
+  test::TempDir tmp;
+  fs::copy(fixture("sql"), tmp.sub("sql"));
+  fs::copy(fixture("pirate"), tmp.sub("pirate"));
+  AdapterManager m(t.registry, config(1, 1));
+  m.load("sql", tmp.sub("sql"));
+  m.load("pirate", tmp.sub("pirate"));  // evicts sql from the CPU cache
+  EXPECT_FALSE(m.info("sql")->in_cpu_cache);
+  { EXPECT_EQ(m.acquire("sql").slot(), 0); }     // unchanged: reloads
+  m.load("rslora", fixture("rslora"));           // evicts sql again
+  { EXPECT_EQ(m.acquire("rslora").slot(), 0); }  // and takes its GPU slot
+  EXPECT_FALSE(m.info("sql")->in_cpu_cache);
+  EXPECT_EQ(m.info("sql")->slot, -1);
+  // Another adapter's weights copied over sql's (same shapes, other values).
+  const std::string weights = tmp.sub("sql") + "/adapter_model.safetensors";
+  fs::remove(weights);
+  fs::copy(tmp.sub("pirate") + "/adapter_model.safetensors", weights);
+  const std::string msg = error_of<Error>([&] { m.acquire("sql"); });
+  EXPECT_NE(msg.find("adapter 'sql'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("changed on disk"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(weights), std::string::npos) << msg;
+  EXPECT_THROW(m.prefetch("sql").get(), Error);
+  EXPECT_TRUE(m.contains("sql"));
+  // A config rewritten in place (same inode, new size and time) counts too.
+  m.load("pirate2", tmp.sub("pirate"));
+  m.load("vocab", fixture("vocab"));  // evicts pirate2 from the CPU cache
+  ASSERT_FALSE(m.info("pirate2")->in_cpu_cache);
+  ASSERT_EQ(m.info("pirate2")->slot, -1);
+  const std::string config_file = tmp.sub("pirate") + "/adapter_config.json";
+  fs::permissions(config_file, fs::perms::owner_write, fs::perm_options::add);
+  {
+    std::ofstream f(config_file, std::ios::app);
+    f << "\n";
+  }
+  EXPECT_NE(error_of<Error>([&] { m.acquire("pirate2"); }).find("adapter_config.json"),
+            std::string::npos);
 }
 
 // A layer that refuses an adapter (as a real layer refuses a rank above its max_lora_rank):

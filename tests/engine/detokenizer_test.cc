@@ -150,5 +150,51 @@ TEST(IncrementalDetokenizer, HoldsBackWhatMayStartAStopStringUntilTheEnd) {
   EXPECT_EQ(streamed, text);
 }
 
+TEST(IncrementalDetokenizer, IncludeStopKeepsTheStopStringAndHoldsNothingBack) {
+  const Tokenizer tok = load("tiny-llama/model/tokenizer.json");
+  const std::vector<int32_t> gen = tok.encode("The answer is 42. STOP here, and more", false);
+  IncrementalDetokenizer d(tok, tok.encode("Q:", true), {"STOP here"},
+                           engine::DetokenizeOptions{true, true});
+  std::string streamed;
+  std::optional<std::string> stop;
+  for (int32_t id : gen) {
+    stop = d.add(id, true);
+    const std::string piece = d.take(stop.has_value());
+    // Nothing held back: every token's text is out at once (what it completed so far).
+    if (!stop) {
+      EXPECT_EQ(streamed.size() + piece.size(), d.text().size());
+    }
+    streamed += piece;
+    if (stop) break;
+  }
+  ASSERT_TRUE(stop.has_value());
+  EXPECT_EQ(streamed, "The answer is 42. STOP here");
+}
+
+TEST(IncrementalDetokenizer, SpecialTokensHaveTextOnlyWhenNotSkipped) {
+  const Tokenizer tok = load("tiny-llama/model/tokenizer.json");
+  int32_t special = -1;
+  for (int32_t id = 0; id < tok.vocab_size() && special < 0; ++id) {
+    if (tok.is_special(id)) special = id;
+  }
+  ASSERT_GE(special, 0) << "the fixture's tokenizer has a special token";
+  std::vector<int32_t> gen = tok.encode("hello", false);
+  gen.push_back(special);
+  const std::vector<int32_t> more = tok.encode(" world", false);
+  gen.insert(gen.end(), more.begin(), more.end());
+  for (const bool skip : {true, false}) {
+    IncrementalDetokenizer d(tok, tok.encode("x", true), {},
+                             engine::DetokenizeOptions{false, skip});
+    std::string text;
+    for (int32_t id : gen) {
+      d.add(id, true);
+      text += d.take(false);
+    }
+    text += d.take(true);
+    EXPECT_EQ(text, tok.decode(gen, skip)) << "skip_special_tokens " << skip;
+  }
+  EXPECT_NE(tok.decode(gen, false), tok.decode(gen, true));
+}
+
 }  // namespace
 }  // namespace loraplex::test

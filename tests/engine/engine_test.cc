@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -329,6 +330,97 @@ TEST_F(EngineTinyLlama, SeededSamplingIsBatchIndependent) {
   EXPECT_NE(engine->submit(r).wait().token_ids, alone.token_ids);
 }
 
+TEST_F(EngineTinyLlama, TinyTemperaturesSampleGreedily) {
+  // Logits divided by 1e-40 overflow to inf: sampled at random before vLLM's epsilon applied.
+  auto engine = make_engine("tiny-llama", small_options());
+  for (const float t : {1e-40f, 1e-30f, 1e-6f}) {
+    for (size_t i = 0; i < 6; ++i) {
+      Request r = fixture_request(expected_[i]);
+      r.options.temperature = t;
+      r.options.seed = 77 + i;
+      EXPECT_EQ(engine->submit(r).wait().token_ids, expected_[i].output_token_ids)
+          << "temperature " << t << ", request " << i;
+    }
+  }
+}
+
+// vLLM's logits processing through the whole engine (CPU): a large bias forces its id, allowed
+// ids bound every output, a bad word's first token is never sampled where greedy picked it, and
+// penalties change a greedy output only where it repeats.
+TEST_F(EngineTinyLlama, LogitsProcessingChangesTheSampledTokens) {
+  auto engine = make_engine("tiny-llama", small_options());
+  const ExpectedLine& e = expected_[1];  // an adapter's request
+  Request r = fixture_request(e);
+  r.options.logit_bias = {{321, 100.0f}};
+  EXPECT_EQ(engine->submit(r).wait().token_ids, std::vector<int32_t>(12, 321));
+  r = fixture_request(e);
+  r.options.allowed_token_ids = {17, 400, 803};
+  for (int32_t id : engine->submit(r).wait().token_ids) {
+    EXPECT_TRUE(id == 17 || id == 400 || id == 803) << id;
+  }
+  // Sampled (seeded) too: still only the allowed ids.
+  r.options.temperature = 1.0f;
+  r.options.seed = 5;
+  for (int32_t id : engine->submit(r).wait().token_ids) {
+    EXPECT_TRUE(id == 17 || id == 400 || id == 803) << id;
+  }
+  // The greedy first token's text as a bad word: something else comes first.
+  r = fixture_request(e);
+  const std::string first = engine->tokenizer().decode({e.output_token_ids[0]}, true);
+  const std::vector<int32_t> first_ids = engine->tokenizer().encode(first, false);
+  if (first_ids.size() == 1 && first_ids[0] == e.output_token_ids[0]) {
+    r.options.bad_words = {first};
+    const std::vector<int32_t> got = engine->submit(r).wait().token_ids;
+    ASSERT_FALSE(got.empty());
+    EXPECT_NE(got[0], e.output_token_ids[0]);
+    for (int32_t id : got) EXPECT_NE(id, e.output_token_ids[0]);
+  }
+  // A presence penalty leaves the first token (nothing generated yet) as greedy had it.
+  r = fixture_request(e);
+  r.options.presence_penalty = 2.0f;
+  r.options.frequency_penalty = 2.0f;
+  const std::vector<int32_t> penalized = engine->submit(r).wait().token_ids;
+  EXPECT_EQ(penalized[0], e.output_token_ids[0]);
+  // Logprobs with adjusted logits are refused, naming the fields.
+  r.options.logprobs = true;
+  try {
+    engine->submit(r);
+    ADD_FAILURE() << "logprobs with penalties accepted";
+  } catch (const RequestError& err) {
+    EXPECT_NE(std::string(err.what()).find("logprobs"), std::string::npos) << err.what();
+  }
+}
+
+// Top logprobs: per token the k most probable ids, most probable first; greedy's token is the
+// first, with the sampled token's own log-probability.
+TEST_F(EngineTinyLlama, TopLogprobsRankTheStepsTokens) {
+  auto engine = make_engine("tiny-llama", small_options());
+  std::vector<Request> batch;
+  for (size_t i = 0; i < 4; ++i) {
+    Request r = fixture_request(expected_[i]);
+    r.options.logprobs = true;
+    r.options.top_logprobs = i == 3 ? 0 : static_cast<int>(2 + i);
+    batch.push_back(r);
+  }
+  std::vector<RequestHandle> hs = engine->submit_all(std::move(batch));
+  for (size_t i = 0; i < hs.size(); ++i) {
+    const RequestOutput out = hs[i].wait();
+    EXPECT_EQ(out.token_ids, expected_[i].output_token_ids) << i;
+    if (i == 3) {
+      EXPECT_TRUE(out.top_logprobs.empty());
+      continue;
+    }
+    ASSERT_EQ(out.top_logprobs.size(), out.token_ids.size()) << i;
+    for (size_t t = 0; t < out.token_ids.size(); ++t) {
+      const auto& top = out.top_logprobs[t];
+      ASSERT_EQ(top.size(), 2 + i);
+      EXPECT_EQ(top[0].first, out.token_ids[t]) << i << " " << t;
+      EXPECT_EQ(top[0].second, out.logprobs[t]) << i << " " << t;
+      for (size_t k = 1; k < top.size(); ++k) EXPECT_LE(top[k].second, top[k - 1].second);
+    }
+  }
+}
+
 TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   EngineOptions o = small_options();
   o.num_kv_blocks = 300;  // 1200 tokens: more than max_model_len
@@ -349,6 +441,9 @@ TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   r.prompt_ids.assign(1020, 17);
   r.options.max_tokens = 5;
   refused(r, RequestError::Kind::kTooLong, "1025 tokens exceeds max_model_len 1024");
+  r.options.max_tokens = std::numeric_limits<int64_t>::max();
+  refused(r, RequestError::Kind::kTooLong, "exceeds max_model_len 1024");
+  EXPECT_EQ(engine->metrics().request_params_max_tokens.count, 0);
   r = fixture_request(expected_[0]);
   r.adapter = "nosuch";
   refused(r, RequestError::Kind::kUnknownAdapter, "adapter 'nosuch' is not loaded");

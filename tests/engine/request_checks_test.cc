@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "loraplex/core/error.h"
 #include "loraplex/engine/request_checks.h"
+#include "loraplex/engine/requests.h"
 
 namespace loraplex::test {
 namespace {
@@ -110,6 +113,62 @@ TEST(RequestChecks, PromptLengthAgainstModelLenAndCache) {
         engine::check_prompt({1, -3}, o, limits());
       },
       RequestError::Kind::kInvalid, {"prompt token 1", "-3", "[0, 1000)"});
+}
+
+TEST(RequestChecks, MaxTokensNearTheIntegerLimitIsRefusedNotWrapped) {
+  RequestOptions o;
+  const std::vector<int32_t> prompt(10, 7);
+  for (const int64_t max_tokens : {std::numeric_limits<int64_t>::max(),
+                                   std::numeric_limits<int64_t>::max() - 5, int64_t{1} << 62}) {
+    o.max_tokens = max_tokens;
+    expect_refused([&] { engine::check_prompt(prompt, o, limits()); }, RequestError::Kind::kTooLong,
+                   {"max_tokens (" + std::to_string(max_tokens) + ")", "max_model_len 100"});
+  }
+  RequestLimits big = limits();
+  big.max_model_len = std::numeric_limits<int64_t>::max();
+  o.max_tokens = std::numeric_limits<int64_t>::max() - 20;
+  expect_refused([&] { engine::check_prompt(prompt, o, big); }, RequestError::Kind::kTooLong,
+                 {"KV cache (80 tokens)"});
+}
+
+TEST(RequestChecks, TemperaturesBelowVllmsEpsilonAreGreedy) {
+  RequestOptions o;
+  o.top_k = 40;
+  o.top_p = 0.9f;
+  for (const float t : {0.0f, 1e-40f, 1e-20f, 9.9e-6f}) {
+    o.temperature = t;
+    const model::SamplingParams p = engine::sampling_params_of(o);
+    EXPECT_EQ(p.temperature, 0.0f) << t;
+    EXPECT_EQ(p.top_k, 0) << t;
+    EXPECT_EQ(p.top_p, 1.0f) << t;
+  }
+  for (const float t : {1e-5f, 0.7f}) {
+    o.temperature = t;
+    const model::SamplingParams p = engine::sampling_params_of(o);
+    EXPECT_EQ(p.temperature, t);
+    EXPECT_EQ(p.top_k, 40);
+    EXPECT_EQ(p.top_p, 0.9f);
+  }
+  o.temperature = 1.0f;
+  o.top_k = -1;
+  EXPECT_EQ(engine::sampling_params_of(o).top_k, 0);
+}
+
+TEST(RequestsFile, MaxTokensIsBoundedBeforeTheEngineSizesForIt) {
+  EXPECT_EQ(
+      engine::parse_requests(R"({"prompt": "a", "max_tokens": 2147483647})", "f").at(0).max_tokens,
+      2147483647);
+  for (const char* line :
+       {R"({"prompt": "a", "max_tokens": 9223372036854775807})",
+        R"({"prompt": "a", "max_tokens": 2147483648})", R"({"prompt": "a", "max_tokens": 0})"}) {
+    try {
+      engine::parse_requests(line, "f.jsonl");
+      ADD_FAILURE() << "accepted: " << line;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("f.jsonl:1: 'max_tokens'"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 }  // namespace

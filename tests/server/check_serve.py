@@ -61,8 +61,8 @@ def check(name, cond, detail=""):
 class Server:
     """A `loraplex serve` process; its port is read from the 'listening on' line."""
 
-    def __init__(self, args, model=MODEL):
-        self.proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", "0", *args],
+    def __init__(self, args, model=MODEL, port=0):
+        self.proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", str(port), *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.log = []
@@ -272,6 +272,14 @@ try:
                 name="a broken config.json: exit 1 naming the file")
     start_fails(["--model", MODEL, "--port", "0", "--bogus"], "--bogus",
                 name="an unknown flag: exit 1 naming it")
+    start_fails(["--model", MODEL, "--port", "0", "--max-model-len", "4096"], "--max-model-len 4096",
+                "max_position_embeddings 1024", "--allow-long-max-model-len",
+                name="--max-model-len beyond the model's positions: exit 1 naming both")
+    start_fails(["--model", MODEL, "--port", "0", "--lora", f"a,b={os.path.join(ADAPTERS, 'sql')}"],
+                "'a,b'", name="an adapter name outside the character set: exit 1 naming it")
+    start_fails(["--model", MODEL, "--port", "0", "--enable-lora-loading"],
+                "--allowed-lora-paths",
+                name="--enable-lora-loading with nowhere to load from: exit 1 saying so")
     p = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=60)
     check("--help exits 0", p.returncode == 0 and "--lora-dir" in p.stdout, p.stderr)
 
@@ -310,7 +318,7 @@ try:
                    "--lora", f"pirate={os.path.join(ADAPTERS, 'pirate')}",
                    "--lora-dir", ADAPTERS, "--num-kv-blocks", "640", "--max-num-seqs", "48",
                    "--max-model-len", "512", "--max-body-bytes", "65536", "--max-loras", "4",
-                   "--max-cpu-loras", "8"])
+                   "--max-cpu-loras", "8", "--enable-lora-loading", "--allowed-lora-paths", tmp])
     port = main.port
     start_fails(["--model", MODEL, "--port", str(port)], "cannot listen", str(port),
                 "in use", name="a port in use: exit 1 naming the address")
@@ -454,8 +462,13 @@ try:
 
     # ------------------------------------------------------------------------- errors
 
-    def expect_error(name, status_want, path, body=None, raw=None, param=None, needles=()):
-        status, payload, _ = request(port, "POST", path, body, raw=raw)
+    def completion_tokens_of(port, body):
+        status, got = post(port, "/v1/completions", dict(body, return_token_ids=True))
+        return got["choices"][0]["token_ids"] if status == 200 else (status, got)
+
+    def expect_error(name, status_want, path, body=None, raw=None, param=None, needles=(),
+                     headers=None):
+        status, payload, _ = request(port, "POST", path, body, raw=raw, headers=headers)
         try:
             err = json.loads(payload).get("error", {})
         except ValueError:
@@ -492,8 +505,115 @@ try:
                  needles=("512",))
     expect_error("an over-size body: 413", 413, "/v1/completions",
                  raw=json.dumps({"model": BASE, "prompt": "x" * 70000}).encode())
-    expect_error("n > 1 is refused: 400", 400, "/v1/completions",
-                 {"model": BASE, "prompt": "x", "n": 2}, param="n")
+    expect_error("n = 0 is refused: 400", 400, "/v1/completions",
+                 {"model": BASE, "prompt": "x", "n": 0}, param="n")
+    # n > 1: each choice as the same request alone with seed + i (vLLM's parallel sampling).
+    several = oa.completions.create(model="pirate", prompt=reference[2]["prompt"], n=3,
+                                    max_tokens=10, temperature=0.9, seed=21,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    alone = [completion_tokens_of(port, {"model": "pirate", "prompt": reference[2]["prompt"],
+                                         "max_tokens": 10, "temperature": 0.9, "seed": 21 + i,
+                                         "ignore_eos": True}) for i in range(3)]
+    got = [extra(c, "token_ids") for c in sorted(several.choices, key=lambda c: c.index)]
+    check("n=3: each choice equals the request alone with seed + i, usage counts all",
+          got == alone and several.usage.completion_tokens == 30 and len(set(map(tuple, got))) > 1,
+          (got, alone, several.usage))
+    expect_error("max_tokens near 2^63 is refused, not wrapped: 400", 400, "/v1/completions",
+                 {"model": BASE, "prompt": "x", "max_tokens": 2**63 - 1},
+                 needles=("9223372036854775807", "512"))
+    expect_error("a body not declared JSON: 415", 415, "/v1/completions",
+                 raw=json.dumps({"model": BASE, "prompt": "x"}).encode(),
+                 headers={"Content-Type": "text/plain"})
+    expect_error("a load from outside the allowed roots: 400 naming lora_path", 400,
+                 "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"},
+                 param="lora_path")
+    expect_error("an adapter name with a comma: 400 naming lora_name", 400,
+                 "/v1/load_lora_adapter",
+                 {"lora_name": "a,b", "lora_path": os.path.join(ADAPTERS, "sql")},
+                 param="lora_name")
+    greedy = completion_tokens_of(port, {"model": "sql", "prompt": reference[3]["prompt"],
+                                         "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    tiny_t = completion_tokens_of(port, {"model": "sql", "prompt": reference[3]["prompt"],
+                                         "max_tokens": 12, "temperature": 1e-40, "seed": 3,
+                                         "ignore_eos": True})
+    check("temperature 1e-40 samples greedily (below vLLM's 1e-5)", greedy == tiny_t and
+          isinstance(greedy, list), (greedy, tiny_t))
+
+    # vLLM's fields through the openai client: implemented ones change the result as vLLM's
+    # do; unimplemented ones are a 400 naming the field, never ignored.
+    ref = reference[3]
+    plain = oa.completions.create(model=model_of(ref["adapter"]), prompt=ref["prompt"],
+                                  max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    stop_at = plain.choices[0].text[3:6]
+    cut = plain.choices[0].text.find(stop_at)
+    for include in (False, True):
+        c = oa.completions.create(model=model_of(ref["adapter"]), prompt=ref["prompt"],
+                                  max_tokens=12, temperature=0, stop=[stop_at],
+                                  extra_body={"ignore_eos": True,
+                                              "include_stop_str_in_output": include})
+        want = plain.choices[0].text[:cut + (len(stop_at) if include else 0)]
+        check(f"include_stop_str_in_output={include}: the text up to the stop string"
+              f"{', with it' if include else ''}", c.choices[0].text == want and
+              c.choices[0].finish_reason == "stop", (c.choices[0].text, want))
+    # Logits processing: a bias that forces an id, allowed ids that bound the output, a bad
+    # word that removes greedy's first token, penalties; greedy outputs as the CPU engine's
+    # own (the engine tests check those against the rule).
+    forced = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                         "max_tokens": 6, "temperature": 0,
+                                         "ignore_eos": True, "logit_bias": {"321": 100}})
+    check("logit_bias +100 forces its id", forced == [321] * 6, forced)
+    bounded = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                          "max_tokens": 12, "temperature": 0.9, "seed": 4,
+                                          "ignore_eos": True,
+                                          "allowed_token_ids": [17, 400, 803]})
+    check("allowed_token_ids bound a sampled output",
+          isinstance(bounded, list) and set(bounded) <= {17, 400, 803}, bounded)
+    base_greedy = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                              "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True})
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        pen = completion_tokens_of(port, {"model": "sql", "prompt": ref["prompt"],
+                                          "max_tokens": 12, "temperature": 0,
+                                          "ignore_eos": True, penalty: 2.0})
+        check(f"{penalty} leaves the first token and changes nothing before a repeat",
+              isinstance(pen, list) and pen[0] == base_greedy[0] and
+              (len(set(base_greedy)) < len(base_greedy) or pen == base_greedy), (pen, base_greedy))
+    status, body = post(port, "/v1/completions", {"model": BASE, "prompt": "x",
+                                                  "presence_penalty": 3})
+    check("presence_penalty out of vLLM's range: 400 naming it", status == 400 and
+          "presence_penalty" in error_of(body).get("message", ""), (status, body))
+    # Top logprobs: greedy's token ranks first, with its own log-probability.
+    c = oa.completions.create(model="vocab", prompt=ref["prompt"], max_tokens=6, temperature=0,
+                              logprobs=3, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    check("completions logprobs=3: each token's top 3 (and it), greedy's the most probable",
+          len(lp.top_logprobs) == 6 and all(
+              len(top) >= 3 and max(top.values()) == top[tok] == tlp
+              for top, tok, tlp in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs)),
+          lp.model_dump())
+    cc = oa.chat.completions.create(model="vocab", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    items = cc.choices[0].logprobs.content
+    check("chat top_logprobs=2: two per token, the sampled one first",
+          len(items) == 4 and all(len(i.top_logprobs) == 2 and
+                                  i.top_logprobs[0].logprob == i.logprob and
+                                  i.top_logprobs[1].logprob <= i.logprob for i in items),
+          cc.model_dump())
+    c = oa.completions.create(model=BASE, prompt=ref["prompt"], max_tokens=1,
+                              extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    full_ids = ref["prompt_token_ids"]
+    check("truncate_prompt_tokens keeps BOS and the prompt's last tokens",
+          extra(c.choices[0], "prompt_token_ids") == [full_ids[0], full_ids[-1]],
+          (extra(c.choices[0], "prompt_token_ids"), full_ids))
+    for field, value in [("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+                         ("use_beam_search", True), ("prompt_logprobs", 1),
+                         ("logits_processors", ["a.b"])]:
+        try:
+            oa.completions.create(model=BASE, prompt="x", max_tokens=1,
+                                  extra_body={field: value})
+            check(f"'{field}' is refused, not ignored (400)", False, "accepted")
+        except openai.BadRequestError as e:
+            check(f"'{field}' is refused, not ignored (400)", field in str(e), str(e))
     status, payload, _ = request(port, "GET", "/v1/nothing")
     check("an unknown route: 404 in OpenAI's shape", status == 404 and
           json.loads(payload)["error"]["code"] == 404, (status, payload))
@@ -665,11 +785,22 @@ try:
     check("... the stream was cut short, not finished", b'"finish_reason":"length"' not in rest)
     check("... promptly", seconds < 10, seconds)
 
+    # The same port again at once: the stopped server closed connections itself, so its side
+    # of them waits in TIME_WAIT for a minute.
+    try:
+        again = Server(["--num-kv-blocks", "64"], port=port)
+        status, _, _ = request(port, "GET", "/health", key=None)
+        check("a restart on the same port comes up at once", status == 200, status)
+        again.stop()
+    except RuntimeError as e:
+        check("a restart on the same port comes up at once", False, e)
+
     # ------- a full server (every sequence slot busy, one request waiting): 503, unload order
 
     # 32 long requests fill every sequence slot for a few seconds (32 x 1000 tokens), so that
     # what follows happens while they run; the test ends them early by hanging up.
     small = Server(["--lora", f"sql={os.path.join(ADAPTERS, 'sql')}", "--max-num-seqs", "32",
+                    "--enable-lora-loading", "--allowed-lora-paths", ADAPTERS,
                     "--max-waiting", "1", "--num-kv-blocks", "2100"])
     sp = small.port
     sql_req = sql_ref[2]
@@ -742,6 +873,33 @@ try:
     check("... and nothing is left running", running(m) == 0 and waiting(m) == 0)
     rc, seconds = small.stop(signal.SIGTERM)
     check("SIGTERM: exit 0", rc == 0 and seconds < 10, (rc, seconds, "".join(small.log)))
+
+    # An adapter whose files are replaced after it left the CPU cache and its GPU slot (one of
+    # each): the reload refuses it, the request fails saying why, and the server logs it.
+    changing = os.path.join(tmp, "changing")
+    shutil.copytree(os.path.join(ADAPTERS, "sql"), changing)
+    for f in os.listdir(changing):
+        os.chmod(os.path.join(changing, f), 0o644)
+    swap = Server(["--lora", f"chg={changing}", "--lora", f"pirate={os.path.join(ADAPTERS, 'pirate')}",
+                   "--max-loras", "1", "--max-cpu-loras", "1", "--num-kv-blocks", "64"])
+    body = {"prompt": sql_req["prompt"], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    first = post(swap.port, "/v1/completions", dict(body, model="chg"))
+    other = post(swap.port, "/v1/completions", dict(body, model="pirate"))
+    weights = os.path.join(changing, "adapter_model.safetensors")
+    os.remove(weights)
+    shutil.copy(os.path.join(ADAPTERS, "pirate", "adapter_model.safetensors"), weights)
+    status, body_after = post(swap.port, "/v1/completions", dict(body, model="chg"))
+    message = error_of(body_after).get("message", "")
+    check("an adapter reloaded unchanged serves its tokens",
+          first[0] == 200 and first[1]["choices"][0]["token_ids"] == sql_req["output_token_ids"]
+          and other[0] == 200, (first, other))
+    check("an adapter whose files changed since it was loaded: refused, naming the file",
+          status == 500 and "changed on disk" in message and weights in message,
+          (status, body_after))
+    swap.stop()
+    check("... and the server logged it",
+          any("failed: adapter 'chg'" in line for line in swap.log), "".join(swap.log))
 finally:
     shutil.rmtree(tmp, ignore_errors=True)
 

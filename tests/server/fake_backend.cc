@@ -37,6 +37,13 @@ class FakeStream : public GenerationStream {
     out.token_ids = {id};
     out.text = backend_.token_text(id);
     if (request_.options.logprobs) out.logprobs = {-0.25f * static_cast<float>(produced_)};
+    if (request_.options.top_logprobs > 0) {
+      // The sampled id first, then the ids after it, each less probable.
+      auto& top = out.top_logprobs.emplace_back();
+      for (int t = 0; t < request_.options.top_logprobs; ++t) {
+        top.emplace_back(id + t, -0.25f * static_cast<float>(produced_) - static_cast<float>(t));
+      }
+    }
     out.completion_tokens = static_cast<int64_t>(produced_);
     if (produced_ == tokens_.size()) {
       reason_ = engine::FinishReason::kLength;
@@ -118,6 +125,10 @@ std::unique_ptr<GenerationStream> FakeBackend::submit(engine::Request request) {
   }
   ++active;
   ++submitted;
+  if (request.options.seed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    seeds_.push_back(*request.options.seed);
+  }
   return std::make_unique<FakeStream>(*this, std::move(request), std::move(prompt));
 }
 
@@ -131,6 +142,11 @@ AdapterInfo FakeBackend::load_adapter(const std::string& name, const std::string
   info.name = name;
   info.dir = dir;
   return info;
+}
+
+std::vector<uint64_t> FakeBackend::seeds() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return seeds_;
 }
 
 bool FakeBackend::unload_adapter(const std::string& name) {

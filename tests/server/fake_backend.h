@@ -35,6 +35,9 @@ class FakeBackend : public ServingBackend {
   std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const override;
   std::string token_text(int32_t id) const override;
 
+  /// The seeds of the requests submitted with one, in order.
+  std::vector<uint64_t> seeds() const;
+
   /// What the fake generates for `prompt_ids` on `adapter`: the reference for tests.
   static std::vector<int32_t> expected_tokens(const std::vector<int32_t>& prompt_ids,
                                               const std::string& adapter, int64_t count);
@@ -52,6 +55,7 @@ class FakeBackend : public ServingBackend {
  private:
   mutable std::mutex mutex_;
   std::map<std::string, std::string> adapters_;  // name -> dir
+  std::vector<uint64_t> seeds_;
 };
 
 }  // namespace loraplex::server::testing

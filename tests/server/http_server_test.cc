@@ -2,169 +2,24 @@
 // port, driven with an HTTP client and raw sockets. Expected tokens come from the fake's own
 // rule (FakeBackend::expected_tokens), never from the server's output.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 #include <httplib.h>
 
-#include <filesystem>
-#include <fstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
-#include "fake_backend.h"
-#include "loraplex/server/http_server.h"
-#include "loraplex/server/openai_service.h"
+#include "server_test_support.h"
 
 namespace loraplex::server {
 namespace {
 
 using json = nlohmann::ordered_json;
+using testing::Events;
 using testing::FakeBackend;
-
-const char* kChatml =
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-
-// SSE events of a response body: the JSON after each "data: ", and whether [DONE] closed it.
-struct Events {
-  std::vector<json> chunks;
-  bool done = false;
-};
-
-Events parse_sse(const std::string& body) {
-  Events e;
-  size_t pos = 0;
-  while (true) {
-    const size_t start = body.find("data: ", pos);
-    if (start == std::string::npos) break;
-    const size_t end = body.find("\n\n", start);
-    const std::string data = body.substr(start + 6, end - start - 6);
-    if (data == "[DONE]") {
-      e.done = true;
-    } else {
-      e.chunks.push_back(json::parse(data));
-    }
-    pos = end == std::string::npos ? body.size() : end + 2;
-  }
-  return e;
-}
-
-// A raw connection, for the tests that need to stop reading or hang up mid-response.
-class RawConnection {
- public:
-  explicit RawConnection(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }
-  ~RawConnection() { close(); }
-  bool connected() const { return connected_; }
-  void send_post(const std::string& path, const std::string& body) {
-    const std::string req =
-        "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n" +
-        "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-        "\r\n\r\n" + body;
-    ASSERT_EQ(::send(fd_, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
-  }
-  // Reads until `needle` has been seen `times` times (or the peer closes).
-  std::string read_until(const std::string& needle, int times) {
-    std::string got;
-    char buf[4096];
-    while (true) {
-      int seen = 0;
-      for (size_t p = got.find(needle); p != std::string::npos; p = got.find(needle, p + 1)) ++seen;
-      if (seen >= times) return got;
-      const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
-      if (n <= 0) return got;
-      got.append(buf, static_cast<size_t>(n));
-    }
-  }
-  void close() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-  bool connected_ = false;
-};
-
-class ServerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    lora_dir_ = std::filesystem::temp_directory_path() /
-                ("loraplex_server_test_" + std::to_string(::getpid()) + "_" +
-                 ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(lora_dir_ / "sql");
-    std::ofstream(lora_dir_ / "sql" / "adapter_config.json") << "{}";
-    std::filesystem::create_directories(lora_dir_ / "pirate");
-    std::ofstream(lora_dir_ / "pirate" / "adapter_config.json") << "{}";
-    std::filesystem::create_directories(lora_dir_ / "broken");  // no adapter_config.json
-    backend_.max_model_len_ = 400;
-  }
-
-  void start(const std::string& api_key = "", size_t max_body = 1 << 20) {
-    ServiceConfig config;
-    config.served_model_name = "base-model";
-    config.model_root = "/models/base";
-    config.lora_dir = lora_dir_.string();
-    config.chat_template =
-        std::make_shared<jinja::ChatTemplate>(kChatml, json::object(), "test template");
-    config.version = "9.9.9";
-    config.poll_interval = std::chrono::milliseconds(5);
-    service_ = std::make_unique<OpenAIService>(backend_, config);
-    HttpOptions http;
-    http.port = 0;
-    http.api_key = api_key;
-    http.max_body_bytes = max_body;
-    http.threads = 48;
-    server_ = std::make_unique<HttpServer>(*service_, http);
-    port_ = server_->bind();
-    thread_ = std::thread([this] { server_->serve(); });
-  }
-
-  void TearDown() override {
-    if (server_) server_->stop();
-    if (thread_.joinable()) thread_.join();
-    server_.reset();
-    service_.reset();
-    std::filesystem::remove_all(lora_dir_);
-  }
-
-  httplib::Client client() {
-    httplib::Client c("127.0.0.1", port_);
-    c.set_read_timeout(30, 0);
-    return c;
-  }
-
-  httplib::Result post(const std::string& path, const json& body, httplib::Headers headers = {}) {
-    return client().Post(path.c_str(), headers, body.dump(), "application/json");
-  }
-
-  static json error_of(const httplib::Result& r) { return json::parse(r->body).at("error"); }
-
-  // The completion text the fake produces for a text prompt on `adapter`.
-  std::string expected_completion(const std::string& prompt, const std::string& adapter,
-                                  int64_t max_tokens) {
-    return FakeBackend::expected_text(
-        FakeBackend::expected_tokens(backend_.encode(prompt, true), adapter, max_tokens));
-  }
-
-  FakeBackend backend_;
-  std::unique_ptr<OpenAIService> service_;
-  std::unique_ptr<HttpServer> server_;
-  std::thread thread_;
-  int port_ = 0;
-  std::filesystem::path lora_dir_;
-};
+using testing::parse_sse;
+using testing::RawConnection;
+using testing::ServerTest;
 
 TEST_F(ServerTest, HealthVersionAndModels) {
   start();
@@ -230,11 +85,11 @@ TEST_F(ServerTest, MalformedRequestsGetOpenAIErrors) {
   ASSERT_TRUE(wrong_type);
   EXPECT_EQ(wrong_type->status, 400);
   EXPECT_EQ(error_of(wrong_type).at("param"), "max_tokens");
-  auto n2 = post("/v1/chat/completions",
-                 {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"n", 2}});
-  ASSERT_TRUE(n2);
-  EXPECT_EQ(n2->status, 400);
-  EXPECT_EQ(error_of(n2).at("param"), "n");
+  auto n0 = post("/v1/chat/completions",
+                 {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"n", 0}});
+  ASSERT_TRUE(n0);
+  EXPECT_EQ(n0->status, 400);
+  EXPECT_EQ(error_of(n0).at("param"), "n");
   auto route = c.Get("/v1/nothing");
   ASSERT_TRUE(route);
   EXPECT_EQ(route->status, 404);
@@ -359,7 +214,154 @@ TEST_F(ServerTest, ReturnTokenIdsWholeAndStreamed) {
   EXPECT_EQ(error_of(wrong).at("param"), "return_token_ids");
 }
 
+// vLLM's truncate_prompt_tokens keeps a prompt's last tokens (a text prompt keeps its BOS, as a
+// tokenizer truncating on the left does); add_special_tokens false leaves BOS out.
+TEST_F(ServerTest, TruncatePromptTokensAndAddSpecialTokens) {
+  start();
+  const auto prompt_of = [&](const json& body) {
+    json b = body;
+    b["max_tokens"] = 2;
+    b["return_token_ids"] = true;
+    auto r = post("/v1/completions", b);
+    EXPECT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+    const json j = json::parse(r->body);
+    EXPECT_EQ(j["choices"][0]["token_ids"].get<std::vector<int32_t>>(),
+              FakeBackend::expected_tokens(
+                  j["choices"][0]["prompt_token_ids"].get<std::vector<int32_t>>(), "", 2));
+    return j["choices"][0]["prompt_token_ids"].get<std::vector<int32_t>>();
+  };
+  // The fake encodes bytes, BOS = 1.
+  EXPECT_EQ(prompt_of({{"prompt", "abcdef"}, {"truncate_prompt_tokens", 3}}),
+            (std::vector<int32_t>{1, 'e', 'f'}));
+  EXPECT_EQ(prompt_of({{"prompt", "abcdef"}}),
+            (std::vector<int32_t>{1, 'a', 'b', 'c', 'd', 'e', 'f'}));
+  EXPECT_EQ(prompt_of({{"prompt", "abcdef"}, {"add_special_tokens", false}}),
+            (std::vector<int32_t>{'a', 'b', 'c', 'd', 'e', 'f'}));
+  EXPECT_EQ(
+      prompt_of(
+          {{"prompt", "abcdef"}, {"add_special_tokens", false}, {"truncate_prompt_tokens", 2}}),
+      (std::vector<int32_t>{'e', 'f'}));
+  EXPECT_EQ(prompt_of({{"prompt", json::array({5, 6, 7, 8})}, {"truncate_prompt_tokens", 2}}),
+            (std::vector<int32_t>{7, 8}));
+  EXPECT_EQ(prompt_of({{"prompt", "abc"}, {"truncate_prompt_tokens", 10}}),
+            (std::vector<int32_t>{1, 'a', 'b', 'c'}));
+  // -1: max_model_len (400 here), so a long prompt keeps room for no output: too long.
+  auto too_long =
+      post("/v1/completions",
+           {{"prompt", std::string(500, 'x')}, {"truncate_prompt_tokens", -1}, {"max_tokens", 1}});
+  ASSERT_TRUE(too_long);
+  EXPECT_EQ(too_long->status, 400);
+  auto fits = post("/v1/completions", {{"prompt", std::string(500, 'x')},
+                                       {"truncate_prompt_tokens", 300},
+                                       {"max_tokens", 1},
+                                       {"return_token_ids", true}});
+  ASSERT_TRUE(fits);
+  ASSERT_EQ(fits->status, 200) << fits->body;
+  EXPECT_EQ(json::parse(fits->body)["usage"]["prompt_tokens"], 300);
+  // Chat: the rendered prompt's last tokens.
+  auto chat = post("/v1/chat/completions",
+                   {{"messages", json::array({{{"role", "user"}, {"content", "hello"}}})},
+                    {"truncate_prompt_tokens", 4},
+                    {"max_tokens", 1}});
+  ASSERT_TRUE(chat);
+  ASSERT_EQ(chat->status, 200) << chat->body;
+  EXPECT_EQ(json::parse(chat->body)["usage"]["prompt_tokens"], 4);
+}
+
+// n > 1: one engine request per choice (seed + i each), whole or streamed, the prompt counted
+// once in the usage and every choice's tokens.
+// Top logprobs in OpenAI's shapes: completions a dict per token (the top ones and the sampled
+// one), chat a list per token; the fake ranks the sampled id first.
+TEST_F(ServerTest, TopLogprobsInBothShapes) {
+  start();
+  auto r = post("/v1/completions", {{"prompt", "abc"}, {"max_tokens", 3}, {"logprobs", 2}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json lp = json::parse(r->body)["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["top_logprobs"].size(), 3u);
+  for (size_t t = 0; t < 3; ++t) {
+    const json& top = lp["top_logprobs"][t];
+    EXPECT_EQ(top.size(), 2u) << top.dump();
+    EXPECT_TRUE(top.contains(lp["tokens"][t].get<std::string>())) << top.dump();
+  }
+  auto c = post("/v1/chat/completions",
+                {{"messages", json::array({{{"role", "user"}, {"content", "q"}}})},
+                 {"max_tokens", 2},
+                 {"logprobs", true},
+                 {"top_logprobs", 3}});
+  ASSERT_TRUE(c);
+  ASSERT_EQ(c->status, 200) << c->body;
+  const json content = json::parse(c->body)["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  for (const json& item : content) {
+    ASSERT_EQ(item["top_logprobs"].size(), 3u) << item.dump();
+    EXPECT_EQ(item["top_logprobs"][0]["token"], item["token"]);
+    EXPECT_EQ(item["top_logprobs"][0]["logprob"], item["logprob"]);
+    EXPECT_TRUE(item["top_logprobs"][1]["bytes"].is_array());
+  }
+}
+
+TEST_F(ServerTest, SeveralChoices) {
+  start();
+  const std::string want = expected_completion("abc", "", 5);
+  auto whole =
+      post("/v1/completions", {{"prompt", "abc"}, {"max_tokens", 5}, {"n", 3}, {"seed", 40}});
+  ASSERT_TRUE(whole);
+  ASSERT_EQ(whole->status, 200) << whole->body;
+  const json j = json::parse(whole->body);
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], want);
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 15);
+  EXPECT_EQ(backend_.seeds(), (std::vector<uint64_t>{40, 41, 42}));
+  for (const bool chat : {false, true}) {
+    json body = {{"max_tokens", 4}, {"n", 2}, {"stream", true}};
+    body["stream_options"] = {{"include_usage", true}};
+    if (chat) {
+      body["messages"] = json::array({{{"role", "user"}, {"content", "q"}}});
+    } else {
+      body["prompt"] = "abc";
+    }
+    auto r = post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200);
+    const testing::Events e = parse_sse(r->body);
+    ASSERT_TRUE(e.done);
+    std::vector<std::string> texts(2);
+    std::vector<int> roles(2, 0);
+    std::vector<int> finishes(2, 0);
+    for (size_t k = 0; k + 1 < e.chunks.size(); ++k) {
+      const json& c = e.chunks[k]["choices"][0];
+      const int i = c["index"].get<int>();
+      ASSERT_TRUE(i == 0 || i == 1) << c.dump();
+      texts[i] += chat ? c["delta"].value("content", "") : c["text"].get<std::string>();
+      roles[i] += chat && c["delta"].contains("role");
+      finishes[i] += !c["finish_reason"].is_null();
+    }
+    const std::string expected =
+        chat ? FakeBackend::expected_text(FakeBackend::expected_tokens(
+                   backend_.encode("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", false),
+                   "", 4))
+             : expected_completion("abc", "", 4);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(texts[i], expected) << "choice " << i << (chat ? " (chat)" : "");
+      EXPECT_EQ(finishes[i], 1) << i;
+      EXPECT_EQ(roles[i], chat ? 1 : 0) << i;
+    }
+    EXPECT_EQ(e.chunks.back()["usage"]["completion_tokens"], 8);
+  }
+  auto best_of = post("/v1/completions", {{"prompt", "x"}, {"n", 2}, {"best_of", 3}});
+  ASSERT_TRUE(best_of);
+  EXPECT_EQ(best_of->status, 400);
+  EXPECT_EQ(error_of(best_of).at("param"), "best_of");
+}
+
 TEST_F(ServerTest, LoadingANameStillBeingUnloadedIs409) {
+  allow_runtime_loading();
   start();
   backend_.still_unloading = true;
   auto load = post("/v1/load_lora_adapter",
@@ -526,6 +528,7 @@ TEST_F(ServerTest, OverloadedIs503) {
 }
 
 TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
+  allow_runtime_loading();
   start();
   const std::string sql = (lora_dir_ / "sql").string();
   auto load = post("/v1/load_lora_adapter", {{"lora_name", "mine"}, {"lora_path", sql}});
@@ -539,7 +542,8 @@ TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
   auto missing = post("/v1/load_lora_adapter", {{"lora_name", "x"}});
   ASSERT_TRUE(missing);
   EXPECT_EQ(missing->status, 400);
-  auto nowhere = post("/v1/load_lora_adapter", {{"lora_name", "x"}, {"lora_path", "/no/such/dir"}});
+  auto nowhere = post("/v1/load_lora_adapter",
+                      {{"lora_name", "x"}, {"lora_path", (lora_dir_ / "nowhere").string()}});
   ASSERT_TRUE(nowhere);
   EXPECT_EQ(nowhere->status, 404);
   auto broken = post("/v1/load_lora_adapter",
@@ -565,13 +569,14 @@ TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
 }
 
 TEST_F(ServerTest, ConcurrentStreamsWithAReloadInTheMiddle) {
+  allow_runtime_loading();
   start();
   backend_.load_adapter("sql", (lora_dir_ / "sql").string());
   const std::vector<std::string> models = {"base-model", "sql", "pirate"};
   constexpr int kClients = 32;
   std::vector<std::string> texts(kClients);
   std::vector<int> statuses(kClients, 0);
-  std::vector<bool> done(kClients, false);
+  std::vector<char> done(kClients, 0);  // not vector<bool>: its bits share bytes across threads
   std::vector<std::thread> threads;
   for (int i = 0; i < kClients; ++i) {
     threads.emplace_back([&, i] {

@@ -3,6 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "loraplex/server/api_error.h"
 #include "loraplex/server/openai_request.h"
 
@@ -73,6 +78,130 @@ TEST(OpenAIRequest, ChatFields) {
   EXPECT_TRUE(prefill.chat.continue_final_message);
 }
 
+// Every vLLM field loraplex does not implement: refused (400 naming it) unless absent, null or
+// at the value that changes nothing.
+TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"use_beam_search", "true"},
+      {"length_penalty", "0.5"},
+      {"logits_processors", R"(["a.b"])"},
+      {"guided_json", R"({"type": "object"})"},
+      {"guided_regex", R"("a+")"},
+      {"guided_choice", R"(["a", "b"])"},
+      {"guided_grammar", R"("root ::= x")"},
+      {"structural_tag", R"("{}")"},
+      {"structured_outputs", R"({"json": {}})"},
+      {"prompt_logprobs", "0"},
+      {"return_tokens_as_token_ids", "true"},
+      {"priority", "1"},
+      {"cache_salt", R"("s")"},
+      {"kv_transfer_params", "{}"},
+      {"vllm_xargs", R"({"a": 1})"},
+      {"prompt_embeds", R"("AAAA")"},
+      {"mm_processor_kwargs", R"({"a": 1})"},
+      {"reasoning_effort", R"("low")"},
+      {"include_reasoning", "false"},
+      {"functions", "[]"},
+      {"function_call", R"("auto")"},
+      {"audio", "{}"},
+      {"modalities", R"(["text", "audio"])"},
+      {"prediction", "{}"},
+      {"response_format", R"({"type": "json_object"})"},
+      {"min_p", "0.1"},
+  };
+  for (const auto& [name, value] : refused) {
+    for (const bool chat : {false, true}) {
+      const std::string body =
+          std::string(chat ? R"({"messages": [{"role": "user", "content": "x"}])"
+                           : R"({"prompt": "x")") +
+          ", \"" + name + "\": " + value + "}";
+      try {
+        chat ? parse_chat_request(body) : parse_completion_request(body);
+        ADD_FAILURE() << "accepted: " << body;
+      } catch (const ApiException& e) {
+        EXPECT_EQ(e.error().status, 400) << body;
+        EXPECT_EQ(e.error().param, name) << body;
+        EXPECT_NE(e.error().message.find(name), std::string::npos) << e.error().message;
+      }
+    }
+  }
+  const std::vector<std::pair<std::string, std::string>> neutral = {
+      {"use_beam_search", "false"},
+      {"length_penalty", "1"},
+      {"bad_words", "[]"},
+      {"logits_processors", "[]"},
+      {"guided_json", "null"},
+      {"priority", "0"},
+      {"vllm_xargs", "{}"},
+      {"include_reasoning", "true"},
+      {"modalities", R"(["text"])"},
+      {"prompt_logprobs", "null"},
+      {"spaces_between_special_tokens", "false"},
+      {"guided_decoding_backend", R"("xgrammar")"},
+      {"unknown_to_vllm", "[1]"},
+  };
+  for (const auto& [name, value] : neutral) {
+    const std::string body = R"({"prompt": "x", ")" + name + "\": " + value + "}";
+    EXPECT_NO_THROW(parse_completion_request(body)) << body;
+  }
+}
+
+TEST(OpenAIRequest, LogitsProcessingFields) {
+  const GenerationRequest r = parse_completion_request(
+      R"({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25,
+          "repetition_penalty": 1.2, "logit_bias": {"5": 10, "17": -150.5},
+          "allowed_token_ids": [3, 4], "bad_words": ["foo", " bar"]})");
+  EXPECT_FLOAT_EQ(r.options.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r.options.frequency_penalty, -0.25f);
+  EXPECT_FLOAT_EQ(r.options.repetition_penalty, 1.2f);
+  EXPECT_EQ(r.options.logit_bias, (std::map<int32_t, float>{{5, 10.0f}, {17, -100.0f}}));
+  EXPECT_EQ(r.options.allowed_token_ids, (std::vector<int32_t>{3, 4}));
+  EXPECT_EQ(r.options.bad_words, (std::vector<std::string>{"foo", " bar"}));
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias"},
+           {R"({"prompt": "x", "logit_bias": {"-1": 1}})", "logit_bias"},
+           {R"({"prompt": "x", "logit_bias": {"5": "high"}})", "logit_bias"},
+           {R"({"prompt": "x", "logit_bias": [5]})", "logit_bias"},
+           {R"({"prompt": "x", "allowed_token_ids": []})", "allowed_token_ids"},
+           {R"({"prompt": "x", "allowed_token_ids": [-3]})", "allowed_token_ids"},
+           {R"({"prompt": "x", "bad_words": "foo"})", "bad_words"},
+           {R"({"prompt": "x", "bad_words": [1]})", "bad_words"},
+           {R"({"prompt": "x", "presence_penalty": "a lot"})", "presence_penalty"}}) {
+    try {
+      parse_completion_request(body);
+      ADD_FAILURE() << "accepted: " << body;
+    } catch (const ApiException& e) {
+      EXPECT_EQ(e.error().param, param) << body;
+    }
+  }
+}
+
+TEST(OpenAIRequest, StopStringOutputSpecialTokensAndTruncation) {
+  const GenerationRequest r = parse_completion_request(
+      R"({"prompt": "x", "include_stop_str_in_output": true, "skip_special_tokens": false,
+          "truncate_prompt_tokens": 5, "add_special_tokens": false})");
+  EXPECT_TRUE(r.options.include_stop_str_in_output);
+  EXPECT_FALSE(r.options.skip_special_tokens);
+  ASSERT_TRUE(r.truncate_prompt_tokens.has_value());
+  EXPECT_EQ(*r.truncate_prompt_tokens, 5);
+  EXPECT_FALSE(r.add_special_tokens);
+  const GenerationRequest d = parse_completion_request(R"({"prompt": "x"})");
+  EXPECT_FALSE(d.options.include_stop_str_in_output);
+  EXPECT_TRUE(d.options.skip_special_tokens);
+  EXPECT_FALSE(d.truncate_prompt_tokens.has_value());
+  EXPECT_TRUE(d.add_special_tokens);  // completions: BOS, as vLLM
+  EXPECT_FALSE(
+      parse_chat_request(R"({"messages": [{"role": "user", "content": "x"}]})").add_special_tokens);
+  EXPECT_EQ(parse_completion_request(R"({"prompt": "x", "truncate_prompt_tokens": -1})")
+                .truncate_prompt_tokens.value(),
+            -1);
+  for (const char* bad : {R"({"prompt": "x", "truncate_prompt_tokens": 0})",
+                          R"({"prompt": "x", "truncate_prompt_tokens": -2})",
+                          R"({"prompt": "x", "include_stop_str_in_output": "yes"})"}) {
+    EXPECT_THROW(parse_completion_request(bad), ApiException) << bad;
+  }
+}
+
 TEST(OpenAIRequest, DeeplyNestedBodiesAreRefusedNotRecursedInto) {
   const std::string deep = R"({"prompt": "x", "user_data": )" + std::string(100000, '[') +
                            std::string(100000, ']') + "}";
@@ -109,17 +238,15 @@ TEST(OpenAIRequest, InvalidBodiesAre400NamingTheField) {
       {false, R"({"prompt": "x", "top_p": 0})", "top_p"},
       {false, R"({"prompt": "x", "top_p": 1.5})", "top_p"},
       {false, R"({"prompt": "x", "top_k": -2})", "top_k"},
-      {false, R"({"prompt": "x", "n": 2})", "n"},
+      {false, R"({"prompt": "x", "n": 129})", "n"},
       {false, R"({"prompt": "x", "best_of": 3})", "best_of"},
       {false, R"({"prompt": "x", "stop": 5})", "stop"},
       {false, R"({"prompt": "x", "stop": [""]})", "stop"},
       {false, R"({"prompt": "x", "stop_token_ids": [1.5]})", "stop_token_ids"},
       {false, R"({"prompt": "x", "stream": "yes"})", "stream"},
       {false, R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options"},
-      {false, R"({"prompt": "x", "logprobs": 5})", "logprobs"},
+      {false, R"({"prompt": "x", "logprobs": 21})", "logprobs"},
       {false, R"({"prompt": "x", "min_tokens": 9, "max_tokens": 3})", "min_tokens"},
-      {false, R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty"},
-      {false, R"({"prompt": "x", "logit_bias": {"5": 1}})", "logit_bias"},
       {false, R"({"prompt": "x", "echo": true})", "echo"},
       {false, R"({"prompt": "x", "suffix": "tail"})", "suffix"},
       {true, R"({"messages": []})", "messages"},

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 #include "loraplex/core/error.h"
@@ -109,6 +110,140 @@ TEST(ServeOptions, RefusalsNameTheFlag) {
     for (const auto& a : args) joined += a + " ";
     EXPECT_THROW(parse_serve_options(args, nullptr), Error) << joined;
   }
+}
+
+TEST(ServeOptions, RuntimeLoadingIsOptInAndNeedsRoots) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  ::unsetenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING");
+  EXPECT_FALSE(parse_serve_options({"--model", dir}, nullptr)->enable_lora_loading);
+  const auto on = parse_serve_options(
+      {"--model", dir, "--enable-lora-loading", "--allowed-lora-paths", dir, dir}, nullptr);
+  EXPECT_TRUE(on->enable_lora_loading);
+  EXPECT_EQ(on->allowed_lora_paths, (std::vector<std::string>{dir, dir}));
+  EXPECT_TRUE(
+      parse_serve_options({"--model", dir, "--enable-lora-loading", "--lora-dir", dir}, nullptr)
+          ->enable_lora_loading);
+  // With nowhere to load from, enabling it is a mistake said at start-up.
+  try {
+    parse_serve_options({"--model", dir, "--enable-lora-loading"}, nullptr);
+    ADD_FAILURE() << "--enable-lora-loading without a root was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--allowed-lora-paths"), std::string::npos) << e.what();
+  }
+  // vLLM's environment variable, as vLLM reads it.
+  for (const char* value : {"true", "1", "TRUE"}) {
+    ::setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value, 1);
+    EXPECT_TRUE(
+        parse_serve_options({"--model", dir, "--lora-dir", dir}, nullptr)->enable_lora_loading)
+        << value;
+  }
+  for (const char* value : {"0", "false", "yes"}) {
+    ::setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value, 1);
+    EXPECT_FALSE(
+        parse_serve_options({"--model", dir, "--lora-dir", dir}, nullptr)->enable_lora_loading)
+        << value;
+  }
+  ::unsetenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING");
+}
+
+TEST(ServeOptions, AdapterNamesStayInTheirCharacterSet) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  for (const std::string& name :
+       std::vector<std::string>{"a,b", "a b", "caf\xc3\xa9", "..", "x\"y"}) {
+    try {
+      parse_serve_options({"--model", dir, "--lora", name + "=/x"}, nullptr);
+      ADD_FAILURE() << name << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--lora"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(parse_serve_options({"--model", dir, "--lora", "org/sql-v1.2_b:3=/x"}, nullptr)
+                ->loras.at(0)
+                .first,
+            "org/sql-v1.2_b:3");
+}
+
+model::ModelConfig positions(int64_t n) {
+  model::ModelConfig c;
+  c.max_position_embeddings = n;
+  return c;
+}
+
+TEST(ServeOptions, MaxModelLenBeyondThePositionsNeedsTheOverride) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  ::unsetenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN");
+  auto o = parse_serve_options({"--model", dir, "--max-model-len", "4096"}, nullptr);
+  try {
+    settle_serve_options(*o, positions(1024), {});
+    ADD_FAILURE() << "--max-model-len 4096 accepted on a model of 1024 positions";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("4096"), std::string::npos) << m;
+    EXPECT_NE(m.find("max_position_embeddings 1024"), std::string::npos) << m;
+    EXPECT_NE(m.find("--allow-long-max-model-len"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(settle_serve_options(*o, positions(4096), {}));
+  o = parse_serve_options({"--model", dir, "--max-model-len", "4096", "--allow-long-max-model-len"},
+                          nullptr);
+  EXPECT_NO_THROW(settle_serve_options(*o, positions(1024), {}));
+  ::setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1", 1);
+  o = parse_serve_options({"--model", dir, "--max-model-len", "4096"}, nullptr);
+  ::unsetenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN");
+  EXPECT_NO_THROW(settle_serve_options(*o, positions(1024), {}));
+  o = parse_serve_options({"--model", dir}, nullptr);  // 0: the model's own
+  EXPECT_NO_THROW(settle_serve_options(*o, positions(1024), {}));
+}
+
+TEST(ServeOptions, StartupAdaptersDecideTheDefaultRankAndSlots) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  std::vector<std::string> args = {"--model", dir};
+  std::vector<int> ranks;
+  for (int i = 0; i < 8; ++i) {
+    args.push_back("--lora");
+    args.push_back("a" + std::to_string(i) + "=/x");
+    ranks.push_back(i == 5 ? 32 : 8);
+  }
+  auto o = parse_serve_options(args, nullptr);
+  const std::vector<std::string> said = settle_serve_options(*o, positions(1024), ranks);
+  EXPECT_EQ(o->engine.max_lora_rank, 32);
+  EXPECT_EQ(o->engine.max_loras, 8);
+  ASSERT_EQ(said.size(), 2u);
+  EXPECT_NE(said[0].find("max_lora_rank 32"), std::string::npos) << said[0];
+  EXPECT_NE(said[1].find("max_loras 8"), std::string::npos) << said[1];
+  // Given on the command line, they stay; a rank above an explicit limit is refused.
+  std::vector<std::string> explicit_args = args;
+  explicit_args.insert(explicit_args.end(), {"--max-loras", "2", "--max-lora-rank", "16"});
+  o = parse_serve_options(explicit_args, nullptr);
+  try {
+    settle_serve_options(*o, positions(1024), ranks);
+    ADD_FAILURE() << "rank 32 accepted under --max-lora-rank 16";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("adapter 'a5' has rank 32, above --max-lora-rank 16"),
+              std::string::npos)
+        << e.what();
+  }
+  ranks[5] = 8;
+  EXPECT_TRUE(settle_serve_options(*o, positions(1024), ranks).empty());
+  EXPECT_EQ(o->engine.max_loras, 2);
+  EXPECT_EQ(o->engine.max_lora_rank, 16);
+  // Few or small adapters leave the defaults (4 slots, rank 16).
+  o = parse_serve_options({"--model", dir, "--lora", "a=/x"}, nullptr);
+  EXPECT_TRUE(settle_serve_options(*o, positions(1024), {4}).empty());
+  EXPECT_EQ(o->engine.max_loras, 4);
+  EXPECT_EQ(o->engine.max_lora_rank, 16);
+  // Many adapters share at most kMaxDefaultLoras slots, and no more than --max-cpu-loras.
+  args = {"--model", dir};
+  for (int i = 0; i < kMaxDefaultLoras + 5; ++i) {
+    args.push_back("--lora");
+    args.push_back("b" + std::to_string(i) + "=/x");
+  }
+  o = parse_serve_options(args, nullptr);
+  settle_serve_options(*o, positions(1024), std::vector<int>(kMaxDefaultLoras + 5, 8));
+  EXPECT_EQ(o->engine.max_loras, kMaxDefaultLoras);
+  args.insert(args.end(), {"--max-cpu-loras", "6"});
+  o = parse_serve_options(args, nullptr);
+  settle_serve_options(*o, positions(1024), std::vector<int>(kMaxDefaultLoras + 5, 8));
+  EXPECT_EQ(o->engine.max_loras, 6);
 }
 
 TEST(ServeOptions, TensorParallelSizeAsVllmSpellsIt) {

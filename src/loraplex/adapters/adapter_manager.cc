@@ -4,6 +4,7 @@
 #include <exception>
 #include <utility>
 
+#include "loraplex/adapters/adapter_stamp.h"
 #include "loraplex/core/cuda_runtime.h"
 
 namespace loraplex {
@@ -17,6 +18,7 @@ struct AdapterManager::Entry {
   double scale = 0.0;
   std::vector<AdapterModule> modules;
   size_t bytes = 0;
+  AdapterStamp stamp;                           // the files the weights were read from
   std::shared_ptr<const PackedAdapter> packed;  // null when evicted from the CPU cache
   bool loading = false;                         // a reload from disk is in flight
   bool retired = false;                         // unloaded
@@ -159,6 +161,20 @@ void AdapterManager::cache_insert_locked(
   }
 }
 
+PackedAdapter AdapterManager::read_unchanged(const Entry& entry) const {
+  const auto refuse_if_changed = [&] {
+    const std::string change = describe_change(entry.stamp, AdapterStamp::of(entry.dir));
+    if (!change.empty()) {
+      LORAPLEX_FAIL("adapter '", entry.name, "': its files changed on disk since it was loaded (",
+                    change, "); unload it and load it again to serve the new files");
+    }
+  };
+  refuse_if_changed();
+  PackedAdapter packed = load_peft_adapter(entry.name, entry.dir, registry_, load_options());
+  refuse_if_changed();  // replaced while being read
+  return packed;
+}
+
 void AdapterManager::ensure_packed(Lock& lock, const std::shared_ptr<Entry>& entry,
                                    std::vector<std::shared_ptr<const PackedAdapter>>& dropped) {
   while (entry->packed == nullptr) {
@@ -174,8 +190,7 @@ void AdapterManager::ensure_packed(Lock& lock, const std::shared_ptr<Entry>& ent
     std::shared_ptr<const PackedAdapter> packed;
     std::exception_ptr error;
     try {
-      packed = std::make_shared<const PackedAdapter>(
-          load_peft_adapter(entry->name, entry->dir, registry_, load_options()));
+      packed = std::make_shared<const PackedAdapter>(read_unchanged(*entry));
     } catch (...) {
       error = std::current_exception();
     }
@@ -201,8 +216,13 @@ AdapterInfo AdapterManager::load(const std::string& name, const std::string& dir
     auto it = adapters_.find(name);
     if (it != adapters_.end()) throw Error(already(*it->second));
   }
+  const AdapterStamp stamp = AdapterStamp::of(dir);
   auto packed = std::make_shared<const PackedAdapter>(
       load_peft_adapter(name, dir, registry_, load_options()));
+  if (const std::string change = describe_change(stamp, AdapterStamp::of(dir)); !change.empty()) {
+    LORAPLEX_FAIL("adapter '", name, "': its files changed while they were read (", change,
+                  "); load it again");
+  }
 
   std::vector<std::shared_ptr<const PackedAdapter>> dropped;  // released after the lock
   Lock lock(state_->mutex);
@@ -215,6 +235,7 @@ AdapterInfo AdapterManager::load(const std::string& name, const std::string& dir
   entry->scale = packed->scale;
   entry->modules = packed->modules;
   entry->bytes = packed->bytes;
+  entry->stamp = stamp;
   entry->packed = std::move(packed);
   adapters_.emplace(name, entry);
   cache_insert_locked(entry, dropped);

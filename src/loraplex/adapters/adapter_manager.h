@@ -2,8 +2,9 @@
 // The adapter manager: named PEFT adapters from disk to the layers' slots.
 //
 //   load(name, dir)  disk -> validated, packed -> CPU cache (max_cpu_loras, LRU)
-//   acquire(name)    CPU cache (reloading from disk when evicted) -> a GPU slot (max_loras,
-//                    LRU among unpinned slots) -> a Lease that pins the slot while it lives
+//   acquire(name)    CPU cache (reloading from disk when evicted; refused when the files
+//                    changed since load, adapter_stamp.h) -> a GPU slot (max_loras, LRU among
+//                    unpinned slots) -> a Lease that pins the slot while it lives
 //   unload(name)     forgets the adapter; a slot still leased is freed when its last lease ends
 //
 // Loading from disk happens outside every lock (and can run on the manager's loader thread:
@@ -171,6 +172,9 @@ class AdapterManager {
 
   AdapterLoadOptions load_options() const;
   AdapterInfo info_locked(const Entry& entry) const;
+  // Reads an evicted adapter again; throws loraplex::Error when its files are not the ones it
+  // was loaded from.
+  PackedAdapter read_unchanged(const Entry& entry) const;
   // Makes entry->packed available, reloading from disk outside the lock; `lock` is held on
   // entry and exit.
   void ensure_packed(Lock& lock, const std::shared_ptr<Entry>& entry,

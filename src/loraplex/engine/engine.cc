@@ -15,6 +15,7 @@
 #include "loraplex/engine/block_manager.h"
 #include "loraplex/engine/detokenizer.h"
 #include "loraplex/engine/engine_metrics.h"
+#include "loraplex/engine/logit_adjustments.h"
 #include "loraplex/engine/manager_slots.h"
 #include "loraplex/engine/request_checks.h"
 #include "loraplex/engine/scheduler.h"
@@ -88,6 +89,7 @@ struct Record {
   model::SamplingParams sampling;
   std::mt19937_64 rng;
   std::vector<int32_t> banned;  // until min_tokens is reached
+  LogitsProcessing processing;  // penalties, logit_bias, allowed ids, bad words
   std::unique_ptr<IncrementalDetokenizer> detok;
   int64_t prompt_len = 0;
   int64_t generated = 0;
@@ -154,6 +156,7 @@ RequestOutput RequestHandle::next(std::chrono::milliseconds timeout) {
   s.pending.token_ids.clear();
   s.pending.text.clear();
   s.pending.logprobs.clear();
+  s.pending.top_logprobs.clear();
   return out;
 }
 
@@ -164,6 +167,7 @@ RequestOutput RequestHandle::wait() {
     all.token_ids.insert(all.token_ids.end(), o.token_ids.begin(), o.token_ids.end());
     all.text += o.text;
     all.logprobs.insert(all.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+    all.top_logprobs.insert(all.top_logprobs.end(), o.top_logprobs.begin(), o.top_logprobs.end());
     all.finished = o.finished;
     all.finish_reason = o.finish_reason;
     all.stop_reason = o.stop_reason;
@@ -241,7 +245,9 @@ struct Engine::Impl {
   void loop();
   void iterate(bool& idle);
   void run_step(const StepPlan& plan);
-  void on_token(Sequence& seq, int32_t token, const float* logprob);
+  // `top` points at the row's `top_k` (id, log-probability) pairs of the step, or is null.
+  void on_token(Sequence& seq, int32_t token, const float* logprob, const int32_t* top_ids,
+                const float* top_lps, int top_k);
   void publish(Record& r, RequestOutput&& piece, FinishReason reason,
                const std::string& stop_reason, const std::string& error);
   void deliver();
@@ -420,13 +426,14 @@ Pending Engine::Impl::prepare(Request&& request) {
   r.handle->pending.prompt_tokens = p.seq->num_prompt_tokens;
   r.handle->inbox = inbox;
   r.adapter = request.adapter;
-  r.sampling.temperature = o.temperature;
-  r.sampling.top_k = o.top_k < 0 ? 0 : o.top_k;
-  r.sampling.top_p = o.top_p;
+  r.sampling = sampling_params_of(o);
   if (o.min_tokens > 0) r.banned = min_tokens_banned_ids(o, eos);
+  r.processing = LogitsProcessing(o, r.handle->prompt_ids, tokenizer.get());
   r.prompt_len = p.seq->num_prompt_tokens;
   if (tokenizer != nullptr) {
-    r.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer, r.handle->prompt_ids, o.stop);
+    r.detok = std::make_unique<IncrementalDetokenizer>(
+        *tokenizer, r.handle->prompt_ids, o.stop,
+        DetokenizeOptions{o.include_stop_str_in_output, o.skip_special_tokens});
   }
   r.options = std::move(o);
   return p;
@@ -691,7 +698,12 @@ void Engine::Impl::run_step(const StepPlan& plan) {
       st.sampling = r.sampling;
       st.uniform = model::next_uniform(r.rng);
       if (s.num_tokens() - s.num_prompt_tokens < r.options.min_tokens) st.banned = r.banned;
+      if (r.processing.active()) {
+        const std::vector<int32_t> output(s.tokens.begin() + s.num_prompt_tokens, s.tokens.end());
+        r.processing.step(output, st.adjust, st.only_listed);
+      }
       if (r.options.logprobs) batch.want_logprobs = true;
+      batch.top_logprobs = std::max(batch.top_logprobs, r.options.top_logprobs);
     }
     if (!s.adapter.empty()) step_adapters.insert(s.adapter);
     batch.seqs.push_back(std::move(st));
@@ -729,11 +741,15 @@ void Engine::Impl::run_step(const StepPlan& plan) {
     if (q.sample) sampled.emplace_back(q.seq, k++);
   for (const auto& [seq, i] : sampled) {
     const float* lp = batch.want_logprobs ? &result.logprobs.at(i) : nullptr;
-    on_token(*seq, result.token_ids.at(i), lp);
+    const int k = batch.top_logprobs;
+    const bool top = k > 0 && result.top_ids.size() >= (i + 1) * static_cast<size_t>(k);
+    on_token(*seq, result.token_ids.at(i), lp, top ? &result.top_ids[i * k] : nullptr,
+             top ? &result.top_logprobs[i * k] : nullptr, k);
   }
 }
 
-void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob) {
+void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob,
+                            const int32_t* top_ids, const float* top_lps, int top_k) {
   Record& r = records.at(s.id);
   const double t = now();
   const int64_t generated = s.num_tokens() - s.num_prompt_tokens;
@@ -770,10 +786,17 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob) {
   RequestOutput piece;
   piece.token_ids.push_back(token);
   if (o.logprobs && logprob != nullptr) piece.logprobs.push_back(*logprob);
+  if (o.top_logprobs > 0 && top_ids != nullptr) {
+    std::vector<std::pair<int32_t, float>>& top = piece.top_logprobs.emplace_back();
+    for (int t = 0; t < std::min(o.top_logprobs, top_k); ++t)
+      top.emplace_back(top_ids[t], top_lps[t]);
+  }
   if (r.detok != nullptr) {
-    // A stop token's own text is not part of the output.
-    if (!stop_token) {
-      const std::optional<std::string> matched = r.detok->add(token, generated >= o.min_tokens);
+    // A stop token's own text is not part of the output, unless asked for (the request ends
+    // here: no stop string is looked for in it).
+    if (!stop_token || o.include_stop_str_in_output) {
+      const std::optional<std::string> matched =
+          r.detok->add(token, generated >= o.min_tokens && !stop_token);
       if (matched) {
         reason = FinishReason::kStop;
         stop_reason = *matched;
@@ -803,6 +826,8 @@ void Engine::Impl::deliver() {
       p.token_ids.insert(p.token_ids.end(), d.piece.token_ids.begin(), d.piece.token_ids.end());
       p.text += d.piece.text;
       p.logprobs.insert(p.logprobs.end(), d.piece.logprobs.begin(), d.piece.logprobs.end());
+      p.top_logprobs.insert(p.top_logprobs.end(), d.piece.top_logprobs.begin(),
+                            d.piece.top_logprobs.end());
       if (!d.piece.token_ids.empty()) {
         p.completion_tokens = d.piece.completion_tokens;
         p.cached_tokens = d.piece.cached_tokens;

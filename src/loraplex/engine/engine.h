@@ -98,6 +98,20 @@ struct RequestOptions {
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool ignore_eos = false;
   bool logprobs = false;  // the log-probability of each sampled token
+  /// Also the ids of each step's this many most probable tokens, with their log-probabilities
+  /// (0 .. 20; OpenAI's top logprobs), from the model's logits.
+  int top_logprobs = 0;
+  /// The matched stop string, or the stop token's text, stays in the output (vLLM's
+  /// include_stop_str_in_output).
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;  // special tokens have no text
+  // vLLM's logits processing (logit_adjustments.h), applied before temperature, top-k, top-p.
+  float presence_penalty = 0.0f;        // subtracted once from each id generated so far
+  float frequency_penalty = 0.0f;       // subtracted per time each id was generated
+  float repetition_penalty = 1.0f;      // divides (> 0) or multiplies (< 0) prompt and output ids
+  std::map<int32_t, float> logit_bias;  // added to the id's logit (-100 .. 100)
+  std::vector<int32_t> allowed_token_ids;  // only these may be sampled; empty: every id
+  std::vector<std::string> bad_words;      // never completed in the output
 };
 
 struct Request {
@@ -115,6 +129,9 @@ struct RequestOutput {
   std::vector<int32_t> token_ids;  // new tokens
   std::string text;                // new text; never ends inside a UTF-8 character
   std::vector<float> logprobs;     // one per new token when asked
+  /// One list per new token when top_logprobs was asked: (id, log-probability), most probable
+  /// first.
+  std::vector<std::vector<std::pair<int32_t, float>>> top_logprobs;
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   std::string stop_reason;  // the stop string or stop token id (as text) that ended it

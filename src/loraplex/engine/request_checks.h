@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "loraplex/engine/engine.h"
+#include "loraplex/model/step_batch.h"
 
 namespace loraplex::engine {
 
@@ -22,6 +23,14 @@ void check_request_options(const RequestOptions& options, const RequestLimits& l
 /// The prompt's ids (after tokenization) and its length with max_tokens.
 void check_prompt(const std::vector<int32_t>& prompt_ids, const RequestOptions& options,
                   const RequestLimits& limits);
+/// vLLM's _SAMPLING_EPS: a temperature below it samples greedily (logits divided by it would
+/// overflow to inf, and the pick would be random).
+inline constexpr float kGreedyTemperatureBelow = 1e-5f;
+
+/// How the model samples for these options: greedy (temperature 0, no top-k or top-p) when
+/// the temperature is below kGreedyTemperatureBelow, as vLLM does.
+model::SamplingParams sampling_params_of(const RequestOptions& options);
+
 /// The ids min_tokens bans until it is reached: EOS (unless ignore_eos) and stop_token_ids,
 /// without repeats.
 std::vector<int32_t> min_tokens_banned_ids(const RequestOptions& options,

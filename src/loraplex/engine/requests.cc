@@ -1,6 +1,7 @@
 #include "loraplex/engine/requests.h"
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -38,8 +39,11 @@ std::vector<RequestSpec> parse_requests(const std::string& text, const std::stri
     }
     if (j.contains("max_tokens") && !j.at("max_tokens").is_null()) {
       const nlohmann::json& m = j.at("max_tokens");
-      LORAPLEX_CHECK(m.is_number_integer() && m.get<int64_t>() >= 1, source, ":", number,
-                     ": 'max_tokens' must be a positive integer, got ", m.dump());
+      // Bounded before any arithmetic: positions are 32-bit.
+      LORAPLEX_CHECK(m.is_number_integer() && m.get<int64_t>() >= 1 &&
+                         m.get<int64_t>() <= std::numeric_limits<int32_t>::max(),
+                     source, ":", number, ": 'max_tokens' must be an integer in 1 .. ",
+                     std::numeric_limits<int32_t>::max(), ", got ", m.dump());
       r.max_tokens = m.get<int64_t>();
     }
     for (const auto& item : j.items()) {

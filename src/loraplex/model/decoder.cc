@@ -696,6 +696,9 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   final_norm.delta2 = ptr(d_down);
   throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
+  // Both no-ops unless the step asks for them; top logprobs are the raw logits'.
+  top_.compute(logits.data_ptr(), dt, num_sampled, c.vocab_size, st);
+  adjust_.apply(logits.data_ptr(), dt, c.vocab_size, st);
   ops::SampleArgs sa;
   sa.dtype = dt;
   sa.num_rows = num_sampled;
@@ -791,8 +794,11 @@ StepResult Decoder::execute(const StepBatch& batch) {
   const auto [n, num_sampled, pure_decode] = summarize(batch);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
+  // Logits adjustments and top logprobs vary from step to step: such a step runs eagerly.
+  const bool adjusting = adjust_.stage(batch, local_.vocab_size);
+  top_.stage(batch);
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
-                     pure_decode && bucket > 0;
+                     pure_decode && bucket > 0 && !adjusting && top_.k() == 0;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
   const Staged staged = stage(batch, padded, graph);
@@ -820,7 +826,9 @@ StepResult Decoder::execute(const StepBatch& batch) {
       logprobs = host_lp;
     }
   }
+  top_.download(stream_);
   stream_.synchronize();
+  top_.finish(r);
   r.token_ids.assign(ids, ids + num_sampled);
   if (batch.want_logprobs) r.logprobs.assign(logprobs, logprobs + num_sampled);
   return r;

@@ -31,6 +31,8 @@
 #include "loraplex/model/kv_cache.h"
 #include "loraplex/model/paged_attention.h"
 #include "loraplex/model/step_batch.h"
+#include "loraplex/model/step_logit_adjustments.h"
+#include "loraplex/model/step_top_logprobs.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::model {
@@ -205,6 +207,8 @@ class Decoder final : public ModelExecutor {
   LoraTargetRegistry targets_;
   Activations act_;
   Inputs in_;
+  StepLogitAdjustments adjust_;  // this step's logits adjustments (none in most steps)
+  StepTopLogprobs top_;          // this step's top logprobs (none in most steps)
   // Small batches with LoRA (decode) run each projection's LoRA on a second stream beside its
   // base product, which it would otherwise wait for, and the following elementwise op adds the
   // LoRA output from these buffers ([kOverlapTokens, width]). Measured on an H200 (llama3-8b

@@ -173,9 +173,7 @@ int32_t sample_row(std::span<const float> logits, const SamplingParams& p, doubl
 
 float sampling_exp(float x) { return sampling_detail::exp_nonpositive<HostArith>(x); }
 
-float token_logprob(std::span<const float> logits, int32_t id) {
-  LORAPLEX_CHECK(id >= 0 && static_cast<size_t>(id) < logits.size(), "token_logprob: id ", id,
-                 " outside the vocabulary of ", logits.size());
+LogSoftmaxNorm log_softmax_norm(std::span<const float> logits) {
   double m = -std::numeric_limits<double>::infinity();
   for (float v : logits) {
     if (!std::isnan(v)) m = std::max(m, static_cast<double>(v));
@@ -185,8 +183,15 @@ float token_logprob(std::span<const float> logits, int32_t id) {
   for (float v : logits) {
     if (!std::isnan(v)) sum += static_cast<double>(v) == m ? 1.0 : std::exp(v - m);
   }
+  return LogSoftmaxNorm{m, std::log(sum)};
+}
+
+float token_logprob(std::span<const float> logits, int32_t id) {
+  LORAPLEX_CHECK(id >= 0 && static_cast<size_t>(id) < logits.size(), "token_logprob: id ", id,
+                 " outside the vocabulary of ", logits.size());
+  const LogSoftmaxNorm n = log_softmax_norm(logits);
   const double x = logits[static_cast<size_t>(id)];
-  return static_cast<float>((x == m ? 0.0 : x - m) - std::log(sum));
+  return static_cast<float>((x == n.max ? 0.0 : x - n.max) - n.log_sum);
 }
 
 }  // namespace loraplex::model

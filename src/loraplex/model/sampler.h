@@ -39,6 +39,15 @@ int32_t sample_row(std::span<const float> logits, const SamplingParams& params, 
 /// computes (sampling_math.h); within a few 1e-8 relative of the exact value.
 float sampling_exp(float x);
 
+/// What log_softmax needs of a row, in double precision, NaNs left out: its largest value and
+/// log(sum of exp(v - max)), where the maximum itself weighs 1 (so an infinite maximum gives
+/// no NaN). log_softmax(v) = (v == max ? 0 : v - max) - log_sum.
+struct LogSoftmaxNorm {
+  double max = 0.0;
+  double log_sum = 0.0;
+};
+LogSoftmaxNorm log_softmax_norm(std::span<const float> logits);
+
 /// log softmax(logits)[id], in double precision, NaNs left out of the softmax. Where the
 /// largest logit is infinite (+inf, or -inf when every other logit is NaN) each id equal to it
 /// weighs 1 (+inf ids share the mass, finite ones get -inf).

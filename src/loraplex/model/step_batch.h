@@ -13,6 +13,16 @@ namespace loraplex::model {
 /// Banned token ids per sampled row (min_tokens bans the stop tokens until it is reached).
 inline constexpr int kMaxBannedTokens = 8;
 
+/// A change of one logit before sampling, in vLLM's order: l = logit + bias (logit_bias, or
+/// -inf to ban the id: bad_words, allowed_token_ids); then the repetition penalty (l / r when
+/// l > 0, else l * r); then l -= subtract (frequency_penalty * count + presence_penalty).
+struct LogitAdjustment {
+  int32_t id = 0;
+  float bias = 0.0f;
+  float repetition = 1.0f;
+  float subtract = 0.0f;
+};
+
 /// How one sequence picks its next token. The rule, the same on the CPU and the GPU:
 ///  * temperature == 0 (or top_k == 1): the largest logit, ties to the lowest id, NaN never.
 ///  * otherwise l = logit / temperature (NaN = -inf, banned ids = -inf); top_k > 0 keeps the
@@ -45,6 +55,11 @@ struct SequenceStep {
   double uniform = 0.0;
   /// Ids that may not be sampled in this step (at most kMaxBannedTokens).
   std::vector<int32_t> banned;
+  /// Applied to the logits before sampling (each id at most once); with `only_listed` every id
+  /// without an entry becomes -inf first (allowed_token_ids). Log-probabilities are then those
+  /// of the adjusted logits.
+  std::vector<LogitAdjustment> adjust;
+  bool only_listed = false;
 };
 
 struct StepBatch {
@@ -52,6 +67,9 @@ struct StepBatch {
   /// Also return the log-probability of each sampled token under the raw model distribution
   /// (log-softmax of the logits, before temperature and filtering), as vLLM does.
   bool want_logprobs = false;
+  /// Also return, for every sampled row, the ids of its this many largest logits and their
+  /// log-probabilities (0: none; at most ops::kMaxTopLogprobs), before any adjustment.
+  int top_logprobs = 0;
 };
 
 struct StepResult {
@@ -59,6 +77,9 @@ struct StepResult {
   std::vector<int32_t> token_ids;
   /// Same order; empty unless StepBatch::want_logprobs.
   std::vector<float> logprobs;
+  /// [sampled rows, StepBatch::top_logprobs], rows in the same order; empty unless asked for.
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
 };
 
 }  // namespace loraplex::model

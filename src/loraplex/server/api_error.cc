@@ -18,6 +18,8 @@ std::string error_type_for(int status) {
       return "ConflictError";
     case 413:
       return "RequestTooLargeError";
+    case 415:
+      return "UnsupportedMediaTypeError";
     case 503:
       return "ServiceUnavailableError";
     default:

@@ -27,8 +27,8 @@ class ApiException : public std::runtime_error {
 };
 
 /// vLLM's error type for a status: 400 BadRequestError, 401 AuthenticationError, 404
-/// NotFoundError, 409 ConflictError, 413 RequestTooLargeError, 503 ServiceUnavailableError,
-/// 500 InternalServerError.
+/// NotFoundError, 409 ConflictError, 413 RequestTooLargeError, 415 UnsupportedMediaTypeError, 503
+/// ServiceUnavailableError, 500 InternalServerError.
 std::string error_type_for(int status);
 
 /// The response body for `error`.

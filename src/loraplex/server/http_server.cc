@@ -2,13 +2,19 @@
 
 #include <httplib.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include "loraplex/core/error.h"
+#include "loraplex/server/elastic_thread_pool.h"
+#include "loraplex/server/socket_stream.h"
 
 namespace loraplex::server {
 namespace {
@@ -36,16 +42,135 @@ class HttplibSink : public ChunkSink {
   httplib::DataSink& sink_;
 };
 
-// cpp-httplib listens with a backlog of 5, so a burst of clients connecting at once overflows
-// the accept queue and some get reset. Linux takes a second listen() on a bound socket as a
-// new backlog, and the listening socket is only reachable from a subclass.
-class BackloggedServer : public httplib::Server {
+// SO_REUSEADDR alone, on the listening socket and in check_can_listen alike: an address whose
+// old connections wait in TIME_WAIT binds at once (a restart), one that a process listens on
+// does not. httplib's default, SO_REUSEPORT, is the other way round on Linux: TIME_WAIT blocks
+// a restart for a minute, and a second server binds the same port and takes half its clients.
+void listen_socket_options(int fd) {
+  const int yes = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+}
+
+// The connection being served on this thread, so that the pre-routing handler (which runs once
+// the headers are read, before the body is) can give the body its own deadline.
+thread_local SocketStream* current_connection = nullptr;
+
+// httplib's task queue as the elastic pool: a connection never waits for another's thread.
+class ConnectionThreads : public httplib::TaskQueue {
  public:
+  void enqueue(std::function<void()> fn) override { pool_.enqueue(std::move(fn)); }
+  void shutdown() override { pool_.shutdown(); }
+
+ private:
+  // A few threads stay for the next connections; the rest end after a minute unused.
+  ElasticThreadPool pool_{8, std::chrono::seconds(60)};
+};
+
+// httplib's server with the connection handling replaced: a connection cap, deadlines for a
+// request's head and body, an idle timeout between requests, and a way to close every open
+// connection at once when the server stops.
+class ConnectionServer : public httplib::Server {
+ public:
+  explicit ConnectionServer(const HttpOptions& options) : options_(options) {}
+
+  // httplib listens with a backlog of 5, so a burst of clients connecting at once overflows
+  // the accept queue and some get reset. Linux takes a second listen() on a bound socket as a
+  // new backlog.
   void widen_backlog() {
     const socket_t fd = svr_sock_;
     if (fd != INVALID_SOCKET) ::listen(fd, SOMAXCONN);
   }
+
+  // Every open connection's reads and writes fail from now on, and no new one is served.
+  void close_connections() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closing_ = true;
+    for (const int fd : open_) ::shutdown(fd, SHUT_RDWR);
+  }
+
+  size_t connections() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return open_.size();
+  }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    bool admitted = false;
+    bool closing = false;
+    size_t open = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open = open_.size();
+      closing = closing_;
+      admitted = !closing && open < options_.max_connections;
+      if (admitted) open_.insert(sock);
+    }
+    if (!admitted) {
+      if (!closing) refuse(sock, open);
+      ::close(sock);
+      return false;
+    }
+    bool ok = false;
+    {
+      SocketStream connection(sock, options_.write_timeout);
+      current_connection = &connection;
+      for (size_t left = keep_alive_max_count_; left > 0; --left) {
+        if (!connection.wait_for_request(options_.idle_timeout)) break;
+        connection.set_read_deadline(SocketStream::Clock::now() + options_.header_timeout);
+        bool closed = false;
+        ok = process_request(connection, left == 1, closed, nullptr);
+        connection.clear_read_deadline();
+        if (!ok || closed) break;
+      }
+      current_connection = nullptr;
+    }
+    {
+      // Under the lock: close_connections() must never shut down a number reused by then.
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_.erase(sock);
+      ::shutdown(sock, SHUT_RDWR);
+      ::close(sock);
+    }
+    return ok;
+  }
+
+  // A connection over the cap: a 503 in OpenAI's shape, then close (after reading what the
+  // client sent, briefly, so that closing does not reset the connection before it reads the
+  // answer).
+  void refuse(int sock, size_t open) const {
+    const std::string body =
+        error_body(ApiError{503,
+                            "the server has " + std::to_string(open) +
+                                " connections open, its limit (--max-connections); try again later",
+                            "", ""});
+    const std::string response =
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        "Content-Length: " +
+        std::to_string(body.size()) + "\r\nConnection: close\r\nRetry-After: 1\r\n\r\n" + body;
+    if (::send(sock, response.data(), response.size(), MSG_NOSIGNAL | MSG_DONTWAIT) < 0) return;
+    ::shutdown(sock, SHUT_WR);
+    char buf[4096];
+    for (int i = 0; i < 10; ++i) {
+      pollfd p{sock, POLLIN, 0};
+      if (::poll(&p, 1, 10) <= 0 || ::recv(sock, buf, sizeof(buf), MSG_DONTWAIT) <= 0) break;
+    }
+  }
+
+  const HttpOptions& options_;
+  mutable std::mutex mutex_;
+  std::set<int> open_;
+  bool closing_ = false;
 };
+
+// The media type of a Content-Type value, lower case, without parameters ("; charset=...").
+std::string media_type(const std::string& content_type) {
+  std::string t = content_type.substr(0, content_type.find(';'));
+  const size_t first = t.find_first_not_of(" \t");
+  const size_t last = t.find_last_not_of(" \t");
+  t = first == std::string::npos ? std::string() : t.substr(first, last - first + 1);
+  for (char& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return t;
+}
 
 // Compares without leaking the key's length or content through timing.
 bool same_key(const std::string& given, const std::string& key) {
@@ -61,9 +186,9 @@ bool same_key(const std::string& given, const std::string& key) {
 struct HttpServer::Impl {
   OpenAIService& service;
   HttpOptions options;
-  BackloggedServer http;
+  ConnectionServer http;
 
-  Impl(OpenAIService& s, HttpOptions o) : service(s), options(std::move(o)) {}
+  Impl(OpenAIService& s, HttpOptions o) : service(s), options(std::move(o)), http(options) {}
 
   // Runs a handler body, turning ApiExceptions and anything else into OpenAI error JSON.
   template <typename F>
@@ -96,35 +221,51 @@ struct HttpServer::Impl {
           },
           [submitted](bool success) {
             // A response that did not complete (the client left mid-write) ends its request.
-            if (!success) submitted->stream->abort();
+            if (!success) submitted->abort();
           });
     });
   }
 
   void routes() {
     http.set_payload_max_length(options.max_body_bytes);
+    http.set_socket_options(listen_socket_options);
     // Without TCP_NODELAY a response written as headers then body waits for the client's
     // delayed ACK (about 40 ms on Linux); every small response and SSE chunk would.
     http.set_tcp_nodelay(true);
     // httplib closes a keep-alive connection after 5 requests by default; clients that reuse
     // connections (the openai client, load generators) would reconnect every few requests.
     http.set_keep_alive_max_count(1000);
-    const int threads = options.threads;
-    http.new_task_queue = [threads] {
-      return new httplib::ThreadPool(static_cast<size_t>(threads));
-    };
+    http.new_task_queue = [] { return new ConnectionThreads(); };
+    // Runs once the headers are read and before the body is: a request refused here never
+    // has its body read.
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      // The head has arrived; the body gets its own deadline.
+      if (current_connection != nullptr) {
+        current_connection->set_read_deadline(SocketStream::Clock::now() + options.body_timeout);
+      }
       // vLLM checks the key on the OpenAI routes only; health, version and metrics stay open
       // for probes and scrapers.
-      if (options.api_key.empty() || req.path.rfind("/v1", 0) != 0) {
-        return httplib::Server::HandlerResponse::Unhandled;
+      if (!options.api_key.empty() && req.path.rfind("/v1", 0) == 0) {
+        const std::string auth = req.get_header_value("Authorization");
+        const std::string prefix = "Bearer ";
+        if (auth.rfind(prefix, 0) != 0 || !same_key(auth.substr(prefix.size()), options.api_key)) {
+          set_error(res, ApiError{401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                  "AuthenticationError", ""});
+          return httplib::Server::HandlerResponse::Handled;
+        }
       }
-      const std::string auth = req.get_header_value("Authorization");
-      const std::string prefix = "Bearer ";
-      if (auth.rfind(prefix, 0) != 0 || !same_key(auth.substr(prefix.size()), options.api_key)) {
-        set_error(res, ApiError{401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                "AuthenticationError", ""});
-        return httplib::Server::HandlerResponse::Handled;
+      // Every POST body is JSON. Refusing other types keeps browsers from driving the API
+      // cross-site: a form or a text/plain fetch needs no CORS preflight, an application/json
+      // one does.
+      if (req.method == "POST") {
+        const std::string type = req.get_header_value("Content-Type");
+        if (media_type(type) != "application/json") {
+          set_error(res, ApiError{415,
+                                  "Content-Type must be application/json, got " +
+                                      (type.empty() ? std::string("none") : "'" + type + "'"),
+                                  "", ""});
+          return httplib::Server::HandlerResponse::Handled;
+        }
       }
       return httplib::Server::HandlerResponse::Unhandled;
     });
@@ -228,9 +369,8 @@ void check_can_listen(const std::string& host, int port) {
       error = errno;
       continue;
     }
-    // As httplib binds: an address in TIME_WAIT is free, one that a process listens on is not.
-    const int yes = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    // As the server binds: an address in TIME_WAIT is free, one a process listens on is not.
+    listen_socket_options(fd);
     bound = ::bind(fd, a->ai_addr, a->ai_addrlen) == 0;
     if (!bound) error = errno;
     ::close(fd);
@@ -244,6 +384,9 @@ void check_can_listen(const std::string& host, int port) {
 void HttpServer::stop() {
   impl_->service.shutdown();
   impl_->http.stop();
+  impl_->http.close_connections();
 }
+
+size_t HttpServer::connections() const { return impl_->http.connections(); }
 
 }  // namespace loraplex::server

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include "loraplex/server/api_error.h"
+#include "loraplex/server/unsupported_fields.h"
 
 namespace loraplex::server {
 namespace {
@@ -91,8 +94,21 @@ void refuse_unless(bool ok, const std::string& param, const std::string& what) {
   if (!ok) throw_api(400, what, param);
 }
 
+std::vector<int32_t> token_ids(const json& list, const char* param) {
+  std::vector<int32_t> ids;
+  for (const json& id : list) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      throw_api(400, std::string("'") + param + "' token ids must be integers >= 0", param);
+    }
+    ids.push_back(id.get<int32_t>());
+  }
+  return ids;
+}
+
 // The sampling fields shared by both endpoints (OpenAI's and vLLM's extra ones).
 void parse_common(const json& body, GenerationRequest& r) {
+  refuse_unsupported_fields(body);
   if (const json* m = field(body, "model")) {
     if (!m->is_string()) bad_type("model", "a string", *m);
     r.model = m->get<std::string>();
@@ -119,6 +135,16 @@ void parse_common(const json& body, GenerationRequest& r) {
     o.min_tokens = *m;
   }
   if (auto e = get_bool(body, "ignore_eos")) o.ignore_eos = *e;
+  if (auto i = get_bool(body, "include_stop_str_in_output")) o.include_stop_str_in_output = *i;
+  if (auto k = get_bool(body, "skip_special_tokens")) o.skip_special_tokens = *k;
+  // Read by slow tokenizers only; with tokenizer.json vLLM ignores it too.
+  (void)get_bool(body, "spaces_between_special_tokens");
+  if (auto t = get_int(body, "truncate_prompt_tokens")) {
+    refuse_unless(
+        *t == -1 || *t >= 1, "truncate_prompt_tokens",
+        "'truncate_prompt_tokens' must be -1 (max_model_len) or >= 1, got " + std::to_string(*t));
+    r.truncate_prompt_tokens = *t;
+  }
   if (const json* stop = field(body, "stop")) {
     if (stop->is_string()) {
       o.stop.push_back(stop->get<std::string>());
@@ -145,10 +171,16 @@ void parse_common(const json& body, GenerationRequest& r) {
     }
   }
   if (auto n = get_int(body, "n")) {
-    refuse_unless(*n == 1, "n", "only n=1 is supported, got n=" + std::to_string(*n));
+    refuse_unless(
+        *n >= 1 && *n <= kMaxChoices, "n",
+        "'n' must be in 1 .. " + std::to_string(kMaxChoices) + ", got " + std::to_string(*n));
+    r.n = *n;
   }
   if (auto b = get_int(body, "best_of")) {
-    refuse_unless(*b == 1, "best_of", "only best_of=1 is supported");
+    // best_of > n would sample more and return the best: beam-search-like ranking, not done.
+    refuse_unless(*b == r.n, "best_of",
+                  "'best_of' must equal 'n' (" + std::to_string(r.n) +
+                      "): returning the best of more samples is not implemented");
   }
   if (auto s = get_bool(body, "stream")) r.stream = *s;
   if (auto t = get_bool(body, "return_token_ids")) r.return_token_ids = *t;
@@ -161,22 +193,47 @@ void parse_common(const json& body, GenerationRequest& r) {
       refuse_unless(!*c, "stream_options", "continuous_usage_stats is not supported");
     }
   }
-  // Sampling controls loraplex does not implement: accepted only at their neutral values.
-  if (auto p = get_number(body, "presence_penalty")) {
-    refuse_unless(*p == 0.0, "presence_penalty", "'presence_penalty' is not supported (use 0)");
-  }
-  if (auto p = get_number(body, "frequency_penalty")) {
-    refuse_unless(*p == 0.0, "frequency_penalty", "'frequency_penalty' is not supported (use 0)");
-  }
+  // vLLM's logits processing: ranges are the engine's to check (it names the limit).
+  if (auto p = get_number(body, "presence_penalty")) o.presence_penalty = static_cast<float>(*p);
+  if (auto p = get_number(body, "frequency_penalty")) o.frequency_penalty = static_cast<float>(*p);
   if (auto p = get_number(body, "repetition_penalty")) {
-    refuse_unless(*p == 1.0, "repetition_penalty", "'repetition_penalty' is not supported (use 1)");
+    o.repetition_penalty = static_cast<float>(*p);
   }
   if (auto p = get_number(body, "min_p")) {
     refuse_unless(*p == 0.0, "min_p", "'min_p' is not supported (use 0)");
   }
   if (const json* lb = field(body, "logit_bias")) {
-    if (!lb->is_object()) bad_type("logit_bias", "an object", *lb);
-    refuse_unless(lb->empty(), "logit_bias", "'logit_bias' is not supported");
+    if (!lb->is_object()) bad_type("logit_bias", "an object of token ids to biases", *lb);
+    for (const auto& [key, value] : lb->items()) {
+      int64_t id = -1;
+      try {
+        size_t used = 0;
+        id = std::stoll(key, &used);
+        if (used != key.size()) id = -1;
+      } catch (const std::exception&) {
+        id = -1;
+      }
+      refuse_unless(id >= 0 && id <= std::numeric_limits<int32_t>::max(), "logit_bias",
+                    "'logit_bias' keys must be token ids, got '" + key + "'");
+      if (!value.is_number() || !std::isfinite(value.get<double>())) {
+        bad_type("logit_bias", "an object of token ids to numbers", value);
+      }
+      // OpenAI's and vLLM's range: values beyond it are clamped, not refused.
+      o.logit_bias[static_cast<int32_t>(id)] =
+          static_cast<float>(std::clamp(value.get<double>(), -100.0, 100.0));
+    }
+  }
+  if (const json* a = field(body, "allowed_token_ids")) {
+    if (!a->is_array()) bad_type("allowed_token_ids", "a list of token ids", *a);
+    refuse_unless(!a->empty(), "allowed_token_ids", "'allowed_token_ids' must not be empty");
+    o.allowed_token_ids = token_ids(*a, "allowed_token_ids");
+  }
+  if (const json* b = field(body, "bad_words")) {
+    if (!b->is_array()) bad_type("bad_words", "a list of strings", *b);
+    for (const json& w : *b) {
+      if (!w.is_string()) bad_type("bad_words", "a list of strings", *b);
+      o.bad_words.push_back(w.get<std::string>());
+    }
   }
   if (const json* rf = field(body, "response_format")) {
     if (!rf->is_object()) bad_type("response_format", "an object", *rf);
@@ -204,18 +261,6 @@ void check_min_tokens(const GenerationRequest& r) {
                       ") must not exceed 'max_tokens' (" + std::to_string(r.options.max_tokens) +
                       ")");
   }
-}
-
-std::vector<int32_t> token_ids(const json& list, const char* param) {
-  std::vector<int32_t> ids;
-  for (const json& id : list) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
-        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-      throw_api(400, std::string("'") + param + "' token ids must be integers >= 0", param);
-    }
-    ids.push_back(id.get<int32_t>());
-  }
-  return ids;
 }
 
 // vLLM's "string" content format: text parts joined with newlines.
@@ -281,7 +326,9 @@ GenerationRequest parse_completion_request(std::string_view body_text) {
   const json body = parse_json_object(body_text);
   GenerationRequest r;
   r.kind = GenerationRequest::Kind::kCompletion;
+  r.add_special_tokens = true;
   parse_common(body, r);
+  if (auto a = get_bool(body, "add_special_tokens")) r.add_special_tokens = *a;
   set_max_tokens(r, get_int(body, "max_tokens"), "max_tokens");
   check_min_tokens(r);
   const json* prompt = field(body, "prompt");
@@ -316,9 +363,11 @@ GenerationRequest parse_completion_request(std::string_view body_text) {
   }
   if (const json* lp = field(body, "logprobs")) {
     if (!lp->is_number_integer()) bad_type("logprobs", "an integer", *lp);
-    refuse_unless(lp->get<int64_t>() == 0, "logprobs",
-                  "only logprobs=0 (the sampled tokens' log-probabilities) is supported, got " +
-                      std::to_string(lp->get<int64_t>()));
+    const int64_t k = lp->get<int64_t>();
+    refuse_unless(k >= 0 && k <= kMaxTopLogprobs, "logprobs",
+                  "'logprobs' must be in 0 .. " + std::to_string(kMaxTopLogprobs) + ", got " +
+                      std::to_string(k));
+    r.options.top_logprobs = static_cast<int>(k);
     r.logprobs = true;
   }
   if (auto s = get_string(body, "suffix")) {
@@ -393,8 +442,11 @@ GenerationRequest parse_chat_request(std::string_view body_text) {
   }
   if (auto lp = get_bool(body, "logprobs")) r.logprobs = *lp;
   if (auto top = get_int(body, "top_logprobs")) {
-    refuse_unless(*top == 0, "top_logprobs",
-                  "only top_logprobs=0 is supported (the sampled tokens' log-probabilities)");
+    refuse_unless(*top >= 0 && *top <= kMaxTopLogprobs, "top_logprobs",
+                  "'top_logprobs' must be in 0 .. " + std::to_string(kMaxTopLogprobs) + ", got " +
+                      std::to_string(*top));
+    refuse_unless(*top == 0 || r.logprobs, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    r.options.top_logprobs = static_cast<int>(*top);
   }
   r.options.logprobs = r.logprobs;
   return r;

@@ -57,69 +57,87 @@ json completion_logprobs(const std::vector<TokenLogprob>& tokens, int64_t text_o
     j["text_offset"].push_back(offset);
     j["token_logprobs"].push_back(t.logprob);
     j["tokens"].push_back(t.token);
-    j["top_logprobs"].push_back(json{{t.token, t.logprob}});
+    json top = json::object();
+    for (const auto& [text, lp] : t.top) {
+      if (!top.contains(text)) top[text] = lp;
+    }
+    if (!top.contains(t.token)) top[t.token] = t.logprob;
+    j["top_logprobs"].push_back(std::move(top));
     offset += static_cast<int64_t>(t.token.size());
   }
   return j;
 }
 
 json chat_logprobs(const std::vector<TokenLogprob>& tokens) {
+  const auto bytes_of = [](const std::string& text) {
+    json bytes = json::array();
+    for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
+    return bytes;
+  };
   json content = json::array();
   for (const TokenLogprob& t : tokens) {
-    json bytes = json::array();
-    for (unsigned char c : t.token) bytes.push_back(static_cast<int>(c));
+    json top = json::array();
+    for (const auto& [text, lp] : t.top) {
+      top.push_back(json{{"token", text}, {"logprob", lp}, {"bytes", bytes_of(text)}});
+    }
     content.push_back(json{{"token", t.token},
                            {"logprob", t.logprob},
-                           {"bytes", bytes},
-                           {"top_logprobs", json::array()}});
+                           {"bytes", bytes_of(t.token)},
+                           {"top_logprobs", top}});
   }
   return json{{"content", content}};
 }
 
-std::string completion_body(const ResponseHeader& h, const std::string& text, const Finish& f,
-                            const Usage& usage, const json& logprobs, const json& prompt_token_ids,
-                            const json& token_ids) {
+std::string completion_body(const ResponseHeader& h, const std::vector<Choice>& choices,
+                            const Usage& usage, const json& prompt_token_ids) {
   json j = header_json(h, "text_completion");
-  json choice;
-  choice["index"] = 0;
-  choice["text"] = text;
-  choice["logprobs"] = logprobs;
-  choice["finish_reason"] = finish_reason_json(f);
-  choice["stop_reason"] = f.stop_reason;
-  if (!token_ids.is_null()) choice["token_ids"] = token_ids;
-  if (!prompt_token_ids.is_null()) choice["prompt_token_ids"] = prompt_token_ids;
-  j["choices"] = json::array({choice});
+  j["choices"] = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const Choice& c = choices[i];
+    json choice;
+    choice["index"] = i;
+    choice["text"] = c.text;
+    choice["logprobs"] = c.logprobs;
+    choice["finish_reason"] = finish_reason_json(c.finish);
+    choice["stop_reason"] = c.finish.stop_reason;
+    if (!c.token_ids.is_null()) choice["token_ids"] = c.token_ids;
+    if (!prompt_token_ids.is_null()) choice["prompt_token_ids"] = prompt_token_ids;
+    j["choices"].push_back(std::move(choice));
+  }
   j["usage"] = usage_json(usage);
   return dump_json(j);
 }
 
-std::string chat_body(const ResponseHeader& h, const std::string& text, const Finish& f,
-                      const Usage& usage, const json& logprobs, const json& prompt_token_ids,
-                      const json& token_ids) {
+std::string chat_body(const ResponseHeader& h, const std::vector<Choice>& choices,
+                      const Usage& usage, const json& prompt_token_ids) {
   json j = header_json(h, "chat.completion");
-  json message;
-  message["role"] = "assistant";
-  message["content"] = text;
-  message["tool_calls"] = json::array();
-  json choice;
-  choice["index"] = 0;
-  choice["message"] = message;
-  choice["logprobs"] = logprobs;
-  choice["finish_reason"] = finish_reason_json(f);
-  choice["stop_reason"] = f.stop_reason;
-  if (!token_ids.is_null()) choice["token_ids"] = token_ids;
-  j["choices"] = json::array({choice});
+  j["choices"] = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const Choice& c = choices[i];
+    json message;
+    message["role"] = "assistant";
+    message["content"] = c.text;
+    message["tool_calls"] = json::array();
+    json choice;
+    choice["index"] = i;
+    choice["message"] = message;
+    choice["logprobs"] = c.logprobs;
+    choice["finish_reason"] = finish_reason_json(c.finish);
+    choice["stop_reason"] = c.finish.stop_reason;
+    if (!c.token_ids.is_null()) choice["token_ids"] = c.token_ids;
+    j["choices"].push_back(std::move(choice));
+  }
   j["usage"] = usage_json(usage);
   if (!prompt_token_ids.is_null()) j["prompt_token_ids"] = prompt_token_ids;
   return dump_json(j);
 }
 
-std::string completion_chunk(const ResponseHeader& h, const std::string& text, const Finish& f,
-                             const json& logprobs, const json& prompt_token_ids,
+std::string completion_chunk(const ResponseHeader& h, int index, const std::string& text,
+                             const Finish& f, const json& logprobs, const json& prompt_token_ids,
                              const json& token_ids) {
   json j = header_json(h, "text_completion");
   json choice;
-  choice["index"] = 0;
+  choice["index"] = index;
   choice["text"] = text;
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason_json(f);
@@ -130,11 +148,11 @@ std::string completion_chunk(const ResponseHeader& h, const std::string& text, c
   return dump_json(j);
 }
 
-std::string chat_chunk(const ResponseHeader& h, const json& delta, const Finish& f,
+std::string chat_chunk(const ResponseHeader& h, int index, const json& delta, const Finish& f,
                        const json& logprobs, const json& prompt_token_ids, const json& token_ids) {
   json j = header_json(h, "chat.completion.chunk");
   json choice;
-  choice["index"] = 0;
+  choice["index"] = index;
   choice["delta"] = delta;
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason_json(f);

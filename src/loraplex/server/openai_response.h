@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -27,10 +28,12 @@ struct Usage {
   int64_t cached_tokens = 0;
 };
 
-/// One sampled token and its log-probability.
+/// One sampled token and its log-probability, and the most probable tokens of its step when
+/// top logprobs were asked for (text and log-probability, most probable first).
 struct TokenLogprob {
   std::string token;  // its text
   float logprob = 0.0f;
+  std::vector<std::pair<std::string, float>> top;
 };
 
 /// The end of a choice: finish_reason ("stop", "length", "abort"; empty: null) and vLLM's
@@ -42,34 +45,41 @@ struct Finish {
 
 nlohmann::ordered_json usage_json(const Usage& usage);
 
-/// Completion logprobs: tokens, token_logprobs, top_logprobs (the sampled token only),
-/// text_offset counted from `text_offset` (bytes of text before these tokens).
+/// Completion logprobs: tokens, token_logprobs, top_logprobs (the step's top tokens and the
+/// sampled one, as vLLM writes them), text_offset counted from `text_offset` (bytes of text
+/// before these tokens).
 nlohmann::ordered_json completion_logprobs(const std::vector<TokenLogprob>& tokens,
                                            int64_t text_offset);
-/// Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}.
+/// Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+/// "logprob", "bytes"}, ...]}]}.
 nlohmann::ordered_json chat_logprobs(const std::vector<TokenLogprob>& tokens);
 
 // vLLM's return_token_ids: `prompt_token_ids` (whole responses and a stream's first chunk)
 // and `token_ids` (the generated ids, or a chunk's new ones) are written where vLLM writes
 // them when they are not null (the default: left out).
 
-std::string completion_body(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                            const Usage& usage, const nlohmann::ordered_json& logprobs,
-                            const nlohmann::ordered_json& prompt_token_ids = {},
-                            const nlohmann::ordered_json& token_ids = {});
-std::string chat_body(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                      const Usage& usage, const nlohmann::ordered_json& logprobs,
-                      const nlohmann::ordered_json& prompt_token_ids = {},
-                      const nlohmann::ordered_json& token_ids = {});
+/// One choice of a whole response (n > 1 gives several, index = their order).
+struct Choice {
+  std::string text;
+  Finish finish;
+  nlohmann::ordered_json logprobs;   // null: not asked for
+  nlohmann::ordered_json token_ids;  // null: not asked for
+};
 
-/// One streamed completion chunk; `finish` null fields while the choice goes on.
-std::string completion_chunk(const ResponseHeader& h, const std::string& text, const Finish& finish,
-                             const nlohmann::ordered_json& logprobs,
+std::string completion_body(const ResponseHeader& h, const std::vector<Choice>& choices,
+                            const Usage& usage,
+                            const nlohmann::ordered_json& prompt_token_ids = {});
+std::string chat_body(const ResponseHeader& h, const std::vector<Choice>& choices,
+                      const Usage& usage, const nlohmann::ordered_json& prompt_token_ids = {});
+
+/// One streamed completion chunk of choice `index`; `finish` null fields while it goes on.
+std::string completion_chunk(const ResponseHeader& h, int index, const std::string& text,
+                             const Finish& finish, const nlohmann::ordered_json& logprobs,
                              const nlohmann::ordered_json& prompt_token_ids = {},
                              const nlohmann::ordered_json& token_ids = {});
-/// One streamed chat chunk; `delta` is {"role": "assistant", "content": ""} first, then
-/// {"content": "..."}.
-std::string chat_chunk(const ResponseHeader& h, const nlohmann::ordered_json& delta,
+/// One streamed chat chunk of choice `index`; `delta` is {"role": "assistant", "content": ""}
+/// first, then {"content": "..."}.
+std::string chat_chunk(const ResponseHeader& h, int index, const nlohmann::ordered_json& delta,
                        const Finish& finish, const nlohmann::ordered_json& logprobs,
                        const nlohmann::ordered_json& prompt_token_ids = {},
                        const nlohmann::ordered_json& token_ids = {});

@@ -1,9 +1,11 @@
 #include "loraplex/server/openai_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <filesystem>
 
+#include "loraplex/server/adapter_policy.h"
 #include "loraplex/server/prometheus.h"
 #include "loraplex/template/errors.h"
 
@@ -49,8 +51,33 @@ bool safe_component(const std::string& name) {
          name.find('\\') == std::string::npos && name.find('\0') == std::string::npos;
 }
 
+// vLLM's truncate_prompt_tokens: the last `k` ids (k = -1: max_model_len), after the first
+// `keep` (the special tokens a text prompt's encoding starts with, which a tokenizer truncating
+// on the left keeps).
+void truncate_left(std::vector<int32_t>& ids, size_t keep, int64_t k, int64_t max_model_len) {
+  const size_t limit = static_cast<size_t>(k < 0 ? max_model_len : k);
+  if (ids.size() <= limit) return;
+  keep = std::min(keep, limit);
+  ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(keep),
+            ids.end() - static_cast<std::ptrdiff_t>(limit - keep));
+}
+
 HttpReply text_reply(int status, std::string body) {
   return HttpReply{status, "text/plain; charset=utf-8", std::move(body)};
+}
+
+// vLLM registers the adapter endpoints only when runtime updating is allowed: a client sees a
+// 404, here with the reason.
+[[noreturn]] void refuse_runtime_updating() {
+  throw ApiException(ApiError{404,
+                              "runtime adapter loading and unloading is off: start the server with "
+                              "--enable-lora-loading (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                              "NotFoundError", ""});
+}
+
+std::string string_field(const json& j, const char* name) {
+  const auto it = j.find(name);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
 }  // namespace
@@ -70,7 +97,14 @@ ApiError api_error_of(const engine::RequestError& e) {
 }
 
 OpenAIService::OpenAIService(ServingBackend& backend, ServiceConfig config)
-    : backend_(backend), config_(std::move(config)) {}
+    : backend_(backend),
+      config_(std::move(config)),
+      lora_roots_(canonical_roots(config_.lora_roots)) {}
+
+void OpenAIService::log_failure(const Submitted& s, const std::string& error) const {
+  if (config_.log)
+    config_.log("request " + s.header.id + " (model " + s.header.model + ") failed: " + error);
+}
 
 void OpenAIService::wait_until_unloaded(const std::string& name, const std::string& param) {
   // An unloaded adapter keeps its name until its last request in flight has finished (they
@@ -87,7 +121,8 @@ void OpenAIService::wait_until_unloaded(const std::string& name, const std::stri
 std::string OpenAIService::resolve_adapter(const std::string& model) {
   if (model.empty() || model == config_.served_model_name) return "";
   if (backend_.has_adapter(model)) return model;
-  if (!config_.lora_dir.empty() && safe_component(model)) {
+  // A name outside the adapter name set can never have been loaded, nor be loaded here.
+  if (!config_.lora_dir.empty() && safe_component(model) && adapter_name_problem(model).empty()) {
     const std::filesystem::path dir = std::filesystem::path(config_.lora_dir) / model;
     std::error_code ec;
     if (std::filesystem::is_directory(dir, ec)) {
@@ -136,6 +171,9 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
       throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "messages");
     }
     if (req.prompt_ids.empty()) throw_api(400, "the chat prompt encodes to no tokens", "messages");
+    if (r.truncate_prompt_tokens) {
+      truncate_left(req.prompt_ids, 0, *r.truncate_prompt_tokens, backend_.max_model_len());
+    }
     if (!r.max_tokens_given) {
       // vLLM's default for chat: whatever context the prompt leaves.
       const int64_t room = backend_.max_model_len() - static_cast<int64_t>(req.prompt_ids.size());
@@ -150,16 +188,45 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
       }
       req.options.max_tokens = room;
     }
-  } else {
-    req.prompt = r.prompt;
+  } else if (!r.prompt_ids.empty()) {
     req.prompt_ids = r.prompt_ids;
+    if (r.truncate_prompt_tokens) {
+      truncate_left(req.prompt_ids, 0, *r.truncate_prompt_tokens, backend_.max_model_len());
+    }
+  } else if (r.add_special_tokens && !r.truncate_prompt_tokens) {
+    req.prompt = r.prompt;  // the engine encodes it, with special tokens
+  } else {
+    try {
+      req.prompt_ids = backend_.encode(r.prompt, r.add_special_tokens);
+      if (r.truncate_prompt_tokens) {
+        size_t special = 0;
+        if (r.add_special_tokens) {
+          const std::vector<int32_t> plain = backend_.encode(r.prompt, false);
+          if (plain.size() < req.prompt_ids.size() &&
+              std::equal(plain.rbegin(), plain.rend(), req.prompt_ids.rbegin())) {
+            special = req.prompt_ids.size() - plain.size();
+          }
+        }
+        truncate_left(req.prompt_ids, special, *r.truncate_prompt_tokens, backend_.max_model_len());
+      }
+    } catch (const Error& e) {
+      throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "prompt");
+    }
+    if (req.prompt_ids.empty()) throw_api(400, "the prompt encodes to no tokens", "prompt");
   }
   s.header.id = new_request_id(kind == GenerationRequest::Kind::kChat ? "chatcmpl-" : "cmpl-");
   s.header.created = unix_now();
   s.header.model = r.model.empty() ? config_.served_model_name : r.model;
+  // n > 1: n requests of the same prompt (the prefix cache shares its blocks once one has
+  // computed them); with a seed, choice i samples from seed + i, as vLLM's parallel sampling.
   try {
-    s.stream = backend_.submit(std::move(req));
+    for (int64_t i = 0; i < r.n; ++i) {
+      engine::Request one = req;
+      if (one.options.seed && i > 0) *one.options.seed += static_cast<uint64_t>(i);
+      s.streams.push_back(backend_.submit(std::move(one)));
+    }
   } catch (const engine::RequestError& e) {
+    s.abort();
     throw ApiException(api_error_of(e));
   }
   return s;
@@ -168,7 +235,12 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
 std::vector<TokenLogprob> OpenAIService::logprobs_of(const engine::RequestOutput& out) const {
   std::vector<TokenLogprob> lps;
   for (size_t i = 0; i < out.token_ids.size() && i < out.logprobs.size(); ++i) {
-    lps.push_back({backend_.token_text(out.token_ids[i]), out.logprobs[i]});
+    TokenLogprob t{backend_.token_text(out.token_ids[i]), out.logprobs[i], {}};
+    if (i < out.top_logprobs.size()) {
+      for (const auto& [id, lp] : out.top_logprobs[i])
+        t.top.emplace_back(backend_.token_text(id), lp);
+    }
+    lps.push_back(std::move(t));
   }
   return lps;
 }
@@ -199,107 +271,135 @@ Finish OpenAIService::finish_of(const engine::RequestOutput& out,
   return f;
 }
 
+void OpenAIService::Submitted::abort() {
+  for (const auto& st : streams) st->abort();
+}
+
 HttpReply OpenAIService::complete(Submitted& s) {
-  std::string text;
-  std::vector<TokenLogprob> lps;
-  std::vector<int32_t> ids;
-  engine::RequestOutput last;
-  while (true) {
-    if (stopping_) s.stream->abort();
-    engine::RequestOutput out = s.stream->next(config_.poll_interval);
-    text += out.text;
-    ids.insert(ids.end(), out.token_ids.begin(), out.token_ids.end());
-    if (s.request.logprobs) {
-      std::vector<TokenLogprob> more = logprobs_of(out);
-      lps.insert(lps.end(), more.begin(), more.end());
-    }
-    if (out.finished) {
-      last = std::move(out);
-      break;
-    }
-  }
-  if (last.finish_reason == engine::FinishReason::kError) {
-    throw_api(500, "generation failed: " + last.error);
-  }
-  const Usage usage{last.prompt_tokens, last.completion_tokens, last.cached_tokens};
-  const Finish finish = finish_of(last, s.request);
   const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
-  json logprobs;
-  if (s.request.logprobs) logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
-  json prompt_ids;
-  json token_ids;
-  if (s.request.return_token_ids) {
-    prompt_ids = s.stream->prompt_ids();
-    token_ids = ids;
+  std::vector<Choice> choices;
+  Usage usage;
+  // The choices run together in the engine; each is read to its end in turn.
+  for (size_t i = 0; i < s.streams.size(); ++i) {
+    GenerationStream& st = *s.streams[i];
+    Choice c;
+    std::vector<TokenLogprob> lps;
+    std::vector<int32_t> ids;
+    engine::RequestOutput out;
+    do {
+      if (stopping_) s.abort();
+      out = st.next(config_.poll_interval);
+      c.text += out.text;
+      ids.insert(ids.end(), out.token_ids.begin(), out.token_ids.end());
+      if (s.request.logprobs) {
+        std::vector<TokenLogprob> more = logprobs_of(out);
+        lps.insert(lps.end(), more.begin(), more.end());
+      }
+    } while (!out.finished);
+    if (out.finish_reason == engine::FinishReason::kError) {
+      log_failure(s, out.error);
+      s.abort();
+      throw_api(500, "generation failed: " + out.error);
+    }
+    c.finish = finish_of(out, s.request);
+    if (s.request.logprobs) c.logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, 0);
+    if (s.request.return_token_ids) c.token_ids = ids;
+    // The prompt counts once, as in vLLM; every choice's tokens count.
+    if (i == 0) usage = Usage{out.prompt_tokens, 0, out.cached_tokens};
+    usage.completion_tokens += out.completion_tokens;
+    choices.push_back(std::move(c));
   }
-  return HttpReply{
-      200, "application/json",
-      chat ? chat_body(s.header, text, finish, usage, logprobs, prompt_ids, token_ids)
-           : completion_body(s.header, text, finish, usage, logprobs, prompt_ids, token_ids)};
+  json prompt_ids;
+  if (s.request.return_token_ids) prompt_ids = s.streams.front()->prompt_ids();
+  return HttpReply{200, "application/json",
+                   chat ? chat_body(s.header, choices, usage, prompt_ids)
+                        : completion_body(s.header, choices, usage, prompt_ids)};
 }
 
 void OpenAIService::stream(Submitted& s, ChunkSink& sink) {
   const bool chat = s.request.kind == GenerationRequest::Kind::kChat;
-  int64_t text_offset = 0;
+  const size_t n = s.streams.size();
   auto send = [&](const std::string& event) {
     if (sink.write(event)) return true;
-    s.stream->abort();
+    s.abort();
     return false;
   };
-  // vLLM's return_token_ids: the prompt's ids go with the first chunk only.
+  // vLLM's return_token_ids: the prompt's ids go with the first chunk only (of each choice,
+  // for completions).
   json prompt_ids;
-  if (s.request.return_token_ids) prompt_ids = s.stream->prompt_ids();
+  if (s.request.return_token_ids) prompt_ids = s.streams.front()->prompt_ids();
+  std::vector<json> first_prompt_ids(n, chat ? json() : prompt_ids);
   if (chat) {
-    if (!send(sse_event(chat_chunk(s.header, json{{"role", "assistant"}, {"content", ""}}, Finish{},
-                                   json(), prompt_ids)))) {
-      return;
-    }
-    prompt_ids = json();
-  }
-  while (true) {
-    if (stopping_ || !sink.connected()) {
-      // A client that left (or a shutdown) ends its request: nothing keeps generating.
-      s.stream->abort();
-      return;
-    }
-    engine::RequestOutput out = s.stream->next(config_.poll_interval);
-    if (out.finished && out.finish_reason == engine::FinishReason::kError) {
-      send(sse_event(error_body(ApiError{500, "generation failed: " + out.error, "", ""})));
-      send(kSseDone);
-      return;
-    }
-    if (!out.finished && out.text.empty() && out.token_ids.empty()) continue;
-    const Finish finish = out.finished ? finish_of(out, s.request) : Finish{};
-    json logprobs;
-    if (s.request.logprobs) {
-      const std::vector<TokenLogprob> lps = logprobs_of(out);
-      logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, text_offset);
-    }
-    text_offset += static_cast<int64_t>(out.text.size());
-    json token_ids;
-    if (s.request.return_token_ids) token_ids = out.token_ids;
-    std::string chunk;
-    if (chat) {
-      json delta = json::object();
-      if (!out.text.empty() || !out.finished) delta["content"] = out.text;
-      chunk = chat_chunk(s.header, delta, finish, logprobs, json(), token_ids);
-    } else {
-      chunk = completion_chunk(s.header, out.text, finish, logprobs, prompt_ids, token_ids);
-      prompt_ids = json();
-    }
-    if (!send(sse_event(chunk))) return;
-    if (out.finished) {
-      if (s.request.include_usage) {
-        const Usage usage{out.prompt_tokens, out.completion_tokens, out.cached_tokens};
-        if (!send(sse_event(usage_chunk(
-                s.header, chat ? "chat.completion.chunk" : "text_completion", usage)))) {
-          return;
-        }
+    for (size_t i = 0; i < n; ++i) {
+      if (!send(sse_event(chat_chunk(s.header, static_cast<int>(i),
+                                     json{{"role", "assistant"}, {"content", ""}}, Finish{}, json(),
+                                     i == 0 ? prompt_ids : json())))) {
+        return;
       }
-      send(kSseDone);
+    }
+  }
+  std::vector<int64_t> text_offset(n, 0);
+  std::vector<bool> finished(n, false);
+  size_t left = n;
+  Usage usage;
+  // One choice waits for its tokens as long as it likes; several take turns, briefly each.
+  const auto wait = n == 1 ? config_.poll_interval : std::chrono::milliseconds(2);
+  while (left > 0) {
+    for (size_t i = 0; i < n; ++i) {
+      if (finished[i]) continue;
+      if (stopping_ || !sink.connected()) {
+        // A client that left (or a shutdown) ends its requests: nothing keeps generating.
+        s.abort();
+        return;
+      }
+      engine::RequestOutput out = s.streams[i]->next(wait);
+      if (out.finished && out.finish_reason == engine::FinishReason::kError) {
+        log_failure(s, out.error);
+        s.abort();
+        send(sse_event(error_body(ApiError{500, "generation failed: " + out.error, "", ""})));
+        send(kSseDone);
+        return;
+      }
+      if (!out.finished && out.text.empty() && out.token_ids.empty()) continue;
+      const Finish finish = out.finished ? finish_of(out, s.request) : Finish{};
+      json logprobs;
+      if (s.request.logprobs) {
+        const std::vector<TokenLogprob> lps = logprobs_of(out);
+        logprobs = chat ? chat_logprobs(lps) : completion_logprobs(lps, text_offset[i]);
+      }
+      text_offset[i] += static_cast<int64_t>(out.text.size());
+      json token_ids;
+      if (s.request.return_token_ids) token_ids = out.token_ids;
+      std::string chunk;
+      const int index = static_cast<int>(i);
+      if (chat) {
+        json delta = json::object();
+        if (!out.text.empty() || !out.finished) delta["content"] = out.text;
+        chunk = chat_chunk(s.header, index, delta, finish, logprobs, json(), token_ids);
+      } else {
+        chunk = completion_chunk(s.header, index, out.text, finish, logprobs, first_prompt_ids[i],
+                                 token_ids);
+        first_prompt_ids[i] = json();
+      }
+      if (!send(sse_event(chunk))) return;
+      if (out.finished) {
+        finished[i] = true;
+        --left;
+        if (i == 0) {
+          usage.prompt_tokens = out.prompt_tokens;
+          usage.cached_tokens = out.cached_tokens;
+        }
+        usage.completion_tokens += out.completion_tokens;
+      }
+    }
+  }
+  if (s.request.include_usage) {
+    if (!send(sse_event(
+            usage_chunk(s.header, chat ? "chat.completion.chunk" : "text_completion", usage)))) {
       return;
     }
   }
+  send(kSseDone);
 }
 
 HttpReply OpenAIService::list_models() const {
@@ -313,20 +413,28 @@ HttpReply OpenAIService::list_models() const {
 }
 
 HttpReply OpenAIService::load_adapter(std::string_view body) {
+  if (!config_.runtime_lora_updating) refuse_runtime_updating();
   const json j = parse_json_object(body);
-  const std::string name = j.contains("lora_name") && j["lora_name"].is_string()
-                               ? j["lora_name"].get<std::string>()
-                               : std::string();
-  const std::string path = j.contains("lora_path") && j["lora_path"].is_string()
-                               ? j["lora_path"].get<std::string>()
-                               : std::string();
+  const std::string name = string_field(j, "lora_name");
+  const std::string path = string_field(j, "lora_path");
   if (name.empty() || path.empty()) {
     throw ApiException(ApiError{400, "Both 'lora_name' and 'lora_path' must be provided.",
                                 "InvalidUserInput", ""});
   }
+  if (const std::string problem = adapter_name_problem(name); !problem.empty()) {
+    throw ApiException(ApiError{400, problem, "InvalidUserInput", "lora_name"});
+  }
   if (name == config_.served_model_name) {
     throw ApiException(
         ApiError{400, "'" + name + "' is the base model's name", "InvalidUserInput", "lora_name"});
+  }
+  // Checked before anything looks at the path, and answered alike whether it exists or not.
+  if (!inside_roots(path, lora_roots_)) {
+    throw ApiException(ApiError{400,
+                                "lora_path '" + path +
+                                    "' is not under a directory adapters may be loaded from "
+                                    "(--lora-dir, --allowed-lora-paths)",
+                                "InvalidUserInput", "lora_path"});
   }
   if (backend_.has_adapter(name)) {
     throw ApiException(ApiError{400, "The lora adapter '" + name + "' has already been loaded.",
@@ -349,10 +457,9 @@ HttpReply OpenAIService::load_adapter(std::string_view body) {
 }
 
 HttpReply OpenAIService::unload_adapter(std::string_view body) {
+  if (!config_.runtime_lora_updating) refuse_runtime_updating();
   const json j = parse_json_object(body);
-  const std::string name = j.contains("lora_name") && j["lora_name"].is_string()
-                               ? j["lora_name"].get<std::string>()
-                               : std::string();
+  const std::string name = string_field(j, "lora_name");
   if (name.empty()) {
     throw ApiException(
         ApiError{400, "'lora_name' must be provided.", "InvalidUserInput", "lora_name"});

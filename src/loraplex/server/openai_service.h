@@ -7,11 +7,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "loraplex/server/api_error.h"
 #include "loraplex/server/backend.h"
@@ -25,6 +28,15 @@ struct ServiceConfig {
   std::string served_model_name;  // the base model's id in requests and /v1/models
   std::string model_root;         // the base model's directory ("root" in /v1/models)
   std::string lora_dir;           // adapters not loaded are looked up here; empty: off
+  /// vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (--enable-lora-loading): without it
+  /// /v1/load_lora_adapter and /v1/unload_lora_adapter answer 404, as vLLM's are absent.
+  bool runtime_lora_updating = false;
+  /// The directories /v1/load_lora_adapter may load from (each one and what lies below it):
+  /// --lora-dir and --allowed-lora-paths. They must exist.
+  std::vector<std::string> lora_roots;
+  /// Where the service reports what failed on the server's side (a request the engine ended
+  /// with an error); null: nowhere.
+  std::function<void(const std::string&)> log;
   std::shared_ptr<const jinja::ChatTemplate> chat_template;  // null: chat is refused
   std::string version;
   /// How often a waiting handler checks for a closed connection or a shutdown.
@@ -52,13 +64,16 @@ class ChunkSink {
 
 class OpenAIService {
  public:
+  /// Throws loraplex::Error naming a lora_roots entry that is not a directory.
   OpenAIService(ServingBackend& backend, ServiceConfig config);
 
   /// A parsed, submitted generation request, ready to be answered whole or streamed.
   struct Submitted {
     GenerationRequest request;
     ResponseHeader header;
-    std::unique_ptr<GenerationStream> stream;
+    std::vector<std::unique_ptr<GenerationStream>> streams;  // one per choice (n)
+    /// Ends every choice's request.
+    void abort();
   };
   /// Parses `body` (completion or chat), resolves the model, renders the chat template and
   /// submits. Throws ApiException: 400 bad request or prompt too long, 404 unknown model,
@@ -86,9 +101,12 @@ class OpenAIService {
   std::vector<TokenLogprob> logprobs_of(const engine::RequestOutput& out) const;
   Finish finish_of(const engine::RequestOutput& out, const GenerationRequest& request) const;
 
+  void log_failure(const Submitted& submitted, const std::string& error) const;
+
   ServingBackend& backend_;
   ServiceConfig config_;
-  std::mutex resolve_mutex_;  // one --lora-dir load at a time
+  std::vector<std::filesystem::path> lora_roots_;  // config_.lora_roots, canonical
+  std::mutex resolve_mutex_;                       // one --lora-dir load at a time
   std::atomic<bool> stopping_{false};
 };
 

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -103,18 +104,41 @@ std::shared_ptr<const jinja::ChatTemplate> load_chat_template(const ServeOptions
   return nullptr;
 }
 
-// Each --lora adapter's config, read before the model loads, so that a broken one fails fast.
-void check_adapter_configs(const ServeOptions& o) {
+// Each --lora adapter's rank, from its config, read before the model loads so that a broken
+// one fails fast.
+std::vector<int> adapter_ranks(const ServeOptions& o) {
+  std::vector<int> ranks;
   for (const auto& [name, dir] : o.loras) {
     LORAPLEX_CHECK(fs::is_directory(dir), "--lora ", name, "=", dir, ": not a directory");
-    int rank = 0;
     try {
-      rank = PeftLoraConfig::from_file(adapter_config_path(dir)).max_rank();
+      ranks.push_back(PeftLoraConfig::from_file(adapter_config_path(dir)).max_rank());
     } catch (const Error& e) {
       LORAPLEX_FAIL("--lora ", name, "=", dir, ": adapter '", name, "': ", e.what());
     }
-    LORAPLEX_CHECK(rank <= o.engine.max_lora_rank, "--lora ", name, "=", dir, ": adapter '", name,
-                   "' has rank ", rank, ", above --max-lora-rank ", o.engine.max_lora_rank);
+  }
+  return ranks;
+}
+
+// Each connection is a file descriptor. The soft limit (often 1,024) is raised to the hard one,
+// and max_connections kept within it, with room for the model's files, the listening socket
+// and the tokenizer's and loader's own.
+void fit_connections_to_fd_limit(HttpOptions& http, std::FILE* log) {
+  constexpr rlim_t kReserved = 256;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t wanted = static_cast<rlim_t>(http.max_connections) + kReserved;
+  if (limit.rlim_cur < wanted && limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? wanted : std::min(wanted, limit.rlim_max);
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < wanted) {
+    const size_t fits = limit.rlim_cur > 2 * kReserved ? limit.rlim_cur - kReserved : 1;
+    std::fprintf(log,
+                 "loraplex serve: max_connections %zu: the open-file limit is %llu (raise it, "
+                 "e.g. LimitNOFILE= in systemd, for --max-connections %zu)\n",
+                 fits, static_cast<unsigned long long>(limit.rlim_cur), http.max_connections);
+    http.max_connections = fits;
   }
 }
 
@@ -210,7 +234,8 @@ class StopWatcher {
 
 }  // namespace
 
-int run_serve(const ServeOptions& o, std::FILE* log) {
+int run_serve(const ServeOptions& options_in, std::FILE* log) {
+  ServeOptions o = options_in;  // settle_serve_options fills in the defaults the adapters decide
   const StopSignals signals;
   StopWatcher watcher(signals, log);
   const Device device = resolve_device(o.device);
@@ -224,8 +249,11 @@ int run_serve(const ServeOptions& o, std::FILE* log) {
   const std::shared_ptr<const Tokenizer> tokenizer = engine::read_tokenizer(o.model_dir);
   const std::vector<int32_t> eos = engine::read_eos_token_ids(o.model_dir, config);
   const std::shared_ptr<const jinja::ChatTemplate> chat_template = load_chat_template(o, log);
-  check_adapter_configs(o);
+  for (const std::string& line : settle_serve_options(o, config, adapter_ranks(o))) {
+    std::fprintf(log, "loraplex serve: %s\n", line.c_str());
+  }
   check_can_listen(o.http.host, o.http.port);
+  fit_connections_to_fd_limit(o.http, log);
 
   const auto t0 = std::chrono::steady_clock::now();
   engine::EngineOptions options = o.engine;
@@ -249,11 +277,14 @@ int run_serve(const ServeOptions& o, std::FILE* log) {
   }
   std::fprintf(log,
                "loraplex serve: %s (%s) on %s, %s: %lld KV blocks of %lld tokens, max_model_len "
-               "%lld, %zu adapter(s) loaded, chat template: %s; ready in %.2f s\n",
+               "%lld, %zu adapter(s) loaded, max_loras %d, max_lora_rank %d, runtime adapter "
+               "loading %s, chat template: %s; ready in %.2f s\n",
                o.served_model_name.c_str(), model::architecture_name(config.arch), where.c_str(),
                std::string(dtype_name(dtype)).c_str(), static_cast<long long>(m.num_kv_blocks),
                static_cast<long long>(m.kv_block_size),
                static_cast<long long>(engine.options().max_model_len), o.loras.size(),
+               engine.options().max_loras, engine.options().max_lora_rank,
+               o.enable_lora_loading ? "on" : "off",
                chat_template ? chat_template->origin().c_str() : "none",
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
@@ -262,6 +293,16 @@ int run_serve(const ServeOptions& o, std::FILE* log) {
   sc.served_model_name = o.served_model_name;
   sc.model_root = o.model_dir;
   sc.lora_dir = o.lora_dir;
+  sc.runtime_lora_updating = o.enable_lora_loading;
+  if (o.enable_lora_loading) {
+    if (!o.lora_dir.empty()) sc.lora_roots.push_back(o.lora_dir);
+    sc.lora_roots.insert(sc.lora_roots.end(), o.allowed_lora_paths.begin(),
+                         o.allowed_lora_paths.end());
+  }
+  sc.log = [log](const std::string& line) {
+    std::fprintf(log, "loraplex serve: %s\n", line.c_str());
+    std::fflush(log);
+  };
   sc.chat_template = chat_template;
   sc.version = LORAPLEX_VERSION;
   OpenAIService service(backend, sc);
