@@ -33,6 +33,14 @@ if ! python3 -c "import jinja2, prometheus_client" 2>/dev/null; then
         python3-jinja2 python3-prometheus-client
     }
 fi
+# The Python package (python/, built with -DLORAPLEX_PYTHON=ON) and its tests: nanobind
+# (the bindings), pytest and numpy; torch (PyPI's wheel, about 3 minutes and 4 GB on a fresh
+# machine) for the ops on torch tensors. pip only.
+if ! python3 -c "import nanobind, pytest, numpy, torch" 2>/dev/null; then
+  echo "installing Python modules: nanobind pytest numpy torch"
+  python3 -m pip install --quiet nanobind pytest numpy torch 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages nanobind pytest numpy torch
+fi
 # The official OpenAI Python client drives `loraplex serve` in its end-to-end test (Debian does
 # not package it: pip only).
 if ! python3 -c "import openai" 2>/dev/null; then
