@@ -70,9 +70,14 @@ def _stream_handle(array: Any, stream: Any) -> int:
 def _dl(array: Any) -> Any:
     """`array` as nanobind should import it. A CUDA torch tensor is handed over as a DLPack
     capsule made without stream synchronisation: the op runs on the caller's stream, and the
-    producer-side event torch would add otherwise costs time and breaks CUDA graph capture."""
-    if type(array).__module__.startswith("torch") and array.is_cuda:
-        return array.__dlpack__(stream=-1)
+    producer-side event older torch versions add otherwise costs time and breaks CUDA graph
+    capture. Tensors that require grad are exported detached (torch refuses them otherwise)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        if array.requires_grad:
+            array = array.detach()
+        if array.is_cuda:
+            return array.__dlpack__(stream=-1)
     return array
 
 
