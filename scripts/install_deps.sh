@@ -2,9 +2,11 @@
 # Installs what loraplex needs to build and test on a fresh Debian/Ubuntu machine. Packages
 # already present are not touched, so this is quick on a prepared machine.
 set -euo pipefail
-# libcpp-httplib-dev and libcli11-dev: the HTTP server and the `serve` command line.
+# libcpp-httplib-dev and libcli11-dev: the HTTP server and the `serve` command line;
+# python3-dev: the Python package's extension module (Debian's python3; others ship headers).
 packages=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libonig-dev
-          clang clang-format libclang-rt-14-dev git libicu-dev libcpp-httplib-dev libcli11-dev)
+          clang clang-format libclang-rt-14-dev git libicu-dev libcpp-httplib-dev libcli11-dev
+          python3-dev)
 # scripts/fetch_flashinfer.sh downloads a wheel with pip.
 python3 -m pip --version >/dev/null 2>&1 || packages+=(python3-pip)
 sudo=""
