@@ -235,8 +235,10 @@ void lora_shrink(const Array& inputs, const std::vector<Array>& lora_a, const Ar
 void lora_expand(const Array& inputs, const std::vector<Array>& lora_b, const Array& output,
                  const Array& token_lora_mapping, int64_t offset_start, bool add_inputs,
                  uintptr_t stream) {
-  const int64_t tokens = inputs.ndim() == 3 ? static_cast<int64_t>(inputs.shape(1)) : -1;
-  KernelMeta& meta = KernelMeta::of(token_lora_mapping, tokens, "lora_expand");
+  LORAPLEX_CHECK(inputs.ndim() == 3, "lora_expand: inputs must be [num_slices, num_tokens, ",
+                 "rank], got ", inputs.ndim(), " dimensions");
+  KernelMeta& meta =
+      KernelMeta::of(token_lora_mapping, static_cast<int64_t>(inputs.shape(1)), "lora_expand");
   if (meta.no_lora()) return;
   const Tensor x = tensor_view(inputs, "lora_expand: inputs");
   const std::vector<Tensor> b = stacked_weights(lora_b, "lora_expand: lora_b_weights");
