@@ -314,3 +314,29 @@ def test_progress_bar_lines_in_logs():
     assert len(lines) == 11  # one line per tenth when the stream is not a terminal
     assert lines[0].startswith("Loading m:   0%|") and "0 B/100 B" in lines[0]
     assert lines[-1].startswith("Loading m: 100%|" + "#" * 30 + "|")
+
+
+def test_waiting_for_the_engine_releases_the_gil(tiny_llama):
+    """A thread blocked on a request leaves the interpreter to the others: the main thread
+    aborts the request while the waiting thread is inside the wait (were the GIL held there,
+    the abort could only come after the request's 1000 tokens, and it would end "length")."""
+    request = loraplex._C.Request()
+    request.prompt_ids = expected_of("tiny-llama")[0]["prompt_token_ids"]
+    request.options.max_tokens = 1000
+    request.options.ignore_eos = True
+    request.options.temperature = 0.0
+    (handle,) = tiny_llama._engine.submit_all([request])
+    entering = threading.Event()
+    result = {}
+
+    def wait():
+        entering.set()
+        result["out"] = handle.wait()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    entering.wait()
+    handle.abort()
+    waiter.join()
+    assert result["out"].finish_reason == "abort"
+    assert len(result["out"].token_ids) < 1000
