@@ -75,6 +75,19 @@ def test_greedy_outputs_equal_peft_and_generate(fixture, cli, tmp_path):
         assert (lora.lora_name if lora else None) == want["adapter"]
 
 
+def test_tensor_parallel_ranks_give_the_same_tokens():
+    expected = expected_of("tiny-llama")
+    llm = LLM(LLAMA_MODEL, enable_lora=True, max_loras=4, tensor_parallel_size=2)
+    try:
+        outs = llm.generate([e["prompt"] for e in expected], GREEDY_12, lora_request=[
+            None if e["adapter"] is None else
+            LoRARequest(e["adapter"], 1 + sorted(LLAMA_ADAPTERS).index(e["adapter"]),
+                        LLAMA_ADAPTERS[e["adapter"]]) for e in expected])
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [e["output_token_ids"] for e in expected]
+
+
 def test_adapters_added_and_removed_between_calls(tiny_llama):
     expected = expected_of("tiny-llama")
     prompt = expected[0]["prompt"]
