@@ -10,6 +10,17 @@ Errors from the library raise `LoraplexError` (a RuntimeError) with the C++ mess
 refused request raises `RequestError` (also a ValueError).
 """
 
+import importlib.util
+
+from loraplex._build_config import WITH_CUDA
+
+if WITH_CUDA and importlib.util.find_spec("torch") is not None:
+    # The extension links the CUDA toolkit's libraries (cudart, cuBLASLt, NCCL) and torch
+    # loads its own copies under the same names; whichever loads first serves both, and
+    # torch's wheels carry the newer ones (the toolkit's NCCL lacks symbols torch needs, so
+    # torch would fail to import after loraplex). Loading torch first lets both work.
+    import torch  # noqa: F401
+
 from loraplex._C import LoraplexError, RequestError, __version__, built_with_cuda
 from loraplex import ops
 from loraplex.llm import LLM

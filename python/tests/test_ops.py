@@ -11,7 +11,7 @@ import lora_reference as ref
 
 try:
     import torch
-except ImportError:
+except ModuleNotFoundError:
     torch = None
 
 

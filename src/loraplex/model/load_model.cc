@@ -1,6 +1,5 @@
 #include "loraplex/model/load_model.h"
 
-#include <atomic>
 #include <filesystem>
 #include <mutex>
 
@@ -18,11 +17,13 @@ class LoadCounter {
   LoadCounter(int64_t total, LoadProgress progress)
       : total_(total), progress_(std::move(progress)) {}
   void add(int64_t bytes) {
-    const int64_t done = done_.fetch_add(bytes) + bytes;
+    // Counted and reported under one lock, so that the reports of the ranks' threads never
+    // go backwards.
     std::lock_guard<std::mutex> lock(mu_);
+    done_ += bytes;
     // Tensors the model does not read (tied or unused ones) never arrive: the end is reported
     // by finish(), and nothing above total before it.
-    if (done < total_) progress_(done, total_);
+    if (done_ < total_) progress_(done_, total_);
   }
   void finish() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -32,7 +33,7 @@ class LoadCounter {
  private:
   int64_t total_;
   LoadProgress progress_;
-  std::atomic<int64_t> done_{0};
+  int64_t done_ = 0;
   std::mutex mu_;
 };
 
