@@ -85,6 +85,9 @@ def test_ops_run_on_the_callers_stream_and_in_cuda_graphs(dtype):
     args = meta.meta_args(num_tokens)
     eager = y0.clone()
     ops.add_lora_linear(eager, x, [a], [b], 1.0, [n], args)  # also warms up (ranks, scratch)
+    torch.testing.assert_close(
+        eager.double().cpu().numpy(), ref.lora_linear(back(y0), back(x), [back(a)], [back(b)],
+                                                      mapping, 1.0), rtol=3e-2, atol=3e-2)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -92,7 +95,8 @@ def test_ops_run_on_the_callers_stream_and_in_cuda_graphs(dtype):
         on_side = y0.clone()
         ops.add_lora_linear(on_side, x, [a], [b], 1.0, [n], args)
     torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(on_side, eager)
+    # Split-K partial sums may be added in another order from run to run: one bf16/fp16 step.
+    torch.testing.assert_close(on_side, eager, rtol=1e-2, atol=1e-2)
 
     captured = y0.clone()
     graph = torch.cuda.CUDAGraph()
@@ -101,7 +105,8 @@ def test_ops_run_on_the_callers_stream_and_in_cuda_graphs(dtype):
     captured.copy_(y0)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    torch.testing.assert_close(captured, eager, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(captured, y0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
