@@ -24,6 +24,11 @@
 #   scripts/gpu.sh hf [ARGS]        the HF transformers + PEFT anchor (bench/anchors/e2e, copied
 #                                   there from ../shared/anchors before the call) on a checkpoint
 #                                   written by its make_model.py into /tmp/e2e_model
+#   scripts/gpu.sh python [ARGS]    the Python package (built by `build` when nanobind was packed
+#                                   into .device/deps): its GPU tests (python/tests/
+#                                   test_ops_cuda.py, a GPU required), then
+#                                   bench/python_ops_bench.py against `bench kernels` (ARGS go to
+#                                   the bench, e.g. --quick; JSON into $OUT/python_ops.json)
 #
 # Several verbs run in order: `scripts/gpu.sh build test kernels`. Logs and JSON go to $OUT
 # (the device tool brings it back); each verb prints a short summary last.
@@ -37,13 +42,19 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # the command so that the JSON records the commit that ran.
 export LORAPLEX_COMMIT=${LORAPLEX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 bin=$PWD/build/tools/loraplex
-verbs=" build test generate kernels sweep profile e2e serve adapter-load probes hf "
+verbs=" build test generate kernels sweep profile e2e serve adapter-load probes hf python "
 
 verb_build() {
   local start=$SECONDS
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  # The Python package when nanobind was packed and this Python has its headers.
+  local python=()
+  if [[ -d "$deps/nanobind/cmake" ]] && python3 -c "import os, sysconfig, sys
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+    python=(-DLORAPLEX_PYTHON=ON -Dnanobind_DIR="$deps/nanobind/cmake")
+  fi
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$deps" \
-    -DLORAPLEX_GTEST_SOURCE_DIR="$deps/src/googletest" >"$out/build.log" 2>&1 &&
+    -DLORAPLEX_GTEST_SOURCE_DIR="$deps/src/googletest" "${python[@]}" >"$out/build.log" 2>&1 &&
     ninja -C build -j"$(nproc)" >>"$out/build.log" 2>&1
   local status=$?
   echo "build status $status in $((SECONDS - start)) s"
@@ -163,6 +174,18 @@ verb_hf() {
   tail -5 "$out/hf.log"
 }
 
+verb_python() {
+  local start=$SECONDS
+  PYTHONPATH=$PWD/build/python LORAPLEX_REQUIRE_GPU=1 timeout 900 python3 -m pytest -q \
+    -p no:cacheprovider python/tests/test_ops_cuda.py >"$out/python_tests.log" 2>&1
+  echo "python GPU tests status $? in $((SECONDS - start)) s"
+  tail -3 "$out/python_tests.log"
+  PYTHONPATH=$PWD/build/python timeout 1800 python3 bench/python_ops_bench.py --cli "$bin" \
+    --json "$out/python_ops.json" "$@" >"$out/python_ops.log" 2>&1
+  echo "python ops bench status $? in $((SECONDS - start)) s"
+  tail -3 "$out/python_ops.log"
+}
+
 while [[ $# -gt 0 ]]; do
   verb=$1
   shift
@@ -183,6 +206,7 @@ while [[ $# -gt 0 ]]; do
     adapter-load) verb_bench adapter-load "${args[@]}" ;;
     probes) verb_probes ;;
     hf) verb_hf "${args[@]}" ;;
+    python) verb_python "${args[@]}" ;;
     *) echo "unknown verb '$verb' (${verbs# })"; exit 2 ;;
   esac
 done

@@ -2,9 +2,11 @@
 # Installs what loraplex needs to build and test on a fresh Debian/Ubuntu machine. Packages
 # already present are not touched, so this is quick on a prepared machine.
 set -euo pipefail
-# libcpp-httplib-dev and libcli11-dev: the HTTP server and the `serve` command line.
+# libcpp-httplib-dev and libcli11-dev: the HTTP server and the `serve` command line;
+# python3-dev: the Python package's extension module (Debian's python3; others ship headers).
 packages=(cmake ninja-build g++ pkg-config libgtest-dev nlohmann-json3-dev libonig-dev
-          clang clang-format libclang-rt-14-dev git libicu-dev libcpp-httplib-dev libcli11-dev)
+          clang clang-format libclang-rt-14-dev git libicu-dev libcpp-httplib-dev libcli11-dev
+          python3-dev)
 # scripts/fetch_flashinfer.sh downloads a wheel with pip.
 python3 -m pip --version >/dev/null 2>&1 || packages+=(python3-pip)
 sudo=""
@@ -32,6 +34,14 @@ if ! python3 -c "import jinja2, prometheus_client" 2>/dev/null; then
       DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
         python3-jinja2 python3-prometheus-client
     }
+fi
+# The Python package (python/, built with -DLORAPLEX_PYTHON=ON) and its tests: nanobind
+# (the bindings), pytest and numpy; torch (PyPI's wheel, about 3 minutes and 4 GB on a fresh
+# machine) for the ops on torch tensors. pip only.
+if ! python3 -c "import nanobind, pytest, numpy, torch" 2>/dev/null; then
+  echo "installing Python modules: nanobind pytest numpy torch"
+  python3 -m pip install --quiet nanobind pytest numpy torch 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages nanobind pytest numpy torch
 fi
 # The official OpenAI Python client drives `loraplex serve` in its end-to-end test (Debian does
 # not package it: pip only).

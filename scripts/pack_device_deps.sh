@@ -36,4 +36,13 @@ fi
 # The prefix is written relative to the .pc file so the folder can move to another machine.
 sed 's|^prefix=.*|prefix=${pcfiledir}/../..|' /usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc \
   >"$dest/lib/pkgconfig/oniguruma.pc"
+# nanobind (the Python package's bindings; pure Python and C++ sources, about 1 MB): scripts/
+# gpu.sh builds the Python package when it finds it here.
+nanobind=$(python3 -c "import nanobind, os; print(os.path.dirname(nanobind.__file__))" \
+  2>/dev/null || true)
+if [ -n "$nanobind" ]; then
+  rm -rf "$dest/nanobind"
+  cp -r "$nanobind" "$dest/nanobind"
+  rm -rf "$dest/nanobind/__pycache__"
+fi
 echo "packed into $dest: $(du -sh "$dest" | cut -f1)"

@@ -31,6 +31,7 @@ class CheckpointWeights : public WeightSource {
   bool has(const std::string& name) const override { return ckpt_.has(name); }
   Tensor get(const std::string& name, const Shape& shape) const override;
   const std::string& origin() const override { return ckpt_.dir(); }
+  const Checkpoint& checkpoint() const { return ckpt_; }
 
  private:
   Checkpoint ckpt_;

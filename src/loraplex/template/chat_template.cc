@@ -84,11 +84,16 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
 
 ChatTemplate ChatTemplate::from_file(const std::string& path,
                                      const std::string& tokenizer_config_path) {
+  return from_source(read_text(path), tokenizer_config_path, path);
+}
+
+ChatTemplate ChatTemplate::from_source(std::string source, const std::string& tokenizer_config_path,
+                                       std::string origin) {
   nlohmann::ordered_json tokens = nlohmann::ordered_json::object();
   if (!tokenizer_config_path.empty() && std::filesystem::exists(tokenizer_config_path)) {
     tokens = special_tokens_of(read_json(tokenizer_config_path));
   }
-  return ChatTemplate(read_text(path), std::move(tokens), path);
+  return ChatTemplate(std::move(source), std::move(tokens), std::move(origin));
 }
 
 std::string ChatTemplate::render(const nlohmann::ordered_json& messages,

@@ -36,6 +36,10 @@ class ChatTemplate {
   /// A template file (--chat-template) with the special tokens of `tokenizer_config_path` when
   /// that file exists.
   static ChatTemplate from_file(const std::string& path, const std::string& tokenizer_config_path);
+  /// Template text given directly (the Python API's chat_template argument); `origin` names
+  /// it in error messages.
+  static ChatTemplate from_source(std::string source, const std::string& tokenizer_config_path,
+                                  std::string origin);
 
   /// Renders `messages` (a JSON array of message objects). Throws TemplateRenderError for a
   /// raise_exception or a render failure, loraplex::Error for invalid options.
