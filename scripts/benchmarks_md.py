@@ -3,7 +3,8 @@
 kernel grid (vLLM's Triton kernels beside each case), the end-to-end runs and the serving runs,
 each with its device, date, commit and command.
 
-usage: benchmarks_md.py [--kernels JSON]... [--vllm CSV [--vllm-run TEXT]]
+usage: benchmarks_md.py [--sources FILE] [--out FILE | --check FILE] [--summary]
+       benchmarks_md.py [--kernels JSON]... [--vllm CSV [--vllm-run TEXT]]
                         [--e2e JSON]... [--paths JSON...]... [--serve JSON]... [--out FILE]
                         [--summary]
 
@@ -14,7 +15,13 @@ usage: benchmarks_md.py [--kernels JSON]... [--vllm CSV [--vllm-run TEXT]]
   --e2e       `loraplex bench e2e --json` output
   --paths     `bench e2e` runs of one call that differ only in --lora-decode: one table
   --serve     `loraplex bench serve --json` output (PATH=DEVICE for a run over HTTP)
+  --sources   a JSON file naming all of the above (keys kernels, vllm, vllm_run, hf, e2e,
+              paths, ab, note [{device, text}], serve [{path, device?}]); the default when no
+              result file is named: bench/benchmarks_sources.json, where the committed
+              BENCHMARKS.md's inputs and notes live
   --out       where to write (default: standard output)
+  --check     regenerate and compare with this file instead of writing; exit 1 with a diff
+              when they differ (CI runs it on BENCHMARKS.md)
   --summary   a few plain-text lines per kernel run instead of the document
 
 Every table says which file it came from; the command line that made the document is at its end.
@@ -310,6 +317,23 @@ def serve_table(doc, source):
     return out + [""]
 
 
+def read_sources(a, path):
+    """Fills the arguments from a sources file (see --sources)."""
+    with open(path) as f:
+        src = json.load(f)
+    a.kernels = src.get("kernels", [])
+    a.vllm = src.get("vllm")
+    a.vllm_run = src.get("vllm_run", "")
+    a.hf = src.get("hf")
+    a.e2e = src.get("e2e", [])
+    a.paths = src.get("paths", [])
+    a.ab = [tuple(pair) for pair in src.get("ab", [])]
+    a.note = [n["device"] + "=" + n["text"] for n in src.get("note", [])]
+    a.serve = [s["path"] + ("=" + s["device"] if s.get("device") else "")
+               for s in src.get("serve", [])]
+    a.from_sources = path
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", action="append", default=[])
@@ -324,9 +348,15 @@ def main():
                    help="two `bench kernels` JSON files of one call: old and new build")
     p.add_argument("--note", action="append", default=[],
                    help="DEVICE=TEXT: a paragraph for a device's section (figures without JSON)")
+    p.add_argument("--sources")
     p.add_argument("--out")
+    p.add_argument("--check")
     p.add_argument("--summary", action="store_true")
     a = p.parse_args()
+    named = a.kernels or a.e2e or a.serve or a.paths or a.ab or a.vllm or a.hf or a.note
+    if a.sources or not named:
+        read_sources(a, a.sources or "bench/benchmarks_sources.json")
+    a.from_sources = getattr(a, "from_sources", None)
     vllm = load_vllm(a.vllm) if a.vllm else {}
 
     sections = defaultdict(list)  # device -> lines
@@ -368,8 +398,21 @@ def main():
             METHOD]
     for device, lines in sections.items():
         text += [f"## {device}", ""] + lines
-    text += ["Made by:", "", "    python3 scripts/benchmarks_md.py " + shlex.join(sys.argv[1:]), ""]
+    made_by = ("python3 scripts/benchmarks_md.py --out BENCHMARKS.md" if a.from_sources else
+               "python3 scripts/benchmarks_md.py " + shlex.join(sys.argv[1:]))
+    text += ["Made by" + (f" (inputs and notes: `{a.from_sources}`)" if a.from_sources else "") +
+             ":", "", "    " + made_by, ""]
     doc = "\n".join(text)
+    if a.check:
+        with open(a.check) as f:
+            old = f.read()
+        if old != doc:
+            import difflib
+            sys.stdout.writelines(difflib.unified_diff(
+                old.splitlines(True), doc.splitlines(True), a.check, "regenerated"))
+            sys.exit(f"{a.check} differs from what scripts/benchmarks_md.py makes of its "
+                     "sources: regenerate it (see its end)")
+        return
     if a.out:
         with open(a.out, "w") as f:
             f.write(doc)
