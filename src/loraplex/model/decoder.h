@@ -149,8 +149,8 @@ class Decoder final : public ModelExecutor {
     void upload(Section s, size_t bytes, const Stream& stream) const;
   };
   // How a step picks its tokens on the device: the sampling op (greedy rows included: its
-  // argmax spreads a row over a cluster, where a one-block-per-row argmax took 0.19 ms of an
-  // H200's 5.7 ms decode step at vocab 128256), with or without log-probabilities.
+  // argmax spreads a row over a cluster, where one block per row leaves a 128K-entry row to one
+  // SM), with or without log-probabilities.
   enum class Sampling { kSample, kSampleLogprobs };
 
   Decoder() = default;
@@ -211,9 +211,7 @@ class Decoder final : public ModelExecutor {
   StepTopLogprobs top_;          // this step's top logprobs (none in most steps)
   // Small batches with LoRA (decode) run each projection's LoRA on a second stream beside its
   // base product, which it would otherwise wait for, and the following elementwise op adds the
-  // LoRA output from these buffers ([kOverlapTokens, width]). Measured on an H200 (llama3-8b
-  // shape, 32 sequences, 8 adapters): 6.86 ms per decode step against 7.02 ms in sequence; the
-  // LoRA stream at the highest priority was slower (7.36 ms: its blocks delay the GEMMs').
+  // LoRA output from these buffers ([kOverlapTokens, width]) (LoraDecode::kOverlap).
   static constexpr int64_t kOverlapTokens = 512;
   // The fused path's projection outputs: [tokens, base columns + slots x intermediate columns]
   // for up to options_.fused_lora_max_tokens tokens, viewed at each step's row width.

@@ -26,9 +26,8 @@ namespace loraplex::model {
 ///   kOverlap: each projection's LoRA kernels on a second stream beside its GEMM (one GPU);
 ///   kKernels: each projection's LoRA kernels after its GEMM, in stream order;
 ///   kAuto: kOverlap for steps of up to kAutoOverlapTokens tokens where it exists, else kFused.
-/// Measured on an H200 (llama3-8b, docs/architecture.md): the fused path took 6.90 ms a step at
-/// 32 sequences over 8 adapters and 5.77 at one sequence, the overlap 6.64 and 5.11; at 256
-/// sequences over 64 adapters fused 15.55, overlap 17.69.
+/// Which wins at which size is measured in BENCHMARKS.md and explained in docs/architecture.md
+/// ("How a decode step runs its LoRA").
 enum class LoraDecode { kAuto, kFused, kOverlap, kKernels };
 inline constexpr int64_t kAutoOverlapTokens = 64;
 
