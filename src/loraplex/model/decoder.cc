@@ -816,8 +816,7 @@ void Decoder::launch(const StepBatch& batch) {
   LORAPLEX_CHECK(launched_.size() < static_cast<size_t>(kMaxLaunchedSteps),
                  "Decoder::launch: ", launched_.size(),
                  " steps launched and not collected; collect() first");
-  // Whatever happens below, a failed launch leaves no ids for the next step to take.
-  const int64_t feedable = std::exchange(feedable_rows_, 0);
+  const int64_t feedable = feedable_rows_;
   const auto [n, num_sampled, pure_decode, fed] = summarize(batch, feedable);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
@@ -826,6 +825,9 @@ void Decoder::launch(const StepBatch& batch) {
   // Logits adjustments and top logprobs vary from step to step: such a step runs eagerly.
   const bool adjusting = adjust_.stage(batch, local_.vocab_size);
   top_[slot].stage(batch);
+  // The batch passed its checks; from here on a launch that fails may have overwritten the
+  // ids, and leaves none for the next step to take.
+  feedable_rows_ = 0;
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
                      pure_decode && bucket > 0 && !adjusting && top_[slot].k() == 0;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
