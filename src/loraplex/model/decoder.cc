@@ -779,10 +779,8 @@ Decoder::BatchSummary Decoder::summarize(const StepBatch& batch, int64_t feedabl
       LORAPLEX_CHECK(b >= 0 && b < kv_->num_blocks(), "step batch: sequence ", i, " has block ", b,
                      ", expected 0..", kv_->num_blocks() - 1);
     }
-    LORAPLEX_CHECK(q.feed_row<feedable, "step batch: sequence ", i, " takes its token from row ",
-                              q.feed_row, " of the previous step, which sampled ", feedable> 0
-                       ? detail::concat(feedable, " rows")
-                       : std::string("none"));
+    LORAPLEX_CHECK(feedable > q.feed_row, "step batch: sequence ", i, " takes its token from row ",
+                   q.feed_row, " of the previous step, which sampled ", feedable, " rows");
     fed = fed || q.feed_row >= 0;
     // A fed token's host value is a placeholder.
     const size_t known = q.tokens.size() - (q.feed_row >= 0 ? 1 : 0);
