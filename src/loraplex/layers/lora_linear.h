@@ -218,7 +218,7 @@ class LoraLinear {
   Tensor weight_;        // storage_'s first local out rows
   Tensor bias_storage_;  // [storage_ rows]: the bias, then zeros (undefined when none)
   Tensor bias_;          // its first local out entries
-  bool loaded_ = false;   // load_base has run (the storage exists from construction)
+  bool loaded_ = false;  // load_base has run (the storage exists from construction)
   bool fused_layout_ = false;
   int64_t slot_cols_ = 0;  // A rows per slot in storage_ (num_lora_slices * max_lora_rank)
   std::vector<Tensor> lora_a_;
