@@ -150,6 +150,7 @@ class LLM:
         kv_cache_memory_bytes: Optional[int] = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        async_scheduling: bool = True,
         fully_sharded_loras: bool = False,
         enforce_eager: bool = False,
         device: str = "auto",
@@ -191,6 +192,7 @@ class LLM:
         options.kv_block_size = block_size
         options.max_model_len = max_model_len or 0
         options.enable_prefix_caching = enable_prefix_caching
+        options.async_scheduling = async_scheduling
         options.seed = seed or 0
         options.tensor_parallel_size = tensor_parallel_size
         options.fully_sharded_loras = fully_sharded_loras

@@ -173,6 +173,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("kv_block_size", &engine::EngineOptions::kv_block_size)
       .def_rw("max_model_len", &engine::EngineOptions::max_model_len)
       .def_rw("enable_prefix_caching", &engine::EngineOptions::enable_prefix_caching)
+      .def_rw("async_scheduling", &engine::EngineOptions::async_scheduling)
       .def_rw("seed", &engine::EngineOptions::seed)
       .def_rw("lora_evict_after_s", &engine::EngineOptions::lora_evict_after_s)
       .def_rw("tensor_parallel_size", &engine::EngineOptions::tensor_parallel_size)

@@ -75,9 +75,11 @@ def test_greedy_outputs_equal_peft_and_generate(fixture, cli, tmp_path):
         assert (lora.lora_name if lora else None) == want["adapter"]
 
 
-def test_tensor_parallel_ranks_give_the_same_tokens():
+@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2}, {"async_scheduling": False}],
+                         ids=["tp2", "sync"])
+def test_tensor_parallel_and_synchronous_steps_give_the_same_tokens(kwargs):
     expected = expected_of("tiny-llama")
-    llm = LLM(LLAMA_MODEL, enable_lora=True, max_loras=4, tensor_parallel_size=2)
+    llm = LLM(LLAMA_MODEL, enable_lora=True, max_loras=4, **kwargs)
     try:
         outs = llm.generate([e["prompt"] for e in expected], GREEDY_12, lora_request=[
             None if e["adapter"] is None else

@@ -9,18 +9,15 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
-#include "../model/fixture_support.h"
+#include "engine_test_support.h"
 #include "loraplex/core/error.h"
 #include "loraplex/engine/engine.h"
-#include "loraplex/engine/model_files.h"
-#include "loraplex/model/decoder.h"
 
 namespace loraplex::test {
 namespace {
@@ -34,71 +31,6 @@ using engine::RequestError;
 using engine::RequestHandle;
 using engine::RequestOutput;
 
-const char* const kAdapters[] = {"pirate", "rslora", "sql", "vocab"};
-
-EngineOptions small_options() {
-  EngineOptions o;
-  o.max_num_seqs = 32;
-  o.max_num_batched_tokens = 256;
-  o.max_loras = 4;
-  o.max_lora_rank = 16;
-  o.num_kv_blocks = 256;
-  o.kv_block_size = 4;
-  return o;
-}
-
-std::unique_ptr<Engine> make_engine(const std::string& fixture, const EngineOptions& o,
-                                    bool with_adapters = true) {
-  const std::string dir = fixture_dir(fixture) + "/model";
-  auto decoder =
-      model::Decoder::load(dir, engine::engine_decoder_options(o, DType::kF32, Device::cpu()));
-  const model::ModelConfig config = decoder->config();
-  auto e = std::make_unique<Engine>(std::move(decoder), engine::read_tokenizer(dir),
-                                    engine::read_eos_token_ids(dir, config), o);
-  if (with_adapters && fixture == "tiny-llama") {
-    for (const char* a : kAdapters)
-      e->load_adapter(a, fixture_dir(fixture) + "/adapters/" + std::string(a));
-  }
-  return e;
-}
-
-Request fixture_request(const ExpectedLine& e, int64_t max_tokens = 12) {
-  Request r;
-  r.prompt = e.prompt;
-  r.adapter = e.adapter.value_or("");
-  r.options.max_tokens = max_tokens;
-  r.options.temperature = 0.0f;
-  r.options.ignore_eos = true;
-  return r;
-}
-
-// Runs every expected line through `engine` (all submitted at once) and checks the tokens.
-void expect_fixture_tokens(Engine& engine, const std::vector<ExpectedLine>& expected,
-                           const std::string& what) {
-  std::vector<Request> requests;
-  for (const ExpectedLine& e : expected) requests.push_back(fixture_request(e));
-  std::vector<RequestHandle> handles = engine.submit_all(std::move(requests));
-  for (size_t i = 0; i < handles.size(); ++i) {
-    const RequestOutput out = handles[i].wait();
-    EXPECT_EQ(out.finish_reason, FinishReason::kLength) << what << " request " << i << out.error;
-    EXPECT_EQ(out.token_ids, expected[i].output_token_ids)
-        << what << ": request " << i << " (" << expected[i].prompt << ", "
-        << expected[i].adapter.value_or("base") << ")";
-    EXPECT_EQ(handles[i].prompt_ids(), expected[i].prompt_token_ids) << what << " request " << i;
-  }
-}
-
-// Polls the metrics until `pred` holds (the step loop publishes them after each step).
-template <typename Pred>
-EngineMetrics wait_metrics(const Engine& engine, Pred pred) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (;;) {
-    EngineMetrics m = engine.metrics();
-    if (pred(m) || std::chrono::steady_clock::now() > deadline) return m;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
-
 class EngineTinyLlama : public ::testing::Test {
  protected:
   void SetUp() override { expected_ = read_expected("tiny-llama"); }
@@ -106,7 +38,7 @@ class EngineTinyLlama : public ::testing::Test {
 };
 
 TEST_F(EngineTinyLlama, MatchesPeftInOneBatch) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   expect_fixture_tokens(*engine, expected_, "one batch");
   const EngineMetrics m = engine->metrics();
   EXPECT_EQ(m.max_step_adapters, 4);
@@ -115,33 +47,33 @@ TEST_F(EngineTinyLlama, MatchesPeftInOneBatch) {
 
 TEST_F(EngineTinyLlama, ChunkedPrefillGivesTheTokensOfAWholePrefill) {
   for (int64_t budget : {1, 3, 7}) {
-    EngineOptions o = small_options();
+    EngineOptions o = small_engine_options();
     o.max_num_batched_tokens = budget;
-    auto engine = make_engine("tiny-llama", o);
+    auto engine = make_fixture_engine("tiny-llama", o);
     expect_fixture_tokens(*engine, expected_, "budget " + std::to_string(budget));
     EXPECT_LE(engine->metrics().max_step_tokens, budget);
   }
 }
 
 TEST_F(EngineTinyLlama, PreemptedSequencesRecomputeTheSameTokens) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.num_kv_blocks = 14;  // one request needs up to 6 blocks of 4: preemption is certain
   o.enable_prefix_caching = false;
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   expect_fixture_tokens(*engine, expected_, "14 blocks");
   EXPECT_GT(engine->metrics().preemptions_total, 0);
   // With the prefix cache, recomputation starts from the blocks still cached.
   o.enable_prefix_caching = true;
-  engine = make_engine("tiny-llama", o);
+  engine = make_fixture_engine("tiny-llama", o);
   expect_fixture_tokens(*engine, expected_, "14 blocks, prefix cache");
   EXPECT_GT(engine->metrics().preemptions_total, 0);
 }
 
 TEST_F(EngineTinyLlama, FewerSlotsThanAdapters) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.max_loras = 1;
   o.lora_drain_after_s = 0.0;
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   expect_fixture_tokens(*engine, expected_, "one slot");
   EXPECT_EQ(engine->metrics().max_step_adapters, 1);
 }
@@ -151,11 +83,11 @@ TEST_F(EngineTinyLlama, FewerSlotsThanAdapters) {
 // off: no long-wait evictions); the evicted sequences are recomputed and still give PEFT's
 // tokens.
 TEST_F(EngineTinyLlama, EvictedSequencesRecomputeTheSameTokens) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.max_loras = 1;
   o.lora_drain_after_s = 1e9;
   o.lora_evict_after_s = 0.0;
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   expect_fixture_tokens(*engine, expected_, "one slot, eviction");
   const EngineMetrics m = engine->metrics();
   EXPECT_GT(m.lora_evictions_total, 0);
@@ -164,16 +96,16 @@ TEST_F(EngineTinyLlama, EvictedSequencesRecomputeTheSameTokens) {
   EXPECT_EQ(m.max_step_adapters, 1);
 
   o.lora_evict_after_s = std::nan("");
-  EXPECT_THROW(make_engine("tiny-llama", o), Error);
+  EXPECT_THROW(make_fixture_engine("tiny-llama", o), Error);
   o.lora_evict_after_s = -1.0;  // off
-  engine = make_engine("tiny-llama", o);
+  engine = make_fixture_engine("tiny-llama", o);
   expect_fixture_tokens(*engine, expected_, "one slot, no eviction");
   EXPECT_EQ(engine->metrics().lora_evictions_total, 0);
   EXPECT_EQ(engine->metrics().preemptions_total, 0);
 }
 
 TEST_F(EngineTinyLlama, PrefixCacheHitsPerAdapter) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   // A 10-token prompt: two full blocks of 4 can come from the cache.
   const auto it = std::find_if(expected_.begin(), expected_.end(), [](const ExpectedLine& e) {
     return e.prompt_token_ids.size() == 10 && e.adapter == "sql";
@@ -194,7 +126,7 @@ TEST_F(EngineTinyLlama, PrefixCacheHitsPerAdapter) {
 }
 
 TEST_F(EngineTinyLlama, StreamsTokensAndTextThatConcatenateToTheDecode) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   // Long enough (hundreds of steps) that the reader sees it in pieces even on a loaded
   // machine, where 12 tokens could all be done before the first read.
   constexpr int64_t kTokens = 400;
@@ -225,7 +157,7 @@ TEST_F(EngineTinyLlama, StreamsTokensAndTextThatConcatenateToTheDecode) {
 }
 
 TEST_F(EngineTinyLlama, StopTokenIdsEosAndLength) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   const ExpectedLine& e = expected_[0];  // 606 250 397 440 110 606 ...
   Request r = fixture_request(e);
   r.options.stop_token_ids = {440};
@@ -270,7 +202,7 @@ TEST_F(EngineTinyLlama, StopTokenIdsEosAndLength) {
 }
 
 TEST_F(EngineTinyLlama, StopStringsCutTheText) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   const ExpectedLine& e = expected_[9];  // " arymlockymfilename bytes contextplace areatedymidth"
   const std::string full = engine->tokenizer().decode(e.output_token_ids, true);
   const size_t at = full.find("bytes");
@@ -288,7 +220,7 @@ TEST_F(EngineTinyLlama, StopStringsCutTheText) {
 }
 
 TEST_F(EngineTinyLlama, LogprobOfTheFirstTokenMatchesPeft) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   std::vector<Request> requests;
   for (const ExpectedLine& e : expected_) {
     requests.push_back(fixture_request(e, 3));
@@ -312,7 +244,7 @@ TEST_F(EngineTinyLlama, LogprobOfTheFirstTokenMatchesPeft) {
 }
 
 TEST_F(EngineTinyLlama, SeededSamplingIsBatchIndependent) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   Request r = fixture_request(expected_[4]);
   r.options.temperature = 0.9f;
   r.options.top_k = 40;
@@ -332,7 +264,7 @@ TEST_F(EngineTinyLlama, SeededSamplingIsBatchIndependent) {
 
 TEST_F(EngineTinyLlama, TinyTemperaturesSampleGreedily) {
   // Logits divided by 1e-40 overflow to inf: sampled at random before vLLM's epsilon applied.
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   for (const float t : {1e-40f, 1e-30f, 1e-6f}) {
     for (size_t i = 0; i < 6; ++i) {
       Request r = fixture_request(expected_[i]);
@@ -348,7 +280,7 @@ TEST_F(EngineTinyLlama, TinyTemperaturesSampleGreedily) {
 // ids bound every output, a bad word's first token is never sampled where greedy picked it, and
 // penalties change a greedy output only where it repeats.
 TEST_F(EngineTinyLlama, LogitsProcessingChangesTheSampledTokens) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   const ExpectedLine& e = expected_[1];  // an adapter's request
   Request r = fixture_request(e);
   r.options.logit_bias = {{321, 100.0f}};
@@ -394,7 +326,7 @@ TEST_F(EngineTinyLlama, LogitsProcessingChangesTheSampledTokens) {
 // Top logprobs: per token the k most probable ids, most probable first; greedy's token is the
 // first, with the sampled token's own log-probability.
 TEST_F(EngineTinyLlama, TopLogprobsRankTheStepsTokens) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   std::vector<Request> batch;
   for (size_t i = 0; i < 4; ++i) {
     Request r = fixture_request(expected_[i]);
@@ -422,9 +354,9 @@ TEST_F(EngineTinyLlama, TopLogprobsRankTheStepsTokens) {
 }
 
 TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.num_kv_blocks = 300;  // 1200 tokens: more than max_model_len
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   const auto refused = [&](Request r, RequestError::Kind kind, const std::string& part) {
     try {
       engine->submit(std::move(r));
@@ -469,7 +401,7 @@ TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
 
   // A rank over max_lora_rank is refused at load, naming the adapter.
   o.max_lora_rank = 8;
-  auto small = make_engine("tiny-llama", o, false);
+  auto small = make_fixture_engine("tiny-llama", o, false);
   try {
     small->load_adapter("pirate", fixture_dir("tiny-llama") + "/adapters/pirate");
     ADD_FAILURE() << "rank 16 loaded under max_lora_rank 8";
@@ -479,7 +411,7 @@ TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
   EXPECT_FALSE(small->has_adapter("pirate"));
   // A KV cache smaller than one request.
   o.num_kv_blocks = 3;
-  auto tiny_cache = make_engine("tiny-llama", o, false);
+  auto tiny_cache = make_fixture_engine("tiny-llama", o, false);
   r = fixture_request(expected_[0]);
   r.adapter = "";
   try {
@@ -492,7 +424,7 @@ TEST_F(EngineTinyLlama, RefusalsNameTheValueAndTheLimit) {
 }
 
 TEST_F(EngineTinyLlama, AbortFreesBlocksAndLeasesAtOnce) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   std::vector<RequestHandle> hs;
   for (int i = 0; i < 8; ++i) {
     Request r = fixture_request(expected_[static_cast<size_t>(i)], 900);
@@ -520,7 +452,7 @@ TEST_F(EngineTinyLlama, AbortFreesBlocksAndLeasesAtOnce) {
 }
 
 TEST_F(EngineTinyLlama, UnloadWhileRunningLetsRequestsFinishThenForgets) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   std::vector<size_t> sql;
   for (size_t i = 0; i < expected_.size(); ++i)
     if (expected_[i].adapter == "sql") sql.push_back(i);
@@ -556,9 +488,9 @@ TEST_F(EngineTinyLlama, UnloadWhileRunningLetsRequestsFinishThenForgets) {
 }
 
 TEST_F(EngineTinyLlama, WaitUntilUnloadedReturnsWhenTheLastRequestEnds) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.max_num_seqs = 1;  // the second request waits behind the first
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   const std::string dir = fixture_dir("tiny-llama") + "/adapters/sql";
   using std::chrono::milliseconds;
   EXPECT_TRUE(engine->wait_until_unloaded("sql", milliseconds(0)));      // loaded: not leaving
@@ -589,10 +521,10 @@ TEST_F(EngineTinyLlama, WaitUntilUnloadedReturnsWhenTheLastRequestEnds) {
 }
 
 TEST_F(EngineTinyLlama, MaxWaitingCountsRequestsTakenButNotYetScheduled) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.max_num_seqs = 1;
   o.max_waiting = 1;
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   RequestHandle running = engine->submit(fixture_request(expected_[0], 1000));
   wait_metrics(*engine, [](const EngineMetrics& m) { return m.num_running == 1; });
   // While `running` decodes, the step loop takes each new request from the inbox at a step
@@ -623,11 +555,11 @@ TEST_F(EngineTinyLlama, MaxWaitingCountsRequestsTakenButNotYetScheduled) {
 }
 
 TEST_F(EngineTinyLlama, ManyThreadsSubmitAbortAndReadMetrics) {
-  EngineOptions o = small_options();
+  EngineOptions o = small_engine_options();
   o.max_num_seqs = 8;
   o.max_loras = 2;
   o.num_kv_blocks = 40;
-  auto engine = make_engine("tiny-llama", o);
+  auto engine = make_fixture_engine("tiny-llama", o);
   std::atomic<bool> done{false};
   std::thread reader([&] {
     while (!done) {
@@ -692,7 +624,7 @@ TEST_F(EngineTinyLlama, ManyThreadsSubmitAbortAndReadMetrics) {
 }
 
 TEST_F(EngineTinyLlama, MetricsCountRequestsTokensAndTimes) {
-  auto engine = make_engine("tiny-llama", small_options());
+  auto engine = make_fixture_engine("tiny-llama", small_engine_options());
   expect_fixture_tokens(*engine, expected_, "metrics");
   const EngineMetrics m = wait_metrics(
       *engine, [&](const EngineMetrics& m) { return m.finished_total.at("length") == 30; });
@@ -721,12 +653,9 @@ TEST_F(EngineTinyLlama, MetricsCountRequestsTokensAndTimes) {
 TEST(EngineFixtures, QwenAndMixtralMatchPeft) {
   for (const char* fixture : {"tiny-qwen2", "tiny-mixtral", "tiny-qwen3", "tiny-qwen3-moe"}) {
     const std::vector<ExpectedLine> expected = read_expected(fixture);
-    EngineOptions o = small_options();
+    EngineOptions o = small_engine_options();
     o.max_num_batched_tokens = 5;  // chunked prefill as well
-    const std::string dir = fixture_dir(fixture);
-    auto engine = make_engine(fixture, o, false);
-    for (const auto& entry : std::filesystem::directory_iterator(dir + "/adapters"))
-      engine->load_adapter(entry.path().filename().string(), entry.path().string());
+    auto engine = make_fixture_engine(fixture, o);
     expect_fixture_tokens(*engine, expected, fixture);
   }
 }

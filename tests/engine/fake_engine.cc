@@ -112,6 +112,7 @@ int32_t FakeModel::token_of(uint64_t state) const {
 std::vector<int32_t> FakeModel::run(const engine::StepPlan& plan,
                                     const engine::BlockManager& blocks) {
   std::vector<int32_t> out;
+  std::map<uint64_t, int32_t> sampled;
   for (const engine::ScheduledSeq& q : plan.seqs) {
     const engine::Sequence& s = *q.seq;
     uint64_t state = 0;
@@ -142,11 +143,25 @@ std::vector<int32_t> FakeModel::run(const engine::StepPlan& plan,
         ADD_FAILURE() << "sequence " << s.id << " writes position " << p << " into block " << block
                       << ", which " << blocks.ref_count(block) << " sequences hold";
       }
-      state = step_state(prev, s.tokens[static_cast<size_t>(p)]);
+      int32_t token = s.tokens[static_cast<size_t>(p)];
+      if (token == engine::kPendingToken) {
+        const auto fed = last_sampled_.find(s.id);
+        if (fed == last_sampled_.end() || p + 1 != s.num_tokens()) {
+          ADD_FAILURE() << "sequence " << s.id << " runs a pending token at position " << p
+                        << " that the run before did not sample";
+          return out;
+        }
+        token = fed->second;
+      }
+      state = step_state(prev, token);
       kv_[static_cast<size_t>(block * block_size_ + p % block_size_)] = state;
     }
-    if (q.sample) out.push_back(token_of(state));
+    if (q.sample) {
+      out.push_back(token_of(state));
+      sampled[s.id] = out.back();
+    }
   }
+  last_sampled_ = std::move(sampled);
   return out;
 }
 

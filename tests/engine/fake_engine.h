@@ -71,7 +71,9 @@ class FakeModel {
 
   /// Runs a step: writes every scheduled position's state through the sequence's blocks (which
   /// must hold only that sequence: a shared cached block is never written) and returns the next
-  /// token of every sampling sequence. Problems are reported with ADD_FAILURE.
+  /// token of every sampling sequence. A pending token (engine::kPendingToken, asynchronous
+  /// steps) is the one this model sampled for the sequence in the run before, as the device
+  /// feeds it. Problems are reported with ADD_FAILURE.
   std::vector<int32_t> run(const engine::StepPlan& plan, const engine::BlockManager& blocks);
 
   /// The tokens a sequence generates alone, with no cache: `count` of them after `prompt`.
@@ -84,7 +86,8 @@ class FakeModel {
 
   int64_t block_size_;
   int32_t vocab_;
-  std::vector<uint64_t> kv_;  // [num_blocks * block_size], 0 = never written
+  std::vector<uint64_t> kv_;                  // [num_blocks * block_size], 0 = never written
+  std::map<uint64_t, int32_t> last_sampled_;  // sequence id -> its token of the last run
 };
 
 }  // namespace loraplex::test

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -39,7 +40,9 @@ struct Expect {
 };
 
 // A scheduler, its block manager, fake slots and a fake model; requests finish after
-// max_tokens generated tokens.
+// max_tokens generated tokens. With `async`, steps run as the engine runs them with
+// asynchronous scheduling: step n + 1 is planned and run before step n's tokens are handed
+// back (its decodes run pending tokens, which the fake model feeds).
 class Harness {
  public:
   Harness(SchedulerConfig config, int64_t num_blocks, int64_t block_size, int host_capacity,
@@ -65,6 +68,7 @@ class Harness {
     s->adapter_key = key_of(adapter);
     s->tokens = prompt;
     s->num_prompt_tokens = static_cast<int64_t>(prompt.size());
+    s->max_num_tokens = s->num_prompt_tokens + max_tokens;
     expect[s->id] = {std::move(prompt), adapter, max_tokens};
     const uint64_t id = s->id;
     live_ids.insert(id);
@@ -85,19 +89,21 @@ class Harness {
       live_ids.erase(plan.failed[i]->id);
     }
     check(plan, decoding);
-    const std::vector<int32_t> sampled = model.run(plan, blocks);
-    sched.complete(plan, sampled);
-    std::vector<uint64_t> done;
-    for (const ScheduledSeq& q : plan.seqs) {
-      if (!q.sample) continue;
-      const Sequence& s = *q.seq;
-      if (s.num_tokens() - s.num_prompt_tokens >= expect.at(s.id).max_tokens) done.push_back(s.id);
+    for (uint64_t id : plan.preempted) {
+      if (sched.find(id)->num_pending > 0) ++preempted_pending;
     }
-    for (uint64_t id : done) {
-      std::unique_ptr<Sequence> s = sched.remove(id);
-      finished[id].assign(s->tokens.begin() + s->num_prompt_tokens, s->tokens.end());
-      live_ids.erase(id);
-      preempted_total += s->num_preemptions;
+    Ran ran;
+    ran.sampled = model.run(plan, blocks);
+    sched.advance(plan);
+    for (const ScheduledSeq& q : plan.seqs)
+      if (q.sample) ran.ids.push_back(q.seq->id);
+    if (!async) {
+      collect(ran);
+    } else {
+      // The step just run stays in flight while the next one is planned.
+      if (in_flight) collect(*in_flight);
+      in_flight.reset();
+      if (!plan.empty()) in_flight = std::move(ran);
     }
     slots.tick();
     now += dt;
@@ -106,6 +112,25 @@ class Harness {
     if (!sched.draining_adapters().empty()) saw_drain = true;
     if (!plan.evicted.empty()) saw_eviction = true;
     return plan;
+  }
+
+  // A step's tokens handed back: sequences that reached max_tokens finish.
+  struct Ran {
+    std::vector<uint64_t> ids;
+    std::vector<int32_t> sampled;
+  };
+  void collect(const Ran& ran) {
+    sched.resolve(ran.ids, ran.sampled);
+    for (uint64_t id : ran.ids) {
+      const Sequence* s = sched.find(id);
+      if (s == nullptr || s->num_known_tokens() - s->num_prompt_tokens < expect.at(id).max_tokens)
+        continue;
+      EXPECT_EQ(s->num_pending, 0) << "sequence " << id << " was planned past its length";
+      std::unique_ptr<Sequence> done = sched.remove(id);
+      finished[id].assign(done->tokens.begin() + done->num_prompt_tokens, done->tokens.end());
+      live_ids.erase(id);
+      preempted_total += done->num_preemptions;
+    }
   }
 
   void abort(uint64_t id) {
@@ -195,6 +220,8 @@ class Harness {
   }
 
   SchedulerConfig config_;
+  bool async = false;
+  std::optional<Ran> in_flight;
   BlockManager blocks;
   FakeSlots slots;
   Scheduler sched;
@@ -203,6 +230,7 @@ class Harness {
   double now = 0.0;
   int64_t steps = 0;
   int64_t preempted_total = 0;
+  int64_t preempted_pending = 0;  // preempted while a token of theirs was in flight
   bool saw_preemption = false;
   bool saw_drain = false;
   bool saw_eviction = false;
@@ -649,6 +677,99 @@ TEST(Scheduler, AbortFreesBlocksAndTheAdapterSlot) {
   EXPECT_FALSE(h.sched.has_work());
 }
 
+// ------------------------------------------------------------ asynchronous steps
+
+std::vector<uint64_t> ids_of(const StepPlan& p) {
+  std::vector<uint64_t> ids;
+  for (const ScheduledSeq& q : p.seqs)
+    if (q.sample) ids.push_back(q.seq->id);
+  return ids;
+}
+
+TEST(SchedulerAsync, APendingTokenIsDecodedBeforeItsIdComesBack) {
+  Harness h(config(8, 64, 1), 16, 4, 4);
+  const uint64_t id = h.add(prompt_of(3, 1), "", 10);
+  const StepPlan first = h.sched.schedule(0.0);
+  h.sched.advance(first);
+  const Sequence& s = *h.sched.find(id);
+  EXPECT_EQ(s.num_pending, 1);
+  EXPECT_EQ(s.tokens.back(), engine::kPendingToken);
+  EXPECT_EQ(s.num_computed, 3);
+  // Planned from its pending token: one token at position 3, sampled.
+  const StepPlan second = h.sched.schedule(0.01);
+  ASSERT_EQ(second.seqs.size(), 1u);
+  EXPECT_EQ(second.seqs[0].start, 3);
+  EXPECT_EQ(second.seqs[0].num_tokens, 1);
+  EXPECT_TRUE(second.seqs[0].sample);
+  h.sched.advance(second);
+  EXPECT_EQ(s.num_pending, 2);
+  EXPECT_EQ(s.num_computed, 4);
+  // Block 0 is computed, but its last token is still pending: no hash, not in the cache.
+  EXPECT_TRUE(s.block_hashes.empty());
+  EXPECT_EQ(s.num_registered_blocks, 0);
+  h.sched.resolve(ids_of(first), std::vector<int32_t>{42});
+  EXPECT_EQ(s.tokens[3], 42);
+  EXPECT_EQ(s.num_pending, 1);
+  EXPECT_EQ(s.block_hashes.size(), 1u);
+  EXPECT_EQ(s.num_registered_blocks, 1);
+  h.sched.resolve(ids_of(second), std::vector<int32_t>{43});
+  EXPECT_EQ(s.tokens, (std::vector<int32_t>{s.tokens[0], s.tokens[1], s.tokens[2], 42, 43}));
+  EXPECT_EQ(s.num_pending, 0);
+}
+
+// A sequence that turns out finished when its token comes back (a stop token, say) has one
+// more step in flight: that step's token is never handed to it, and its blocks are all free.
+TEST(SchedulerAsync, AFinishedSequencesSpeculativeTokenIsDroppedAndItsBlocksReturn) {
+  Harness h(config(8, 64, 1), 8, 4, 4);
+  const uint64_t id = h.add(prompt_of(4, 1), "", 10);
+  const StepPlan first = h.sched.schedule(0.0);
+  h.sched.advance(first);
+  const StepPlan speculative = h.sched.schedule(0.01);
+  ASSERT_EQ(speculative.seqs.size(), 1u);
+  h.sched.advance(speculative);
+  EXPECT_EQ(h.blocks.num_used_blocks(), 2);  // position 4 took a second block
+  h.sched.resolve(ids_of(first), std::vector<int32_t>{5});
+  // The engine sees its stop token and ends it.
+  std::unique_ptr<Sequence> done = h.sched.remove(id);
+  ASSERT_NE(done, nullptr);
+  EXPECT_EQ(done->num_known_tokens(), 5);
+  EXPECT_EQ(h.blocks.num_free_blocks(), h.blocks.num_blocks());
+  EXPECT_FALSE(h.sched.has_work());
+  // The speculative step's token comes back to nobody.
+  h.sched.resolve(ids_of(speculative), std::vector<int32_t>{6});
+  EXPECT_EQ(h.sched.find(id), nullptr);
+  EXPECT_EQ(h.blocks.num_free_blocks(), h.blocks.num_blocks());
+  EXPECT_TRUE(h.sched.schedule(0.02).empty());
+}
+
+TEST(SchedulerAsync, ASequenceIsNotPlannedPastItsLength) {
+  Harness h(config(8, 64, 1), 16, 4, 4);
+  const uint64_t id = h.add(prompt_of(3, 1), "", 2);  // ends at 5 tokens
+  const StepPlan first = h.sched.schedule(0.0);
+  h.sched.advance(first);
+  const StepPlan second = h.sched.schedule(0.01);
+  ASSERT_EQ(second.seqs.size(), 1u);
+  h.sched.advance(second);
+  EXPECT_EQ(h.sched.find(id)->num_tokens(), 5);
+  // Its last token is in flight: nothing more to plan for it.
+  EXPECT_TRUE(h.sched.schedule(0.02).empty());
+  h.sched.resolve(ids_of(first), std::vector<int32_t>{7});
+  h.sched.resolve(ids_of(second), std::vector<int32_t>{8});
+  EXPECT_EQ(h.sched.find(id)->num_pending, 0);
+}
+
+// The same scenario as the synchronous test, run pipelined: sequences preempted while a token of
+// theirs is in flight get it when it comes back and recompute the same tokens.
+TEST(SchedulerAsync, KvExhaustionPreemptsSequencesWithPendingTokens) {
+  Harness h(config(8, 64, 1), 12, 4, 4);
+  h.async = true;
+  for (int32_t base = 1; base <= 3; ++base) h.add(prompt_of(4, base), "", 24);
+  while (h.sched.has_work()) h.step();
+  EXPECT_GT(h.preempted_pending, 0);
+  expect_reference_tokens(h);
+  EXPECT_EQ(h.blocks.num_free_blocks(), h.blocks.num_blocks());
+}
+
 struct TraceParams {
   uint64_t seed;
   int64_t seqs, budget;
@@ -657,6 +778,7 @@ struct TraceParams {
   double drain_after;
   int load_delay;
   double evict_after;  // negative = off
+  bool async = false;  // steps pipelined as with asynchronous scheduling
 };
 
 class SchedulerTrace : public ::testing::TestWithParam<TraceParams> {};
@@ -667,6 +789,7 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   c.lora_drain_after_s = tp.drain_after;
   c.lora_evict_after_s = tp.evict_after;
   Harness h(c, tp.blocks, tp.block_size, tp.host_capacity);
+  h.async = tp.async;
   h.slots.set_load_delay(tp.load_delay);
   std::mt19937_64 rng(tp.seed);
   const std::vector<std::string> adapters = {"", "", "a", "b", "c", "d", "e", "f", "broken"};
@@ -724,18 +847,22 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   EXPECT_EQ(h.slots.num_pinned(), 0);
   EXPECT_GT(h.sched.prefix_hits_total(), 0);
   RecordProperty("preemptions", static_cast<int>(h.sched.preemptions_total()));
-  if (tp.blocks <= 40) {
+  RecordProperty("preempted_pending", static_cast<int>(h.preempted_pending));
+  // What each policy did is checked on the synchronous traces, whose steps they were tuned
+  // on; pipelined steps plan one step ahead, and only correctness is checked for them.
+  const bool policies = !tp.async;
+  if (tp.blocks <= 40 && policies) {
     EXPECT_TRUE(h.saw_preemption);
   }
   if (tp.evict_after >= 0) {
     EXPECT_FALSE(h.saw_drain) << "with eviction on nothing drains";
-  } else if (tp.drain_after < 1.0 && tp.loras < 3) {
+  } else if (tp.drain_after < 1.0 && tp.loras < 3 && policies) {
     EXPECT_TRUE(h.saw_drain);
   }
   RecordProperty("evictions", static_cast<int>(h.sched.evictions_total()));
   if (tp.evict_after < 0) {
     EXPECT_EQ(h.sched.evictions_total(), 0);
-  } else if (tp.loras < 3) {
+  } else if (tp.loras < 3 && policies) {
     EXPECT_TRUE(h.saw_eviction);
   }
   // No thrashing: each request causes at most one eviction for its first token; the others
@@ -746,21 +873,35 @@ TEST_P(SchedulerTrace, InvariantsHoldAndEveryRequestGetsItsTokens) {
   RecordProperty("long_wait_evictions", static_cast<int>(h.sched.long_wait_evictions_total()));
   if (tp.drain_after > 100.0) {
     EXPECT_EQ(h.sched.long_wait_evictions_total(), 0);
-  } else if (tp.evict_after >= 0 && tp.drain_after < 0.1 && tp.loras < 3) {
+  } else if (tp.evict_after >= 0 && tp.drain_after < 0.1 && tp.loras < 3 && policies) {
     EXPECT_GT(h.sched.long_wait_evictions_total(), 0) << "evicted sequences take slots back";
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Traces, SchedulerTrace,
-                         ::testing::Values(TraceParams{1, 16, 32, 2, 4, 32, 4, 0.02, 0, 0.0},
-                                           TraceParams{2, 6, 12, 1, 2, 24, 2, 0.0, 3, -1},
-                                           TraceParams{3, 32, 64, 3, 8, 256, 8, 1e9, 1, 0.01},
-                                           TraceParams{4, 4, 7, 2, 3, 30, 3, 0.05, 2, 0.02},
-                                           TraceParams{5, 64, 128, 4, 6, 12, 16, 0.01, 0, -1},
-                                           // Eviction alone: one slot, no drain.
-                                           TraceParams{6, 16, 24, 1, 3, 40, 4, 1e9, 1, 0.0},
-                                           TraceParams{7, 8, 16, 2, 8, 64, 4, 0.05, 0, 0.0}),
-                         [](const auto& info) { return "seed" + std::to_string(info.param.seed); });
+const TraceParams kTraces[] = {TraceParams{1, 16, 32, 2, 4, 32, 4, 0.02, 0, 0.0},
+                               TraceParams{2, 6, 12, 1, 2, 24, 2, 0.0, 3, -1},
+                               TraceParams{3, 32, 64, 3, 8, 256, 8, 1e9, 1, 0.01},
+                               TraceParams{4, 4, 7, 2, 3, 30, 3, 0.05, 2, 0.02},
+                               TraceParams{5, 64, 128, 4, 6, 12, 16, 0.01, 0, -1},
+                               // Eviction alone: one slot, no drain.
+                               TraceParams{6, 16, 24, 1, 3, 40, 4, 1e9, 1, 0.0},
+                               TraceParams{7, 8, 16, 2, 8, 64, 4, 0.05, 0, 0.0}};
+
+std::vector<TraceParams> async_traces() {
+  std::vector<TraceParams> out(std::begin(kTraces), std::end(kTraces));
+  for (TraceParams& t : out) t.async = true;
+  return out;
+}
+
+std::string trace_name(const ::testing::TestParamInfo<TraceParams>& info) {
+  return "seed" + std::to_string(info.param.seed) + (info.param.async ? "_async" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Traces, SchedulerTrace, ::testing::ValuesIn(kTraces), trace_name);
+// The same traces with every step planned before the previous one's tokens are known: pending
+// tokens fed to decodes, preemptions and aborts of sequences whose tokens are in flight.
+INSTANTIATE_TEST_SUITE_P(AsyncTraces, SchedulerTrace, ::testing::ValuesIn(async_traces()),
+                         trace_name);
 
 }  // namespace
 }  // namespace loraplex::test

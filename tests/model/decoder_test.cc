@@ -102,6 +102,42 @@ std::vector<std::vector<int32_t>> generate(Decoder& d, std::vector<Seq> seqs, in
   return out;
 }
 
+// generate(d, seqs, 0, steps) with every decode launched before the step before it is
+// collected, as the engine's asynchronous scheduling runs them: each decode's token is fed on
+// the device from the previous step's ids (SequenceStep::feed_row).
+std::vector<std::vector<int32_t>> generate_pipelined(Decoder& d, const std::vector<Seq>& seqs,
+                                                     int steps) {
+  std::vector<std::vector<int32_t>> out(seqs.size());
+  StepBatch prefill;
+  for (const Seq& s : seqs) {
+    SequenceStep q;
+    q.tokens = s.tokens;
+    q.blocks = s.blocks;
+    q.sample = true;
+    prefill.seqs.push_back(q);
+  }
+  d.launch(prefill);
+  const auto take = [&](const StepResult& r) {
+    for (size_t i = 0; i < seqs.size(); ++i) out[i].push_back(r.token_ids.at(i));
+  };
+  for (int step = 1; step < steps; ++step) {
+    StepBatch decode;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      SequenceStep q;
+      q.tokens = {-1};  // not known here: fed
+      q.feed_row = static_cast<int32_t>(i);
+      q.start_position = static_cast<int32_t>(seqs[i].tokens.size()) + step - 1;
+      q.blocks = seqs[i].blocks;
+      q.sample = true;
+      decode.seqs.push_back(q);
+    }
+    d.launch(decode);
+    take(d.collect());  // the step before
+  }
+  take(d.collect());
+  return out;
+}
+
 std::vector<Seq> three_sequences() {
   std::vector<Seq> seqs(3);
   const int lens[3] = {37, 5, 16};
@@ -124,6 +160,50 @@ TEST(RandomDecoder, ChunkedPrefillAndBatchingGiveTheSameTokens) {
   // The same seed gives the same model.
   auto again = make(Device::cpu(), DType::kF32);
   EXPECT_EQ(generate(*again, seqs, 0, 6), whole);
+}
+
+TEST(RandomDecoder, PipelinedDecodesTakeTheirTokensFromTheStepBefore) {
+  auto d = make(Device::cpu(), DType::kF32);
+  const std::vector<Seq> seqs = three_sequences();
+  EXPECT_EQ(generate_pipelined(*d, seqs, 6), generate(*d, seqs, 0, 6));
+}
+
+TEST(RandomDecoder, LaunchesAreBoundedAndFeedRowsChecked) {
+  auto d = make(Device::cpu(), DType::kF32);
+  StepBatch b;
+  SequenceStep q;
+  q.tokens = {-1};
+  q.feed_row = 0;
+  q.blocks = {0};
+  q.sample = true;
+  b.seqs.push_back(q);
+  // Nothing launched yet: no ids to feed from.
+  EXPECT_THROW(d->launch(b), Error);
+  b.seqs[0].tokens = {5};
+  b.seqs[0].feed_row = -1;
+  d->launch(b);
+  b.seqs[0].start_position = 1;
+  b.seqs[0].tokens = {-1};
+  b.seqs[0].feed_row = 1;  // the step before sampled one row
+  EXPECT_THROW(d->launch(b), Error);
+  b.seqs[0].feed_row = 0;
+  d->launch(b);
+  b.seqs[0].start_position = 2;
+  EXPECT_THROW(d->launch(b), Error) << "a third step in flight";
+  const StepResult first = d->collect();
+  const StepResult second = d->collect();
+  ASSERT_EQ(first.token_ids.size(), 1u);
+  ASSERT_EQ(second.token_ids.size(), 1u);
+  EXPECT_THROW(d->collect(), Error) << "nothing left to collect";
+  // The same two steps with the token known on the host.
+  auto again = make(Device::cpu(), DType::kF32);
+  b.seqs[0].start_position = 0;
+  b.seqs[0].tokens = {5};
+  b.seqs[0].feed_row = -1;
+  EXPECT_EQ(again->execute(b).token_ids, first.token_ids);
+  b.seqs[0].start_position = 1;
+  b.seqs[0].tokens = first.token_ids;
+  EXPECT_EQ(again->execute(b).token_ids, second.token_ids);
 }
 
 TEST(RandomDecoder, BadBatchesAreNamed) {
@@ -278,6 +358,22 @@ TEST(RandomDecoderCuda, GraphStepsEqualEagerStepsAndTheCpu) {
     if (dt == DType::kF32) {
       EXPECT_EQ(g, generate(*make(Device::cpu(), dt), seqs, 0, 8));
     }
+  }
+}
+
+// Decode graphs fed from the step before (captured on their first, pipelined use, whose eager
+// warm-up run and replay read the same fed tokens) give the eager steps' tokens.
+TEST(RandomDecoderCuda, PipelinedGraphStepsTakeTheirTokensFromTheStepBefore) {
+  LORAPLEX_REQUIRE_GPU();
+  const std::vector<Seq> seqs = three_sequences();
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    auto graphs = make(Device::cuda(0), dt, true);
+    auto eager = make(Device::cuda(0), dt, false);
+    const auto want = generate(*eager, seqs, 0, 8);
+    EXPECT_EQ(generate_pipelined(*graphs, seqs, 8), want) << dtype_name(dt);
+    EXPECT_TRUE(graphs->last_step().graph);
+    EXPECT_EQ(generate_pipelined(*graphs, seqs, 8), want) << dtype_name(dt) << ", replayed";
+    EXPECT_EQ(generate_pipelined(*eager, seqs, 8), want) << dtype_name(dt) << ", eager";
   }
 }
 

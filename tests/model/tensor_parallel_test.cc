@@ -15,6 +15,7 @@
 #include <numeric>
 #include <string>
 
+#include "../engine/engine_test_support.h"
 #include "faulty_communicator.h"
 #include "fixture_support.h"
 #include "loraplex/adapters/adapter_manager.h"
@@ -370,37 +371,14 @@ TEST(TensorParallelFailures, AStalledRankTimesOutInsteadOfHanging) {
 // ---------------------------------------------------------------- through the engine
 
 engine::EngineOptions engine_options(int tp) {
-  engine::EngineOptions o;
-  o.max_num_seqs = 32;
-  o.max_num_batched_tokens = 256;
-  o.max_loras = 4;
-  o.max_lora_rank = 16;
-  o.num_kv_blocks = 256;
-  o.kv_block_size = 4;
+  engine::EngineOptions o = small_engine_options();
   o.tensor_parallel_size = tp;
   return o;
 }
 
-std::unique_ptr<engine::Engine> tiny_llama_engine(const engine::EngineOptions& o) {
-  const std::string dir = fixture_dir("tiny-llama") + "/model";
-  auto m = model::load_model(dir, engine::engine_decoder_options(o, DType::kF32, Device::cpu()));
-  const model::ModelConfig config = m->config();
-  auto e = std::make_unique<engine::Engine>(std::move(m), engine::read_tokenizer(dir),
-                                            engine::read_eos_token_ids(dir, config), o);
-  for (const char* a : {"pirate", "rslora", "sql", "vocab"}) {
-    e->load_adapter(a, fixture_dir("tiny-llama") + "/adapters/" + a);
-  }
-  return e;
-}
-
-engine::Request fixture_request(const ExpectedLine& e) {
-  engine::Request r;
-  r.prompt = e.prompt;
-  r.adapter = e.adapter.value_or("");
-  r.options.max_tokens = 12;
-  r.options.temperature = 0.0f;
-  r.options.ignore_eos = true;
-  return r;
+std::unique_ptr<engine::Engine> tiny_llama_engine(const engine::EngineOptions& o,
+                                                  std::shared_ptr<StepLog> log = nullptr) {
+  return make_fixture_engine("tiny-llama", o, true, Device::cpu(), std::move(log));
 }
 
 std::vector<engine::RequestOutput> run_all(engine::Engine& e,
@@ -432,6 +410,27 @@ TEST(TensorParallelEngine, ChunksPreemptionAndSlotSwapsMatchPeft) {
     EXPECT_GT(m.preemptions_total, 0) << "tp " << tp;
     EXPECT_LE(m.max_step_tokens, 5);
     EXPECT_LE(m.max_step_adapters, 2);
+  }
+}
+
+// The group's launch returns once every rank has enqueued the step: the engine plans the next
+// step while the ranks run, and feeds each rank's decode tokens from its own ids.
+TEST(TensorParallelEngine, AsynchronousSchedulingOnAndOffMatchPeft) {
+  const auto expected = read_expected("tiny-llama");
+  for (const bool async : {true, false}) {
+    engine::EngineOptions o = engine_options(2);
+    o.async_scheduling = async;
+    auto log = std::make_shared<StepLog>();
+    auto e = tiny_llama_engine(o, log);
+    std::vector<engine::Request> requests;
+    for (const ExpectedLine& x : expected) requests.push_back(fixture_request(x));
+    const auto out = run_all(*e, std::move(requests));
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_EQ(out[i].token_ids, expected[i].output_token_ids) << "async " << async << " " << i;
+    }
+    e.reset();
+    EXPECT_EQ(log->fed_tokens > 0, async);
+    EXPECT_EQ(log->launched_while_running > 0, async);
   }
 }
 

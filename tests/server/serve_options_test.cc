@@ -44,6 +44,7 @@ TEST(ServeOptions, ParsesServerAndEngineOptions) {
                                       "--max-model-len",
                                       "2048",
                                       "--no-enable-prefix-caching",
+                                      "--no-async-scheduling",
                                       "--max-waiting",
                                       "100",
                                       "--seed",
@@ -69,6 +70,7 @@ TEST(ServeOptions, ParsesServerAndEngineOptions) {
   EXPECT_EQ(o->engine.kv_block_size, 32);
   EXPECT_EQ(o->engine.max_model_len, 2048);
   EXPECT_FALSE(o->engine.enable_prefix_caching);
+  EXPECT_FALSE(o->engine.async_scheduling);
   EXPECT_EQ(o->engine.max_waiting, 100);
   EXPECT_EQ(o->engine.seed, 5u);
   EXPECT_EQ(o->engine.num_kv_blocks, 64);
@@ -82,6 +84,7 @@ TEST(ServeOptions, DefaultsAndHelp) {
   EXPECT_EQ(o->http.port, 8000);
   EXPECT_EQ(o->served_model_name, dir);  // vLLM names the base model after --model
   EXPECT_TRUE(o->engine.enable_prefix_caching);
+  EXPECT_TRUE(o->engine.async_scheduling);
   // Port 0: any free port (the server prints the one it got).
   EXPECT_EQ(parse_serve_options({"--model", dir, "--port", "0"}, nullptr)->http.port, 0);
   std::string help;

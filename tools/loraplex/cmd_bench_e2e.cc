@@ -61,6 +61,7 @@ struct Options {
   int repeats = 2;
   bool profile = true;
   bool cuda_graphs = true;
+  bool async_scheduling = true;  // decode step n + 1 launched before step n is collected
   std::string json_path;
   std::string adapter_dir;
   std::string commit;
@@ -206,25 +207,35 @@ RunResult run_workload(model::ModelExecutor& d, const std::vector<Request>& reqs
       r.prefill_breakdown = component_ms(records, seconds(p0, p1) * 1e3);
       r.prefill_top = top_kernels_json(records, static_cast<size_t>(o.top_kernels), 1.0);
     }
-    // Decode.
+    // Decode. Asynchronously each step is launched before the one before it is collected,
+    // with its tokens taken from that step on the device, as the engine runs them.
     if (profile) prof.start();
     const auto d0 = Clock::now();
+    const auto take = [&](const model::StepResult& out) {
+      for (size_t i = 0; i < done.size(); ++i) r.outputs[wave + i].push_back(out.token_ids[i]);
+    };
+    bool in_flight = false;
     for (int64_t step = 1; step < o.gen_len; ++step) {
+      const bool fed = o.async_scheduling && in_flight;
       model::StepBatch batch;
       for (size_t i = 0; i < done.size(); ++i) {
         model::SequenceStep s;
-        s.tokens = {r.outputs[wave + i].back()};
+        s.tokens = {fed ? 0 : r.outputs[wave + i].back()};
+        s.feed_row = fed ? static_cast<int32_t>(i) : -1;
         s.start_position = static_cast<int32_t>(o.prompt_len + step - 1);
         s.blocks = blocks[i];
         s.lora_slot = reqs[wave + i].slot;
         s.sample = true;
         batch.seqs.push_back(std::move(s));
       }
-      const model::StepResult out = d.execute(batch);
-      for (size_t i = 0; i < done.size(); ++i) r.outputs[wave + i].push_back(out.token_ids[i]);
+      d.launch(batch);
+      if (in_flight) take(d.collect());
+      in_flight = o.async_scheduling;
+      if (!in_flight) take(d.collect());
       ++r.decode_steps;
       if (d.last_step().graph) ++r.graph_steps;
     }
+    if (in_flight) take(d.collect());
     const auto d1 = Clock::now();
     r.decode_s += seconds(d0, d1);
     if (profile && r.decode_steps > 0) {
@@ -285,6 +296,9 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--fused-lora-max-tokens", o.fused_lora_max_tokens,
                  "steps of up to this many tokens take the fused LoRA path (default 512)");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
+  app.add_flag("!--no-async-scheduling", o.async_scheduling,
+               "collect every decode step before launching the next (the host's work then sits "
+               "between the steps' kernels)");
   app.add_option("--json", o.json_path, "write the results as JSON");
   app.add_option("--adapter-dir", o.adapter_dir, "where the random adapters are written");
   app.add_option("--commit", o.commit, "source commit to record (default $LORAPLEX_COMMIT)");
@@ -438,6 +452,7 @@ int run(const std::vector<std::string>& args) {
                      {"targets", o.targets},
                      {"distribution", o.distribution},
                      {"cuda_graphs", o.cuda_graphs},
+                     {"async_scheduling", o.async_scheduling},
                      {"tensor_parallel_size", tp}};
   doc["copy_bandwidth_gbs"] = copy_gbs;
   doc["matmul_tflops_bf16"] = tflops;

@@ -78,6 +78,7 @@ struct ServeArgs {
   int64_t kv_block_size = 16;
   int64_t max_model_len = 0;
   bool no_prefix_caching = false;
+  bool no_async_scheduling = false;
   double lora_drain_after = 1.0;
   double lora_evict_after = 0.02;
   int tensor_parallel_size = 1;
@@ -735,6 +736,8 @@ int run(const std::vector<std::string>& args) {
       ->check(CLI::PositiveNumber);
   app.add_option("--max-model-len", a.max_model_len, "default: the model's positions");
   app.add_flag("--no-prefix-caching", a.no_prefix_caching, "disable the prefix cache");
+  app.add_flag("--no-async-scheduling", a.no_async_scheduling,
+               "collect every step before planning the next (EngineOptions::async_scheduling off)");
   app.add_option("--lora-drain-after", a.lora_drain_after,
                  "seconds an adapter waits for a slot before a busy one is evicted for it (or, "
                  "with eviction off, drained); negative = never");
@@ -795,6 +798,7 @@ int run(const std::vector<std::string>& args) {
   o.kv_block_size = a.kv_block_size;
   o.max_model_len = a.max_model_len;
   o.enable_prefix_caching = !a.no_prefix_caching;
+  o.async_scheduling = !a.no_async_scheduling;
   o.lora_drain_after_s = a.lora_drain_after;
   o.lora_evict_after_s = a.lora_evict_after;
   o.seed = a.seed;
@@ -865,6 +869,7 @@ int run(const std::vector<std::string>& args) {
   c["num_kv_blocks"] = engine.metrics().num_kv_blocks;
   c["kv_block_size"] = o.kv_block_size;
   c["prefix_caching"] = o.enable_prefix_caching;
+  c["async_scheduling"] = o.async_scheduling;
   c["lora_drain_after_s"] = o.lora_drain_after_s;
   c["lora_evict_after_s"] = o.lora_evict_after_s;
   c["tensor_parallel_size"] = o.tensor_parallel_size;

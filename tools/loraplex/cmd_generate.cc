@@ -97,8 +97,12 @@ int run(const std::vector<std::string>& args) {
   app.add_flag("--fully-sharded-loras", cfg.fully_sharded_loras,
                "shard the adapters like the layers they modify (LoRA-A by rank in column layers, "
                "LoRA-B by rows in row layers)");
+  bool no_async = false;
+  app.add_flag("--no-async-scheduling", no_async,
+               "collect every step before planning the next (the same tokens; for comparison)");
   app.add_flag("--stats", stats, "print load/generation times and batch sizes to standard error");
   if (!parse_cli(app, args)) return 0;
+  cfg.async_scheduling = !no_async;
   for (const std::string& value : loras) {
     const size_t eq = value.find('=');
     LORAPLEX_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < value.size(),

@@ -17,8 +17,8 @@
 // the slot's event after the last layer, and Lease::wait_ready makes the compute stream wait
 // for that event, so no forward sees the new ranks before the weights. acquire() therefore
 // returns as soon as the upload is enqueued. A slot may be rewritten as soon as its last lease
-// ends: end leases only after the device work that reads the slot has finished (the engine
-// synchronises every step).
+// ends: end leases only after the device work that reads the slot has finished (the engine's
+// ManagerSlots keeps a lease until every step launched before the unpin has been collected).
 //
 // Every method is thread-safe.
 

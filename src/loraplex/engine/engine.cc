@@ -15,6 +15,7 @@
 #include "loraplex/engine/block_manager.h"
 #include "loraplex/engine/detokenizer.h"
 #include "loraplex/engine/engine_metrics.h"
+#include "loraplex/engine/launched_steps.h"
 #include "loraplex/engine/logit_adjustments.h"
 #include "loraplex/engine/manager_slots.h"
 #include "loraplex/engine/request_checks.h"
@@ -219,6 +220,7 @@ struct Engine::Impl {
 
   // Step loop only.
   std::unordered_map<uint64_t, Record> records;
+  LaunchedSteps launched;  // steps whose ids have not been collected, oldest first
   EngineMetrics live;
   // Outputs of this step, delivered to the handles once the metrics that count them are
   // published: a reader that sees a request end also sees it in the metrics.
@@ -244,7 +246,15 @@ struct Engine::Impl {
   void enqueue_locked(Pending& p);
   void loop();
   void iterate(bool& idle);
-  void run_step(const StepPlan& plan);
+  // Builds and launches the step; false when the model refused it (its requests have ended).
+  bool launch_step(const StepPlan& plan);
+  model::StepBatch build_batch(const StepPlan& plan, LaunchedStep& step);
+  void count_step(const StepPlan& plan);
+  // Collects the oldest step in flight: its tokens go to their sequences (stop checks, text).
+  void collect_step();
+  void collect_all();
+  // Collects every step in flight and ignores what they sampled (errors, shutdown).
+  void drop_launched();
   // `top` points at the row's `top_k` (id, log-probability) pairs of the step, or is null.
   void on_token(Sequence& seq, int32_t token, const float* logprob, const int32_t* top_ids,
                 const float* top_lps, int top_k);
@@ -419,6 +429,10 @@ Pending Engine::Impl::prepare(Request&& request) {
   p.seq = std::make_unique<Sequence>();
   p.seq->adapter = request.adapter;
   p.seq->num_prompt_tokens = static_cast<int64_t>(ids.size());
+  // on_token ends it by length there; asynchronous scheduling must not plan past it.
+  p.seq->max_num_tokens =
+      std::min(options.max_model_len,
+               p.seq->num_prompt_tokens + std::min(o.max_tokens, options.max_model_len));
   p.seq->tokens = ids;
   Record& r = p.record;
   r.handle = std::make_shared<RequestHandle::State>();
@@ -648,6 +662,7 @@ void Engine::Impl::loop() {
       }
       iterate(idle);
     } catch (const std::exception& e) {
+      drop_launched();
       fail_everything(detail::concat("engine error: ", e.what()));
       idle = false;
     }
@@ -655,6 +670,7 @@ void Engine::Impl::loop() {
     deliver();
   }
   // Shutting down: everything in flight, and everything not yet seen, ends as aborted.
+  drop_launched();
   std::vector<Pending> incoming;
   {
     std::lock_guard<std::mutex> lock(inbox->mutex);
@@ -669,62 +685,94 @@ void Engine::Impl::loop() {
 }
 
 void Engine::Impl::iterate(bool& idle) {
+  // A sequence planned from its generated tokens needs the last one on the host.
+  if (!options.async_scheduling || launched.host_tokens_needed()) collect_all();
   StepPlan plan = scheduler->schedule(now());
   for (size_t i = 0; i < plan.failed.size(); ++i) {
     const uint64_t id = plan.failed[i]->id;
     plan.failed[i].reset();
     finish(id, FinishReason::kError, "", plan.failed_errors[i]);
   }
-  idle = plan.empty();
-  if (!plan.empty()) run_step(plan);
+  const bool ran = !plan.empty() && launch_step(plan);
+  // Asynchronously the step just launched runs while the next one is planned: only the one
+  // before it is collected now. With nothing left to plan, everything is.
+  const size_t keep = ran && options.async_scheduling ? 1 : 0;
+  bool collected = false;
+  while (launched.size() > keep) {
+    collect_step();
+    collected = true;
+  }
+  if (!scheduler->has_work()) collect_all();
+  idle = !ran && !collected;
 }
 
-void Engine::Impl::run_step(const StepPlan& plan) {
+model::StepBatch Engine::Impl::build_batch(const StepPlan& plan, LaunchedStep& step) {
   model::StepBatch batch;
   batch.seqs.reserve(plan.seqs.size());
-  std::set<std::string> step_adapters;
   const double t = now();
   for (const ScheduledSeq& q : plan.seqs) {
     const Sequence& s = *q.seq;
     Record& r = records.at(s.id);
     if (r.first_scheduled < 0) r.first_scheduled = t;
+    step.seqs.push_back(s.id);
     model::SequenceStep st;
     st.tokens.assign(s.tokens.begin() + q.start, s.tokens.begin() + q.start + q.num_tokens);
     st.start_position = static_cast<int32_t>(q.start);
     st.blocks = s.blocks;
     st.lora_slot = s.slot;
     st.sample = q.sample;
+    // A pending token (the chunk's last) comes from the step launched just before.
+    if (q.start + q.num_tokens > s.num_known_tokens()) {
+      st.feed_row = launched.feed_row(s.id);
+      LORAPLEX_CHECK(st.feed_row >= 0, "engine: sequence ", s.id,
+                     " runs a pending token that the last step did not sample (internal error)");
+    }
     if (q.sample) {
       st.sampling = r.sampling;
       st.uniform = model::next_uniform(r.rng);
       if (s.num_tokens() - s.num_prompt_tokens < r.options.min_tokens) st.banned = r.banned;
       if (r.processing.active()) {
-        const std::vector<int32_t> output(s.tokens.begin() + s.num_prompt_tokens, s.tokens.end());
+        const std::vector<int32_t> output(s.tokens.begin() + s.num_prompt_tokens,
+                                          s.tokens.begin() + s.num_known_tokens());
         r.processing.step(output, st.adjust, st.only_listed);
       }
       if (r.options.logprobs) batch.want_logprobs = true;
       batch.top_logprobs = std::max(batch.top_logprobs, r.options.top_logprobs);
+      step.sampled.push_back(s.id);
+      step.host_tokens_needed = step.host_tokens_needed || r.processing.reads_output();
     }
-    if (!s.adapter.empty()) step_adapters.insert(s.adapter);
     batch.seqs.push_back(std::move(st));
   }
+  step.logprobs = batch.want_logprobs;
+  step.top_logprobs = batch.top_logprobs;
+  return batch;
+}
 
-  model::StepResult result;
+bool Engine::Impl::launch_step(const StepPlan& plan) {
+  LaunchedStep step;
+  const model::StepBatch batch = build_batch(plan, step);
+  std::set<std::string> step_adapters;
+  for (const ScheduledSeq& q : plan.seqs)
+    if (!q.seq->adapter.empty()) step_adapters.insert(q.seq->adapter);
   try {
     for (const std::string& a : step_adapters) {
       for (const Stream& s : decoder->streams()) slots->wait_ready(a, s);
     }
     const auto layers_lock = adapters->lock_layers();
-    result = decoder->execute(batch);
+    decoder->launch(batch);
   } catch (const std::exception& e) {
     // The model refused the step: the requests in it end with its error, the rest go on.
-    std::vector<uint64_t> ids;
-    for (const ScheduledSeq& q : plan.seqs) ids.push_back(q.seq->id);
-    for (uint64_t id : ids) finish(id, FinishReason::kError, "", e.what());
-    return;
+    for (uint64_t id : step.seqs) finish(id, FinishReason::kError, "", e.what());
+    return false;
   }
-  scheduler->complete(plan, result.token_ids);
+  slots->step_launched();
+  scheduler->advance(plan);
+  count_step(plan);
+  launched.push(std::move(step));
+  return true;
+}
 
+void Engine::Impl::count_step(const StepPlan& plan) {
   ++live.steps_total;
   live.step_seqs_total += static_cast<int64_t>(plan.seqs.size());
   live.step_adapters_total += plan.num_adapters;
@@ -733,18 +781,45 @@ void Engine::Impl::run_step(const StepPlan& plan) {
   live.max_step_adapters = std::max<int64_t>(live.max_step_adapters, plan.num_adapters);
   observe(live.iteration_tokens_total, static_cast<double>(plan.num_tokens));
   observe(live.adapters_per_step, plan.num_adapters);
+}
 
-  // Collected first: on_token may remove the sequence.
-  std::vector<std::pair<Sequence*, size_t>> sampled;
-  size_t k = 0;
-  for (const ScheduledSeq& q : plan.seqs)
-    if (q.sample) sampled.emplace_back(q.seq, k++);
-  for (const auto& [seq, i] : sampled) {
-    const float* lp = batch.want_logprobs ? &result.logprobs.at(i) : nullptr;
-    const int k = batch.top_logprobs;
+void Engine::Impl::collect_step() {
+  const LaunchedStep step = launched.pop();
+  model::StepResult result;
+  try {
+    result = decoder->collect();
+  } catch (const std::exception& e) {
+    slots->step_collected();
+    for (uint64_t id : step.seqs) finish(id, FinishReason::kError, "", e.what());
+    return;
+  }
+  slots->step_collected();
+  // Sequences that ended since the launch (a stop in the step before, an abort) are gone:
+  // their tokens are dropped here.
+  scheduler->resolve(step.sampled, result.token_ids);
+  const int k = step.top_logprobs;
+  for (size_t i = 0; i < step.sampled.size(); ++i) {
+    Sequence* seq = scheduler->find(step.sampled[i]);
+    if (seq == nullptr) continue;
+    const float* lp = step.logprobs ? &result.logprobs.at(i) : nullptr;
     const bool top = k > 0 && result.top_ids.size() >= (i + 1) * static_cast<size_t>(k);
     on_token(*seq, result.token_ids.at(i), lp, top ? &result.top_ids[i * k] : nullptr,
              top ? &result.top_logprobs[i * k] : nullptr, k);
+  }
+}
+
+void Engine::Impl::collect_all() {
+  while (!launched.empty()) collect_step();
+}
+
+void Engine::Impl::drop_launched() {
+  while (!launched.empty()) {
+    launched.pop();
+    try {
+      decoder->collect();
+    } catch (const std::exception&) {  // nothing it sampled is used
+    }
+    slots->step_collected();
   }
 }
 
@@ -752,7 +827,8 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob,
                             const int32_t* top_ids, const float* top_lps, int top_k) {
   Record& r = records.at(s.id);
   const double t = now();
-  const int64_t generated = s.num_tokens() - s.num_prompt_tokens;
+  // Tokens of later steps may be pending behind this one.
+  const int64_t generated = s.num_known_tokens() - s.num_prompt_tokens;
   if (r.first_token < 0) {
     r.first_token = t;
     observe(live.time_to_first_token_s, t - r.arrival);
@@ -780,7 +856,7 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob,
     }
   }
   if (reason == FinishReason::kNone &&
-      (generated >= o.max_tokens || s.num_tokens() >= options.max_model_len)) {
+      (generated >= o.max_tokens || s.num_known_tokens() >= options.max_model_len)) {
     reason = FinishReason::kLength;
   }
   RequestOutput piece;

@@ -78,6 +78,14 @@ struct EngineOptions {
   bool fully_sharded_loras = false;
   /// How decode steps run the LoRA (model::DecoderOptions::lora_decode).
   model::LoraDecode lora_decode = model::LoraDecode::kAuto;
+  /// Asynchronous scheduling: step n + 1 is planned and launched while step n runs on the
+  /// device (its decode tokens that step n samples are put in place on the device), and step
+  /// n's ids are collected only then; stop conditions are checked as ids are collected, and a
+  /// sequence found finished has its one extra step's token discarded. The same tokens as
+  /// with it off, where every step is collected before the next is planned. A step whose
+  /// sequences need their generated tokens on the host to be planned (penalties, bad words)
+  /// waits for them either way.
+  bool async_scheduling = true;
 };
 
 /// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size,

@@ -24,6 +24,11 @@ class LogitsProcessing {
 
   /// False when the request asked for none of it (its steps need no adjustment).
   bool active() const { return active_; }
+  /// Whether a step's adjustments depend on the tokens generated so far (penalties, bad words):
+  /// then the next step is planned only once the last token is known on the host.
+  bool reads_output() const {
+    return presence_ != 0.0f || frequency_ != 0.0f || repetition_ != 1.0f || !bad_words_.empty();
+  }
 
   /// This step's adjustments for a sequence whose generated tokens are `output`: each id at
   /// most once, sorted by id; `only_listed` when unlisted ids must become -inf.

@@ -70,7 +70,10 @@ int ManagerSlots::pin(const std::string& name) {
   try {
     lease = manager_.try_acquire(name);
   } catch (const std::exception& e) {
-    pin_errors_[name] = e.what();
+    // A slot the scheduler counts as free may still be held for a step in flight: it frees
+    // when that step is collected, and the adapter waits until then.
+    const bool held = dynamic_cast<const AdapterCapacityError*>(&e) != nullptr && !retired_.empty();
+    if (!held) pin_errors_[name] = e.what();
     return -1;
   }
   if (!lease.valid()) return -1;
@@ -79,7 +82,17 @@ int ManagerSlots::pin(const std::string& name) {
   return slot;
 }
 
-void ManagerSlots::unpin(const std::string& name) { leases_.erase(name); }
+void ManagerSlots::unpin(const std::string& name) {
+  const auto it = leases_.find(name);
+  if (it == leases_.end()) return;
+  if (launched_ > collected_) retired_.emplace_back(launched_, std::move(it->second));
+  leases_.erase(it);
+}
+
+void ManagerSlots::step_collected() {
+  ++collected_;
+  std::erase_if(retired_, [&](const auto& r) { return r.first <= collected_; });
+}
 
 void ManagerSlots::wait_ready(const std::string& name, const Stream& compute) const {
   const auto it = leases_.find(name);

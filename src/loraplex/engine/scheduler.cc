@@ -23,7 +23,7 @@ Scheduler::~Scheduler() = default;
 void Scheduler::update_hashes(Sequence& s) {
   if (!blocks_.caching()) return;
   const size_t bs = static_cast<size_t>(blocks_.block_size());
-  const size_t full = s.tokens.size() / bs;
+  const size_t full = static_cast<size_t>(s.num_known_tokens()) / bs;
   while (s.block_hashes.size() < full) {
     const size_t i = s.block_hashes.size();
     const uint64_t parent = i == 0 ? 0 : s.block_hashes[i - 1];
@@ -154,7 +154,8 @@ StepPlan Scheduler::schedule(double now) {
   // 1. Decodes, oldest first. Preemption removes sequences behind `i` only, or `i` itself.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence& s = *running_[i];
-    if (s.prefilling()) {
+    // A sequence at its length ends when its pending last token comes back.
+    if (s.prefilling() || (s.max_num_tokens > 0 && s.num_tokens() >= s.max_num_tokens)) {
       ++i;
       continue;
     }
@@ -474,31 +475,57 @@ void Scheduler::run_evictions(StepPlan& plan) {
 }
 
 void Scheduler::complete(const StepPlan& plan, const std::vector<int32_t>& sampled) {
-  size_t k = 0;
-  const size_t bs = static_cast<size_t>(blocks_.block_size());
+  std::vector<uint64_t> ids;
+  for (const ScheduledSeq& q : plan.seqs)
+    if (q.sample) ids.push_back(q.seq->id);
+  LORAPLEX_CHECK(ids.size() == sampled.size(), "scheduler: ", sampled.size(),
+                 " sampled tokens for ", ids.size(), " sampling sequences");
+  advance(plan);
+  resolve(ids, sampled);
+}
+
+void Scheduler::advance(const StepPlan& plan) {
   for (const ScheduledSeq& q : plan.seqs) {
     Sequence& s = *q.seq;
     LORAPLEX_CHECK(s.num_computed == q.start, "scheduler: sequence ", s.id, " completed at ",
                    q.start, " but has ", s.num_computed, " computed tokens (internal error)");
     s.num_computed += q.num_tokens;
     if (q.sample) {
-      LORAPLEX_CHECK(k < sampled.size(), "scheduler: ", sampled.size(),
-                     " sampled tokens for more sampling sequences");
-      s.tokens.push_back(sampled[k++]);
-      update_hashes(s);
+      s.tokens.push_back(kPendingToken);
+      ++s.num_pending;
     }
-    if (!blocks_.caching()) continue;
-    while (s.num_registered_blocks < static_cast<int64_t>(s.blocks.size()) &&
-           static_cast<size_t>(s.num_registered_blocks + 1) * bs <=
-               static_cast<size_t>(s.num_computed)) {
-      const size_t i = static_cast<size_t>(s.num_registered_blocks);
-      blocks_.cache_block(s.blocks[i], s.block_hashes[i], i == 0 ? 0 : s.block_hashes[i - 1],
-                          std::span<const int32_t>(s.tokens).subspan(i * bs, bs), s.adapter_key);
-      ++s.num_registered_blocks;
-    }
+    register_blocks(s);
   }
-  LORAPLEX_CHECK(k == sampled.size(), "scheduler: ", sampled.size(), " sampled tokens for ", k,
-                 " sampling sequences");
+}
+
+void Scheduler::resolve(std::span<const uint64_t> ids, std::span<const int32_t> sampled) {
+  LORAPLEX_CHECK(ids.size() == sampled.size(), "scheduler: ", sampled.size(),
+                 " sampled tokens for ", ids.size(), " sequences");
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Sequence* s = find(ids[i]);
+    if (s == nullptr) continue;
+    LORAPLEX_CHECK(s->num_pending > 0, "scheduler: sequence ", s->id,
+                   " has no pending token for its sampled id (internal error)");
+    s->tokens[static_cast<size_t>(s->num_known_tokens())] = sampled[i];
+    --s->num_pending;
+    update_hashes(*s);
+    register_blocks(*s);
+  }
+}
+
+void Scheduler::register_blocks(Sequence& s) {
+  if (!blocks_.caching()) return;
+  const int64_t bs = blocks_.block_size();
+  const int64_t ready = std::min(s.num_computed, s.num_known_tokens());
+  while (s.num_registered_blocks < static_cast<int64_t>(s.blocks.size()) &&
+         (s.num_registered_blocks + 1) * bs <= ready) {
+    const size_t i = static_cast<size_t>(s.num_registered_blocks);
+    blocks_.cache_block(s.blocks[i], s.block_hashes[i], i == 0 ? 0 : s.block_hashes[i - 1],
+                        std::span<const int32_t>(s.tokens).subspan(i * static_cast<size_t>(bs),
+                                                                   static_cast<size_t>(bs)),
+                        s.adapter_key);
+    ++s.num_registered_blocks;
+  }
 }
 
 std::unique_ptr<Sequence> Scheduler::remove(uint64_t id) {

@@ -45,11 +45,18 @@
 //     start one).
 //  A preempted sequence's wait counts from its preemption (Sequence::waiting_since), so a
 //  sequence just evicted does not at once take back the slot it gave up.
+//
+// Asynchronous steps: advance() records a launched step before its ids are known (each
+// sampling sequence gets a pending token, kPendingToken, which its next decode runs as a token
+// fed on the device), and resolve() puts in the ids when they come back; complete() is both at
+// once. A pending token is never hashed for the prefix cache, and a sequence whose pending
+// token is its last by length (Sequence::max_num_tokens) is not planned again.
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <set>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -91,6 +98,9 @@ struct SchedulerConfig {
   int max_loading_adapters = 1;
 };
 
+/// The value of a token sampled by a launched step whose id has not come back yet.
+inline constexpr int32_t kPendingToken = -1;
+
 /// One request as the scheduler sees it. Created by the caller, owned by the scheduler.
 struct Sequence {
   uint64_t id = 0;
@@ -98,8 +108,11 @@ struct Sequence {
   double arrival_time = 0.0;    // seconds, on the clock passed to schedule()
   std::string adapter;          // "" = the base model
   uint64_t adapter_key = 0;     // names the adapter's weights in the prefix cache (0 = base)
-  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  std::vector<int32_t> tokens;  // prompt, then generated tokens (the last num_pending pending)
   int64_t num_prompt_tokens = 0;
+  /// The sequence ends by length once it holds this many tokens (0 = no such limit): it is
+  /// not planned past it, even while its last token is pending.
+  int64_t max_num_tokens = 0;
 
   // Scheduler state.
   enum class Status { kWaiting, kRunning };
@@ -115,8 +128,11 @@ struct Sequence {
   double escalated_wait = -1.0;       // the waiting_since of the wait a long-wait eviction served
   int64_t prompt_cached_tokens = -1;  // prefix-cache hits of the first admission; -1 = not yet
   uint64_t planned_step = 0;          // the last step that scheduled it
+  int64_t num_pending = 0;            // tokens sampled by launched steps, ids not yet known
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  /// Tokens whose ids the host knows: all but the pending ones at the end.
+  int64_t num_known_tokens() const { return num_tokens() - num_pending; }
   bool prefilling() const { return num_computed + 1 < num_tokens(); }
 };
 
@@ -157,8 +173,15 @@ class Scheduler {
   StepPlan schedule(double now);
   /// Records that `plan` ran: each sequence's chunk is now in the KV cache and every sampling
   /// sequence gets its token (`sampled`, in the order of the sampling entries of plan.seqs);
-  /// full blocks are offered to the prefix cache.
+  /// full blocks are offered to the prefix cache. advance() then resolve().
   void complete(const StepPlan& plan, const std::vector<int32_t>& sampled);
+  /// Records that `plan` was launched, before its ids are known: each chunk counts as computed
+  /// and every sampling sequence gets a pending token. Call before the next schedule().
+  void advance(const StepPlan& plan);
+  /// The ids of a launched step: `sampled[i]` replaces the oldest pending token of sequence
+  /// `ids[i]`; ids removed since (finished, aborted) are skipped. Full blocks whose tokens are
+  /// now all known are offered to the prefix cache.
+  void resolve(std::span<const uint64_t> ids, std::span<const int32_t> sampled);
   /// Removes a sequence (finished or aborted), freeing its blocks and its adapter pin; null when
   /// the id is unknown.
   std::unique_ptr<Sequence> remove(uint64_t id);
@@ -214,6 +237,8 @@ class Scheduler {
   void free_blocks(Sequence& seq);
   void unpin_if_idle(const std::string& adapter);
   void update_hashes(Sequence& seq);
+  // Offers the sequence's full blocks that are computed and whose tokens are known.
+  void register_blocks(Sequence& seq);
   void admit_waiting(StepPlan& plan, int64_t& budget, double now);
   // Drains (eviction off) or evictions (on) for the adapters that found no free slot.
   void plan_slot_claims(const std::vector<Starving>& starving, double now);

@@ -193,6 +193,18 @@ struct ArgmaxArgs {
   int32_t* ids = nullptr;  // [num_rows] out
 };
 
+/// The tokens of a step that the host does not know yet, taken from the ids the previous step
+/// sampled (asynchronous scheduling plans a step before the one before it has returned):
+/// tokens[t] = sampled[rows[t]] where rows[t] >= 0; rows[t] = -1 keeps tokens[t]. A row outside
+/// [0, num_sampled) keeps the token too (never read past the buffer).
+struct FeedTokensArgs {
+  int64_t num_tokens = 0;
+  int64_t num_sampled = 0;
+  const int32_t* rows = nullptr;     // [num_tokens] in
+  const int32_t* sampled = nullptr;  // [num_sampled] in: the previous step's ids
+  int32_t* tokens = nullptr;         // [num_tokens] in/out
+};
+
 /// out[i] = lo + (hi - lo) * u(seed, i), u in [0, 1) from 24 bits of splitmix64(seed + i), so
 /// the CPU and the GPU make the same values (random weights at real shapes).
 struct FillUniformArgs {
@@ -209,6 +221,7 @@ struct FillUniformArgs {
 Status check_rope_kv_write_args(const RopeKvWriteArgs& a);
 Status check_paged_attention_args(const PagedAttentionArgs& a);
 Status check_qk_rms_norm_args(const QkRmsNormArgs& a);
+Status check_feed_tokens_args(const FeedTokensArgs& a);
 
 namespace cpu {
 Status fill_uniform(const FillUniformArgs& a);
@@ -218,6 +231,7 @@ Status qk_rms_norm(const QkRmsNormArgs& a);
 Status paged_attention(const PagedAttentionArgs& a);
 Status silu_mul(const SiluMulArgs& a);
 Status argmax(const ArgmaxArgs& a);
+Status feed_tokens(const FeedTokensArgs& a);
 }  // namespace cpu
 
 /// The same ops on a CUDA stream (declared always; without the CUDA backend they return
@@ -230,6 +244,7 @@ Status qk_rms_norm(const QkRmsNormArgs& a, cuda_rt::StreamHandle stream);
 Status paged_attention(const PagedAttentionArgs& a, cuda_rt::StreamHandle stream);
 Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream);
 Status argmax(const ArgmaxArgs& a, cuda_rt::StreamHandle stream);
+Status feed_tokens(const FeedTokensArgs& a, cuda_rt::StreamHandle stream);
 }  // namespace cuda
 
 /// The value fill_uniform stores at index i (before rounding to the dtype).

@@ -73,4 +73,13 @@ Status check_qk_rms_norm_args(const QkRmsNormArgs& a) {
   return Status();
 }
 
+Status check_feed_tokens_args(const FeedTokensArgs& a) {
+  LORAPLEX_ENSURE(a.num_tokens >= 0 && a.num_sampled >= 0 &&
+                      (a.num_tokens == 0 || (a.rows != nullptr && a.tokens != nullptr)) &&
+                      (a.num_sampled == 0 || a.sampled != nullptr),
+                  "feed_tokens: bad arguments (tokens ", a.num_tokens, ", sampled ", a.num_sampled,
+                  ")");
+  return Status();
+}
+
 }  // namespace loraplex::kernels

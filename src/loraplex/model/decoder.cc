@@ -400,16 +400,23 @@ void Decoder::allocate_step_buffers() {
   }
   // Section sizes in bytes, each 16-byte aligned.
   const int64_t sizes[kSections] = {
-      4 * t, 4 * t, 4 * t, 4 * s, 4 * s, 4 * s, 4 * s, 4 * s * kMaxBannedTokens, 8 * s};
+      4 * t, 4 * t, 4 * t, 4 * t, 4 * s, 4 * s, 4 * s, 4 * s, 4 * s * kMaxBannedTokens, 8 * s};
   int64_t total = 0;
   for (int i = 0; i < kSections; ++i) {
     in_.offset[i] = total;
     total += (sizes[i] + 15) / 16 * 16;
   }
   Allocator& host = dev.is_cpu() ? cpu_allocator() : pinned_host_allocator();
-  in_.host = Tensor::empty_with({total}, DType::kU8, Device::cpu(), host);
-  in_.device = dev.is_cpu() ? in_.host : Tensor::empty({total}, DType::kU8, dev);
-  host_out_ = Tensor::empty_with({2, s}, DType::kI32, Device::cpu(), host);
+  for (int i = 0; i < kMaxLaunchedSteps; ++i) {
+    // On the CPU a step has run when launch returns: one buffer serves every slot, and it is
+    // the device buffer too.
+    in_.host[i] = dev.is_cpu() && i > 0
+                      ? in_.host[0]
+                      : Tensor::empty_with({total}, DType::kU8, Device::cpu(), host);
+    host_out_[i] = Tensor::empty_with({2, s}, DType::kI32, Device::cpu(), host);
+    if (dev.is_cuda()) downloaded_[i] = std::make_unique<Event>();
+  }
+  in_.device = dev.is_cpu() ? in_.host[0] : Tensor::empty({total}, DType::kU8, dev);
   act_.logprobs = Tensor::empty({s}, DType::kF32, dev);
   sample_workspace_ = Tensor::empty(
       {static_cast<int64_t>(ops::sample_workspace_bytes(s, c.vocab_size)) + 1}, DType::kU8, dev);
@@ -426,11 +433,12 @@ void Decoder::Inputs::upload(Section s, size_t bytes, const Stream& stream) cons
                         cuda_rt::CopyKind::kHostToDevice, stream.handle());
 }
 
-Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool graph) {
+Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool graph, bool fed) {
   const int64_t bs = kv_->block_size();
   int32_t* ids = in_.host_at<int32_t>(kTokenIds);
   int32_t* pos = in_.host_at<int32_t>(kPositions);
   int32_t* slots = in_.host_at<int32_t>(kKvSlots);
+  int32_t* feed = in_.host_at<int32_t>(kFeedRows);
   int32_t* sample_rows = in_.host_at<int32_t>(kSampleRows);
   float* temperature = in_.host_at<float>(kTemperature);
   float* top_p = in_.host_at<float>(kTopP);
@@ -460,7 +468,10 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
   for (const SequenceStep& q : batch.seqs) {
     for (size_t k = 0; k < q.tokens.size(); ++k, ++t) {
       const int32_t p = q.start_position + static_cast<int32_t>(k);
-      ids[t] = q.tokens[k];
+      // A fed token's host value is a placeholder; a valid id stands in until the feed.
+      const bool fed = q.feed_row >= 0 && k + 1 == q.tokens.size();
+      ids[t] = fed ? 0 : q.tokens[k];
+      feed[t] = fed ? q.feed_row : -1;
       pos[t] = p;
       slots[t] = static_cast<int32_t>(q.blocks[static_cast<size_t>(p / bs)] * bs + p % bs);
       token_slots.push_back(q.lora_slot);
@@ -479,6 +490,7 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
     ids[t] = 0;
     pos[t] = 0;
     slots[t] = -1;
+    feed[t] = -1;
     token_slots.push_back(-1);
     att.qo_indptr.push_back(static_cast<int32_t>(t + 1));
     att.kv_len.push_back(1);
@@ -490,6 +502,7 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
   for (Section s : {kTokenIds, kPositions, kKvSlots}) {
     in_.upload(s, static_cast<size_t>(t) * 4, stream_);
   }
+  if (fed) in_.upload(kFeedRows, static_cast<size_t>(t) * 4, stream_);
   for (Section s : {kSampleRows, kTemperature, kTopP, kTopK}) in_.upload(s, rows * 4, stream_);
   in_.upload(kBanned, rows * 4 * kMaxBannedTokens, stream_);
   in_.upload(kUniform, rows * 8, stream_);
@@ -697,7 +710,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   throw_if_error(ops::run(&ops::cpu::add_rms_norm, &ops::cuda::add_rms_norm, final_norm, st));
   lm_head_->forward(rows, logits, pw, st);
   // Both no-ops unless the step asks for them; top logprobs are the raw logits'.
-  top_.compute(logits.data_ptr(), dt, num_sampled, c.vocab_size, st);
+  top_[in_.slot].compute(logits.data_ptr(), dt, num_sampled, c.vocab_size, st);
   adjust_.apply(logits.data_ptr(), dt, c.vocab_size, st);
   ops::SampleArgs sa;
   sa.dtype = dt;
@@ -743,7 +756,7 @@ void Decoder::replay(int64_t bucket, bool token_lora, bool sampler_lora, int fus
   cuda_rt::graph_launch(it->second->exec, stream_.handle());
 }
 
-Decoder::BatchSummary Decoder::summarize(const StepBatch& batch) const {
+Decoder::BatchSummary Decoder::summarize(const StepBatch& batch, int64_t feedable) const {
   const int64_t num_seqs = static_cast<int64_t>(batch.seqs.size());
   LORAPLEX_CHECK(num_seqs >= 1 && num_seqs <= options_.max_num_seqs, "step batch has ", num_seqs,
                  " sequences, expected 1..max_num_seqs ", options_.max_num_seqs);
@@ -751,6 +764,7 @@ Decoder::BatchSummary Decoder::summarize(const StepBatch& batch) const {
   int64_t n = 0;
   int64_t num_sampled = 0;
   bool pure_decode = true;
+  bool fed = false;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const SequenceStep& q = batch.seqs[static_cast<size_t>(i)];
     const int64_t end = q.start_position + static_cast<int64_t>(q.tokens.size());
@@ -765,7 +779,13 @@ Decoder::BatchSummary Decoder::summarize(const StepBatch& batch) const {
       LORAPLEX_CHECK(b >= 0 && b < kv_->num_blocks(), "step batch: sequence ", i, " has block ", b,
                      ", expected 0..", kv_->num_blocks() - 1);
     }
-    for (int32_t id : q.tokens) {
+    LORAPLEX_CHECK(feedable > q.feed_row, "step batch: sequence ", i, " takes its token from row ",
+                   q.feed_row, " of the previous step, which sampled ", feedable, " rows");
+    fed = fed || q.feed_row >= 0;
+    // A fed token's host value is a placeholder.
+    const size_t known = q.tokens.size() - (q.feed_row >= 0 ? 1 : 0);
+    for (size_t k = 0; k < known; ++k) {
+      const int32_t id = q.tokens[k];
       LORAPLEX_CHECK(id >= 0 && id < config_.vocab_size, "step batch: sequence ", i,
                      " has token id ", id, ", expected 0..", config_.vocab_size - 1);
     }
@@ -785,23 +805,33 @@ Decoder::BatchSummary Decoder::summarize(const StepBatch& batch) const {
   }
   LORAPLEX_CHECK(n <= options_.max_num_tokens, "step batch has ", n,
                  " tokens, more than max_num_tokens ", options_.max_num_tokens);
-  return {n, num_sampled, pure_decode};
+  return {n, num_sampled, pure_decode, fed};
 }
 
-void Decoder::check(const StepBatch& batch) const { summarize(batch); }
+void Decoder::check(const StepBatch& batch) const { summarize(batch, feedable_rows_); }
 
-StepResult Decoder::execute(const StepBatch& batch) {
-  const auto [n, num_sampled, pure_decode] = summarize(batch);
+void Decoder::launch(const StepBatch& batch) {
+  LORAPLEX_CHECK(launched_.size() < static_cast<size_t>(kMaxLaunchedSteps),
+                 "Decoder::launch: ", launched_.size(),
+                 " steps launched and not collected; collect() first");
+  const int64_t feedable = feedable_rows_;
+  const auto [n, num_sampled, pure_decode, fed] = summarize(batch, feedable);
   const int64_t bucket =
       decode_graph_bucket(n, std::min(options_.max_num_seqs, options_.max_num_tokens));
+  const int slot = next_slot_;
+  in_.slot = slot;
   // Logits adjustments and top logprobs vary from step to step: such a step runs eagerly.
   const bool adjusting = adjust_.stage(batch, local_.vocab_size);
-  top_.stage(batch);
+  top_[slot].stage(batch);
+  // The batch passed its checks; from here on a launch that fails may have overwritten the
+  // ids, and leaves none for the next step to take.
+  feedable_rows_ = 0;
   const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
-                     pure_decode && bucket > 0 && !adjusting && top_.k() == 0;
+                     pure_decode && bucket > 0 && !adjusting && top_[slot].k() == 0;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
-  const Staged staged = stage(batch, padded, graph);
+  const Staged staged = stage(batch, padded, graph, fed);
+  if (fed) feed_tokens(padded, feedable);
   const int fused_slots = fused_lora_slots(padded, staged);
   const int64_t rows = graph ? padded : num_sampled;
   if (graph) {
@@ -810,27 +840,56 @@ StepResult Decoder::execute(const StepBatch& batch) {
     run_device(n, rows, staged.token_lora, staged.sampler_lora, fused_slots, sampling);
   }
   last_step_ = {n, padded, graph};
+  download(slot, num_sampled, batch.want_logprobs);
+  launched_.push_back({slot, num_sampled, batch.want_logprobs});
+  next_slot_ = (slot + 1) % kMaxLaunchedSteps;
+  feedable_rows_ = num_sampled;
+}
 
-  StepResult r;
-  const int32_t* ids = act_.ids.data<int32_t>();
-  const float* logprobs = act_.logprobs.data<float>();
-  if (options_.device.is_cuda() && rows > 0) {
+void Decoder::feed_tokens(int64_t num_tokens, int64_t feedable) {
+  ops::FeedTokensArgs a;
+  a.num_tokens = num_tokens;
+  a.num_sampled = feedable;
+  a.rows = in_.device_at<int32_t>(kFeedRows);
+  a.sampled = act_.ids.data<int32_t>();
+  a.tokens = in_.device_at<int32_t>(kTokenIds);
+  throw_if_error(ops::run(&ops::cpu::feed_tokens, &ops::cuda::feed_tokens, a, stream_));
+}
+
+void Decoder::download(int slot, int64_t num_sampled, bool logprobs) {
+  const Tensor& out = host_out_[slot];
+  int32_t* ids = out.data<int32_t>();
+  float* host_lp = reinterpret_cast<float*>(ids + out.size(1));
+  const size_t bytes = static_cast<size_t>(num_sampled) * 4;
+  if (options_.device.is_cpu()) {
+    // The next step's sampler writes act_ before this one is collected.
+    if (bytes > 0) std::memcpy(ids, act_.ids.data_ptr(), bytes);
+    if (logprobs && bytes > 0) std::memcpy(host_lp, act_.logprobs.data_ptr(), bytes);
+  } else if (bytes > 0) {
     const auto d2h = cuda_rt::CopyKind::kDeviceToHost;
-    cuda_rt::memcpy_async(host_out_.data_ptr(), act_.ids.data_ptr(),
-                          static_cast<size_t>(num_sampled) * 4, d2h, stream_.handle());
-    ids = host_out_.data<int32_t>();
-    if (batch.want_logprobs) {
-      float* host_lp = reinterpret_cast<float*>(host_out_.data<int32_t>() + host_out_.size(1));
-      cuda_rt::memcpy_async(host_lp, act_.logprobs.data_ptr(), static_cast<size_t>(num_sampled) * 4,
-                            d2h, stream_.handle());
-      logprobs = host_lp;
+    cuda_rt::memcpy_async(ids, act_.ids.data_ptr(), bytes, d2h, stream_.handle());
+    if (logprobs) {
+      cuda_rt::memcpy_async(host_lp, act_.logprobs.data_ptr(), bytes, d2h, stream_.handle());
     }
   }
-  top_.download(stream_);
-  stream_.synchronize();
-  top_.finish(r);
-  r.token_ids.assign(ids, ids + num_sampled);
-  if (batch.want_logprobs) r.logprobs.assign(logprobs, logprobs + num_sampled);
+  top_[slot].download(stream_);
+  if (downloaded_[slot] != nullptr) downloaded_[slot]->record(stream_);
+}
+
+StepResult Decoder::collect() {
+  LORAPLEX_CHECK(!launched_.empty(), "Decoder::collect: no step launched");
+  const Launched step = launched_.front();
+  launched_.pop_front();
+  if (downloaded_[step.slot] != nullptr) downloaded_[step.slot]->synchronize();
+  StepResult r;
+  const Tensor& out = host_out_[step.slot];
+  const int32_t* ids = out.data<int32_t>();
+  r.token_ids.assign(ids, ids + step.sampled);
+  if (step.logprobs) {
+    const float* lp = reinterpret_cast<const float*>(ids + out.size(1));
+    r.logprobs.assign(lp, lp + step.sampled);
+  }
+  top_[step.slot].finish(r);
   return r;
 }
 

@@ -5,11 +5,15 @@
 // paged KV cache and samples on the model's device; only the sampled ids come back.
 //
 // Every buffer a step touches is allocated at load, so a step never allocates, and on CUDA the
-// device work of a step waits on the host only once, at its end, for the sampled ids. A pure
-// decode step (one token per sequence, every sequence sampled) runs as a CUDA graph captured
-// once per batch-size bucket (and per "any LoRA in the batch"), padded to the bucket.
+// host never waits inside a step: launch() enqueues it (and the copy of its sampled ids into
+// pinned memory) and returns; collect() waits for those ids. Two steps can be in flight, so
+// the host stages step n + 1 while step n runs; a decode token sampled by step n is put in
+// place on the device (SequenceStep::feed_row). A pure decode step (one token per sequence,
+// every sequence sampled) runs as a CUDA graph captured once per batch-size bucket (and per
+// "any LoRA in the batch"), padded to the bucket.
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -64,9 +68,10 @@ class Decoder final : public ModelExecutor {
   void allocate_kv_cache(int64_t num_blocks) override;
   int64_t kv_block_bytes() const override;
 
-  StepResult execute(const StepBatch& batch) override;
+  void launch(const StepBatch& batch) override;
+  StepResult collect() override;
   const StepStats& last_step() const override { return last_step_; }
-  /// execute()'s checks of `batch`, on the host alone (throws as execute does); a
+  /// launch()'s checks of `batch`, on the host alone (throws as launch does); a
   /// tensor-parallel group runs them once before any rank starts the step.
   void check(const StepBatch& batch) const;
 
@@ -116,15 +121,19 @@ class Decoder final : public ModelExecutor {
     Tensor logprobs;  // float [S]
   };
 
-  // Per-step inputs: one pinned host staging buffer and its device mirror (the same tensor on
-  // the CPU), uploaded section by section (the used part of each): int32 token ids, positions
-  // and KV-cache slots [max_num_tokens] and the sampled token rows [max_num_seqs]; then the
-  // sampled rows' parameters: temperature and top_p (float), top_k and banned ids (int32,
-  // kMaxBannedTokens per row) and the uniform draws (double).
+  // Per-step inputs: pinned host staging buffers (one per step in flight, so that staging a
+  // step never overwrites what the step before still copies from) and their device mirror
+  // (the same tensor on the CPU, where a step has run when launch returns), uploaded section
+  // by section (the used part of each): int32 token ids, positions, KV-cache slots and the
+  // feed rows (SequenceStep::feed_row per token, -1 for the others) [max_num_tokens] and the
+  // sampled token rows [max_num_seqs]; then the sampled rows' parameters: temperature and
+  // top_p (float), top_k and banned ids (int32, kMaxBannedTokens per row) and the uniform
+  // draws (double).
   enum Section {
     kTokenIds,
     kPositions,
     kKvSlots,
+    kFeedRows,
     kSampleRows,
     kTemperature,
     kTopP,
@@ -134,12 +143,13 @@ class Decoder final : public ModelExecutor {
     kSections
   };
   struct Inputs {
-    Tensor host;                     // u8
+    Tensor host[kMaxLaunchedSteps];  // u8; on the CPU all the same buffer
     Tensor device;                   // u8
+    int slot = 0;                    // the host buffer of the step being staged
     int64_t offset[kSections] = {};  // bytes
     template <typename T>
     T* host_at(Section s) const {
-      return reinterpret_cast<T*>(host.data<uint8_t>() + offset[s]);
+      return reinterpret_cast<T*>(host[slot].data<uint8_t>() + offset[s]);
     }
     template <typename T>
     T* device_at(Section s) const {
@@ -159,20 +169,22 @@ class Decoder final : public ModelExecutor {
     int64_t tokens = 0;
     int64_t sampled = 0;
     bool pure_decode = true;  // one token per sequence, every sequence sampled
+    bool fed = false;         // a token comes from the previous step's ids (feed_row)
   };
-  BatchSummary summarize(const StepBatch& batch) const;
+  // `feedable`: rows the previous launch sampled, which feed rows may name.
+  BatchSummary summarize(const StepBatch& batch, int64_t feedable) const;
   void bind(const WeightSource& source, WeightUpload& upload);
   void allocate_step_buffers();
   // The host half of a step: fills the staging inputs for `batch` (padded to `padded`
   // tokens, each padding token a sequence of its own on the pad block) and enqueues their
-  // upload, the LoRA mappings' and the attention plan (for a CUDA graph of `padded` sequences
-  // when `graph`). Returns {any token has LoRA, any sampled row has LoRA}.
+  // upload (the feed rows' only when `fed`), the LoRA mappings' and the attention plan (for a
+  // CUDA graph of `padded` sequences when `graph`).
   struct Staged {
     bool token_lora = false;    // any token has LoRA
     bool sampler_lora = false;  // any sampled row has LoRA
     int max_slot = -1;          // the highest slot of a token
   };
-  Staged stage(const StepBatch& batch, int64_t padded, bool graph);
+  Staged stage(const StepBatch& batch, int64_t padded, bool graph, bool fed);
   // The slots a step of `tokens` tokens runs its LoRA over in the fused path (slots 0 up to
   // the highest one it uses, rounded up to a bucket so that few graphs cover every step), or
   // 0 when the step takes another path.
@@ -187,6 +199,12 @@ class Decoder final : public ModelExecutor {
   void project(LoraLinear& layer, const Tensor& in, Tensor& out, Tensor* delta);
   void replay(int64_t bucket, bool token_lora, bool sampler_lora, int fused_slots,
               Sampling sampling);
+  // Puts the previous step's sampled ids in the fed tokens' places (kFeedRows), before the
+  // step's device work (a graph's eager first run and its replay then read the same tokens).
+  void feed_tokens(int64_t num_tokens, int64_t feedable);
+  // Enqueues the copy of the step's sampled ids (and log-probabilities, top logprobs) into the
+  // host buffers of `slot`.
+  void download(int slot, int64_t num_sampled, bool logprobs);
 
   ModelConfig config_;
   // config_ as this rank sees it: its attention heads, KV heads and MLP columns.
@@ -208,7 +226,8 @@ class Decoder final : public ModelExecutor {
   Activations act_;
   Inputs in_;
   StepLogitAdjustments adjust_;  // this step's logits adjustments (none in most steps)
-  StepTopLogprobs top_;          // this step's top logprobs (none in most steps)
+  // The top logprobs (none in most steps) of the steps in flight, by staging slot.
+  StepTopLogprobs top_[kMaxLaunchedSteps];
   // Small batches with LoRA (decode) run each projection's LoRA on a second stream beside its
   // base product, which it would otherwise wait for, and the following elementwise op adds the
   // LoRA output from these buffers ([kOverlapTokens, width]) (LoraDecode::kOverlap).
@@ -226,7 +245,21 @@ class Decoder final : public ModelExecutor {
   Stream lora_stream_;
   std::unique_ptr<Event> fork_;
   std::unique_ptr<Event> join_;
-  Tensor host_out_;  // pinned [2, max_num_seqs] int32 ids, then float log-probabilities
+  // Per staging slot: pinned [2, max_num_seqs] int32 ids, then float log-probabilities, and
+  // (CUDA) the event after their copy.
+  Tensor host_out_[kMaxLaunchedSteps];
+  std::unique_ptr<Event> downloaded_[kMaxLaunchedSteps];
+  // Steps launched and not yet collected, oldest first.
+  struct Launched {
+    int slot = 0;
+    int64_t sampled = 0;
+    bool logprobs = false;
+  };
+  std::deque<Launched> launched_;
+  int next_slot_ = 0;
+  // Rows of act_.ids that the last launch sampled (0 after a launch that failed): what the
+  // next step's feed rows may name.
+  int64_t feedable_rows_ = 0;
   std::unique_ptr<PagedAttention> attention_;
   Tensor sample_workspace_;
   StepStats last_step_;

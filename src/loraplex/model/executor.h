@@ -93,11 +93,25 @@ class ModelExecutor {
   /// Device bytes of one KV block over all layers (K and V), on each device.
   virtual int64_t kv_block_bytes() const = 0;
 
-  /// Runs one step and samples the next token of every sequence that asks for it; only the
-  /// sampled ids (and log-probabilities) come back to the host. Throws loraplex::Error naming
-  /// the sequence and value when the batch is inconsistent (blocks short of its positions,
-  /// more tokens than max_num_tokens, a slot outside [-1, max_loras), bad sampling values).
-  virtual StepResult execute(const StepBatch& batch) = 0;
+  /// Starts one step: stages `batch`, enqueues its device work and the copy of its sampled ids
+  /// to the host, and returns without waiting for the device (on the CPU the step runs here).
+  /// collect() returns the ids. At most kMaxLaunchedSteps steps are launched and not yet
+  /// collected: the engine plans and launches step n + 1 while step n runs, and only then
+  /// collects step n. A SequenceStep's feed_row refers to the step launched just before this
+  /// one. Throws loraplex::Error naming the sequence and value when the batch is inconsistent
+  /// (blocks short of its positions, more tokens than max_num_tokens, a slot outside
+  /// [-1, max_loras), bad sampling values, a feed_row the previous step did not sample), and
+  /// then nothing was launched.
+  virtual void launch(const StepBatch& batch) = 0;
+  /// Waits for the oldest launched step and returns its sampled ids (and log-probabilities)
+  /// in the order of its sampling sequences.
+  virtual StepResult collect() = 0;
+  /// One step with nothing else in flight: launch, then collect.
+  StepResult execute(const StepBatch& batch) {
+    launch(batch);
+    return collect();
+  }
+  static constexpr int kMaxLaunchedSteps = 2;
   virtual const StepStats& last_step() const = 0;
 
   /// Every module an adapter may target, for the adapter manager; a tensor-parallel group's

@@ -21,5 +21,8 @@ Status paged_attention(const PagedAttentionArgs& a, const Stream& stream) {
 }
 Status silu_mul(const SiluMulArgs& a, const Stream& stream) { return dispatch_silu_mul(a, stream); }
 Status argmax(const ArgmaxArgs& a, const Stream& stream) { return dispatch_argmax(a, stream); }
+Status feed_tokens(const FeedTokensArgs& a, const Stream& stream) {
+  return dispatch_feed_tokens(a, stream);
+}
 
 }  // namespace loraplex::model::ops::cuda

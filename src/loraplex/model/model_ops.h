@@ -11,6 +11,7 @@ namespace loraplex::model::ops {
 
 using kernels::AddRmsNormArgs;
 using kernels::ArgmaxArgs;
+using kernels::FeedTokensArgs;
 using kernels::FillUniformArgs;
 using kernels::FusedLoraExpand;
 using kernels::KvCacheView;
@@ -23,6 +24,7 @@ using kernels::uniform_at;
 namespace cpu {
 using kernels::cpu::add_rms_norm;
 using kernels::cpu::argmax;
+using kernels::cpu::feed_tokens;
 using kernels::cpu::fill_uniform;
 using kernels::cpu::paged_attention;
 using kernels::cpu::qk_rms_norm;
@@ -38,6 +40,7 @@ Status qk_rms_norm(const QkRmsNormArgs& a, const Stream& stream);
 Status paged_attention(const PagedAttentionArgs& a, const Stream& stream);
 Status silu_mul(const SiluMulArgs& a, const Stream& stream);
 Status argmax(const ArgmaxArgs& a, const Stream& stream);
+Status feed_tokens(const FeedTokensArgs& a, const Stream& stream);
 }  // namespace cuda
 
 /// Routes to cpu:: or cuda:: by the stream's device.

@@ -46,6 +46,11 @@ struct SequenceStep {
   std::vector<int32_t> blocks;
   /// LoRA slot (an AdapterManager lease's slot), -1 = the base model.
   int32_t lora_slot = -1;
+  /// >= 0: the last of `tokens` is not known on the host yet (its value there is ignored): it
+  /// is the id sampled at this row of the step launched just before (ModelExecutor::launch),
+  /// which the device puts in place. How asynchronous scheduling plans a decode before the
+  /// previous step's ids have come back.
+  int32_t feed_row = -1;
   /// Sample a token after the last one of `tokens` (false for a prompt chunk that does not
   /// end the prompt).
   bool sample = false;

@@ -1,7 +1,9 @@
 #include "loraplex/model/step_top_logprobs.h"
 
 #include <algorithm>
+#include <cstring>
 
+#include "loraplex/core/allocator.h"
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/error.h"
 #include "loraplex/model/model_ops.h"
@@ -39,24 +41,32 @@ void StepTopLogprobs::compute(const void* logits, DType dtype, int64_t rows, int
 }
 
 void StepTopLogprobs::download(const Stream& stream) {
-  const size_t n = static_cast<size_t>(rows_ * k_);
-  host_ids_.resize(n);
-  host_logprobs_.resize(n);
+  const int64_t n = rows_ * k_;
   if (n == 0) return;
+  if (!host_ids_.defined() || host_ids_.numel() < n) {
+    Allocator& host = stream.device().is_cpu() ? cpu_allocator() : pinned_host_allocator();
+    host_ids_ = Tensor::empty_with({n}, DType::kI32, Device::cpu(), host);
+    host_logprobs_ = Tensor::empty_with({n}, DType::kF32, Device::cpu(), host);
+  }
+  const size_t bytes = static_cast<size_t>(n) * 4;
   if (stream.device().is_cpu()) {
-    std::copy_n(ids_.data<int32_t>(), n, host_ids_.data());
-    std::copy_n(logprobs_.data<float>(), n, host_logprobs_.data());
+    std::memcpy(host_ids_.data_ptr(), ids_.data_ptr(), bytes);
+    std::memcpy(host_logprobs_.data_ptr(), logprobs_.data_ptr(), bytes);
     return;
   }
   const auto d2h = cuda_rt::CopyKind::kDeviceToHost;
-  cuda_rt::memcpy_async(host_ids_.data(), ids_.data_ptr(), n * 4, d2h, stream.handle());
-  cuda_rt::memcpy_async(host_logprobs_.data(), logprobs_.data_ptr(), n * 4, d2h, stream.handle());
+  cuda_rt::memcpy_async(host_ids_.data_ptr(), ids_.data_ptr(), bytes, d2h, stream.handle());
+  cuda_rt::memcpy_async(host_logprobs_.data_ptr(), logprobs_.data_ptr(), bytes, d2h,
+                        stream.handle());
 }
 
 void StepTopLogprobs::finish(StepResult& result) const {
   if (k_ == 0) return;
-  result.top_ids = host_ids_;
-  result.top_logprobs = host_logprobs_;
+  const auto n = static_cast<size_t>(rows_ * k_);
+  const int32_t* ids = n > 0 ? host_ids_.data<int32_t>() : nullptr;
+  const float* lps = n > 0 ? host_logprobs_.data<float>() : nullptr;
+  result.top_ids.assign(ids, ids + n);
+  result.top_logprobs.assign(lps, lps + n);
 }
 
 }  // namespace loraplex::model

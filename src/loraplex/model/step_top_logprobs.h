@@ -5,7 +5,6 @@
 // without a CUDA graph.
 
 #include <cstdint>
-#include <vector>
 
 #include "loraplex/core/tensor.h"
 #include "loraplex/model/step_batch.h"
@@ -19,17 +18,16 @@ class StepTopLogprobs {
   int k() const { return k_; }
   /// Computes them for `rows` rows of `logits` ([rows, vocab] of `dtype`) on `stream`.
   void compute(const void* logits, DType dtype, int64_t rows, int64_t vocab, const Stream& stream);
-  /// Enqueues their copy to the host (CUDA); after the stream has finished, `finish` fills
-  /// `result`.
+  /// Enqueues their copy to the host (CUDA: into page-locked buffers, so that the host does not
+  /// wait here); after the stream has finished, `finish` fills `result`.
   void download(const Stream& stream);
   void finish(StepResult& result) const;
 
  private:
   int k_ = 0;
   int64_t rows_ = 0;
-  Tensor ids_, logprobs_;  // on the step's device
-  std::vector<int32_t> host_ids_;
-  std::vector<float> host_logprobs_;
+  Tensor ids_, logprobs_;            // on the step's device
+  Tensor host_ids_, host_logprobs_;  // page-locked on CUDA; grown as needed
 };
 
 }  // namespace loraplex::model

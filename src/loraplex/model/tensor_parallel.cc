@@ -419,22 +419,26 @@ int64_t TensorParallelDecoder::kv_block_bytes() const {
   return group_->ranks[0]->decoder->kv_block_bytes();
 }
 
-StepResult TensorParallelDecoder::execute(const StepBatch& batch) {
+void TensorParallelDecoder::launch(const StepBatch& batch) {
   group_->check_running();
   // A batch the model refuses is refused here, before any rank starts: no rank throws alone.
   group_->ranks[0]->decoder->check(batch);
+  group_->run([&batch](Group::Rank& r) { r.decoder->launch(batch); }, options_.step_timeout_s,
+              "launching a step");
+  last_step_ = group_->ranks[0]->decoder->last_step();
+}
+
+StepResult TensorParallelDecoder::collect() {
+  group_->check_running();
   std::vector<StepResult> results(group_->ranks.size());
   group_->run(
-      [&results, &batch](Group::Rank& r) {
-        results[static_cast<size_t>(r.index)] = r.decoder->execute(batch);
-      },
+      [&results](Group::Rank& r) { results[static_cast<size_t>(r.index)] = r.decoder->collect(); },
       options_.step_timeout_s, "a step");
   for (size_t r = 1; r < results.size(); ++r) {
     LORAPLEX_CHECK(results[r].token_ids == results[0].token_ids, "tensor-parallel rank ", r,
                    " sampled other tokens than rank 0 from the same "
                    "logits (the ranks' all-gathered logits must be identical)");
   }
-  last_step_ = group_->ranks[0]->decoder->last_step();
   return std::move(results[0]);
 }
 

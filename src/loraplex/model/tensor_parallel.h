@@ -14,8 +14,12 @@
 // Sampling: every rank has the full logits after the lm_head's all-gather and samples them
 // itself with the same uniforms; the ids agree bit for bit (checked every step) and rank 0's
 // are returned. Sampling on rank 0 and broadcasting would add a collective to every step for
-// nothing: the ids are never needed on the devices (the next step's tokens come from the
-// host).
+// nothing: the ids are needed on the devices only as the next step's fed tokens
+// (SequenceStep::feed_row), and every rank has them already.
+//
+// Asynchronous steps: launch() has every rank stage and enqueue the step and returns once all
+// have (on CUDA without waiting for the devices); collect() has every rank wait for its ids.
+// The driver's thread is free in between, to plan the next step.
 //
 // Failure: the batch is checked once on the host before any rank starts. A rank that throws
 // during a step (a CUDA error, a failed GPU), an asynchronous NCCL error, or a step still
@@ -61,7 +65,8 @@ class TensorParallelDecoder final : public ModelExecutor {
   const DecoderOptions& options() const override { return options_; }
   void allocate_kv_cache(int64_t num_blocks) override;
   int64_t kv_block_bytes() const override;
-  StepResult execute(const StepBatch& batch) override;
+  void launch(const StepBatch& batch) override;
+  StepResult collect() override;
   const StepStats& last_step() const override { return last_step_; }
   const LoraTargetRegistry& targets() const override { return targets_; }
   std::vector<Device> devices() const override;

@@ -24,7 +24,10 @@ LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device,
   start_loc_ = Tensor::empty({l + 2}, DType::kI32, device);
   num_active_ = Tensor::empty({1}, DType::kI32, device);
   if (device.is_cuda()) {
-    host_staging_ = Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
+    for (int i = 0; i < kStagingSlots; ++i) {
+      host_staging_[i] =
+          Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
+    }
     if (scratch_floats < 0) {
       scratch_floats = kernels::cuda::lora_scratch_floats(n, kernels::cuda::LoraTuning{});
     }
@@ -64,11 +67,17 @@ bool LoraBatchMeta::upload(std::span<const int32_t> token_slots, const Stream& s
     if (device_.is_cpu()) {
       std::memcpy(mapping_.data_ptr(), token_slots.data(), static_cast<size_t>(n) * 4);
     } else {
-      // The staging buffer is reused every step: wait for the previous upload to finish.
-      stream.synchronize();
-      std::memcpy(host_staging_.data_ptr(), token_slots.data(), static_cast<size_t>(n) * 4);
+      // The slot's last copy was enqueued two uploads ago: in the engine's pipeline (at most
+      // one step running while the next is staged) it has run, and the wait returns at once.
+      const int k = next_staging_;
+      next_staging_ = (next_staging_ + 1) % kStagingSlots;
+      if (staged_[k] != nullptr) staged_[k]->synchronize();
+      const Tensor& staging = host_staging_[k];
+      std::memcpy(staging.data_ptr(), token_slots.data(), static_cast<size_t>(n) * 4);
       Tensor mapping = mapping_;
-      mapping.narrow(0, 0, n).copy_from_async(host_staging_.narrow(0, 0, n), stream);
+      mapping.narrow(0, 0, n).copy_from_async(staging.narrow(0, 0, n), stream);
+      if (staged_[k] == nullptr) staged_[k] = std::make_unique<Event>();
+      staged_[k]->record(stream);
     }
   }
   return no_lora;

@@ -5,6 +5,7 @@
 // memory, so it can be captured in a CUDA graph.
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -79,7 +80,12 @@ class LoraBatchMeta {
   Tensor num_active_;             // [1]
   Tensor scratch_;                // float32, CUDA only (see the constructor)
   Tensor counters_;               // int32, zero between ops (see above), CUDA only
-  Tensor host_staging_;           // [max_num_tokens] pinned host memory for the mapping upload
+  // Pinned host memory for the mapping upload, two steps' worth: the engine stages a step
+  // while the one before runs, whose copy may not have run yet.
+  static constexpr int kStagingSlots = 2;
+  Tensor host_staging_[kStagingSlots];            // [max_num_tokens] each
+  std::unique_ptr<Event> staged_[kStagingSlots];  // after the copy from each slot
+  int next_staging_ = 0;
 };
 
 }  // namespace loraplex

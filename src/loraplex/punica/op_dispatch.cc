@@ -163,6 +163,9 @@ Status dispatch_silu_mul(const kernels::SiluMulArgs& args, const Stream& stream)
 Status dispatch_argmax(const kernels::ArgmaxArgs& args, const Stream& stream) {
   return route(&kernels::cpu::argmax, &kernels::cuda::argmax, args, stream);
 }
+Status dispatch_feed_tokens(const kernels::FeedTokensArgs& args, const Stream& stream) {
+  return route(&kernels::cpu::feed_tokens, &kernels::cuda::feed_tokens, args, stream);
+}
 
 Status dispatch_embedding_rows(const kernels::EmbeddingRowsArgs& args, const Stream& stream) {
   return route(&kernels::cpu::embedding_rows, &kernels::cuda::embedding_rows, args, stream);

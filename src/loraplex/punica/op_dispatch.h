@@ -69,6 +69,7 @@ Status dispatch_qk_rms_norm(const kernels::QkRmsNormArgs& args, const Stream& st
 Status dispatch_paged_attention(const kernels::PagedAttentionArgs& args, const Stream& stream);
 Status dispatch_silu_mul(const kernels::SiluMulArgs& args, const Stream& stream);
 Status dispatch_argmax(const kernels::ArgmaxArgs& args, const Stream& stream);
+Status dispatch_feed_tokens(const kernels::FeedTokensArgs& args, const Stream& stream);
 
 // The embedding and MoE layers' row ops (kernels/layer_ops.h).
 Status dispatch_embedding_rows(const kernels::EmbeddingRowsArgs& args, const Stream& stream);

@@ -144,6 +144,10 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
   app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", e.enable_prefix_caching,
                "reuse the KV blocks of shared prompt prefixes")
       ->capture_default_str();
+  app.add_flag("--async-scheduling,!--no-async-scheduling", e.async_scheduling,
+               "plan and launch each step while the one before runs on the device (the same "
+               "tokens; --no-async-scheduling collects every step before planning the next)")
+      ->capture_default_str();
   app.add_option("--max-waiting", e.max_waiting,
                  "refuse requests (503) beyond this many waiting (0: no limit)")
       ->check(CLI::NonNegativeNumber)

@@ -371,4 +371,13 @@ Status argmax(const ArgmaxArgs& a) {
   });
 }
 
+Status feed_tokens(const FeedTokensArgs& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_feed_tokens_args(a));
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    const int32_t r = a.rows[t];
+    if (r >= 0 && r < a.num_sampled) a.tokens[t] = a.sampled[r];
+  }
+  return Status();
+}
+
 }  // namespace loraplex::kernels::cpu

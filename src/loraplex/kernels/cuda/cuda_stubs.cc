@@ -67,6 +67,7 @@ Status paged_attention(const PagedAttentionArgs&, StreamHandle) {
 }
 Status silu_mul(const SiluMulArgs&, StreamHandle) { return no_cuda("silu_mul"); }
 Status argmax(const ArgmaxArgs&, StreamHandle) { return no_cuda("argmax"); }
+Status feed_tokens(const FeedTokensArgs&, StreamHandle) { return no_cuda("feed_tokens"); }
 
 Status embedding_rows(const EmbeddingRowsArgs&, StreamHandle) {
   return no_cuda("embedding_lookup");

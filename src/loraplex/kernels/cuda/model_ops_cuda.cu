@@ -43,6 +43,16 @@ __device__ float round_to(float v) {
   return E::load(E::store(v));
 }
 
+// The status of the kernel launched last on this thread.
+Status launch_status(const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return Status(StatusCode::kCudaError,
+                  detail::concat(op, ": kernel launch failed: ", cudaGetErrorString(err)));
+  }
+  return Status();
+}
+
 template <typename Fn>
 Status dispatch(DType dtype, const char* op, Fn&& fn) {
   switch (dtype) {
@@ -58,12 +68,7 @@ Status dispatch(DType dtype, const char* op, Fn&& fn) {
     default:
       return invalid_argument(op, ": dtype ", dtype, ", expected float32, float16 or bfloat16");
   }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return Status(StatusCode::kCudaError,
-                  detail::concat(op, ": kernel launch failed: ", cudaGetErrorString(err)));
-  }
-  return Status();
+  return launch_status(op);
 }
 
 cudaStream_t raw(cuda_rt::StreamHandle stream) { return static_cast<cudaStream_t>(stream); }
@@ -971,6 +976,25 @@ Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
       launch(std::integral_constant<int, kVec>{});
     }
   });
+}
+
+namespace {
+
+__global__ void feed_tokens_kernel(FeedTokensArgs a) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < a.num_tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t r = a.rows[t];
+    if (r >= 0 && r < a.num_sampled) a.tokens[t] = a.sampled[r];
+  }
+}
+
+}  // namespace
+
+Status feed_tokens(const FeedTokensArgs& a, cuda_rt::StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_feed_tokens_args(a));
+  if (a.num_tokens == 0) return Status();
+  feed_tokens_kernel<<<blocks_for(a.num_tokens), kThreads, 0, raw(stream)>>>(a);
+  return launch_status("feed_tokens");
 }
 
 Status argmax(const ArgmaxArgs& a, cuda_rt::StreamHandle stream) {
