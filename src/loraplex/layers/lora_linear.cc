@@ -159,10 +159,11 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   // base output and the shrink of the slots in use together (forward_fused). Fully sharded
   // layers keep their own A stacks (A re-laid out by rank, or a shrink that is all-reduced
   // apart from the output).
-  fused_layout_ = !config_.fully_sharded;
+  fused_layout_ = !config_.fully_sharded && !spec_.fp8_weight;
   slot_cols_ = fused_layout_ ? num_lora * max_rank : 0;
-  storage_ =
-      Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, spec_.dtype, device_);
+  const DType weight_dtype = spec_.fp8_weight ? DType::kF8E4M3 : spec_.dtype;
+  storage_ = Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, weight_dtype,
+                           device_);
   weight_ = storage_.narrow(0, 0, out_local_);
   if (fused_layout_) {
     // Zeros before any upload: slot writes come later on other streams, unordered with this.
@@ -209,6 +210,10 @@ LoraLinear::Scratch LoraLinear::carve(LayerWorkspace::Carver& carver, int64_t to
     s.local_out = carver.take({tokens, out_local_}, spec_.dtype);
     s.staging = carver.take({tp_ * tokens, out_local_}, spec_.dtype);
   }
+  if (spec_.fp8_weight && device_.is_cuda()) {
+    const size_t bytes = kernels::fp8_gemm_scratch_bytes(tokens, in_local_);
+    s.fp8 = carver.take({static_cast<int64_t>(bytes)}, DType::kU8);
+  }
   return s;
 }
 
@@ -238,22 +243,36 @@ int LoraLinear::lora_rank(int slot, int slice) const {
 
 void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases,
                            WeightUpload* upload) {
+  std::vector<BaseWeight> base(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) base[i].weight = weights[i];
+  load_base(base, biases, upload);
+}
+
+void LoraLinear::load_base(const std::vector<BaseWeight>& base, const std::vector<Tensor>& biases,
+                           WeightUpload* upload) {
   const std::string& k = spec_.kind;
-  LORAPLEX_CHECK(weights.size() == spec_.outputs.size(), k, ": load_base got ", weights.size(),
+  LORAPLEX_CHECK(base.size() == spec_.outputs.size(), k, ": load_base got ", base.size(),
                  " weights, expected one per output slice (", spec_.outputs.size(), ")");
+  std::vector<Tensor> weights;
+  for (const BaseWeight& b : base) weights.push_back(b.weight);
   bool any_bias = false;
   for (const Tensor& b : biases) any_bias = any_bias || b.defined();
   if (any_bias) {
     LORAPLEX_CHECK(biases.size() == spec_.outputs.size(), k, ": load_base got ", biases.size(),
                    " biases, expected one per output slice (", spec_.outputs.size(), ")");
   }
+  const DType weight_dtype = storage_.dtype();
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = weights[i];
     const int64_t size = spec_.outputs[i].size;
-    LORAPLEX_CHECK(w.defined() && layers_detail::is_weight_source(w, device_, spec_.dtype) &&
+    LORAPLEX_CHECK(base[i].is_fp8() == spec_.fp8_weight, k, ": base weight of slice ", i, " is ",
+                   w.defined() ? w.describe() : "undefined", ", the layer takes ",
+                   spec_.fp8_weight ? "float8_e4m3 weights with scales" : "float weights");
+    LORAPLEX_CHECK(w.defined() && layers_detail::is_weight_source(w, device_, weight_dtype) &&
                        w.dim() == 2 && w.size(0) == size && w.size(1) == spec_.in_features,
-                   k, ": base weight of slice ", i, " must be a CPU float [", size, ", ",
-                   spec_.in_features, "] (or ", spec_.dtype, " on ", device_, "), got ",
+                   k, ": base weight of slice ", i, " must be a CPU ",
+                   spec_.fp8_weight ? "float8_e4m3" : "float", " [", size, ", ",
+                   spec_.in_features, "] (or ", weight_dtype, " on ", device_, "), got ",
                    w.defined() ? w.describe() : "undefined");
     if (any_bias) {
       const Tensor& b = biases[i];
@@ -262,6 +281,19 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
                      k, ": bias of slice ", i, " must be a CPU float [", size, "], got ",
                      b.defined() ? b.describe() : "undefined");
     }
+  }
+  if (spec_.fp8_weight) {
+    std::vector<Fp8RowRange> ranges;
+    std::vector<const BaseWeight*> all;
+    for (size_t i = 0; i < base.size(); ++i) {
+      ranges.push_back({&base[i], slices_[i].shard_start, slices_[i].local_size});
+      all.push_back(&base[i]);
+    }
+    const Fp8Scales host = fp8_local_scales(ranges, in_offset_, in_local_, k);
+    fp8_.layout = host.layout;
+    fp8_.scale = host.scale.to(device_);
+    const Tensor input_scale = merged_input_scale(all, k);
+    fp8_.input_scale = input_scale.defined() ? input_scale.to(device_) : Tensor();
   }
   std::optional<WeightUpload> own;
   if (upload == nullptr) upload = &own.emplace(device_);
@@ -448,7 +480,7 @@ void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica
   Tensor target = gather ? scratch.local_out : y;
   // Row layers add the bias on rank 0 only: the all-reduce then adds it exactly once.
   const Tensor bias = row && rank_ != 0 ? Tensor() : bias_;
-  linear_base(x_local, weight_, bias, target, stream);
+  base_gemm(x_local, bias, target, scratch, stream);
   add_lora(target, x_local, punica, scratch, stream);
   if (row && spec_.reduce_results && tp_ > 1) comm().all_reduce_sum(y, stream);
   if (gather) gather_output(target, scratch.staging, y, stream);
@@ -462,9 +494,22 @@ void LoraLinear::forward_base(const Tensor& x, Tensor& y, const Stream& stream) 
   layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
   layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
   LORAPLEX_CHECK(
-      x.size(1) == input_width() && y.size(0) == x.size(0) && y.size(1) == output_width(), k,
-      ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()));
-  linear_base(x, weight_, bias_, y, stream);
+      x.size(1) == input_width() && y.size(0) == x.size(0) && y.size(1) == output_width() &&
+          x.size(0) <= max_num_tokens_,
+      k, ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()),
+      " (at most max_num_tokens ", max_num_tokens_, " rows)");
+  LayerWorkspace::Carver carver = workspace_->carver();
+  const Scratch scratch = carve(carver, x.size(0));
+  base_gemm(x, bias_, y, scratch, stream);
+}
+
+void LoraLinear::base_gemm(const Tensor& x, const Tensor& bias, Tensor& y, const Scratch& scratch,
+                           const Stream& stream) const {
+  if (spec_.fp8_weight) {
+    linear_base_fp8(x, weight_, fp8_, bias, y, scratch.fp8, stream);
+  } else {
+    linear_base(x, weight_, bias, y, stream);
+  }
 }
 
 void LoraLinear::add_lora_to(const Tensor& x, Tensor& d, const PunicaWrapper& punica,
