@@ -102,6 +102,9 @@ TEST(Fp8LocalScales, EveryElementGetsItsProjectionsScale) {
     const kernels::Fp8WeightScales& l = s.layout;
     const std::string kind = l.group_n > 1 ? "blocks" : l.stride_k == 0 ? "row" : "row x k-group";
     EXPECT_EQ(kind, c.want) << c.want << " " << c.rows.size() << " projections";
+    if (kind == "blocks") {
+      EXPECT_EQ(l.stride_n % 4, 0) << "cuBLASLt's padded block rows";
+    }
     int64_t local = 0;
     for (const Fp8RowRange& r : ranges) {
       for (int64_t i = 0; i < r.rows; ++i, ++local) {
@@ -254,6 +257,103 @@ TEST(Fp8LoraLinear, TakesFp8WeightsOnlyWhenItsSpecSaysSo) {
   fp8.load_base(std::vector<BaseWeight>{random_fp8(16, 32, 1, 32, rng)});
   EXPECT_EQ(fp8.fp8_scales().scale.numel(), 16);
   EXPECT_FALSE(fp8.fp8_scales().input_scale.defined());
+}
+
+// Dequantized codes of `codes` [rows, cols] (a view of a layer stack) with a scale per row.
+std::vector<double> dequantized_rows(const Tensor& codes, const Tensor& scales, int64_t rows,
+                                     int64_t cols) {
+  const Tensor q = codes.narrow(0, 0, rows).narrow(1, 0, cols).contiguous();
+  const std::vector<double> s = test::values_of(scales);
+  const uint8_t* b = static_cast<const uint8_t*>(q.data_ptr());
+  std::vector<double> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      out[static_cast<size_t>(r * cols + c)] =
+          static_cast<double>(e4m3_bits_to_float(b[r * cols + c])) * s[static_cast<size_t>(r)];
+    }
+  }
+  return out;
+}
+
+// Every stored value within e4m3's rounding of the adapter's: half an ulp is 2^-4 of a normal
+// value, 2^-10 of the row's scale below the normal range.
+void expect_round_trip(const std::vector<double>& got, const Tensor& original, const Tensor& scales,
+                       const std::string& what) {
+  const std::vector<double> want = original.to_double_vector();
+  const std::vector<double> s = test::values_of(scales);
+  const int64_t cols = original.size(1);
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double bound =
+        std::fabs(want[i]) * 0.0625 + s[i / static_cast<size_t>(cols)] * std::ldexp(1.0, -10);
+    ASSERT_LE(std::fabs(got[i] - want[i]), bound) << what << " element " << i;
+  }
+}
+
+TEST(Fp8LoraStorage, RoundTripWithinE4m3AndForwardUsesTheStoredAdapter) {
+  std::mt19937_64 rng(26);
+  for (const LinearSpec& spec :
+       {LinearSpec::qkv(96, 16, 4, 2, DType::kF32), LinearSpec::row(96, 64, DType::kF32)}) {
+    const Device cpu = Device::cpu();
+    const Stream stream;
+    std::vector<BaseWeight> base;
+    for (const OutputSlice& o : spec.outputs) {
+      base.emplace_back();
+      base.back().weight = test::random_tensor({o.size, spec.in_features}, DType::kF32, rng, 0.5f);
+    }
+    LoraLinear fp8(spec, LoraConfig{kMaxLoras, kMaxRank, DType::kF8E4M3, false}, nullptr, cpu,
+                   kTokens);
+    LoraLinear plain(spec, LoraConfig{kMaxLoras, kMaxRank, DType::kF32, false}, nullptr, cpu,
+                     kTokens);
+    EXPECT_FALSE(fp8.can_fuse());
+    EXPECT_EQ(fp8.lora_a(0).dtype(), DType::kF8E4M3);
+    fp8.load_base(base);
+    plain.load_base(base);
+    // Slot 1 gets rank 6 over an earlier rank-8 adapter: the stale columns are never read.
+    for (int round = 0; round < 2; ++round) {
+      const int64_t r = round == 0 ? 8 : 6;
+      std::vector<LoraSliceWeights> adapter;
+      for (const OutputSlice& o : spec.outputs) {
+        Tensor a = test::random_tensor({r, spec.in_features}, DType::kF32, rng, 0.5f);
+        a.narrow(0, 0, 1).zero_();  // a row of zeros: scale 1, codes 0
+        adapter.push_back({a, test::random_tensor({o.size, r}, DType::kF32, rng, 0.2f)});
+      }
+      fp8.set_lora(1, adapter);
+      // The float layer gets exactly what the fp8 layer stores, dequantized.
+      std::vector<LoraSliceWeights> stored;
+      for (int s = 0; s < fp8.num_lora_slices(); ++s) {
+        const LoraSliceWeights& w = adapter[static_cast<size_t>(s)];
+        const Tensor a_codes = fp8.lora_a(s).select(0, 1);
+        const Tensor b_codes = fp8.lora_b(s).select(0, 1);
+        const Tensor a_scales = fp8.lora_a_scales(s).select(0, 1).narrow(0, 0, r);
+        const Tensor b_scales = fp8.lora_b_scales(s).select(0, 1);
+        const std::vector<double> a = dequantized_rows(a_codes, a_scales, r, spec.in_features);
+        const std::vector<double> b = dequantized_rows(b_codes, b_scales, w.b.size(0), r);
+        expect_round_trip(a, w.a, a_scales, spec.kind + " A");
+        expect_round_trip(b, w.b, b_scales, spec.kind + " B");
+        EXPECT_EQ(test::values_of(a_scales)[0], 1.0) << "the zero row's scale";
+        stored.push_back({Tensor::from_vector(std::vector<float>(a.begin(), a.end()),
+                                              {r, spec.in_features}),
+                          Tensor::from_vector(std::vector<float>(b.begin(), b.end()),
+                                              {w.b.size(0), r})});
+      }
+      plain.set_lora(1, stored);
+    }
+    const Tensor x = test::random_tensor({kTokens, spec.in_features}, DType::kF32, rng);
+    const std::vector<int32_t> slots = test::mixed_slots(kTokens, kMaxLoras, rng);
+    PunicaWrapper punica(kMaxLoras, kTokens, 4, cpu);
+    punica.update_metadata(slots, {}, stream);
+    const std::vector<double> got = test::values_of(fp8.forward(x, punica, stream));
+    const std::vector<double> want = test::values_of(plain.forward(x, punica, stream));
+    EXPECT_LE(test::tolerance_ratio(got, want, 1e-5, 1e-5 * test::max_abs(want)), 1.0)
+        << spec.kind;
+  }
+}
+
+TEST(Fp8LoraStorage, RefusedWithFullyShardedLora) {
+  EXPECT_THROW(LoraLinear(LinearSpec::row(32, 16, DType::kBF16),
+                          LoraConfig{1, 4, DType::kF8E4M3, true}, nullptr, Device::cpu(), 4),
+               Error);
 }
 
 }  // namespace

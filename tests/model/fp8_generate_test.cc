@@ -13,6 +13,7 @@
 
 #include "fixture_support.h"
 #include "loraplex/core/error.h"
+#include "support/gpu_check.h"
 
 namespace loraplex::test {
 namespace {
@@ -59,6 +60,32 @@ TEST_P(GenerateTinyLlamaFp8, OneSequenceAtATimeMatchesPeft) {
   expect_tokens(cfg, expected, format + " one at a time");
 }
 
+// CUDA, bfloat16 activations, W8A8 base GEMMs with every adapter in one batch (decode steps on
+// the LoRA-overlap path, prefills on the kernels path; the fused path does not exist for fp8
+// weights): the first token wherever the reference's first-step margin is clear. Skipped
+// without a GPU.
+TEST_P(GenerateTinyLlamaFp8, CudaW8A8FirstTokenWhereTheMarginIsClear) {
+  LORAPLEX_REQUIRE_GPU();
+  const std::string format = GetParam();
+  const auto expected = read_expected("tiny-llama-fp8/" + format);
+  engine::GenerateConfig cfg = fp8_config(format, expected);
+  cfg.device = Device::cuda(0);
+  cfg.dtype = DType::kBF16;
+  for (model::LoraDecode path : {model::LoraDecode::kAuto, model::LoraDecode::kKernels}) {
+    cfg.lora_decode = path;
+    const engine::GenerateReport report = engine::run_generate(cfg);
+    int compared = 0;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      if (expected[i].first_step_margin <= 0.05) continue;
+      ++compared;
+      EXPECT_EQ(report.outputs[i].output_token_ids.at(0), expected[i].output_token_ids.at(0))
+          << format << " request " << i << " (first-step margin "
+          << expected[i].first_step_margin << ")";
+    }
+    EXPECT_GT(compared, 10) << format;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, GenerateTinyLlamaFp8,
                          ::testing::Values("dynamic", "static", "block"));
 
@@ -100,6 +127,35 @@ TEST(GenerateTinyLlamaFp8Parallel, BlockScalesSplitInsideABlockAreRefused) {
     EXPECT_NE(std::string(e.what()).find("not on a block of 128 columns"), std::string::npos)
         << e.what();
   }
+}
+
+// fp8 adapter storage (--lora-dtype fp8) on the float tiny-llama: the base model's requests give
+// PEFT's tokens exactly, the adapters' their first token wherever the reference's first-step
+// margin is clear (A and B rounded to e4m3 move the LoRA output by a few percent).
+TEST(GenerateTinyLlamaFp8Adapters, BaseExactAndAdaptersFirstTokenWhereTheMarginIsClear) {
+  const auto expected = read_expected("tiny-llama");
+  std::vector<size_t> order(expected.size());
+  std::iota(order.begin(), order.end(), 0);
+  engine::GenerateConfig cfg = fixture_config("tiny-llama", expected, order);
+  cfg.lora_dtype = DType::kF8E4M3;
+  const engine::GenerateReport report = engine::run_generate(cfg);
+  int compared = 0;
+  int differ = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const auto& got = report.outputs[i].output_token_ids;
+    if (!expected[i].adapter) {
+      EXPECT_EQ(got, expected[i].output_token_ids) << "request " << i;
+      continue;
+    }
+    differ += got != expected[i].output_token_ids;
+    if (expected[i].first_step_margin <= 0.1) continue;
+    ++compared;
+    EXPECT_EQ(got.at(0), expected[i].output_token_ids.at(0))
+        << "request " << i << " (" << *expected[i].adapter << ", first-step margin "
+        << expected[i].first_step_margin << ")";
+  }
+  EXPECT_GT(compared, 10);
+  EXPECT_GT(differ, 0) << "fp8 storage changed no adapter's tokens: was it used?";
 }
 
 class Fp8CheckpointErrors : public ::testing::Test {

@@ -11,6 +11,7 @@
 #include "command.h"
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
+#include "loraplex/engine/engine.h"
 #include "loraplex/engine/generate_run.h"
 
 namespace loraplex::cli {
@@ -97,6 +98,12 @@ int run(const std::vector<std::string>& args) {
   app.add_flag("--fully-sharded-loras", cfg.fully_sharded_loras,
                "shard the adapters like the layers they modify (LoRA-A by rank in column layers, "
                "LoRA-B by rows in row layers)");
+  app.add_option_function<std::string>(
+         "--lora-dtype",
+         [&](const std::string& value) { cfg.lora_dtype = engine::parse_lora_dtype(value); },
+         "how the projections' adapters are stored: auto (the model dtype, default) or fp8 "
+         "(float8_e4m3 with a scale per row: half the adapter memory)")
+      ->type_name("DTYPE");
   app.add_flag("--stats", stats, "print load/generation times and batch sizes to standard error");
   if (!parse_cli(app, args)) return 0;
   for (const std::string& value : loras) {

@@ -78,7 +78,14 @@ struct EngineOptions {
   bool fully_sharded_loras = false;
   /// How decode steps run the LoRA (model::DecoderOptions::lora_decode).
   model::LoraDecode lora_decode = model::LoraDecode::kAuto;
+  /// The projections' LoRA storage (model::DecoderOptions::lora_dtype): the model dtype, or
+  /// float8_e4m3 (--lora-dtype fp8).
+  std::optional<DType> lora_dtype;
 };
+
+/// --lora-dtype: "auto" (the model dtype: nullopt), or "fp8" / "float8_e4m3" / "e4m3". Throws
+/// naming the value and the accepted ones.
+std::optional<DType> parse_lora_dtype(const std::string& text);
 
 /// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size,
 /// tensor parallelism), for loading the model an Engine will run (model::load_model). The KV

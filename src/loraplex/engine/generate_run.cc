@@ -122,6 +122,7 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   opts.tensor_parallel_size = cfg.tensor_parallel_size;
   opts.fully_sharded_loras = cfg.fully_sharded_loras;
   opts.lora_decode = cfg.lora_decode;
+  opts.lora_dtype = cfg.lora_dtype;
   Engine engine(
       model::load_model(cfg.model_dir, engine_decoder_options(opts, cfg.dtype, cfg.device)),
       tokenizer, read_eos_token_ids(cfg.model_dir, config), opts);

@@ -45,6 +45,7 @@ struct GenerateConfig {
   int tensor_parallel_size = 1;  // ranks (GPUs from `device` on, or CPU threads)
   bool fully_sharded_loras = false;
   model::LoraDecode lora_decode = model::LoraDecode::kAuto;
+  std::optional<DType> lora_dtype;  // the projections' LoRA storage; nullopt: `dtype`
 };
 
 struct GenerateOutput {

@@ -21,11 +21,15 @@ enum class GemmIsa { kAuto, kBaseline };
 /// The scales of an fp8 weight: w[r, c] = q[r, c] * scale[(r / group_n) * stride_n +
 /// (c / group_k) * stride_k]. The layouts a layer uses (layers/fp8_weight.h):
 ///   per output row:  group_n 1, group_k >= k, stride_n 1, stride_k 0     ([n])
-///   blocks:          group_n = bn, group_k = bk, stride_n ceil(k / bk), stride_k 1
-///                    ([ceil(n / bn), ceil(k / bk)], row-major, as checkpoints store them)
+///   blocks:          group_n = bn, group_k = bk, stride_n >= ceil(k / bk), stride_k 1
+///                    ([ceil(n / bn), stride_n], row-major as checkpoints store them; cuBLASLt
+///                    wants stride_n = ceil(k / 128) rounded up to a multiple of 4)
 ///   row x k-group:   group_n 1, group_k = bk, stride_n 1, stride_k n
 ///                    ([ceil(k / bk), n]: a block scale repeated on each of its rows, rows
 ///                    fastest, for merged layers whose slices do not start on a block)
+/// On CUDA: per row -> cuBLASLt's OUTER_VEC_32F with x scaled per token (OUTER_VEC_32F);
+/// 128x128 blocks -> BLK128x128_32F with x scaled per token and 128 columns (VEC128_32F);
+/// row x 128 columns -> VEC128_32F with the same x scales. Other layouts run on the CPU only.
 struct Fp8WeightScales {
   const float* scale = nullptr;
   int64_t group_n = 1;
@@ -35,8 +39,10 @@ struct Fp8WeightScales {
 };
 
 /// Bytes of CUDA scratch an fp8-weight GEMM of m x k activations needs: x quantised to e4m3
-/// [m, k] and its float32 scales (per token, or per token and 128-column group).
+/// [m, k] and, from fp8_gemm_scales_offset(m, k) on, its float32 scales (per token, or per
+/// token and 128-column group).
 size_t fp8_gemm_scratch_bytes(int64_t m, int64_t k);
+size_t fp8_gemm_scales_offset(int64_t m, int64_t k);
 
 struct GemmArgs {
   DType dtype = DType::kF32;   // of x, bias and y: f32, f16 or bf16

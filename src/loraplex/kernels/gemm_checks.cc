@@ -12,9 +12,11 @@ size_t align_up(size_t v) { return (v + kScratchAlign - 1) / kScratchAlign * kSc
 
 }  // namespace
 
+size_t fp8_gemm_scales_offset(int64_t m, int64_t k) { return align_up(static_cast<size_t>(m * k)); }
+
 size_t fp8_gemm_scratch_bytes(int64_t m, int64_t k) {
   const int64_t groups = (std::max<int64_t>(k, 1) + kActGroup - 1) / kActGroup;
-  return align_up(static_cast<size_t>(m * k)) + static_cast<size_t>(m * groups) * sizeof(float);
+  return fp8_gemm_scales_offset(m, k) + static_cast<size_t>(m * groups) * sizeof(float);
 }
 
 Status check_gemm_args(const GemmArgs& a) {

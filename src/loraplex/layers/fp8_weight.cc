@@ -69,20 +69,22 @@ Fp8Scales fp8_local_scales(const std::vector<Fp8RowRange>& ranges, int64_t col0,
   if (blocks) {
     const int64_t bn = first.group_n;
     const int64_t row_blocks = ceil_div(total, bn);
-    out.scale = Tensor::empty({row_blocks, kgs}, DType::kF32);
+    // Rows of column groups padded to a multiple of 4, as cuBLASLt reads 128x128 block scales.
+    const int64_t pitch = ceil_div(kgs, 4) * 4;
+    out.scale = Tensor::zeros({row_blocks, pitch}, DType::kF32);
     float* s = out.scale.data<float>();
     int64_t at = 0;
     for (const Fp8RowRange& r : ranges) {
       for (int64_t i = 0; i < r.rows; i += bn) {
         for (int64_t j = 0; j < kgs; ++j) {
-          s[((at + i) / bn) * kgs + j] = grid_at(*r.weight, r.first_row + i, kg0 + j);
+          s[((at + i) / bn) * pitch + j] = grid_at(*r.weight, r.first_row + i, kg0 + j);
         }
       }
       at += r.rows;
     }
     l.group_n = bn;
     l.group_k = bk;
-    l.stride_n = kgs;
+    l.stride_n = pitch;
     l.stride_k = 1;
     return out;
   }

@@ -8,7 +8,8 @@
 // scale array over its own rows (kernels::Fp8WeightScales):
 //   - per output row, when every projection has one scale per row or per tensor;
 //   - blocks, when every projection has bn x bk blocks and each projection's rows start on a
-//     block in this layer and in the checkpoint (the grids then line up);
+//     block in this layer and in the checkpoint (the grids then line up); each row of column
+//     groups padded to a multiple of 4 (cuBLASLt's layout for 128x128 block scales);
 //   - one scale per (row, bk columns) otherwise (a 64-row k_proj after a 128-row q_proj).
 // Each keeps the dequantised values exactly: w = q * scale with the checkpoint's scale.
 

@@ -99,9 +99,12 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   LORAPLEX_CHECK(
       spec_.dtype == DType::kF32 || spec_.dtype == DType::kF16 || spec_.dtype == DType::kBF16, k,
       ": dtype ", spec_.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_CHECK(config_.lora_dtype == spec_.dtype, k, ": lora_dtype ", config_.lora_dtype,
-                 " must equal the activation dtype ", spec_.dtype,
-                 " (the Punica ops read x and A in one dtype)");
+  LORAPLEX_CHECK(config_.lora_dtype == spec_.dtype || fp8_lora(), k, ": lora_dtype ",
+                 config_.lora_dtype, " must equal the activation dtype ", spec_.dtype,
+                 " (the Punica ops read x and A in one dtype) or be float8_e4m3 (fp8 adapter "
+                 "storage)");
+  LORAPLEX_CHECK(!(fp8_lora() && config_.fully_sharded), k,
+                 ": fp8 adapter storage with fully sharded LoRA is not supported");
   LORAPLEX_CHECK(config_.max_loras >= 1 && config_.max_lora_rank >= 1, k, ": max_loras ",
                  config_.max_loras, " and max_lora_rank ", config_.max_lora_rank, " must be >= 1");
   LORAPLEX_CHECK(max_num_tokens >= 1, k, ": max_num_tokens ", max_num_tokens, ", expected >= 1");
@@ -159,7 +162,7 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   // base output and the shrink of the slots in use together (forward_fused). Fully sharded
   // layers keep their own A stacks (A re-laid out by rank, or a shrink that is all-reduced
   // apart from the output).
-  fused_layout_ = !config_.fully_sharded && !spec_.fp8_weight;
+  fused_layout_ = !config_.fully_sharded && !spec_.fp8_weight && !fp8_lora();
   slot_cols_ = fused_layout_ ? num_lora * max_rank : 0;
   const DType weight_dtype = spec_.fp8_weight ? DType::kF8E4M3 : spec_.dtype;
   storage_ = Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, weight_dtype,
@@ -179,9 +182,14 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
     if (fully_sharded_row()) width = out_full_ / tp_;
     lora_width_.push_back(width);
     if (!fused_layout_) {
-      lora_a_.push_back(Tensor::zeros({config_.max_loras, a_rows, a_cols}, spec_.dtype, device_));
+      lora_a_.push_back(
+          Tensor::zeros({config_.max_loras, a_rows, a_cols}, config_.lora_dtype, device_));
     }
-    lora_b_.push_back(Tensor::zeros({config_.max_loras, width, b_cols}, spec_.dtype, device_));
+    lora_b_.push_back(Tensor::zeros({config_.max_loras, width, b_cols}, config_.lora_dtype, device_));
+    if (fp8_lora()) {
+      a_scales_.push_back(Tensor::zeros({config_.max_loras, a_rows}, DType::kF32, device_));
+      b_scales_.push_back(Tensor::zeros({config_.max_loras, width}, DType::kF32, device_));
+    }
   }
   ranks_ = SlotRanks(num_lora, config_.max_loras, static_cast<int>(a_rows), device_);
   if (fully_sharded_column()) {
@@ -364,23 +372,39 @@ void LoraLinear::write_lora(int slot, const std::vector<LoraSliceWeights>& slice
     const int64_t width = lora_width_[static_cast<size_t>(s)];
     shrink[static_cast<size_t>(s)] = r;
     expand[static_cast<size_t>(s)] = r;
+    // dst <- the block of src; in fp8, its codes and their per-row scales into dst_scales.
+    auto put = [&](Tensor dst, Tensor dst_scales, const Tensor& src, int64_t r0, int64_t nr,
+                   int64_t c0, int64_t nc) {
+      if (!fp8_lora()) {
+        writes.push_back({dst, source_block(src, r0, nr, c0, nc, dt)});
+        return;
+      }
+      const layers_detail::Fp8Block q = layers_detail::fp8_block(src, r0, nr, c0, nc);
+      writes.push_back({dst, q.codes});
+      writes.push_back({dst_scales, q.scales});
+    };
+    Tensor a_scales = fp8_lora() ? a_scales_[static_cast<size_t>(s)].select(0, slot) : Tensor();
+    Tensor b_scales = fp8_lora() ? b_scales_[static_cast<size_t>(s)].select(0, slot) : Tensor();
     if (row) {
-      writes.push_back({a_slot.narrow(0, 0, r), source_block(a, 0, r, in_offset_, in_local_, dt)});
+      put(a_slot.narrow(0, 0, r), fp8_lora() ? a_scales.narrow(0, 0, r) : Tensor(), a, 0, r,
+          in_offset_, in_local_);
       const int64_t b_start = fully_sharded_row() ? rank_ * width : 0;
-      writes.push_back({b_slot.narrow(1, 0, r), source_block(b, b_start, width, 0, r, dt)});
+      put(b_slot.narrow(1, 0, r), b_scales, b, b_start, width, 0, r);
       continue;
     }
     // Column and replicated: B keeps this rank's output rows of every output slice it spans.
     const size_t first = spec_.fused_lora ? 0 : static_cast<size_t>(s);
     const size_t last = spec_.fused_lora ? slices_.size() : first + 1;
     if (!fully_sharded_column()) {
-      writes.push_back({a_slot.narrow(0, 0, r), source_block(a, 0, r, 0, spec_.in_features, dt)});
+      put(a_slot.narrow(0, 0, r), fp8_lora() ? a_scales.narrow(0, 0, r) : Tensor(), a, 0, r, 0,
+          spec_.in_features);
       int64_t row_out = 0;
       for (size_t o = first; o < last; ++o) {
         const LocalSlice& ls = slices_[o];
         const int64_t b_row = (spec_.fused_lora ? ls.full_offset : 0) + ls.shard_start;
-        writes.push_back({b_slot.narrow(1, 0, r).narrow(0, row_out, ls.local_size),
-                          source_block(b, b_row, ls.local_size, 0, r, dt)});
+        put(b_slot.narrow(1, 0, r).narrow(0, row_out, ls.local_size),
+            fp8_lora() ? b_scales.narrow(0, row_out, ls.local_size) : Tensor(), b, b_row,
+            ls.local_size, 0, r);
         row_out += ls.local_size;
       }
       continue;
@@ -611,6 +635,13 @@ void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punic
     punica.add_shrink(shrunk, x, lora_a_, ranks_, 1.0f, stream);
     comm().all_reduce_sum(shrunk, stream);
     punica.add_expand(y, shrunk, lora_b_, ranks_, rank_ * lora_width_[0], true, stream);
+    return;
+  }
+  if (fp8_lora()) {
+    Tensor shrunk = workspace_view(scratch.lora, {num_lora, tokens, lora_a_[0].size(1)});
+    punica.add_shrink_fp8(shrunk, x, lora_a_, a_scales_, ranks_, stream);
+    const Fp8LoraB b{lora_b_, b_scales_, kernels::Fp8ScaleKind::kPerChannel};
+    punica.add_expand_fp8(y, shrunk, b, ranks_, 0, true, stream);
     return;
   }
   punica.add_lora_linear(y, x, lora_a_, lora_b_, ranks_, 1.0f, scratch.lora, stream);

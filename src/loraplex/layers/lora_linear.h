@@ -180,9 +180,19 @@ class LoraLinear {
   /// An fp8 weight's scales over this rank's rows (undefined tensors for other layers).
   const Fp8Scales& fp8_scales() const { return fp8_; }
   /// Device stacks of LoRA slice s: A [max_loras, rank rows, in] (with the fused layout a view
-  /// whose slots lie slot_cols apart in the weight storage), B [max_loras, n, rank cols].
+  /// whose slots lie slot_cols apart in the weight storage), B [max_loras, n, rank cols], in
+  /// lora_dtype.
   const Tensor& lora_a(int s) const { return lora_a_[static_cast<size_t>(s)]; }
   const Tensor& lora_b(int s) const { return lora_b_[static_cast<size_t>(s)]; }
+  /// fp8 adapter storage (lora_dtype float8_e4m3): the float32 scale of each A row
+  /// [max_loras, rank rows] and of each B row [max_loras, n] of slice s (dequantised A[r, :] =
+  /// e4m3(A[r, :]) * a_scale[r]); undefined otherwise.
+  Tensor lora_a_scales(int s) const {
+    return fp8_lora() ? a_scales_[static_cast<size_t>(s)] : Tensor();
+  }
+  Tensor lora_b_scales(int s) const {
+    return fp8_lora() ? b_scales_[static_cast<size_t>(s)] : Tensor();
+  }
 
  private:
   struct LocalSlice {
@@ -198,6 +208,8 @@ class LoraLinear {
   void write_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream);
   void clear_lora(int slot, const Stream& stream);
   bool fully_sharded_column() const;
+  // LoRA A and B stored in float8_e4m3 with per-row scales (their own stacks, no fused layout).
+  bool fp8_lora() const { return config_.lora_dtype == DType::kF8E4M3; }
   bool fully_sharded_row() const;
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
   // Views of one forward's scratch, carved from the workspace.
@@ -239,6 +251,8 @@ class LoraLinear {
   int64_t slot_cols_ = 0;  // A rows per slot in storage_ (num_lora_slices * max_lora_rank)
   std::vector<Tensor> lora_a_;
   std::vector<Tensor> lora_b_;
+  std::vector<Tensor> a_scales_;  // fp8_lora(): float32 per slice [max_loras, A rows]
+  std::vector<Tensor> b_scales_;  // fp8_lora(): float32 per slice [max_loras, B rows]
   std::vector<int64_t> lora_width_;  // local output columns of each LoRA slice
   SlotRanks ranks_;                  // shrink ranks (and expand ranks unless fully sharded)
   SlotRanks expand_ranks_;           // fully sharded column layers: ceil(r / tp) * tp

@@ -78,6 +78,13 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
       "decoder options: max_loras ", options.max_loras, ", max_lora_rank ", options.max_lora_rank,
       ", max_num_tokens ", options.max_num_tokens, ", max_num_seqs ", options.max_num_seqs,
       ", kv_block_size ", options.kv_block_size, " must all be >= 1");
+  LORAPLEX_CHECK(!options.lora_dtype || *options.lora_dtype == options.dtype ||
+                     *options.lora_dtype == DType::kF8E4M3,
+                 "LoRA dtype ", options.lora_dtype.value_or(options.dtype),
+                 " is not supported (expected the model dtype ", options.dtype,
+                 " or float8_e4m3)");
+  LORAPLEX_CHECK(options.lora_dtype != DType::kF8E4M3 || !options.fully_sharded_loras,
+                 "fp8 adapter storage with fully sharded LoRA is not supported");
   const int tp = options.comm != nullptr ? options.comm->size() : 1;
   LORAPLEX_CHECK(options.tensor_parallel_size == tp, "decoder options: tensor_parallel_size ",
                  options.tensor_parallel_size, " but ",
@@ -190,6 +197,9 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   const Device dev = options_.device;
   const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt,
                         options_.fully_sharded_loras};
+  // The projections' adapters may be stored in fp8 (options_.lora_dtype).
+  LoraConfig linear_lora = lora;
+  linear_lora.lora_dtype = options_.lora_dtype.value_or(dt);
   // Every sharded layer takes this rank's part of the full weights it is given (views of the
   // memory-mapped checkpoint: only that part is read).
   Communicator* comm = options_.comm;
@@ -251,7 +261,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
     layer.qkv = std::make_unique<LoraLinear>(
         with_fp8(LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), qkv_w,
                  a + "qkv_proj"),
-        lora, comm, dev, max_tokens, workspace_);
+        linear_lora, comm, dev, max_tokens, workspace_);
     std::vector<Tensor> qkv_b;
     if (c.qkv_bias) {
       qkv_b = {weight(a + "q_proj.bias", {q}), weight(a + "k_proj.bias", {kv}),
@@ -260,7 +270,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
     layer.qkv->load_base(qkv_w, qkv_b, &upload);
     const std::vector<BaseWeight> o_w = {linear(a + "o_proj", {h, q})};
     layer.o = std::make_unique<LoraLinear>(with_fp8(LinearSpec::row(q, h, dt), o_w, a + "o_proj"),
-                                           lora, comm, dev, max_tokens, workspace_);
+                                           linear_lora, comm, dev, max_tokens, workspace_);
     std::vector<Tensor> o_b;
     if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
     layer.o->load_base(o_w, o_b, &upload);
@@ -277,7 +287,7 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
                                             linear(m + "up_proj", {inter, h})};
       layer.gate_up = std::make_unique<LoraLinear>(
           with_fp8(LinearSpec::merged_column(h, {inter, inter}, dt), gu_w, m + "gate_up_proj"),
-          lora, comm, dev, max_tokens, workspace_);
+          linear_lora, comm, dev, max_tokens, workspace_);
       std::vector<Tensor> gu_b;
       if (c.mlp_bias) {
         gu_b = {weight(m + "gate_proj.bias", {inter}), weight(m + "up_proj.bias", {inter})};
@@ -285,8 +295,8 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       layer.gate_up->load_base(gu_w, gu_b, &upload);
       const std::vector<BaseWeight> down_w = {linear(m + "down_proj", {h, inter})};
       layer.down = std::make_unique<LoraLinear>(
-          with_fp8(LinearSpec::row(inter, h, dt), down_w, m + "down_proj"), lora, comm, dev,
-          max_tokens, workspace_);
+          with_fp8(LinearSpec::row(inter, h, dt), down_w, m + "down_proj"), linear_lora, comm,
+          dev, max_tokens, workspace_);
       std::vector<Tensor> down_b;
       if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
       layer.down->load_base(down_w, down_b, &upload);
