@@ -21,7 +21,7 @@ struct Case {
 };
 
 TEST(QuantizeRowsFp8, CpuMatchesTheDefinitionAndE4m3Bound) {
-  const Case cases[] = {{1, 1, 0, 1, false},    {3, 200, 5, 200, false}, {7, 300, 0, 128, false},
+  const Case cases[] = {{1, 1, 0, 1, false},     {3, 200, 5, 200, false}, {7, 300, 0, 128, false},
                         {5, 256, 3, 128, false}, {4, 130, 0, 130, true},  {9, 77, 2, 1000, false}};
   std::mt19937_64 rng(31);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -52,9 +52,11 @@ TEST(QuantizeRowsFp8, CpuMatchesTheDefinitionAndE4m3Bound) {
           const int64_t c0 = g * c.group;
           const int64_t c1 = std::min(c.k, c0 + c.group);
           double amax = 0.0;
-          for (int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(xv[t * a.x_row_stride + j]));
-          const float want =
-              c.static_scale ? fixed : amax > 0.0 ? static_cast<float>(amax) / kE4M3Max : 1.0f;
+          for (int64_t j = c0; j < c1; ++j)
+            amax = std::max(amax, std::fabs(xv[t * a.x_row_stride + j]));
+          const float want = c.static_scale ? fixed
+                             : amax > 0.0   ? static_cast<float>(amax) / kE4M3Max
+                                            : 1.0f;
           const float got = scale[static_cast<size_t>(g * c.m + t)];
           ASSERT_EQ(got, want) << what << " row " << t << " group " << g;
           for (int64_t j = c0; j < c1; ++j) {

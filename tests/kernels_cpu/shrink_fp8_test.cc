@@ -87,8 +87,8 @@ void expect_reference(const ShrinkFp8Problem& p, const Tensor& got, const std::s
         double mag = 0.0;
         const int64_t row = (static_cast<int64_t>(slot) * p.max_rank + r) * p.hidden;
         for (int64_t c = 0; c < p.hidden; ++c) {
-          const double w = static_cast<double>(e4m3_bits_to_float(q[row + c])) *
-                           sc[slot * p.max_rank + r];
+          const double w =
+              static_cast<double>(e4m3_bits_to_float(q[row + c])) * sc[slot * p.max_rank + r];
           acc += x[t * p.hidden + c] * w;
           mag += std::fabs(x[t * p.hidden + c] * w);
         }

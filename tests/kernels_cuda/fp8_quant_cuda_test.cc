@@ -21,9 +21,9 @@ TEST(QuantizeRowsFp8Cuda, EqualsTheCpuBitForBit) {
     int64_t m, k, pad, group;
     bool static_scale;
   };
-  const Case cases[] = {{1, 16, 0, 16, false},     {37, 4096, 8, 4096, false},
-                        {5, 640, 0, 128, false},    {300, 1024, 0, 128, false},
-                        {64, 512, 16, 512, true},   {3, 14336, 0, 128, false}};
+  const Case cases[] = {{1, 16, 0, 16, false},    {37, 4096, 8, 4096, false},
+                        {5, 640, 0, 128, false},  {300, 1024, 0, 128, false},
+                        {64, 512, 16, 512, true}, {3, 14336, 0, 128, false}};
   for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
     for (const Case& c : cases) {
       const std::string what = std::string(dtype_name(dt)) + " m" + std::to_string(c.m) + " k" +

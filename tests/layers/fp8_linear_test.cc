@@ -80,10 +80,10 @@ TEST(Fp8LocalScales, EveryElementGetsItsProjectionsScale) {
       {{64, 32, 32}, 100, 16, 32, 0, 0, 100, "blocks"},  // partial last column block
       {{64, 32, 32}, 96, 48, 32, 0, 0, 96, "row x k-group"},
       {{80, 80}, 200, 128, 128, 0, 0, 200, "row x k-group"},  // a block starting at row 80
-      {{80, 80}, 96, 128, 128, 0, 0, 96, "row"},  // one block of columns: a scale per row
-      {{64, 64}, 96, 16, 16, 16, 0, 96, "blocks"},         // row shards on a block
-      {{64, 64}, 96, 16, 16, 8, 0, 96, "row x k-group"},   // row shards inside a block
-      {{64}, 96, 16, 16, 0, 48, 48, "blocks"},             // a column shard on a block
+      {{80, 80}, 96, 128, 128, 0, 0, 96, "row"},          // one block of columns: a scale per row
+      {{64, 64}, 96, 16, 16, 16, 0, 96, "blocks"},        // row shards on a block
+      {{64, 64}, 96, 16, 16, 8, 0, 96, "row x k-group"},  // row shards inside a block
+      {{64}, 96, 16, 16, 0, 48, 48, "blocks"},            // a column shard on a block
       {{64}, 96, 1, 96, 0, 48, 48, "row"},
   };
   std::mt19937_64 rng(21);
@@ -332,10 +332,9 @@ TEST(Fp8LoraStorage, RoundTripWithinE4m3AndForwardUsesTheStoredAdapter) {
         expect_round_trip(a, w.a, a_scales, spec.kind + " A");
         expect_round_trip(b, w.b, b_scales, spec.kind + " B");
         EXPECT_EQ(test::values_of(a_scales)[0], 1.0) << "the zero row's scale";
-        stored.push_back({Tensor::from_vector(std::vector<float>(a.begin(), a.end()),
-                                              {r, spec.in_features}),
-                          Tensor::from_vector(std::vector<float>(b.begin(), b.end()),
-                                              {w.b.size(0), r})});
+        stored.push_back(
+            {Tensor::from_vector(std::vector<float>(a.begin(), a.end()), {r, spec.in_features}),
+             Tensor::from_vector(std::vector<float>(b.begin(), b.end()), {w.b.size(0), r})});
       }
       plain.set_lora(1, stored);
     }
@@ -345,8 +344,7 @@ TEST(Fp8LoraStorage, RoundTripWithinE4m3AndForwardUsesTheStoredAdapter) {
     punica.update_metadata(slots, {}, stream);
     const std::vector<double> got = test::values_of(fp8.forward(x, punica, stream));
     const std::vector<double> want = test::values_of(plain.forward(x, punica, stream));
-    EXPECT_LE(test::tolerance_ratio(got, want, 1e-5, 1e-5 * test::max_abs(want)), 1.0)
-        << spec.kind;
+    EXPECT_LE(test::tolerance_ratio(got, want, 1e-5, 1e-5 * test::max_abs(want)), 1.0) << spec.kind;
   }
 }
 

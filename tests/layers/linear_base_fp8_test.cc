@@ -23,11 +23,11 @@ namespace loraplex {
 namespace {
 
 struct Fp8Problem {
-  Tensor x;      // [m, k] activations
-  Tensor w;      // [n, k] float8_e4m3
-  Fp8Scales s;   // CPU
-  Tensor deq;    // [n, k] float32: the dequantized weight
-  Tensor bias;   // [n] or undefined
+  Tensor x;     // [m, k] activations
+  Tensor w;     // [n, k] float8_e4m3
+  Fp8Scales s;  // CPU
+  Tensor deq;   // [n, k] float32: the dequantized weight
+  Tensor bias;  // [n] or undefined
 };
 
 // Layouts: "row" (per output row), "blocks" (128x128, rows padded to 4 groups), "row128" (per
@@ -70,7 +70,8 @@ Fp8Problem make_problem(const std::string& layout, int64_t m, int64_t n, int64_t
   p.deq = Tensor::empty({n, k}, DType::kF32);
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t c = 0; c < k; ++c) {
-      const float s = sv[static_cast<size_t>((r / l.group_n) * l.stride_n + (c / l.group_k) * l.stride_k)];
+      const float s =
+          sv[static_cast<size_t>((r / l.group_n) * l.stride_n + (c / l.group_k) * l.stride_k)];
       p.deq.data<float>()[r * k + c] = e4m3_bits_to_float(q[r * k + c]) * s;
     }
   }
@@ -101,8 +102,7 @@ TEST(LinearBaseFp8, RefusesScalesTooSmallForTheWeight) {
     linear_base_fp8(p.x, p.w, p.s, Tensor(), y, Tensor(), Stream());
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("are too small for a [32, 64] weight"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("are too small for a [32, 64] weight"), std::string::npos)
         << e.what();
   }
   try {
@@ -125,9 +125,9 @@ TEST(LinearBaseFp8, CublasLtW8A8WithinTheE4m3BoundOfTheCpu) {
     bool bias, static_scale;
   };
   const Case cases[] = {
-      {"row", 1, 256, 512, false, false},     {"row", 7, 384, 640, true, false},
-      {"row", 300, 256, 1024, false, false},  {"row", 33, 256, 512, false, true},
-      {"blocks", 1, 256, 512, false, false},  {"blocks", 64, 384, 640, false, false},
+      {"row", 1, 256, 512, false, false},      {"row", 7, 384, 640, true, false},
+      {"row", 300, 256, 1024, false, false},   {"row", 33, 256, 512, false, true},
+      {"blocks", 1, 256, 512, false, false},   {"blocks", 64, 384, 640, false, false},
       {"blocks", 200, 512, 1024, true, false}, {"row128", 5, 256, 512, false, false},
       {"row128", 130, 384, 640, false, false},
   };
@@ -167,8 +167,8 @@ TEST(LinearBaseFp8, CublasLtW8A8WithinTheE4m3BoundOfTheCpu) {
         const double bound = 6.0 * std::sqrt(sq) * 0.0625 / std::sqrt(3.0) +
                              std::fabs(r) * std::ldexp(1.0, -8) + 1e-6;
         const double e = got[i * c.n + j] - r;
-        ASSERT_LE(std::fabs(e), bound) << what << " at (" << i << ", " << j << "): " << got[i * c.n + j]
-                                       << " against " << r;
+        ASSERT_LE(std::fabs(e), bound)
+            << what << " at (" << i << ", " << j << "): " << got[i * c.n + j] << " against " << r;
         err2 += e * e;
         ref2 += r * r;
       }

@@ -269,9 +269,9 @@ TEST(RandomDecoder, Fp8ShapesHaveFp8ProjectionsAndRunWithLora) {
   EXPECT_TRUE(big.quant.quantized());
   EXPECT_EQ(big.quant.weight_scale, Fp8WeightScale::kPerChannel);
   EXPECT_EQ(big.hidden_size, model_shape("llama3-8b").hidden_size);
-  const double ratio = static_cast<double>(decode_weight_bytes(big, DType::kBF16)) /
-                       static_cast<double>(decode_weight_bytes(model_shape("llama3-8b"),
-                                                               DType::kBF16));
+  const double ratio =
+      static_cast<double>(decode_weight_bytes(big, DType::kBF16)) /
+      static_cast<double>(decode_weight_bytes(model_shape("llama3-8b"), DType::kBF16));
   EXPECT_GT(ratio, 0.5);
   EXPECT_LT(ratio, 0.6);  // the bf16 lm_head is 1 GB of the 8B model's 16
   EXPECT_TRUE(model_shape("llama3-70b-fp8", 2).quant.quantized());

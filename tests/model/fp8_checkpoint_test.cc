@@ -71,11 +71,10 @@ QuantConfig config(Fp8WeightScale kind, Fp8Activations act = Fp8Activations::kDy
 
 TEST_F(ReadLinearWeight, EachFormatGivesCodesAndAScaleGrid) {
   const Checkpoint c = write({{"weight", codes(10, 20)},
-                             {"weight_scale", floats({10, 1}, 1.0f, DType::kBF16)},
-                             {"input_scale", floats({}, 2.0f)}});
-  BaseWeight b =
-      read_linear_weight(c, config(Fp8WeightScale::kPerChannel, Fp8Activations::kStatic), "m",
-                         {10, 20});
+                              {"weight_scale", floats({10, 1}, 1.0f, DType::kBF16)},
+                              {"input_scale", floats({}, 2.0f)}});
+  BaseWeight b = read_linear_weight(c, config(Fp8WeightScale::kPerChannel, Fp8Activations::kStatic),
+                                    "m", {10, 20});
   ASSERT_TRUE(b.is_fp8());
   EXPECT_EQ(b.scale.shape(), (Shape{10, 1}));
   EXPECT_EQ(b.scale.dtype(), DType::kF32);  // bf16 scales converted exactly
@@ -86,8 +85,8 @@ TEST_F(ReadLinearWeight, EachFormatGivesCodesAndAScaleGrid) {
   EXPECT_EQ(b.input_scale.shape(), (Shape{1}));
   EXPECT_EQ(b.input_scale.data<float>()[0], 2.0f);
 
-  const Checkpoint blocks = write({{"weight", codes(10, 20)},
-                                  {"weight_scale_inv", floats({3, 3}, 0.25f)}});
+  const Checkpoint blocks =
+      write({{"weight", codes(10, 20)}, {"weight_scale_inv", floats({3, 3}, 0.25f)}});
   b = read_linear_weight(blocks, config(Fp8WeightScale::kBlock), "m", {10, 20});
   EXPECT_EQ(b.scale.shape(), (Shape{3, 3}));
   EXPECT_EQ(b.group_n, 4);
@@ -139,16 +138,15 @@ TEST_F(ReadLinearWeight, RefusesMissingOrBadScalesAndOtherFp8Kinds) {
             std::string::npos)
       << error_of(negative, config(Fp8WeightScale::kPerChannel), {4, 8});
   const Checkpoint zero_input = write({{"weight", codes(4, 8)},
-                                      {"weight_scale", floats({1}, 1.0f)},
-                                      {"input_scale", floats({1}, 0.0f)}});
-  EXPECT_NE(error_of(zero_input, config(Fp8WeightScale::kPerTensor, Fp8Activations::kStatic),
-                     {4, 8})
-                .find("'m.input_scale' holds 0 at element 0, expected a finite positive scale"),
-            std::string::npos);
+                                       {"weight_scale", floats({1}, 1.0f)},
+                                       {"input_scale", floats({1}, 0.0f)}});
+  EXPECT_NE(
+      error_of(zero_input, config(Fp8WeightScale::kPerTensor, Fp8Activations::kStatic), {4, 8})
+          .find("'m.input_scale' holds 0 at element 0, expected a finite positive scale"),
+      std::string::npos);
   Tensor e5m2 = codes(4, 8);
   const Checkpoint other =
-      write({{"weight", Tensor::from_blob(e5m2.data_ptr(), {4, 8}, DType::kF8E5M2,
-                                          Device::cpu())},
+      write({{"weight", Tensor::from_blob(e5m2.data_ptr(), {4, 8}, DType::kF8E5M2, Device::cpu())},
              {"weight_scale", floats({1}, 1.0f)}});
   EXPECT_NE(error_of(other, config(Fp8WeightScale::kPerTensor), {4, 8})
                 .find("has dtype float8_e5m2, expected float32, float16, bfloat16 or (FP8 "

@@ -79,8 +79,8 @@ TEST_P(GenerateTinyLlamaFp8, CudaW8A8FirstTokenWhereTheMarginIsClear) {
       if (expected[i].first_step_margin <= 0.05) continue;
       ++compared;
       EXPECT_EQ(report.outputs[i].output_token_ids.at(0), expected[i].output_token_ids.at(0))
-          << format << " request " << i << " (first-step margin "
-          << expected[i].first_step_margin << ")";
+          << format << " request " << i << " (first-step margin " << expected[i].first_step_margin
+          << ")";
     }
     EXPECT_GT(compared, 10) << format;
   }
@@ -162,9 +162,8 @@ class Fp8CheckpointErrors : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() /
-           ("loraplex_fp8_" + std::string(::testing::UnitTest::GetInstance()
-                                              ->current_test_info()
-                                              ->name()));
+           ("loraplex_fp8_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(dir_);
     fs::copy(fixture_dir("tiny-llama-fp8/dynamic") + "/model", dir_, fs::copy_options::recursive);
     for (const auto& e : fs::directory_iterator(dir_)) {

@@ -127,10 +127,14 @@ TEST(QuantConfig, RefusesOtherMethodsAndMathChangingFieldsNamingThem) {
        "targets is [\"re:.*q_proj\"]"},
       {ct([](json& q) { q["config_groups"]["group_1"] = q["config_groups"]["group_0"]; }),
        "config_groups has 2 groups"},
-      {ct([](json& q) { q["kv_cache_scheme"] = {{"num_bits", 8}, {"type", "float"}}; }),
+      {ct([](json& q) {
+         q["kv_cache_scheme"] = {{"num_bits", 8}, {"type", "float"}};
+       }),
        "kv_cache_scheme"},
       {ct([](json& q) { q["format"] = "pack-quantized"; }), "format \"pack-quantized\""},
-      {ct([](json& q) { q["sparsity_config"] = {{"format", "sparse-24-bitmask"}}; }),
+      {ct([](json& q) {
+         q["sparsity_config"] = {{"format", "sparse-24-bitmask"}};
+       }),
        "sparsity_config"},
       {ct([](json& q) {
          auto& a = q["config_groups"]["group_0"]["input_activations"];

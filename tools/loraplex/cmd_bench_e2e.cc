@@ -250,7 +250,8 @@ int run(const std::vector<std::string>& args) {
       "loraplex bench e2e: the offline end-to-end benchmark (random weights of a real shape, or "
       "a checkpoint), with and without LoRA, against the floor measured in the same run"};
   std::string shapes;
-  for (const std::string& n : model::model_shape_names()) shapes += (shapes.empty() ? "" : ", ") + n;
+  for (const std::string& n : model::model_shape_names())
+    shapes += (shapes.empty() ? "" : ", ") + n;
   app.add_option("--shape", o.shape,
                  "model shape: " + shapes + " (*-fp8: FP8 projections, per-channel scales)");
   app.add_option("--model", o.model_dir, "a checkpoint directory instead of --shape");

@@ -45,19 +45,19 @@ size_t fp8_gemm_scratch_bytes(int64_t m, int64_t k);
 size_t fp8_gemm_scales_offset(int64_t m, int64_t k);
 
 struct GemmArgs {
-  DType dtype = DType::kF32;   // of x, bias and y: f32, f16 or bf16
-  int64_t m = 0;               // rows of x and y (tokens)
-  int64_t n = 0;               // rows of w, columns of y (out features)
-  int64_t k = 0;               // columns of x and w (in features)
-  const void* x = nullptr;     // [m, x_row_stride] in
-  int64_t x_row_stride = 0;    // >= k
+  DType dtype = DType::kF32;    // of x, bias and y: f32, f16 or bf16
+  int64_t m = 0;                // rows of x and y (tokens)
+  int64_t n = 0;                // rows of w, columns of y (out features)
+  int64_t k = 0;                // columns of x and w (in features)
+  const void* x = nullptr;      // [m, x_row_stride] in
+  int64_t x_row_stride = 0;     // >= k
   DType w_dtype = DType::kF32;  // of w: `dtype`, or float8_e4m3 with w_scales
   const void* w = nullptr;      // [n, w_row_stride] in
   int64_t w_row_stride = 0;     // >= k
   Fp8WeightScales w_scales;     // fp8 w only, in
-  const void* bias = nullptr;  // [n] in, or nullptr
-  void* y = nullptr;           // [m, y_row_stride] out (in/out with accumulate)
-  int64_t y_row_stride = 0;    // >= n
+  const void* bias = nullptr;   // [n] in, or nullptr
+  void* y = nullptr;            // [m, y_row_stride] out (in/out with accumulate)
+  int64_t y_row_stride = 0;     // >= n
   // y += x W^T (+ bias) instead of y = ...; the sum is rounded once.
   bool accumulate = false;
   GemmIsa isa = GemmIsa::kAuto;  // the CPU's kernels

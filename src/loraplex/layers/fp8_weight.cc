@@ -62,7 +62,8 @@ Fp8Scales fp8_local_scales(const std::vector<Fp8RowRange>& ranges, int64_t col0,
   }
   const int64_t bk = first.group_k;
   LORAPLEX_CHECK(col0 % bk == 0, what, ": this shard's columns start at ", col0,
-                 ", not on a block of ", bk, " columns: the tensor-parallel size must split the "
+                 ", not on a block of ", bk,
+                 " columns: the tensor-parallel size must split the "
                  "input into whole blocks");
   const int64_t kg0 = col0 / bk;
   const int64_t kgs = ceil_div(cols, bk);

@@ -89,8 +89,8 @@ void linear_base_fp8(const Tensor& x, const Tensor& w, const Fp8Scales& scales, 
   const int64_t groups_k = (a.k + l.group_k - 1) / std::max<int64_t>(l.group_k, 1);
   const int64_t last = (groups_n - 1) * l.stride_n + (groups_k - 1) * l.stride_k;
   LORAPLEX_CHECK(l.group_n >= 1 && l.group_k >= 1 && last < scales.scale.numel(),
-                 "linear_base_fp8: scales ", scales.scale.describe(), " are too small for a [",
-                 a.n, ", ", a.k, "] weight in groups of ", l.group_n, " x ", l.group_k);
+                 "linear_base_fp8: scales ", scales.scale.describe(), " are too small for a [", a.n,
+                 ", ", a.k, "] weight in groups of ", l.group_n, " x ", l.group_k);
   a.w_scales = l;
   a.w_scales.scale = scales.scale.data<float>();
   if (scales.input_scale.defined()) {
@@ -102,11 +102,12 @@ void linear_base_fp8(const Tensor& x, const Tensor& w, const Fp8Scales& scales, 
   }
   if (device.is_cuda()) {
     const size_t need = kernels::fp8_gemm_scratch_bytes(a.m, a.k);
-    LORAPLEX_CHECK(scratch.defined() && scratch.device() == device &&
-                       static_cast<size_t>(scratch.numel()) * dtype_size(scratch.dtype()) >= need,
-                   "linear_base_fp8: the activation scratch holds ",
-                   scratch.defined() ? scratch.numel() * static_cast<int64_t>(dtype_size(scratch.dtype())) : 0,
-                   " bytes, ", need, " needed for ", a.m, " x ", a.k, " activations");
+    LORAPLEX_CHECK(
+        scratch.defined() && scratch.device() == device &&
+            static_cast<size_t>(scratch.numel()) * dtype_size(scratch.dtype()) >= need,
+        "linear_base_fp8: the activation scratch holds ",
+        scratch.defined() ? scratch.numel() * static_cast<int64_t>(dtype_size(scratch.dtype())) : 0,
+        " bytes, ", need, " needed for ", a.m, " x ", a.k, " activations");
     a.fp8_scratch = scratch.data_ptr();
     a.fp8_scratch_bytes = need;
   }

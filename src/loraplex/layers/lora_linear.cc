@@ -185,7 +185,8 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
       lora_a_.push_back(
           Tensor::zeros({config_.max_loras, a_rows, a_cols}, config_.lora_dtype, device_));
     }
-    lora_b_.push_back(Tensor::zeros({config_.max_loras, width, b_cols}, config_.lora_dtype, device_));
+    lora_b_.push_back(
+        Tensor::zeros({config_.max_loras, width, b_cols}, config_.lora_dtype, device_));
     if (fp8_lora()) {
       a_scales_.push_back(Tensor::zeros({config_.max_loras, a_rows}, DType::kF32, device_));
       b_scales_.push_back(Tensor::zeros({config_.max_loras, width}, DType::kF32, device_));
@@ -279,8 +280,8 @@ void LoraLinear::load_base(const std::vector<BaseWeight>& base, const std::vecto
     LORAPLEX_CHECK(w.defined() && layers_detail::is_weight_source(w, device_, weight_dtype) &&
                        w.dim() == 2 && w.size(0) == size && w.size(1) == spec_.in_features,
                    k, ": base weight of slice ", i, " must be a CPU ",
-                   spec_.fp8_weight ? "float8_e4m3" : "float", " [", size, ", ",
-                   spec_.in_features, "] (or ", weight_dtype, " on ", device_, "), got ",
+                   spec_.fp8_weight ? "float8_e4m3" : "float", " [", size, ", ", spec_.in_features,
+                   "] (or ", weight_dtype, " on ", device_, "), got ",
                    w.defined() ? w.describe() : "undefined");
     if (any_bias) {
       const Tensor& b = biases[i];
@@ -517,11 +518,10 @@ void LoraLinear::forward_base(const Tensor& x, Tensor& y, const Stream& stream) 
                  ")");
   layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
   layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
-  LORAPLEX_CHECK(
-      x.size(1) == input_width() && y.size(0) == x.size(0) && y.size(1) == output_width() &&
-          x.size(0) <= max_num_tokens_,
-      k, ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()),
-      " (at most max_num_tokens ", max_num_tokens_, " rows)");
+  LORAPLEX_CHECK(x.size(1) == input_width() && y.size(0) == x.size(0) &&
+                     y.size(1) == output_width() && x.size(0) <= max_num_tokens_,
+                 k, ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()),
+                 " (at most max_num_tokens ", max_num_tokens_, " rows)");
   LayerWorkspace::Carver carver = workspace_->carver();
   const Scratch scratch = carve(carver, x.size(0));
   base_gemm(x, bias_, y, scratch, stream);

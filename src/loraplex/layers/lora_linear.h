@@ -251,8 +251,8 @@ class LoraLinear {
   int64_t slot_cols_ = 0;  // A rows per slot in storage_ (num_lora_slices * max_lora_rank)
   std::vector<Tensor> lora_a_;
   std::vector<Tensor> lora_b_;
-  std::vector<Tensor> a_scales_;  // fp8_lora(): float32 per slice [max_loras, A rows]
-  std::vector<Tensor> b_scales_;  // fp8_lora(): float32 per slice [max_loras, B rows]
+  std::vector<Tensor> a_scales_;     // fp8_lora(): float32 per slice [max_loras, A rows]
+  std::vector<Tensor> b_scales_;     // fp8_lora(): float32 per slice [max_loras, B rows]
   std::vector<int64_t> lora_width_;  // local output columns of each LoRA slice
   SlotRanks ranks_;                  // shrink ranks (and expand ranks unless fully sharded)
   SlotRanks expand_ranks_;           // fully sharded column layers: ceil(r / tp) * tp

@@ -81,8 +81,7 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
   LORAPLEX_CHECK(!options.lora_dtype || *options.lora_dtype == options.dtype ||
                      *options.lora_dtype == DType::kF8E4M3,
                  "LoRA dtype ", options.lora_dtype.value_or(options.dtype),
-                 " is not supported (expected the model dtype ", options.dtype,
-                 " or float8_e4m3)");
+                 " is not supported (expected the model dtype ", options.dtype, " or float8_e4m3)");
   LORAPLEX_CHECK(options.lora_dtype != DType::kF8E4M3 || !options.fully_sharded_loras,
                  "fp8 adapter storage with fully sharded LoRA is not supported");
   const int tp = options.comm != nullptr ? options.comm->size() : 1;
@@ -255,9 +254,8 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       layer.q_norm = norm(a + "q_norm.weight", c.head_dim);
       layer.k_norm = norm(a + "k_norm.weight", c.head_dim);
     }
-    const std::vector<BaseWeight> qkv_w = {linear(a + "q_proj", {q, h}),
-                                           linear(a + "k_proj", {kv, h}),
-                                           linear(a + "v_proj", {kv, h})};
+    const std::vector<BaseWeight> qkv_w = {
+        linear(a + "q_proj", {q, h}), linear(a + "k_proj", {kv, h}), linear(a + "v_proj", {kv, h})};
     layer.qkv = std::make_unique<LoraLinear>(
         with_fp8(LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), qkv_w,
                  a + "qkv_proj"),
@@ -295,8 +293,8 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       layer.gate_up->load_base(gu_w, gu_b, &upload);
       const std::vector<BaseWeight> down_w = {linear(m + "down_proj", {h, inter})};
       layer.down = std::make_unique<LoraLinear>(
-          with_fp8(LinearSpec::row(inter, h, dt), down_w, m + "down_proj"), linear_lora, comm,
-          dev, max_tokens, workspace_);
+          with_fp8(LinearSpec::row(inter, h, dt), down_w, m + "down_proj"), linear_lora, comm, dev,
+          max_tokens, workspace_);
       std::vector<Tensor> down_b;
       if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
       layer.down->load_base(down_w, down_b, &upload);

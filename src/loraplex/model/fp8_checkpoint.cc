@@ -20,7 +20,8 @@ std::string find_tensor(const Checkpoint& ckpt, const std::string& module,
 
 std::string names_of(const std::string& module, const std::vector<std::string>& suffixes) {
   std::string out;
-  for (const std::string& s : suffixes) out += (out.empty() ? "'" : " or '") + module + "." + s + "'";
+  for (const std::string& s : suffixes)
+    out += (out.empty() ? "'" : " or '") + module + "." + s + "'";
   return out;
 }
 
@@ -67,8 +68,9 @@ BaseWeight read_linear_weight(const Checkpoint& ckpt, const QuantConfig& quant,
   switch (quant.weight_scale) {
     case Fp8WeightScale::kPerTensor:
       LORAPLEX_CHECK(scale.numel() == 1 && scale.dim() <= 1, ckpt.dir(), ": tensor '", scale_name,
-                     "' has shape ", shape_str(got), ", expected [] or [1] (a per-tensor scale of the [",
-                     out, ", ", in, "] weight)");
+                     "' has shape ", shape_str(got),
+                     ", expected [] or [1] (a per-tensor scale of the [", out, ", ", in,
+                     "] weight)");
       b.group_n = out;
       b.group_k = in;
       break;
@@ -96,8 +98,8 @@ BaseWeight read_linear_weight(const Checkpoint& ckpt, const QuantConfig& quant,
                    "' has no static activation scale: expected ",
                    names_of(module, quant.input_scale_names), " (", quant.describe(), ")");
     b.input_scale = scale_values(ckpt, input, true);
-    LORAPLEX_CHECK(b.input_scale.numel() == 1 && b.input_scale.dim() <= 1, ckpt.dir(),
-                   ": tensor '", input, "' has shape ", shape_str(b.input_scale.shape()),
+    LORAPLEX_CHECK(b.input_scale.numel() == 1 && b.input_scale.dim() <= 1, ckpt.dir(), ": tensor '",
+                   input, "' has shape ", shape_str(b.input_scale.shape()),
                    ", expected [] or [1] (one static activation scale)");
     b.input_scale = b.input_scale.view({1});
   }

@@ -39,9 +39,9 @@ QuantConfig fp8_dynamic() {
 }  // namespace
 
 std::vector<std::string> model_shape_names() {
-  return {"llama3-8b", "llama3-70b",    "mistral-7b", "qwen2-7b",      "mixtral-8x7b",
-          "qwen3-8b",  "qwen3-30b-a3b", "tiny",       "llama3-8b-fp8", "llama3-70b-fp8",
-          "tiny-fp8"};
+  return {"llama3-8b",     "llama3-70b",     "mistral-7b",    "qwen2-7b",
+          "mixtral-8x7b",  "qwen3-8b",       "qwen3-30b-a3b", "tiny",
+          "llama3-8b-fp8", "llama3-70b-fp8", "tiny-fp8"};
 }
 
 ModelConfig model_shape(const std::string& name, int64_t layers) {

@@ -23,7 +23,8 @@ std::string text_or(const json& obj, const char* key, const std::string& fallbac
 // compressed-tensors' QuantizationArgs of weights or input activations: float, 8 bits,
 // symmetric. Returns the strategy.
 std::string float8_args(const json& args, const std::string& where, const std::string& source) {
-  LORAPLEX_CHECK(args.is_object(), source, ": ", where, " is ", args.dump(), ", expected an object");
+  LORAPLEX_CHECK(args.is_object(), source, ": ", where, " is ", args.dump(),
+                 ", expected an object");
   const json& bits = field(args, "num_bits");
   LORAPLEX_CHECK(bits.is_number_integer() && bits.get<int64_t>() == 8, source, ": ", where,
                  "num_bits is ", bits.dump(), ": only 8-bit float (FP8) is supported");

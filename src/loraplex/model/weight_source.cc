@@ -71,17 +71,17 @@ BaseWeight RandomWeights::linear(const std::string& module, const Shape& shape) 
     b.weight = get(module + ".weight", shape);
     return b;
   }
-  LORAPLEX_CHECK(shape.size() == 2 && has(module + ".weight"), origin_, ": no projection '",
-                 module, "' of shape ", shape_str(shape));
+  LORAPLEX_CHECK(shape.size() == 2 && has(module + ".weight"), origin_, ": no projection '", module,
+                 "' of shape ", shape_str(shape));
   // Codes over the whole e4m3 range and per-channel scales around 0.04 / 448: dequantised
   // weights of the same size as the float models' random ones.
   b.weight = uniform(module + ".weight", shape, DType::kF8E4M3, -kE4M3Max, kE4M3Max);
   b.scale = Tensor::empty({shape[0], 1}, DType::kF32);
   const uint64_t h = seed_ ^ std::hash<std::string>{}(module + ".weight_scale");
   for (int64_t r = 0; r < shape[0]; ++r) {
-    const double u = static_cast<double>((h + static_cast<uint64_t>(r) * 0x9e3779b97f4a7c15ULL) >>
-                                         11) /
-                     9007199254740992.0;
+    const double u =
+        static_cast<double>((h + static_cast<uint64_t>(r) * 0x9e3779b97f4a7c15ULL) >> 11) /
+        9007199254740992.0;
     b.scale.data<float>()[r] = static_cast<float>((0.5 + u) * 0.04 / kE4M3Max);
   }
   b.group_n = 1;

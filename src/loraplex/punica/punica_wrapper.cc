@@ -272,8 +272,8 @@ void PunicaWrapper::add_shrink_fp8(Tensor& y, const Tensor& x, std::span<const T
   kernels::ShrinkFp8Args f;
   f.base = make_shrink(y, x, lora_a, ranks, 1.0f, token_meta_, op, DType::kF8E4M3);
   LORAPLEX_CHECK(y.dtype() == DType::kF32, op, ": output dtype ", y.dtype(), ", expected float32");
-  LORAPLEX_CHECK(a_scales.size() == lora_a.size(), op, ": ", a_scales.size(),
-                 " scale stacks for ", lora_a.size(), " LoRA-A slices");
+  LORAPLEX_CHECK(a_scales.size() == lora_a.size(), op, ": ", a_scales.size(), " scale stacks for ",
+                 lora_a.size(), " LoRA-A slices");
   for (size_t s = 0; s < a_scales.size(); ++s) {
     const Tensor& sc = a_scales[s];
     const Shape want{token_meta_.max_loras(), f.base.max_rank};

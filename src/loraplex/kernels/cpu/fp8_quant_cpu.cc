@@ -41,7 +41,8 @@ Status quantize_rows_fp8(const QuantizeRowsFp8Args& a) {
             if (amax > 0.0f) s = std::max(amax / kE4M3Max, 1e-30f);
           }
           a.scale[g * a.m + t] = s;
-          for (int64_t c = c0; c < c1; ++c) a.q[t * a.k + c] = float_to_e4m3_bits(load_float(row[c]) / s);
+          for (int64_t c = c0; c < c1; ++c)
+            a.q[t * a.k + c] = float_to_e4m3_bits(load_float(row[c]) / s);
         }
       }
     });

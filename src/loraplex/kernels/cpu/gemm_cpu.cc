@@ -189,8 +189,7 @@ void gemm_typed(const GemmArgs& a, const W& wl) {
     for (int64_t i = 0; i < a.m; ++i)
       for (int64_t p = 0; p < a.k; ++p)
         xf[static_cast<size_t>(i * a.k + p)] = to_float(x[i * a.x_row_stride + p]);
-    parallel_for(0, a.n, 16,
-                 [&](int64_t lo, int64_t hi) { few_rows(a, wl, xf.data(), lo, hi); });
+    parallel_for(0, a.n, 16, [&](int64_t lo, int64_t hi) { few_rows(a, wl, xf.data(), lo, hi); });
     return;
   }
   const int64_t tiles_m = (a.m + kTileM - 1) / kTileM;

@@ -101,10 +101,10 @@ Status fp8_scaling(const GemmArgs& g, Fp8Scaling& out) {
   LORAPLEX_ENSURE(!(g.dtype == DType::kF32 && g.bias != nullptr),
                   "cuBLASLt fp8 gemm: a bias with float32 output is not supported (cuBLASLt "
                   "wants a bfloat16 bias there); run the model in bfloat16 or float16");
-  LORAPLEX_ENSURE(g.fp8_scratch != nullptr &&
-                      g.fp8_scratch_bytes >= fp8_gemm_scratch_bytes(g.m, g.k),
-                  "cuBLASLt fp8 gemm: the activation scratch holds ", g.fp8_scratch_bytes,
-                  " bytes, ", fp8_gemm_scratch_bytes(g.m, g.k), " needed for ", g.m, " x ", g.k);
+  LORAPLEX_ENSURE(
+      g.fp8_scratch != nullptr && g.fp8_scratch_bytes >= fp8_gemm_scratch_bytes(g.m, g.k),
+      "cuBLASLt fp8 gemm: the activation scratch holds ", g.fp8_scratch_bytes, " bytes, ",
+      fp8_gemm_scratch_bytes(g.m, g.k), " needed for ", g.m, " x ", g.k);
   return Status();
 }
 
@@ -285,10 +285,10 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const Fp8
   cublasLtMatmulPreferenceDestroy(pref);
   LORAPLEX_CUBLAS(st);
   if (found == 0) {
-    const std::string modes = f8.fp8 ? " (cublasLtMatmulMatrixScale_t " +
-                                           std::to_string(f8.a_mode) + " for the weight, " +
-                                           std::to_string(f8.b_mode) + " for x)"
-                                     : "";
+    const std::string modes = f8.fp8
+                                  ? " (cublasLtMatmulMatrixScale_t " + std::to_string(f8.a_mode) +
+                                        " for the weight, " + std::to_string(f8.b_mode) + " for x)"
+                                  : "";
     return unsupported("cuBLASLt has no algorithm for y = x W^T with m ", g.m, ", n ", g.n, ", k ",
                        g.k, ", dtype ", g.dtype, ", weight dtype ", g.w_dtype, modes);
   }

@@ -1,7 +1,7 @@
 // FP8 LoRA-B expand (e4m3/e5m2 weights with per-tensor, per-channel or block scales;
 // weight-only or W8A8 with an fp8 intermediate), the fp8 quantisation of the shrink result,
-// and the shrink with fp8 LoRA-A (per-row scales: the fp8 adapter storage). Conversions use the hardware's round-to-nearest-even with saturation, as the CPU
-// reference does.
+// and the shrink with fp8 LoRA-A (per-row scales: the fp8 adapter storage). Conversions use the
+// hardware's round-to-nearest-even with saturation, as the CPU reference does.
 
 #include <cuda_fp8.h>
 

@@ -42,8 +42,8 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsFp8
   const float s = group_scale;
   if (threadIdx.x == 0) a.scale[g * a.m + t] = s;
   for (int64_t c = c0 + threadIdx.x; c < c1; c += kThreads) {
-    a.q[t * a.k + c] =
-        static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_float(row[c]) / s, __NV_SATFINITE, __NV_E4M3));
+    a.q[t * a.k + c] = static_cast<uint8_t>(
+        __nv_cvt_float_to_fp8(to_float(row[c]) / s, __NV_SATFINITE, __NV_E4M3));
   }
 }
 
