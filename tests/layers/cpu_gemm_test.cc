@@ -106,14 +106,8 @@ void check_fp8_gemm(DType dtype, const Fp8Case& c, kernels::GemmIsa isa, std::mt
                            std::to_string(c.m) + " n" + std::to_string(c.n) + " k" +
                            std::to_string(c.k);
   const Tensor x = test::random_tensor({c.m, c.k}, dtype, rng);
-  Tensor w = Tensor::empty({c.n, c.k}, DType::kF8E4M3);
-  std::uniform_int_distribution<int> code(0, 255);
-  uint8_t* wq = static_cast<uint8_t*>(w.data_ptr());
-  for (int64_t i = 0; i < c.n * c.k; ++i) {
-    int b = code(rng);
-    while ((b & 0x7f) == 0x7f) b = code(rng);
-    wq[i] = static_cast<uint8_t>(b);
-  }
+  const Tensor w = test::random_e4m3_codes({c.n, c.k}, rng);
+  const uint8_t* wq = static_cast<const uint8_t*>(w.data_ptr());
   const kernels::Fp8WeightScales& l = c.layout;
   const int64_t gn = (c.n + l.group_n - 1) / l.group_n;
   const int64_t gk = (c.k + l.group_k - 1) / l.group_k;

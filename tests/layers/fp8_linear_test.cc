@@ -21,14 +21,7 @@ namespace {
 BaseWeight random_fp8(int64_t out, int64_t in, int64_t group_n, int64_t group_k,
                       std::mt19937_64& rng) {
   BaseWeight b;
-  b.weight = Tensor::empty({out, in}, DType::kF8E4M3);
-  std::uniform_int_distribution<int> code(0, 255);
-  uint8_t* q = static_cast<uint8_t*>(b.weight.data_ptr());
-  for (int64_t i = 0; i < out * in; ++i) {
-    int v = code(rng);
-    while ((v & 0x7f) == 0x7f) v = code(rng);
-    q[i] = static_cast<uint8_t>(v);
-  }
+  b.weight = test::random_e4m3_codes({out, in}, rng);
   b.group_n = group_n;
   b.group_k = group_k;
   const int64_t gn = (out + group_n - 1) / group_n;

@@ -36,14 +36,8 @@ Fp8Problem make_problem(const std::string& layout, int64_t m, int64_t n, int64_t
                         bool bias, bool static_scale, std::mt19937_64& rng) {
   Fp8Problem p;
   p.x = test::random_tensor({m, k}, dt, rng, 2.0f);
-  p.w = Tensor::empty({n, k}, DType::kF8E4M3);
-  std::uniform_int_distribution<int> code(0, 255);
-  uint8_t* q = static_cast<uint8_t*>(p.w.data_ptr());
-  for (int64_t i = 0; i < n * k; ++i) {
-    int v = code(rng);
-    while ((v & 0x7f) == 0x7f) v = code(rng);
-    q[i] = static_cast<uint8_t>(v);
-  }
+  p.w = test::random_e4m3_codes({n, k}, rng);
+  const uint8_t* q = static_cast<const uint8_t*>(p.w.data_ptr());
   kernels::Fp8WeightScales& l = p.s.layout;
   const int64_t kg = (k + 127) / 128;
   int64_t count = n;

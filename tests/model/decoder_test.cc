@@ -186,6 +186,21 @@ TEST(RandomDecoder, RandomPeftAdaptersLoadAndMoveTheOutput) {
   EXPECT_THROW(write_random_peft_adapter(dir + "x", c, 8, {"qkv"}, 1), Error);
 }
 
+// One step with `s` twice, without and with the adapter in `slot` (greedy, log-probabilities).
+StepResult without_and_with(Decoder& d, const Seq& s, int32_t slot) {
+  StepBatch b;
+  for (int32_t k : {-1, slot}) {
+    SequenceStep q;
+    q.tokens = s.tokens;
+    q.blocks = k < 0 ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{4, 5};
+    q.lora_slot = k;
+    q.sample = true;
+    b.seqs.push_back(q);
+  }
+  b.want_logprobs = true;
+  return d.execute(b);
+}
+
 // The Qwen3 benchmark shapes are the published models', and the same families at a small size
 // run on the CPU from random weights, with a random adapter on every linear projection (the
 // experts' for Qwen3-MoE); the decode floor's byte count is what the decoder uploads.
@@ -244,17 +259,7 @@ TEST(RandomDecoder, Qwen3ShapesAndTheirFamiliesAtTinyScale) {
               static_cast<size_t>(c.num_layers * (4 + 3 * (c.is_moe() ? c.num_experts : 1))))
         << name;
     AdapterManager::Lease lease = manager.acquire("r");
-    StepBatch b;
-    for (int32_t slot : {-1, lease.slot()}) {
-      SequenceStep q;
-      q.tokens = s.tokens;
-      q.blocks = slot < 0 ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{4, 5};
-      q.lora_slot = slot;
-      q.sample = true;
-      b.seqs.push_back(q);
-    }
-    b.want_logprobs = true;
-    const StepResult r = d->execute(b);
+    const StepResult r = without_and_with(*d, s, lease.slot());
     EXPECT_EQ(r.token_ids[0], whole[0][0]) << name;
     EXPECT_GT(std::abs(r.logprobs[0] - r.logprobs[1]), 1e-5)
         << name << ": the adapter changed nothing";
@@ -304,17 +309,7 @@ TEST(RandomDecoder, Fp8ShapesHaveFp8ProjectionsAndRunWithLora) {
   AdapterManager manager(d->targets(), mc);
   manager.load("r", dir);
   AdapterManager::Lease lease = manager.acquire("r");
-  StepBatch b;
-  for (int32_t slot : {-1, lease.slot()}) {
-    SequenceStep q;
-    q.tokens = s.tokens;
-    q.blocks = slot < 0 ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{4, 5};
-    q.lora_slot = slot;
-    q.sample = true;
-    b.seqs.push_back(q);
-  }
-  b.want_logprobs = true;
-  const StepResult r = d->execute(b);
+  const StepResult r = without_and_with(*d, s, lease.slot());
   EXPECT_EQ(r.token_ids[0], whole[0][0]);
   EXPECT_GT(std::abs(r.logprobs[0] - r.logprobs[1]), 1e-5) << "the adapter changed nothing";
 }

@@ -131,7 +131,10 @@ TEST(GenerateTinyLlamaFp8Parallel, BlockScalesSplitInsideABlockAreRefused) {
 
 // fp8 adapter storage (--lora-dtype fp8) on the float tiny-llama: the base model's requests give
 // PEFT's tokens exactly, the adapters' their first token wherever the reference's first-step
-// margin is clear (A and B rounded to e4m3 move the LoRA output by a few percent).
+// margin is clear. A and B rounded to e4m3 move a LoRA output by a few percent, and these
+// random adapters move the logits by several units: margins below 0.2 are not clear (PEFT with
+// A and B rounded the same way per row moves request 23's logits by up to 0.21 and picks
+// token 126 over 1019, as loraplex does).
 TEST(GenerateTinyLlamaFp8Adapters, BaseExactAndAdaptersFirstTokenWhereTheMarginIsClear) {
   const auto expected = read_expected("tiny-llama");
   std::vector<size_t> order(expected.size());
@@ -148,7 +151,7 @@ TEST(GenerateTinyLlamaFp8Adapters, BaseExactAndAdaptersFirstTokenWhereTheMarginI
       continue;
     }
     differ += got != expected[i].output_token_ids;
-    if (expected[i].first_step_margin <= 0.1) continue;
+    if (expected[i].first_step_margin <= 0.2) continue;
     ++compared;
     EXPECT_EQ(got.at(0), expected[i].output_token_ids.at(0))
         << "request " << i << " (" << *expected[i].adapter << ", first-step margin "

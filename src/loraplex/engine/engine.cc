@@ -57,13 +57,6 @@ model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType
   return d;
 }
 
-std::optional<DType> parse_lora_dtype(const std::string& text) {
-  if (text == "auto") return std::nullopt;
-  if (text == "fp8" || text == "float8_e4m3" || text == "e4m3") return DType::kF8E4M3;
-  LORAPLEX_FAIL("--lora-dtype '", text,
-                "' is not supported (expected auto: the model dtype, or fp8: float8_e4m3 with "
-                "per-row scales)");
-}
 
 // Internal types with names (not in an anonymous namespace): RequestHandle::State derives
 // from one, and Engine::Impl holds the others.

@@ -123,34 +123,32 @@ void shrink_fp8_typed(const ShrinkFp8Args& a, const int32_t* mapping,
   });
 }
 
+// The checks both fp8 ops share (sizes and ranks on the host), then run(T tag, mapping,
+// tokens) for the tokens with a slot, grouped by slot, with x's / y's element type.
+template <typename Args, typename Run>
+Status over_lora_tokens(const Args& b, const LoraMetaView& meta, const char* op, Run&& run) {
+  LORAPLEX_RETURN_IF_ERROR(check_ranks_host(b.ranks, b.num_slices, b.max_loras, b.max_rank));
+  if (b.num_tokens == 0) return Status();
+  detail::LoraTokens lt;
+  LORAPLEX_RETURN_IF_ERROR(detail::tokens_from_meta(meta, b.num_tokens, b.max_loras, op, lt));
+  dispatch_activation_dtype(b.dtype, [&](auto tag) { run(tag, meta.token_lora_mapping, lt); });
+  return Status();
+}
+
 }  // namespace
 
 Status lora_shrink_fp8(const ShrinkFp8Args& args, const LoraMetaView& meta) {
   LORAPLEX_RETURN_IF_ERROR(check_shrink_fp8_args(args));
-  const ShrinkArgs& b = args.base;
-  LORAPLEX_RETURN_IF_ERROR(check_ranks_host(b.ranks, b.num_slices, b.max_loras, b.max_rank));
-  if (b.num_tokens == 0) return Status();
-  detail::LoraTokens lt;
-  LORAPLEX_RETURN_IF_ERROR(
-      detail::tokens_from_meta(meta, b.num_tokens, b.max_loras, "lora_shrink_fp8", lt));
-  dispatch_activation_dtype(b.dtype, [&](auto tag) {
-    shrink_fp8_typed<typename decltype(tag)::type>(args, meta.token_lora_mapping, lt);
+  return over_lora_tokens(args.base, meta, "lora_shrink_fp8", [&](auto tag, auto map, auto& lt) {
+    shrink_fp8_typed<typename decltype(tag)::type>(args, map, lt);
   });
-  return Status();
 }
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta) {
   LORAPLEX_RETURN_IF_ERROR(check_expand_fp8_args(args));
-  const ExpandArgs& b = args.base;
-  LORAPLEX_RETURN_IF_ERROR(check_ranks_host(b.ranks, b.num_slices, b.max_loras, b.max_rank));
-  if (b.num_tokens == 0) return Status();
-  detail::LoraTokens lt;
-  LORAPLEX_RETURN_IF_ERROR(
-      detail::tokens_from_meta(meta, b.num_tokens, b.max_loras, "lora_expand_fp8", lt));
-  dispatch_activation_dtype(b.dtype, [&](auto tag) {
-    expand_fp8_typed<typename decltype(tag)::type>(args, meta.token_lora_mapping, lt);
+  return over_lora_tokens(args.base, meta, "lora_expand_fp8", [&](auto tag, auto map, auto& lt) {
+    expand_fp8_typed<typename decltype(tag)::type>(args, map, lt);
   });
-  return Status();
 }
 
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& a) {
