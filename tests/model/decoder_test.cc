@@ -186,6 +186,24 @@ TEST(RandomDecoder, RandomPeftAdaptersLoadAndMoveTheOutput) {
   EXPECT_THROW(write_random_peft_adapter(dir + "x", c, 8, {"qkv"}, 1), Error);
 }
 
+// One adapter slot of rank up to 4, 64 tokens and 4 sequences a step, 16 KV blocks.
+DecoderOptions one_slot_options() {
+  DecoderOptions o;
+  o.max_loras = 1;
+  o.max_lora_rank = 4;
+  o.max_num_tokens = 64;
+  o.max_num_seqs = 4;
+  o.kv_blocks = 16;
+  return o;
+}
+
+AdapterManagerConfig one_slot_manager() {
+  AdapterManagerConfig mc;
+  mc.max_loras = 1;
+  mc.max_lora_rank = 4;
+  return mc;
+}
+
 // One step with `s` twice, without and with the adapter in `slot` (greedy, log-probabilities).
 StepResult without_and_with(Decoder& d, const Seq& s, int32_t slot) {
   StepBatch b;
@@ -233,13 +251,7 @@ TEST(RandomDecoder, Qwen3ShapesAndTheirFamiliesAtTinyScale) {
     if (c.is_moe()) c.num_experts = 8;
     c.max_position_embeddings = 256;
     const std::string name = architecture_name(c.arch);
-    DecoderOptions o;
-    o.max_loras = 1;
-    o.max_lora_rank = 4;
-    o.max_num_tokens = 64;
-    o.max_num_seqs = 4;
-    o.kv_blocks = 16;
-    auto d = Decoder::create_random(c, o, 5);
+    auto d = Decoder::create_random(c, one_slot_options(), 5);
     EXPECT_EQ(d->weight_bytes(), decode_weight_bytes(c, DType::kF32) + c.vocab_size * 64 * 4)
         << name;
     Seq s;
@@ -250,10 +262,7 @@ TEST(RandomDecoder, Qwen3ShapesAndTheirFamiliesAtTinyScale) {
     EXPECT_EQ(generate(*d, {s}, 4, 5), whole) << name;
     const std::string dir = ::testing::TempDir() + "/loraplex_random_" + name;
     write_random_peft_adapter(dir, c, 4, all_linear_targets(c), 6);
-    AdapterManagerConfig mc;
-    mc.max_loras = 1;
-    mc.max_lora_rank = 4;
-    AdapterManager manager(d->targets(), mc);
+    AdapterManager manager(d->targets(), one_slot_manager());
     const AdapterInfo info = manager.load("r", dir);
     EXPECT_EQ(info.modules.size(),
               static_cast<size_t>(c.num_layers * (4 + 3 * (c.is_moe() ? c.num_experts : 1))))
@@ -282,12 +291,7 @@ TEST(RandomDecoder, Fp8ShapesHaveFp8ProjectionsAndRunWithLora) {
   EXPECT_TRUE(model_shape("llama3-70b-fp8", 2).quant.quantized());
 
   const ModelConfig c = model_shape("tiny-fp8");
-  DecoderOptions o;
-  o.max_loras = 1;
-  o.max_lora_rank = 4;
-  o.max_num_tokens = 64;
-  o.max_num_seqs = 4;
-  o.kv_blocks = 16;
+  const DecoderOptions o = one_slot_options();
   auto d = Decoder::create_random(c, o, 11);
   // Uploaded: fp8 projections (their scales go separately), f32 norms, lm_head and embedding.
   const int64_t h = c.hidden_size;
@@ -303,10 +307,7 @@ TEST(RandomDecoder, Fp8ShapesHaveFp8ProjectionsAndRunWithLora) {
       << "the fp8 codes and scales are not the float model's weights";
   const std::string dir = ::testing::TempDir() + "/loraplex_random_fp8";
   write_random_peft_adapter(dir, c, 4, all_linear_targets(c), 6);
-  AdapterManagerConfig mc;
-  mc.max_loras = 1;
-  mc.max_lora_rank = 4;
-  AdapterManager manager(d->targets(), mc);
+  AdapterManager manager(d->targets(), one_slot_manager());
   manager.load("r", dir);
   AdapterManager::Lease lease = manager.acquire("r");
   const StepResult r = without_and_with(*d, s, lease.slot());

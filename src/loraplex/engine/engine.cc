@@ -57,7 +57,6 @@ model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType
   return d;
 }
 
-
 // Internal types with names (not in an anonymous namespace): RequestHandle::State derives
 // from one, and Engine::Impl holds the others.
 namespace internal {
