@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <string>
@@ -53,6 +54,7 @@ void check_gemm(DType dtype, const GemmCase& c, kernels::GemmIsa isa, std::mt199
   }
   kernels::GemmArgs a;
   a.dtype = dtype;
+  a.w_dtype = dtype;
   a.m = c.m;
   a.n = c.n;
   a.k = c.k;
@@ -88,6 +90,106 @@ TEST(CpuGemm, MatchesDoubleLoop) {
       check_gemm(dtype, c, kernels::GemmIsa::kBaseline, rng);
     }
   }
+}
+
+// An fp8 weight with scales in one of the layouts of kernels::Fp8WeightScales.
+struct Fp8Case {
+  int64_t m, n, k;
+  kernels::Fp8WeightScales layout;  // scale pointer set by the test
+  const char* name;
+};
+
+// Random e4m3 codes (no NaN) and positive scales; the reference multiplies x by each element's
+// e4m3 value times its scale, the product rounded to float as torch's q.float() * scale is.
+void check_fp8_gemm(DType dtype, const Fp8Case& c, kernels::GemmIsa isa, std::mt19937_64& rng) {
+  const std::string name = std::string(c.name) + " " + std::string(dtype_name(dtype)) + " m" +
+                           std::to_string(c.m) + " n" + std::to_string(c.n) + " k" +
+                           std::to_string(c.k);
+  const Tensor x = test::random_tensor({c.m, c.k}, dtype, rng);
+  const Tensor w = test::random_e4m3_codes({c.n, c.k}, rng);
+  const uint8_t* wq = static_cast<const uint8_t*>(w.data_ptr());
+  const kernels::Fp8WeightScales& l = c.layout;
+  const int64_t gn = (c.n + l.group_n - 1) / l.group_n;
+  const int64_t gk = (c.k + l.group_k - 1) / l.group_k;
+  const int64_t count = (gn - 1) * l.stride_n + (gk - 1) * l.stride_k + 1;
+  std::vector<float> scales(static_cast<size_t>(count));
+  std::uniform_real_distribution<float> sd(1.0f / 4096, 1.0f / 256);
+  for (float& v : scales) v = sd(rng);
+  const Tensor bias = test::random_tensor({c.n}, dtype, rng);
+  Tensor y = Tensor::empty({c.m, c.n}, dtype);
+  const std::vector<double> xv = x.to_double_vector();
+  const std::vector<double> bv = bias.to_double_vector();
+  std::vector<double> ref;
+  double mag_max = 1e-30;
+  for (int64_t i = 0; i < c.m; ++i) {
+    for (int64_t j = 0; j < c.n; ++j) {
+      double acc = bv[j];
+      double mag = std::fabs(acc);
+      for (int64_t p = 0; p < c.k; ++p) {
+        const float s = scales[(j / l.group_n) * l.stride_n + (p / l.group_k) * l.stride_k];
+        const float wf = e4m3_bits_to_float(wq[j * c.k + p]) * s;
+        acc += xv[i * c.k + p] * wf;
+        mag += std::fabs(xv[i * c.k + p] * wf);
+      }
+      ref.push_back(acc);
+      mag_max = std::max(mag_max, mag);
+    }
+  }
+  kernels::GemmArgs a;
+  a.dtype = dtype;
+  a.w_dtype = DType::kF8E4M3;
+  a.m = c.m;
+  a.n = c.n;
+  a.k = c.k;
+  a.x = x.data_ptr();
+  a.x_row_stride = c.k;
+  a.w = w.data_ptr();
+  a.w_row_stride = c.k;
+  a.w_scales = l;
+  a.w_scales.scale = scales.data();
+  a.bias = bias.data_ptr();
+  a.y = y.data_ptr();
+  a.y_row_stride = c.n;
+  a.isa = isa;
+  ASSERT_TRUE(kernels::cpu::gemm_xwt(a).ok()) << name;
+  test::expect_close(y, ref, test::default_rtol(dtype),
+                     (dtype == DType::kF32 ? 1e-6 : 4e-3) * mag_max, name);
+}
+
+TEST(CpuGemm, Fp8WeightsMatchDoubleLoopOnTheirDequantisedValues) {
+  std::mt19937_64 rng(11);
+  std::vector<Fp8Case> cases;
+  for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{
+           {1, 77, 200}, {5, 130, 257}, {40, 67, 300}, {3, 256, 384}}) {
+    cases.push_back({m, n, k, {nullptr, 1, k, 1, 0}, "per row"});
+    // Blocks as checkpoints store them, with partial blocks at both edges.
+    const int64_t kb = (k + 127) / 128;
+    cases.push_back({m, n, k, {nullptr, 128, 128, kb, 1}, "128x128 blocks"});
+    cases.push_back({m, n, k, {nullptr, 5, 7, (k + 6) / 7, 1}, "5x7 blocks"});
+    // One scale per row and 128 columns, rows fastest.
+    cases.push_back({m, n, k, {nullptr, 1, 128, 1, n}, "row x 128 columns"});
+  }
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const Fp8Case& c : cases) {
+      check_fp8_gemm(dtype, c, kernels::GemmIsa::kAuto, rng);
+      check_fp8_gemm(dtype, c, kernels::GemmIsa::kBaseline, rng);
+    }
+  }
+}
+
+TEST(CpuGemm, Fp8WeightsNeedScalesAndMatchingActivations) {
+  kernels::GemmArgs a;
+  a.dtype = DType::kBF16;
+  a.w_dtype = DType::kF8E4M3;
+  a.m = a.n = a.k = 4;
+  a.x_row_stride = a.w_row_stride = a.y_row_stride = 4;
+  Status s = kernels::cpu::gemm_xwt(a);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("needs its scales"), std::string::npos) << s.message();
+  a.w_dtype = DType::kF16;  // neither the activations' dtype nor e4m3
+  s = kernels::cpu::gemm_xwt(a);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("weight dtype float16"), std::string::npos) << s.message();
 }
 
 TEST(CpuGemm, EmptyInnerDimensionGivesBias) {

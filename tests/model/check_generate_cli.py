@@ -68,6 +68,32 @@ with tempfile.TemporaryDirectory() as tmp:
               [json.loads(l)["output_token_ids"] for l in open(out_tp)] ==
               [e["output_token_ids"] for e in expected])
 
+    # An FP8 checkpoint (128x128 block scales) with the same adapters: its own PEFT reference.
+    fp8 = os.path.join(DATA, "tiny-llama-fp8", "block")
+    out_fp8 = os.path.join(tmp, "out_fp8.jsonl")
+    code, out, err = run(["--model", os.path.join(fp8, "model"), "--device", "cpu",
+                          "--max-tokens", "12", "--ignore-eos", "--output", out_fp8,
+                          "--requests", os.path.join(fp8, "requests.jsonl")] + lora_args())
+    check("an FP8 checkpoint succeeds", code == 0, err)
+    if code == 0:
+        check("FP8 output equals the PEFT reference on the dequantized weights",
+              [json.loads(l)["output_token_ids"] for l in open(out_fp8)] ==
+              [json.loads(l)["output_token_ids"] for l in open(os.path.join(fp8, "expected.jsonl"))])
+
+    # fp8 adapter storage: the base model's requests keep PEFT's tokens.
+    out_lora8 = os.path.join(tmp, "out_lora8.jsonl")
+    code, out, err = run(base + lora_args() + ["--requests", os.path.join(FIX, "requests.jsonl"),
+                                               "--output", out_lora8, "--lora-dtype", "fp8"])
+    check("--lora-dtype fp8 succeeds", code == 0, err)
+    if code == 0:
+        got = [json.loads(l) for l in open(out_lora8)]
+        check("--lora-dtype fp8: base requests equal the PEFT reference",
+              all(g["output_token_ids"] == e["output_token_ids"]
+                  for g, e in zip(got, expected) if e["adapter"] is None))
+    code, out, err = run(base + ["--requests", os.path.join(FIX, "requests.jsonl"),
+                                 "--lora-dtype", "int4"])
+    check("--lora-dtype int4 is refused naming it", code != 0 and "'int4'" in err, err)
+
     code, out, err = run(base + ["--requests", os.path.join(FIX, "requests.jsonl"),
                                  "--tensor-parallel-size", "3"])
     check("tensor-parallel size that does not divide the heads names both",

@@ -266,6 +266,39 @@ TEST(RandomDecoder, RandomPeftAdaptersLoadAndMoveTheOutput) {
   EXPECT_THROW(write_random_peft_adapter(dir + "x", c, 8, {"qkv"}, 1), Error);
 }
 
+// One adapter slot of rank up to 4, 64 tokens and 4 sequences a step, 16 KV blocks.
+DecoderOptions one_slot_options() {
+  DecoderOptions o;
+  o.max_loras = 1;
+  o.max_lora_rank = 4;
+  o.max_num_tokens = 64;
+  o.max_num_seqs = 4;
+  o.kv_blocks = 16;
+  return o;
+}
+
+AdapterManagerConfig one_slot_manager() {
+  AdapterManagerConfig mc;
+  mc.max_loras = 1;
+  mc.max_lora_rank = 4;
+  return mc;
+}
+
+// One step with `s` twice, without and with the adapter in `slot` (greedy, log-probabilities).
+StepResult without_and_with(Decoder& d, const Seq& s, int32_t slot) {
+  StepBatch b;
+  for (int32_t k : {-1, slot}) {
+    SequenceStep q;
+    q.tokens = s.tokens;
+    q.blocks = k < 0 ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{4, 5};
+    q.lora_slot = k;
+    q.sample = true;
+    b.seqs.push_back(q);
+  }
+  b.want_logprobs = true;
+  return d.execute(b);
+}
+
 // The Qwen3 benchmark shapes are the published models', and the same families at a small size
 // run on the CPU from random weights, with a random adapter on every linear projection (the
 // experts' for Qwen3-MoE); the decode floor's byte count is what the decoder uploads.
@@ -298,13 +331,7 @@ TEST(RandomDecoder, Qwen3ShapesAndTheirFamiliesAtTinyScale) {
     if (c.is_moe()) c.num_experts = 8;
     c.max_position_embeddings = 256;
     const std::string name = architecture_name(c.arch);
-    DecoderOptions o;
-    o.max_loras = 1;
-    o.max_lora_rank = 4;
-    o.max_num_tokens = 64;
-    o.max_num_seqs = 4;
-    o.kv_blocks = 16;
-    auto d = Decoder::create_random(c, o, 5);
+    auto d = Decoder::create_random(c, one_slot_options(), 5);
     EXPECT_EQ(d->weight_bytes(), decode_weight_bytes(c, DType::kF32) + c.vocab_size * 64 * 4)
         << name;
     Seq s;
@@ -315,30 +342,57 @@ TEST(RandomDecoder, Qwen3ShapesAndTheirFamiliesAtTinyScale) {
     EXPECT_EQ(generate(*d, {s}, 4, 5), whole) << name;
     const std::string dir = ::testing::TempDir() + "/loraplex_random_" + name;
     write_random_peft_adapter(dir, c, 4, all_linear_targets(c), 6);
-    AdapterManagerConfig mc;
-    mc.max_loras = 1;
-    mc.max_lora_rank = 4;
-    AdapterManager manager(d->targets(), mc);
+    AdapterManager manager(d->targets(), one_slot_manager());
     const AdapterInfo info = manager.load("r", dir);
     EXPECT_EQ(info.modules.size(),
               static_cast<size_t>(c.num_layers * (4 + 3 * (c.is_moe() ? c.num_experts : 1))))
         << name;
     AdapterManager::Lease lease = manager.acquire("r");
-    StepBatch b;
-    for (int32_t slot : {-1, lease.slot()}) {
-      SequenceStep q;
-      q.tokens = s.tokens;
-      q.blocks = slot < 0 ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{4, 5};
-      q.lora_slot = slot;
-      q.sample = true;
-      b.seqs.push_back(q);
-    }
-    b.want_logprobs = true;
-    const StepResult r = d->execute(b);
+    const StepResult r = without_and_with(*d, s, lease.slot());
     EXPECT_EQ(r.token_ids[0], whole[0][0]) << name;
     EXPECT_GT(std::abs(r.logprobs[0] - r.logprobs[1]), 1e-5)
         << name << ": the adapter changed nothing";
   }
+}
+
+// The *-fp8 shapes are FP8-dynamic checkpoints of the same models: float8_e4m3 projections with
+// per-channel scales, about half the bytes a bf16 decode step reads. tiny-fp8 runs on the CPU
+// from random codes and scales, with LoRA beside the fp8 base.
+TEST(RandomDecoder, Fp8ShapesHaveFp8ProjectionsAndRunWithLora) {
+  const ModelConfig big = model_shape("llama3-8b-fp8");
+  EXPECT_TRUE(big.quant.quantized());
+  EXPECT_EQ(big.quant.weight_scale, Fp8WeightScale::kPerChannel);
+  EXPECT_EQ(big.hidden_size, model_shape("llama3-8b").hidden_size);
+  const double ratio =
+      static_cast<double>(decode_weight_bytes(big, DType::kBF16)) /
+      static_cast<double>(decode_weight_bytes(model_shape("llama3-8b"), DType::kBF16));
+  EXPECT_GT(ratio, 0.5);
+  EXPECT_LT(ratio, 0.6);  // the bf16 lm_head is 1 GB of the 8B model's 16
+  EXPECT_TRUE(model_shape("llama3-70b-fp8", 2).quant.quantized());
+
+  const ModelConfig c = model_shape("tiny-fp8");
+  const DecoderOptions o = one_slot_options();
+  auto d = Decoder::create_random(c, o, 11);
+  // Uploaded: fp8 projections (their scales go separately), f32 norms, lm_head and embedding.
+  const int64_t h = c.hidden_size;
+  const int64_t rows = c.q_size() + 2 * c.kv_size() + h + 2 * c.intermediate_size + h;
+  EXPECT_EQ(d->weight_bytes(),
+            decode_weight_bytes(c, DType::kF32) - 4 * rows * c.num_layers + c.vocab_size * h * 4);
+  Seq s;
+  s.tokens = prompt(19, 8);
+  s.blocks = {0, 1};
+  const auto whole = generate(*d, {s}, 0, 5);
+  EXPECT_EQ(generate(*d, {s}, 4, 5), whole);
+  EXPECT_NE(whole, generate(*Decoder::create_random(model_shape("tiny"), o, 11), {s}, 0, 5))
+      << "the fp8 codes and scales are not the float model's weights";
+  const std::string dir = ::testing::TempDir() + "/loraplex_random_fp8";
+  write_random_peft_adapter(dir, c, 4, all_linear_targets(c), 6);
+  AdapterManager manager(d->targets(), one_slot_manager());
+  manager.load("r", dir);
+  AdapterManager::Lease lease = manager.acquire("r");
+  const StepResult r = without_and_with(*d, s, lease.slot());
+  EXPECT_EQ(r.token_ids[0], whole[0][0]);
+  EXPECT_GT(std::abs(r.logprobs[0] - r.logprobs[1]), 1e-5) << "the adapter changed nothing";
 }
 
 TEST(RandomDecoderCuda, GraphStepsEqualEagerStepsAndTheCpu) {

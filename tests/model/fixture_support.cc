@@ -32,6 +32,7 @@ std::vector<ExpectedLine> read_expected(const std::string& fixture, const std::s
     e.min_top1_margin = j.at("min_top1_margin").get<double>();
     const auto& top5 = j.at("first_token_top5_logprobs");
     e.first_step_margin = top5.at(0).at(1).get<double>() - top5.at(1).at(1).get<double>();
+    e.first_step_logprob = top5.at(0).at(1).get<double>();
     out.push_back(std::move(e));
   }
   return out;

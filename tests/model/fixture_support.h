@@ -20,7 +20,8 @@ struct ExpectedLine {
   std::vector<int32_t> output_token_ids;
   std::string output_text;
   double min_top1_margin = 0.0;
-  double first_step_margin = 0.0;  // top1 - top2 log-probability of the first step
+  double first_step_margin = 0.0;   // top1 - top2 log-probability of the first step
+  double first_step_logprob = 0.0;  // the first token's log-probability
 };
 
 /// testdata/<name>.

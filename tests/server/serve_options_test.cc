@@ -247,6 +247,21 @@ TEST(ServeOptions, StartupAdaptersDecideTheDefaultRankAndSlots) {
   o = parse_serve_options(args, nullptr);
   settle_serve_options(*o, positions(1024), std::vector<int>(kMaxDefaultLoras + 5, 8));
   EXPECT_EQ(o->engine.max_loras, 6);
+TEST(ServeOptions, LoraDtypeAutoOrFp8) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  EXPECT_FALSE(parse_serve_options({"--model", dir}, nullptr)->engine.lora_dtype.has_value());
+  EXPECT_FALSE(parse_serve_options({"--model", dir, "--lora-dtype", "auto"}, nullptr)
+                   ->engine.lora_dtype.has_value());
+  EXPECT_EQ(
+      parse_serve_options({"--model", dir, "--lora-dtype", "fp8"}, nullptr)->engine.lora_dtype,
+      DType::kF8E4M3);
+  try {
+    parse_serve_options({"--model", dir, "--lora-dtype", "int4"}, nullptr);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--lora-dtype 'int4' is not supported"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(ServeOptions, TensorParallelSizeAsVllmSpellsIt) {

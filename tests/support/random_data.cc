@@ -17,6 +17,17 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, floa
   return Tensor::from_vector(values, shape).to(dtype);
 }
 
+Tensor random_e4m3_codes(const Shape& shape, std::mt19937_64& rng) {
+  Tensor t = Tensor::empty(shape, DType::kF8E4M3);
+  std::uniform_int_distribution<int> code(0, 253);
+  uint8_t* q = static_cast<uint8_t*>(t.data_ptr());
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const int c = code(rng);
+    q[i] = static_cast<uint8_t>(c < 127 ? c : c + 1);  // skip 0x7f; 0xff is past 253 + 1
+  }
+  return t;
+}
+
 const char* distribution_name(SlotDistribution d) {
   switch (d) {
     case SlotDistribution::kOneAdapter:

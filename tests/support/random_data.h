@@ -14,6 +14,10 @@ namespace loraplex::test {
 /// Uniform in [-scale, -scale/8] U [scale/8, scale], rounded to `dtype`: no zeros, both signs.
 Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, float scale = 1.0f);
 
+/// float8_e4m3 codes drawn uniformly from all 254 that are not NaN (zeros, subnormals and
+/// both signs included): what FP8 weights hold.
+Tensor random_e4m3_codes(const Shape& shape, std::mt19937_64& rng);
+
 enum class SlotDistribution { kOneAdapter, kAllDistinct, kUniform, kZipf, kSkewed };
 const char* distribution_name(SlotDistribution d);
 inline constexpr SlotDistribution kAllDistributions[] = {

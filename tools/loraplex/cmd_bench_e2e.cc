@@ -30,6 +30,7 @@
 #include "loraplex/adapters/adapter_manager.h"
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/error.h"
+#include "loraplex/engine/engine.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/layers/linear_base.h"
 #include "loraplex/model/load_model.h"
@@ -71,6 +72,7 @@ struct Options {
   bool fully_sharded_loras = false;
   std::string lora_tuning;
   std::string lora_decode = "auto";
+  std::string lora_dtype = "auto";
   int64_t fused_lora_max_tokens = 512;
   int top_kernels = 15;
   bool timeline = false;
@@ -258,9 +260,11 @@ int run(const std::vector<std::string>& args) {
   CLI::App app{
       "loraplex bench e2e: the offline end-to-end benchmark (random weights of a real shape, or "
       "a checkpoint), with and without LoRA, against the floor measured in the same run"};
+  std::string shapes;
+  for (const std::string& n : model::model_shape_names())
+    shapes += (shapes.empty() ? "" : ", ") + n;
   app.add_option("--shape", o.shape,
-                 "model shape: llama3-8b, llama3-70b, mistral-7b, qwen2-7b, "
-                 "mixtral-8x7b, qwen3-8b, qwen3-30b-a3b, tiny");
+                 "model shape: " + shapes + " (*-fp8: FP8 projections, per-channel scales)");
   app.add_option("--model", o.model_dir, "a checkpoint directory instead of --shape");
   app.add_option("--layers", o.layers, "keep only this many decoder layers (0 = all)");
   app.add_option("--dtype", o.dtype, "bfloat16 (default), float16 or float32");
@@ -293,6 +297,9 @@ int run(const std::vector<std::string>& args) {
                  "kernels (LoRA kernels after each GEMM) or auto (overlap up to 64 tokens, "
                  "else fused; default)")
       ->check(CLI::IsMember({"auto", "fused", "overlap", "kernels"}));
+  app.add_option("--lora-dtype", o.lora_dtype,
+                 "the adapters' storage: auto (the model dtype, default) or fp8 (float8_e4m3 "
+                 "with a scale per row)");
   app.add_option("--fused-lora-max-tokens", o.fused_lora_max_tokens,
                  "steps of up to this many tokens take the fused LoRA path (default 512)");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
@@ -354,6 +361,7 @@ int run(const std::vector<std::string>& args) {
   dopts.fully_sharded_loras = o.fully_sharded_loras;
   dopts.lora_tuning = o.lora_tuning;
   dopts.fused_lora_max_tokens = o.fused_lora_max_tokens;
+  dopts.lora_dtype = engine::parse_lora_dtype(o.lora_dtype);
   dopts.lora_decode = o.lora_decode == "overlap"   ? model::LoraDecode::kOverlap
                       : o.lora_decode == "kernels" ? model::LoraDecode::kKernels
                       : o.lora_decode == "fused"   ? model::LoraDecode::kFused
@@ -463,6 +471,7 @@ int run(const std::vector<std::string>& args) {
   doc["fully_sharded_loras"] = o.fully_sharded_loras;
   if (!o.lora_tuning.empty()) doc["lora_tuning"] = o.lora_tuning;
   doc["lora_decode"] = o.lora_decode;
+  doc["lora_dtype"] = o.lora_dtype;
   doc["fused_lora_max_tokens"] = o.fused_lora_max_tokens;
   const char* autotune = std::getenv("LORAPLEX_GEMM_AUTOTUNE");
   doc["gemm_autotune"] = autotune != nullptr && std::string(autotune) == "1";

@@ -11,6 +11,7 @@
 #include "command.h"
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
+#include "loraplex/engine/engine.h"
 #include "loraplex/engine/generate_run.h"
 
 namespace loraplex::cli {
@@ -100,6 +101,12 @@ int run(const std::vector<std::string>& args) {
   bool no_async = false;
   app.add_flag("--no-async-scheduling", no_async,
                "collect every step before planning the next (the same tokens; for comparison)");
+  app.add_option_function<std::string>(
+         "--lora-dtype",
+         [&](const std::string& value) { cfg.lora_dtype = engine::parse_lora_dtype(value); },
+         "how the projections' adapters are stored: auto (the model dtype, default) or fp8 "
+         "(float8_e4m3 with a scale per row: half the adapter memory)")
+      ->type_name("DTYPE");
   app.add_flag("--stats", stats, "print load/generation times and batch sizes to standard error");
   if (!parse_cli(app, args)) return 0;
   cfg.async_scheduling = !no_async;

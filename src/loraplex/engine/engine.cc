@@ -55,6 +55,7 @@ model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType
   d.tensor_parallel_size = options.tensor_parallel_size;
   d.fully_sharded_loras = options.fully_sharded_loras;
   d.lora_decode = options.lora_decode;
+  d.lora_dtype = options.lora_dtype;
   return d;
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "loraplex/adapters/adapter_manager.h"
+#include "loraplex/core/error.h"
 #include "loraplex/model/decoder.h"
 #include "loraplex/model/executor.h"
 #include "loraplex/tokenizer/tokenizer.h"
@@ -86,7 +87,21 @@ struct EngineOptions {
   /// sequences need their generated tokens on the host to be planned (penalties, bad words)
   /// waits for them either way.
   bool async_scheduling = true;
+  /// The projections' LoRA storage (model::DecoderOptions::lora_dtype): the model dtype, or
+  /// float8_e4m3 (--lora-dtype fp8).
+  std::optional<DType> lora_dtype;
 };
+
+/// --lora-dtype: "auto" (the model dtype: nullopt), or "fp8" / "float8_e4m3" / "e4m3". Throws
+/// naming the value and the accepted ones. Inline: the server's option parsing uses it without
+/// linking the engine.
+inline std::optional<DType> parse_lora_dtype(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  if (text == "fp8" || text == "float8_e4m3" || text == "e4m3") return DType::kF8E4M3;
+  LORAPLEX_FAIL("--lora-dtype '", text,
+                "' is not supported (expected auto: the model dtype, or fp8: float8_e4m3 with "
+                "per-row scales)");
+}
 
 /// Decoder options that fit `options` (slots, rank, tokens and sequences per step, block size,
 /// tensor parallelism), for loading the model an Engine will run (model::load_model). The KV

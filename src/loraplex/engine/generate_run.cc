@@ -123,6 +123,7 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   opts.fully_sharded_loras = cfg.fully_sharded_loras;
   opts.lora_decode = cfg.lora_decode;
   opts.async_scheduling = cfg.async_scheduling;
+  opts.lora_dtype = cfg.lora_dtype;
   Engine engine(
       model::load_model(cfg.model_dir, engine_decoder_options(opts, cfg.dtype, cfg.device)),
       tokenizer, read_eos_token_ids(cfg.model_dir, config), opts);

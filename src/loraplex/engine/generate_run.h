@@ -46,6 +46,7 @@ struct GenerateConfig {
   bool fully_sharded_loras = false;
   model::LoraDecode lora_decode = model::LoraDecode::kAuto;
   bool async_scheduling = true;  // EngineOptions::async_scheduling
+  std::optional<DType> lora_dtype;  // the projections' LoRA storage; nullopt: `dtype`
 };
 
 struct GenerateOutput {

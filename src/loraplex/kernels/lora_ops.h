@@ -96,6 +96,14 @@ struct ExpandArgs {
   bool add_inputs = true;  // false: overwrite the slice columns of LoRA tokens
 };
 
+/// Shrink with A stored as float8_e4m3 and one float32 scale per A row (per channel), the fp8
+/// adapter storage: out[s, t, r] = scale * a_scale_s[slot(t) * a_slot_rows + r] *
+/// sum_k x[t, k] * e4m3(A_s[slot(t)][r, k]). The intermediate is float32.
+struct ShrinkFp8Args {
+  ShrinkArgs base;  // base.dtype is x's; base.lora_a point at e4m3 codes; base.out_dtype f32
+  const float* a_scale[kMaxSlices] = {};  // per slice [max_loras, a_slot_rows] in
+};
+
 /// How the fp8 LoRA-B scales are laid out (dequantised value = q * scale).
 enum class Fp8ScaleKind {
   kPerTensor,   // [max_loras] per slice

@@ -68,6 +68,16 @@ Status check_expand_args(const ExpandArgs& a) {
   return Status();
 }
 
+Status check_shrink_fp8_args(const ShrinkFp8Args& a) {
+  LORAPLEX_RETURN_IF_ERROR(check_shrink_args(a.base));
+  LORAPLEX_ENSURE(a.base.out_dtype == DType::kF32, "lora_shrink_fp8: output dtype ",
+                  a.base.out_dtype, ", expected float32");
+  for (int s = 0; s < a.base.num_slices; ++s) {
+    LORAPLEX_ENSURE(a.a_scale[s] != nullptr, "lora_shrink_fp8: scales of slice ", s, " are null");
+  }
+  return Status();
+}
+
 Status check_expand_fp8_args(const ExpandFp8Args& a) {
   ExpandArgs plain = a.base;
   // A W8A8 intermediate is fp8 and checked below, not as an activation dtype.

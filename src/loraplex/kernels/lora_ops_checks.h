@@ -12,6 +12,7 @@ namespace loraplex::kernels {
 Status check_shrink_args(const ShrinkArgs& args);
 Status check_expand_args(const ExpandArgs& args);
 Status check_expand_fp8_args(const ExpandFp8Args& args);
+Status check_shrink_fp8_args(const ShrinkFp8Args& args);
 Status check_quantize_args(const QuantizeIntermediateArgs& args);
 Status check_embedding_args(const EmbeddingLoraArgs& args);
 Status check_moe_align_args(const MoeAlignArgs& args);

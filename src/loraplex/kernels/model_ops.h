@@ -208,7 +208,7 @@ struct FeedTokensArgs {
 /// out[i] = lo + (hi - lo) * u(seed, i), u in [0, 1) from 24 bits of splitmix64(seed + i), so
 /// the CPU and the GPU make the same values (random weights at real shapes).
 struct FillUniformArgs {
-  DType dtype = DType::kF32;
+  DType dtype = DType::kF32;  // f32, f16, bf16, or float8_e4m3 (random FP8 weights)
   int64_t n = 0;
   uint64_t seed = 0;
   float lo = 0.0f;

@@ -1,6 +1,7 @@
 #include "loraplex/layers/layer_util.h"
 
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/fp8_quant.h"
 #include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex {
@@ -72,6 +73,24 @@ Tensor host_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t n
   Tensor out = Tensor::empty({nr, nc}, dtype);
   out.copy_from(t.narrow(0, r0, nr).narrow(1, c0, nc));
   return out;
+}
+
+Fp8Block fp8_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+  const Tensor f = host_block(t, r0, nr, c0, nc, DType::kF32);
+  Fp8Block b;
+  b.codes = Tensor::empty({nr, nc}, DType::kF8E4M3);
+  b.scales = Tensor::empty({nr}, DType::kF32);
+  kernels::QuantizeRowsFp8Args a;
+  a.dtype = DType::kF32;
+  a.m = nr;
+  a.k = nc;
+  a.x = f.data_ptr();
+  a.x_row_stride = nc;
+  a.group = nc;
+  a.q = static_cast<uint8_t*>(b.codes.data_ptr());
+  a.scale = b.scales.data<float>();
+  throw_if_error(kernels::cpu::quantize_rows_fp8(a));
+  return b;
 }
 
 bool uploadable(const Tensor& t, DType dtype) {

@@ -51,6 +51,14 @@ bool uploadable(const Tensor& t, DType dtype);
 /// The same block as a view of `t` itself when uploadable, else host_block's copy.
 Tensor source_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc, DType dtype);
 
+/// The same block in float8_e4m3 with one float32 scale per row (amax / 448, 1 for a row of
+/// zeros; kernels/fp8_quant.h's rule): codes [nr, nc] and scales [nr], new CPU tensors.
+struct Fp8Block {
+  Tensor codes;
+  Tensor scales;
+};
+Fp8Block fp8_block(const Tensor& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc);
+
 /// A device write prepared by set_lora before anything is modified: dst (a view of a layer
 /// stack) <- src (a CPU tensor of the same shape and dtype with contiguous rows), or dst <- 0
 /// when src is undefined.

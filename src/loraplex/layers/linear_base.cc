@@ -20,14 +20,12 @@ void check_rows(const Tensor& t, const char* name, DType dtype, Device device) {
                  t.describe(), ", expected ", dtype, " on ", device);
 }
 
-}  // namespace
-
-void linear_base(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y,
-                 const Stream& stream, bool accumulate) {
+// The checks and arguments both entry points share; the weight's dtype is checked by each.
+kernels::GemmArgs gemm_args(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y,
+                            DType dtype, const Stream& stream) {
   LORAPLEX_CHECK(w.defined() && w.dim() == 2 && w.is_contiguous(),
                  "linear_base: weight must be contiguous [out, in], got ",
                  w.defined() ? w.describe() : "undefined");
-  const DType dtype = w.dtype();
   const Device device = w.device();
   LORAPLEX_CHECK(dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16,
                  "linear_base: dtype ", dtype, ", expected float32, float16 or bfloat16");
@@ -50,6 +48,7 @@ void linear_base(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
                  ", the stream on ", stream.device());
   kernels::GemmArgs a;
   a.dtype = dtype;
+  a.w_dtype = w.dtype();
   a.m = m;
   a.n = n;
   a.k = k;
@@ -60,7 +59,58 @@ void linear_base(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
   a.bias = bias.defined() ? bias.data_ptr() : nullptr;
   a.y = y.data_ptr();
   a.y_row_stride = row_stride(y);
+  return a;
+}
+
+}  // namespace
+
+void linear_base(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y,
+                 const Stream& stream, bool accumulate) {
+  LORAPLEX_CHECK(w.defined() && w.dtype() != DType::kF8E4M3,
+                 "linear_base: a float8_e4m3 weight goes through linear_base_fp8 with its scales");
+  kernels::GemmArgs a = gemm_args(x, w, bias, y, w.dtype(), stream);
   a.accumulate = accumulate;
+  throw_if_error(dispatch_gemm_xwt(a, stream));
+}
+
+void linear_base_fp8(const Tensor& x, const Tensor& w, const Fp8Scales& scales, const Tensor& bias,
+                     Tensor& y, const Tensor& scratch, const Stream& stream) {
+  LORAPLEX_CHECK(w.defined() && w.dtype() == DType::kF8E4M3 && x.defined(),
+                 "linear_base_fp8: the weight must be float8_e4m3, got ",
+                 w.defined() ? w.describe() : "undefined");
+  kernels::GemmArgs a = gemm_args(x, w, bias, y, x.dtype(), stream);
+  const Device device = w.device();
+  LORAPLEX_CHECK(scales.scale.defined() && scales.scale.dtype() == DType::kF32 &&
+                     scales.scale.device() == device && scales.scale.is_contiguous(),
+                 "linear_base_fp8: scales must be contiguous float32 on ", device, ", got ",
+                 scales.scale.defined() ? scales.scale.describe() : "undefined");
+  const kernels::Fp8WeightScales& l = scales.layout;
+  const int64_t groups_n = (a.n + l.group_n - 1) / std::max<int64_t>(l.group_n, 1);
+  const int64_t groups_k = (a.k + l.group_k - 1) / std::max<int64_t>(l.group_k, 1);
+  const int64_t last = (groups_n - 1) * l.stride_n + (groups_k - 1) * l.stride_k;
+  LORAPLEX_CHECK(l.group_n >= 1 && l.group_k >= 1 && last < scales.scale.numel(),
+                 "linear_base_fp8: scales ", scales.scale.describe(), " are too small for a [", a.n,
+                 ", ", a.k, "] weight in groups of ", l.group_n, " x ", l.group_k);
+  a.w_scales = l;
+  a.w_scales.scale = scales.scale.data<float>();
+  if (scales.input_scale.defined()) {
+    LORAPLEX_CHECK(scales.input_scale.numel() == 1 && scales.input_scale.dtype() == DType::kF32 &&
+                       scales.input_scale.device() == device,
+                   "linear_base_fp8: the input scale must be one float32 on ", device, ", got ",
+                   scales.input_scale.describe());
+    a.input_scale = scales.input_scale.data<float>();
+  }
+  if (device.is_cuda()) {
+    const size_t need = kernels::fp8_gemm_scratch_bytes(a.m, a.k);
+    LORAPLEX_CHECK(
+        scratch.defined() && scratch.device() == device &&
+            static_cast<size_t>(scratch.numel()) * dtype_size(scratch.dtype()) >= need,
+        "linear_base_fp8: the activation scratch holds ",
+        scratch.defined() ? scratch.numel() * static_cast<int64_t>(dtype_size(scratch.dtype())) : 0,
+        " bytes, ", need, " needed for ", a.m, " x ", a.k, " activations");
+    a.fp8_scratch = scratch.data_ptr();
+    a.fp8_scratch_bytes = need;
+  }
   throw_if_error(dispatch_gemm_xwt(a, stream));
 }
 

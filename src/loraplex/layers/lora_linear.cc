@@ -99,9 +99,12 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   LORAPLEX_CHECK(
       spec_.dtype == DType::kF32 || spec_.dtype == DType::kF16 || spec_.dtype == DType::kBF16, k,
       ": dtype ", spec_.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_CHECK(config_.lora_dtype == spec_.dtype, k, ": lora_dtype ", config_.lora_dtype,
-                 " must equal the activation dtype ", spec_.dtype,
-                 " (the Punica ops read x and A in one dtype)");
+  LORAPLEX_CHECK(config_.lora_dtype == spec_.dtype || fp8_lora(), k, ": lora_dtype ",
+                 config_.lora_dtype, " must equal the activation dtype ", spec_.dtype,
+                 " (the Punica ops read x and A in one dtype) or be float8_e4m3 (fp8 adapter "
+                 "storage)");
+  LORAPLEX_CHECK(!(fp8_lora() && config_.fully_sharded), k,
+                 ": fp8 adapter storage with fully sharded LoRA is not supported");
   LORAPLEX_CHECK(config_.max_loras >= 1 && config_.max_lora_rank >= 1, k, ": max_loras ",
                  config_.max_loras, " and max_lora_rank ", config_.max_lora_rank, " must be >= 1");
   LORAPLEX_CHECK(max_num_tokens >= 1, k, ": max_num_tokens ", max_num_tokens, ", expected >= 1");
@@ -159,10 +162,11 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
   // base output and the shrink of the slots in use together (forward_fused). Fully sharded
   // layers keep their own A stacks (A re-laid out by rank, or a shrink that is all-reduced
   // apart from the output).
-  fused_layout_ = !config_.fully_sharded;
+  fused_layout_ = !config_.fully_sharded && !spec_.fp8_weight && !fp8_lora();
   slot_cols_ = fused_layout_ ? num_lora * max_rank : 0;
-  storage_ =
-      Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, spec_.dtype, device_);
+  const DType weight_dtype = spec_.fp8_weight ? DType::kF8E4M3 : spec_.dtype;
+  storage_ = Tensor::empty({out_local_ + config_.max_loras * slot_cols_, in_local_}, weight_dtype,
+                           device_);
   weight_ = storage_.narrow(0, 0, out_local_);
   if (fused_layout_) {
     // Zeros before any upload: slot writes come later on other streams, unordered with this.
@@ -178,9 +182,15 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
     if (fully_sharded_row()) width = out_full_ / tp_;
     lora_width_.push_back(width);
     if (!fused_layout_) {
-      lora_a_.push_back(Tensor::zeros({config_.max_loras, a_rows, a_cols}, spec_.dtype, device_));
+      lora_a_.push_back(
+          Tensor::zeros({config_.max_loras, a_rows, a_cols}, config_.lora_dtype, device_));
     }
-    lora_b_.push_back(Tensor::zeros({config_.max_loras, width, b_cols}, spec_.dtype, device_));
+    lora_b_.push_back(
+        Tensor::zeros({config_.max_loras, width, b_cols}, config_.lora_dtype, device_));
+    if (fp8_lora()) {
+      a_scales_.push_back(Tensor::zeros({config_.max_loras, a_rows}, DType::kF32, device_));
+      b_scales_.push_back(Tensor::zeros({config_.max_loras, width}, DType::kF32, device_));
+    }
   }
   ranks_ = SlotRanks(num_lora, config_.max_loras, static_cast<int>(a_rows), device_);
   if (fully_sharded_column()) {
@@ -208,6 +218,10 @@ LoraLinear::Scratch LoraLinear::carve(LayerWorkspace::Carver& carver, int64_t to
   if (spec_.gather_output && tp_ > 1) {
     s.local_out = carver.take({tokens, out_local_}, spec_.dtype);
     s.staging = carver.take({tp_ * tokens, out_local_}, spec_.dtype);
+  }
+  if (spec_.fp8_weight && device_.is_cuda()) {
+    const size_t bytes = kernels::fp8_gemm_scratch_bytes(tokens, in_local_);
+    s.fp8 = carver.take({static_cast<int64_t>(bytes)}, DType::kU8);
   }
   return s;
 }
@@ -238,22 +252,36 @@ int LoraLinear::lora_rank(int slot, int slice) const {
 
 void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases,
                            WeightUpload* upload) {
+  std::vector<BaseWeight> base(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) base[i].weight = weights[i];
+  load_base(base, biases, upload);
+}
+
+void LoraLinear::load_base(const std::vector<BaseWeight>& base, const std::vector<Tensor>& biases,
+                           WeightUpload* upload) {
   const std::string& k = spec_.kind;
-  LORAPLEX_CHECK(weights.size() == spec_.outputs.size(), k, ": load_base got ", weights.size(),
+  LORAPLEX_CHECK(base.size() == spec_.outputs.size(), k, ": load_base got ", base.size(),
                  " weights, expected one per output slice (", spec_.outputs.size(), ")");
+  std::vector<Tensor> weights;
+  for (const BaseWeight& b : base) weights.push_back(b.weight);
   bool any_bias = false;
   for (const Tensor& b : biases) any_bias = any_bias || b.defined();
   if (any_bias) {
     LORAPLEX_CHECK(biases.size() == spec_.outputs.size(), k, ": load_base got ", biases.size(),
                    " biases, expected one per output slice (", spec_.outputs.size(), ")");
   }
+  const DType weight_dtype = storage_.dtype();
   for (size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = weights[i];
     const int64_t size = spec_.outputs[i].size;
-    LORAPLEX_CHECK(w.defined() && layers_detail::is_weight_source(w, device_, spec_.dtype) &&
+    LORAPLEX_CHECK(base[i].is_fp8() == spec_.fp8_weight, k, ": base weight of slice ", i, " is ",
+                   w.defined() ? w.describe() : "undefined", ", the layer takes ",
+                   spec_.fp8_weight ? "float8_e4m3 weights with scales" : "float weights");
+    LORAPLEX_CHECK(w.defined() && layers_detail::is_weight_source(w, device_, weight_dtype) &&
                        w.dim() == 2 && w.size(0) == size && w.size(1) == spec_.in_features,
-                   k, ": base weight of slice ", i, " must be a CPU float [", size, ", ",
-                   spec_.in_features, "] (or ", spec_.dtype, " on ", device_, "), got ",
+                   k, ": base weight of slice ", i, " must be a CPU ",
+                   spec_.fp8_weight ? "float8_e4m3" : "float", " [", size, ", ", spec_.in_features,
+                   "] (or ", weight_dtype, " on ", device_, "), got ",
                    w.defined() ? w.describe() : "undefined");
     if (any_bias) {
       const Tensor& b = biases[i];
@@ -262,6 +290,19 @@ void LoraLinear::load_base(const std::vector<Tensor>& weights, const std::vector
                      k, ": bias of slice ", i, " must be a CPU float [", size, "], got ",
                      b.defined() ? b.describe() : "undefined");
     }
+  }
+  if (spec_.fp8_weight) {
+    std::vector<Fp8RowRange> ranges;
+    std::vector<const BaseWeight*> all;
+    for (size_t i = 0; i < base.size(); ++i) {
+      ranges.push_back({&base[i], slices_[i].shard_start, slices_[i].local_size});
+      all.push_back(&base[i]);
+    }
+    const Fp8Scales host = fp8_local_scales(ranges, in_offset_, in_local_, k);
+    fp8_.layout = host.layout;
+    fp8_.scale = host.scale.to(device_);
+    const Tensor input_scale = merged_input_scale(all, k);
+    fp8_.input_scale = input_scale.defined() ? input_scale.to(device_) : Tensor();
   }
   std::optional<WeightUpload> own;
   if (upload == nullptr) upload = &own.emplace(device_);
@@ -333,23 +374,39 @@ void LoraLinear::write_lora(int slot, const std::vector<LoraSliceWeights>& slice
     const int64_t width = lora_width_[static_cast<size_t>(s)];
     shrink[static_cast<size_t>(s)] = r;
     expand[static_cast<size_t>(s)] = r;
+    // dst <- the block of src; in fp8, its codes and their per-row scales into dst_scales.
+    auto put = [&](Tensor dst, Tensor dst_scales, const Tensor& src, int64_t r0, int64_t nr,
+                   int64_t c0, int64_t nc) {
+      if (!fp8_lora()) {
+        writes.push_back({dst, source_block(src, r0, nr, c0, nc, dt)});
+        return;
+      }
+      const layers_detail::Fp8Block q = layers_detail::fp8_block(src, r0, nr, c0, nc);
+      writes.push_back({dst, q.codes});
+      writes.push_back({dst_scales, q.scales});
+    };
+    Tensor a_scales = fp8_lora() ? a_scales_[static_cast<size_t>(s)].select(0, slot) : Tensor();
+    Tensor b_scales = fp8_lora() ? b_scales_[static_cast<size_t>(s)].select(0, slot) : Tensor();
     if (row) {
-      writes.push_back({a_slot.narrow(0, 0, r), source_block(a, 0, r, in_offset_, in_local_, dt)});
+      put(a_slot.narrow(0, 0, r), fp8_lora() ? a_scales.narrow(0, 0, r) : Tensor(), a, 0, r,
+          in_offset_, in_local_);
       const int64_t b_start = fully_sharded_row() ? rank_ * width : 0;
-      writes.push_back({b_slot.narrow(1, 0, r), source_block(b, b_start, width, 0, r, dt)});
+      put(b_slot.narrow(1, 0, r), b_scales, b, b_start, width, 0, r);
       continue;
     }
     // Column and replicated: B keeps this rank's output rows of every output slice it spans.
     const size_t first = spec_.fused_lora ? 0 : static_cast<size_t>(s);
     const size_t last = spec_.fused_lora ? slices_.size() : first + 1;
     if (!fully_sharded_column()) {
-      writes.push_back({a_slot.narrow(0, 0, r), source_block(a, 0, r, 0, spec_.in_features, dt)});
+      put(a_slot.narrow(0, 0, r), fp8_lora() ? a_scales.narrow(0, 0, r) : Tensor(), a, 0, r, 0,
+          spec_.in_features);
       int64_t row_out = 0;
       for (size_t o = first; o < last; ++o) {
         const LocalSlice& ls = slices_[o];
         const int64_t b_row = (spec_.fused_lora ? ls.full_offset : 0) + ls.shard_start;
-        writes.push_back({b_slot.narrow(1, 0, r).narrow(0, row_out, ls.local_size),
-                          source_block(b, b_row, ls.local_size, 0, r, dt)});
+        put(b_slot.narrow(1, 0, r).narrow(0, row_out, ls.local_size),
+            fp8_lora() ? b_scales.narrow(0, row_out, ls.local_size) : Tensor(), b, b_row,
+            ls.local_size, 0, r);
         row_out += ls.local_size;
       }
       continue;
@@ -449,7 +506,7 @@ void LoraLinear::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica
   Tensor target = gather ? scratch.local_out : y;
   // Row layers add the bias on rank 0 only: the all-reduce then adds it exactly once.
   const Tensor bias = row && rank_ != 0 ? Tensor() : bias_;
-  linear_base(x_local, weight_, bias, target, stream);
+  base_gemm(x_local, bias, target, scratch, stream);
   add_lora(target, x_local, punica, scratch, stream);
   if (row && spec_.reduce_results && tp_ > 1) comm().all_reduce_sum(y, stream);
   if (gather) gather_output(target, scratch.staging, y, stream);
@@ -462,10 +519,22 @@ void LoraLinear::forward_base(const Tensor& x, Tensor& y, const Stream& stream) 
                  ")");
   layers_detail::check_activation(x, device_, spec_.dtype, k.c_str(), "x");
   layers_detail::check_activation(y, device_, spec_.dtype, k.c_str(), "y");
-  LORAPLEX_CHECK(
-      x.size(1) == input_width() && y.size(0) == x.size(0) && y.size(1) == output_width(), k,
-      ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()));
-  linear_base(x, weight_, bias_, y, stream);
+  LORAPLEX_CHECK(x.size(1) == input_width() && y.size(0) == x.size(0) &&
+                     y.size(1) == output_width() && x.size(0) <= max_num_tokens_,
+                 k, ": forward_base x ", shape_str(x.shape()), ", y ", shape_str(y.shape()),
+                 " (at most max_num_tokens ", max_num_tokens_, " rows)");
+  LayerWorkspace::Carver carver = workspace_->carver();
+  const Scratch scratch = carve(carver, x.size(0));
+  base_gemm(x, bias_, y, scratch, stream);
+}
+
+void LoraLinear::base_gemm(const Tensor& x, const Tensor& bias, Tensor& y, const Scratch& scratch,
+                           const Stream& stream) const {
+  if (spec_.fp8_weight) {
+    linear_base_fp8(x, weight_, fp8_, bias, y, scratch.fp8, stream);
+  } else {
+    linear_base(x, weight_, bias, y, stream);
+  }
 }
 
 void LoraLinear::add_lora_to(const Tensor& x, Tensor& d, const PunicaWrapper& punica,
@@ -567,6 +636,13 @@ void LoraLinear::add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punic
     punica.add_shrink(shrunk, x, lora_a_, ranks_, 1.0f, stream);
     comm().all_reduce_sum(shrunk, stream);
     punica.add_expand(y, shrunk, lora_b_, ranks_, rank_ * lora_width_[0], true, stream);
+    return;
+  }
+  if (fp8_lora()) {
+    Tensor shrunk = workspace_view(scratch.lora, {num_lora, tokens, lora_a_[0].size(1)});
+    punica.add_shrink_fp8(shrunk, x, lora_a_, a_scales_, ranks_, stream);
+    const Fp8LoraB b{lora_b_, b_scales_, kernels::Fp8ScaleKind::kPerChannel};
+    punica.add_expand_fp8(y, shrunk, b, ranks_, 0, true, stream);
     return;
   }
   punica.add_lora_linear(y, x, lora_a_, lora_b_, ranks_, 1.0f, scratch.lora, stream);

@@ -32,6 +32,7 @@
 #include "loraplex/core/tensor.h"
 #include "loraplex/dist/communicator.h"
 #include "loraplex/kernels/model_ops.h"
+#include "loraplex/layers/fp8_weight.h"
 #include "loraplex/layers/lora_layer.h"
 #include "loraplex/layers/weight_upload.h"
 #include "loraplex/layers/workspace.h"
@@ -65,6 +66,10 @@ struct LinearSpec {
   bool gather_output = false;     // column: all-gather the output shards
   bool input_is_parallel = true;  // row: x is this rank's input shard (else the full input)
   bool reduce_results = true;     // row: all-reduce (else the partial sums; bias on rank 0)
+  // The base weight in float8_e4m3 with float32 scales (FP8 checkpoints): W8A8 on CUDA, the
+  // dequantised weight on the CPU. LoRA A then has stacks of its own (no fused layout: the A
+  // rows are not fp8 and cannot share the weight's storage and GEMM), so can_fuse() is false.
+  bool fp8_weight = false;
 
   static LinearSpec replicated(int64_t in, int64_t out, DType dtype);
   static LinearSpec column(int64_t in, int64_t out, DType dtype, bool gather_output = false);
@@ -98,6 +103,11 @@ class LoraLinear {
   /// its shard and converts to spec.dtype. With `upload` the copies are enqueued there (the
   /// sources must live until its finish()); without, they are done on return.
   void load_base(const std::vector<Tensor>& weights, const std::vector<Tensor>& biases = {},
+                 WeightUpload* upload = nullptr);
+  /// The same from BaseWeights: float ones (as above), or, for a spec with fp8_weight, fp8
+  /// ones with their scales (layers/fp8_weight.h), which the layer rebuilds over the rows of
+  /// its shard and copies to its device before returning.
+  void load_base(const std::vector<BaseWeight>& weights, const std::vector<Tensor>& biases = {},
                  WeightUpload* upload = nullptr);
 
   /// Installs an adapter in `slot`: one LoraSliceWeights per LoRA slice (num_lora_slices():
@@ -167,10 +177,22 @@ class LoraLinear {
   /// fused layout, views of the first rows of the layer's weight storage.
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }
+  /// An fp8 weight's scales over this rank's rows (undefined tensors for other layers).
+  const Fp8Scales& fp8_scales() const { return fp8_; }
   /// Device stacks of LoRA slice s: A [max_loras, rank rows, in] (with the fused layout a view
-  /// whose slots lie slot_cols apart in the weight storage), B [max_loras, n, rank cols].
+  /// whose slots lie slot_cols apart in the weight storage), B [max_loras, n, rank cols], in
+  /// lora_dtype.
   const Tensor& lora_a(int s) const { return lora_a_[static_cast<size_t>(s)]; }
   const Tensor& lora_b(int s) const { return lora_b_[static_cast<size_t>(s)]; }
+  /// fp8 adapter storage (lora_dtype float8_e4m3): the float32 scale of each A row
+  /// [max_loras, rank rows] and of each B row [max_loras, n] of slice s (dequantised A[r, :] =
+  /// e4m3(A[r, :]) * a_scale[r]); undefined otherwise.
+  Tensor lora_a_scales(int s) const {
+    return fp8_lora() ? a_scales_[static_cast<size_t>(s)] : Tensor();
+  }
+  Tensor lora_b_scales(int s) const {
+    return fp8_lora() ? b_scales_[static_cast<size_t>(s)] : Tensor();
+  }
 
  private:
   struct LocalSlice {
@@ -186,6 +208,8 @@ class LoraLinear {
   void write_lora(int slot, const std::vector<LoraSliceWeights>& slices, const Stream& stream);
   void clear_lora(int slot, const Stream& stream);
   bool fully_sharded_column() const;
+  // LoRA A and B stored in float8_e4m3 with per-row scales (their own stacks, no fused layout).
+  bool fp8_lora() const { return config_.lora_dtype == DType::kF8E4M3; }
   bool fully_sharded_row() const;
   Communicator& comm() { return comm_ != nullptr ? *comm_ : single_; }
   // Views of one forward's scratch, carved from the workspace.
@@ -194,11 +218,15 @@ class LoraLinear {
     Tensor gathered;   // fully sharded column layers: f32 [num_lora * tokens * B cols]
     Tensor local_out;  // gathered column layers: [tokens, out_local]
     Tensor staging;    // gathered column layers: [tp * tokens, out_local]
+    Tensor fp8;        // fp8 weights on CUDA: x quantised for the GEMM (u8)
   };
   Scratch carve(LayerWorkspace::Carver& carver, int64_t tokens) const;
   void add_lora(Tensor& y, const Tensor& x, const PunicaWrapper& punica, Scratch& scratch,
                 const Stream& stream);
   void gather_output(const Tensor& local, Tensor& staging, Tensor& y, const Stream& stream);
+  // y = x W^T (+ bias) over the base weight, in its dtype (fp8 through linear_base_fp8).
+  void base_gemm(const Tensor& x, const Tensor& bias, Tensor& y, const Scratch& scratch,
+                 const Stream& stream) const;
 
   LinearSpec spec_;
   LoraConfig config_;
@@ -219,10 +247,13 @@ class LoraLinear {
   Tensor bias_storage_;  // [storage_ rows]: the bias, then zeros (undefined when none)
   Tensor bias_;          // its first local out entries
   bool loaded_ = false;  // load_base has run (the storage exists from construction)
+  Fp8Scales fp8_;        // fp8_weight: the scales of weight_'s rows, on the device
   bool fused_layout_ = false;
   int64_t slot_cols_ = 0;  // A rows per slot in storage_ (num_lora_slices * max_lora_rank)
   std::vector<Tensor> lora_a_;
   std::vector<Tensor> lora_b_;
+  std::vector<Tensor> a_scales_;     // fp8_lora(): float32 per slice [max_loras, A rows]
+  std::vector<Tensor> b_scales_;     // fp8_lora(): float32 per slice [max_loras, B rows]
   std::vector<int64_t> lora_width_;  // local output columns of each LoRA slice
   SlotRanks ranks_;                  // shrink ranks (and expand ranks unless fully sharded)
   SlotRanks expand_ranks_;           // fully sharded column layers: ceil(r / tp) * tp

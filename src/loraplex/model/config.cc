@@ -268,8 +268,6 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
   }
   parse_rope(r, c);
   check_no_sliding_window(r, c.arch);
-  LORAPLEX_CHECK(!r.has("quantization_config"), source,
-                 ": quantization_config is set: quantized checkpoints are not supported");
   const bool qwen3 = c.arch == Architecture::kQwen3 || c.arch == Architecture::kQwen3Moe;
   if (c.arch == Architecture::kQwen2) {
     c.qkv_bias = true;  // Qwen2 attention always has q/k/v bias and no o_proj bias.
@@ -285,6 +283,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& s
                    c.num_experts_per_tok, " exceeds num_local_experts ", c.num_experts);
   }
   if (c.arch == Architecture::kQwen3Moe) parse_qwen3_moe(r, c);
+  if (r.has("quantization_config")) {
+    c.quant = parse_quantization_config(j.at("quantization_config"), source);
+    LORAPLEX_CHECK(!c.is_moe(), source, ": quantization_config on ", architecture_name(c.arch),
+                   ": FP8 mixture-of-experts models are not supported (FP8 dense models are)");
+  }
   const std::vector<int32_t> bos = parse_token_ids(r, "bos_token_id");
   c.bos_token_id = bos.empty() ? -1 : bos.front();
   c.eos_token_ids = parse_token_ids(r, "eos_token_id");

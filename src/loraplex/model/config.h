@@ -3,8 +3,8 @@
 // share loraplex's decoder: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE. Parsing accepts
 // the fields that do not change the math (transformers 4.x and 5.x spellings alike) and refuses,
 // naming the field, any value that would change it (sliding-window attention switched on, an
-// unknown RoPE scaling, an activation other than SiLU, Qwen3-MoE layers made dense), so a
-// checkpoint never runs with silently different math.
+// unknown RoPE scaling, an activation other than SiLU, Qwen3-MoE layers made dense, a
+// quantization method other than FP8), so a checkpoint never runs with silently different math.
 
 #include <cstdint>
 #include <string>
@@ -13,6 +13,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "loraplex/core/dtype.h"
+#include "loraplex/model/quant_config.h"
 
 namespace loraplex::model {
 
@@ -59,6 +60,8 @@ struct ModelConfig {
   int32_t bos_token_id = -1;
   std::vector<int32_t> eos_token_ids;
   DType checkpoint_dtype = DType::kBF16;  // "dtype" / "torch_dtype", informational
+  // quantization_config: FP8 projections (quant_config.h), or not quantized.
+  QuantConfig quant;
 
   bool is_moe() const { return num_experts > 0; }
   int64_t q_size() const { return num_heads * head_dim; }

@@ -56,7 +56,7 @@ std::unique_ptr<Decoder> Decoder::load(const std::string& dir, const DecoderOpti
   namespace fs = std::filesystem;
   LORAPLEX_CHECK(fs::is_directory(dir), dir, ": model directory does not exist");
   const ModelConfig config = ModelConfig::from_file((fs::path(dir) / "config.json").string());
-  return create(config, CheckpointWeights(dir), options);
+  return create(config, CheckpointWeights(dir, config.quant), options);
 }
 
 std::unique_ptr<Decoder> Decoder::create_random(const ModelConfig& config,
@@ -78,6 +78,12 @@ std::unique_ptr<Decoder> Decoder::create(const ModelConfig& config, const Weight
       "decoder options: max_loras ", options.max_loras, ", max_lora_rank ", options.max_lora_rank,
       ", max_num_tokens ", options.max_num_tokens, ", max_num_seqs ", options.max_num_seqs,
       ", kv_block_size ", options.kv_block_size, " must all be >= 1");
+  LORAPLEX_CHECK(!options.lora_dtype || *options.lora_dtype == options.dtype ||
+                     *options.lora_dtype == DType::kF8E4M3,
+                 "LoRA dtype ", options.lora_dtype.value_or(options.dtype),
+                 " is not supported (expected the model dtype ", options.dtype, " or float8_e4m3)");
+  LORAPLEX_CHECK(options.lora_dtype != DType::kF8E4M3 || !options.fully_sharded_loras,
+                 "fp8 adapter storage with fully sharded LoRA is not supported");
   const int tp = options.comm != nullptr ? options.comm->size() : 1;
   LORAPLEX_CHECK(options.tensor_parallel_size == tp, "decoder options: tensor_parallel_size ",
                  options.tensor_parallel_size, " but ",
@@ -169,6 +175,19 @@ LoraLayerHandle moe_handle(FusedMoeWithLora& moe, const std::string& name) {
   return LoraLayerHandle(name, 2 + 3 * e_count, set, reset);
 }
 
+// `spec` with an fp8 base weight when the projections it merges come in fp8 (all or none: a
+// merged layer has one weight storage).
+LinearSpec with_fp8(LinearSpec spec, const std::vector<BaseWeight>& weights,
+                    const std::string& module) {
+  size_t fp8 = 0;
+  for (const BaseWeight& w : weights) fp8 += w.is_fp8() ? 1 : 0;
+  LORAPLEX_CHECK(fp8 == 0 || fp8 == weights.size(), module, ": ", fp8, " of the ", weights.size(),
+                 " projections it merges are float8_e4m3 and the others are not: a merged layer "
+                 "takes all of them in FP8 or none");
+  spec.fp8_weight = fp8 > 0;
+  return spec;
+}
+
 }  // namespace
 
 void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
@@ -177,12 +196,16 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
   const Device dev = options_.device;
   const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt,
                         options_.fully_sharded_loras};
+  // The projections' adapters may be stored in fp8 (options_.lora_dtype).
+  LoraConfig linear_lora = lora;
+  linear_lora.lora_dtype = options_.lora_dtype.value_or(dt);
   // Every sharded layer takes this rank's part of the full weights it is given (views of the
   // memory-mapped checkpoint: only that part is read).
   Communicator* comm = options_.comm;
   const int max_tokens = static_cast<int>(options_.max_num_tokens);
   const int64_t h = c.hidden_size;
   auto weight = [&](const std::string& name, const Shape& s) { return src.get(name, s); };
+  auto linear = [&](const std::string& module, const Shape& s) { return src.linear(module, s); };
   auto norm = [&](const std::string& name, int64_t n) {
     Tensor t = Tensor::empty({n}, dt, dev);
     upload.copy(t, weight(name, {n}));
@@ -231,22 +254,24 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
       layer.q_norm = norm(a + "q_norm.weight", c.head_dim);
       layer.k_norm = norm(a + "k_norm.weight", c.head_dim);
     }
+    const std::vector<BaseWeight> qkv_w = {
+        linear(a + "q_proj", {q, h}), linear(a + "k_proj", {kv, h}), linear(a + "v_proj", {kv, h})};
     layer.qkv = std::make_unique<LoraLinear>(
-        LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), lora, comm, dev,
-        max_tokens, workspace_);
+        with_fp8(LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), qkv_w,
+                 a + "qkv_proj"),
+        linear_lora, comm, dev, max_tokens, workspace_);
     std::vector<Tensor> qkv_b;
     if (c.qkv_bias) {
       qkv_b = {weight(a + "q_proj.bias", {q}), weight(a + "k_proj.bias", {kv}),
                weight(a + "v_proj.bias", {kv})};
     }
-    layer.qkv->load_base({weight(a + "q_proj.weight", {q, h}), weight(a + "k_proj.weight", {kv, h}),
-                          weight(a + "v_proj.weight", {kv, h})},
-                         qkv_b, &upload);
-    layer.o = std::make_unique<LoraLinear>(LinearSpec::row(q, h, dt), lora, comm, dev, max_tokens,
-                                           workspace_);
+    layer.qkv->load_base(qkv_w, qkv_b, &upload);
+    const std::vector<BaseWeight> o_w = {linear(a + "o_proj", {h, q})};
+    layer.o = std::make_unique<LoraLinear>(with_fp8(LinearSpec::row(q, h, dt), o_w, a + "o_proj"),
+                                           linear_lora, comm, dev, max_tokens, workspace_);
     std::vector<Tensor> o_b;
     if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
-    layer.o->load_base({weight(a + "o_proj.weight", {h, q})}, o_b, &upload);
+    layer.o->load_base(o_w, o_b, &upload);
     const LoraLayerHandle qkv_h =
         LoraLayerHandle::of<LoraSliceWeights>(*layer.qkv, a + "qkv_proj", 3);
     add(a + "q_proj", qkv_h, 0, h, q);
@@ -256,20 +281,23 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
 
     if (!c.is_moe()) {
       const std::string m = p + "mlp.";
-      layer.gate_up = std::make_unique<LoraLinear>(LinearSpec::merged_column(h, {inter, inter}, dt),
-                                                   lora, comm, dev, max_tokens, workspace_);
+      const std::vector<BaseWeight> gu_w = {linear(m + "gate_proj", {inter, h}),
+                                            linear(m + "up_proj", {inter, h})};
+      layer.gate_up = std::make_unique<LoraLinear>(
+          with_fp8(LinearSpec::merged_column(h, {inter, inter}, dt), gu_w, m + "gate_up_proj"),
+          linear_lora, comm, dev, max_tokens, workspace_);
       std::vector<Tensor> gu_b;
       if (c.mlp_bias) {
         gu_b = {weight(m + "gate_proj.bias", {inter}), weight(m + "up_proj.bias", {inter})};
       }
-      layer.gate_up->load_base(
-          {weight(m + "gate_proj.weight", {inter, h}), weight(m + "up_proj.weight", {inter, h})},
-          gu_b, &upload);
-      layer.down = std::make_unique<LoraLinear>(LinearSpec::row(inter, h, dt), lora, comm, dev,
-                                                max_tokens, workspace_);
+      layer.gate_up->load_base(gu_w, gu_b, &upload);
+      const std::vector<BaseWeight> down_w = {linear(m + "down_proj", {h, inter})};
+      layer.down = std::make_unique<LoraLinear>(
+          with_fp8(LinearSpec::row(inter, h, dt), down_w, m + "down_proj"), linear_lora, comm, dev,
+          max_tokens, workspace_);
       std::vector<Tensor> down_b;
       if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
-      layer.down->load_base({weight(m + "down_proj.weight", {h, inter})}, down_b, &upload);
+      layer.down->load_base(down_w, down_b, &upload);
       const LoraLayerHandle gu_h =
           LoraLayerHandle::of<LoraSliceWeights>(*layer.gate_up, m + "gate_up_proj", 2);
       add(m + "gate_proj", gu_h, 0, h, inter);
@@ -376,11 +404,18 @@ void Decoder::allocate_step_buffers() {
   act_.logits = Tensor::empty({s, c.vocab_size}, dt, dev);
   act_.ids = Tensor::empty({s}, DType::kI32, dev);
   const LoraDecode path = options_.lora_decode;
+  // The fused path needs A in the layers' weight storage: not with fully sharded LoRA, nor in
+  // FP8 models (LoraLinear::can_fuse), whose decode steps take the overlap or kernels path.
+  bool can_fuse = true;
+  for (const Layer& l : layers_) {
+    can_fuse = can_fuse && l.qkv->can_fuse() && l.o->can_fuse() &&
+               (!l.gate_up || (l.gate_up->can_fuse() && l.down->can_fuse()));
+  }
+  const Layer& l0 = layers_.front();
   if ((path == LoraDecode::kFused || path == LoraDecode::kAuto) && !options_.fully_sharded_loras &&
-      options_.fused_lora_max_tokens > 0) {
+      options_.fused_lora_max_tokens > 0 && can_fuse) {
     const int64_t f = std::min(t, options_.fused_lora_max_tokens);
     const int m = options_.max_loras;
-    const Layer& l0 = layers_.front();
     fused_.qkv = Tensor::empty({f * l0.qkv->fused_row_width(m)}, dt, dev);
     fused_.delta = Tensor::empty({f * l0.o->fused_row_width(m)}, dt, dev);
     if (l0.gate_up) fused_.gate_up = Tensor::empty({f * l0.gate_up->fused_row_width(m)}, dt, dev);

@@ -4,6 +4,7 @@
 // in lockstep (tensor_parallel.h). load_model.h picks one from DecoderOptions.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,10 @@ struct DecoderOptions {
   /// vLLM's --fully-sharded-loras: column layers also shard LoRA-A by rank and row layers
   /// LoRA-B by output rows, embedding and lm_head LoRA keep only their vocab shard.
   bool fully_sharded_loras = false;
+  /// How the linear projections' LoRA A and B are stored: in `dtype` (nullopt), or float8_e4m3
+  /// with a float32 scale per row (--lora-dtype fp8): half the adapter memory and bytes at
+  /// bfloat16. Embedding and lm_head LoRA stay in `dtype`.
+  std::optional<DType> lora_dtype;
   /// How a step of up to fused_lora_max_tokens tokens (decode) applies its LoRA; longer steps
   /// always run each projection's LoRA kernels after its GEMM. In the fused path every token
   /// pays the shrink of every slot up to the highest in use, which a decode step's GEMMs (bound

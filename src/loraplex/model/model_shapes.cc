@@ -1,6 +1,7 @@
 #include "loraplex/model/model_shapes.h"
 
 #include "loraplex/core/error.h"
+#include "loraplex/model/quant_config.h"
 
 namespace loraplex::model {
 namespace {
@@ -24,14 +25,34 @@ ModelConfig llama(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, 
   return c;
 }
 
+// The published FP8-dynamic format: per-channel weight scales, dynamic per-token activations.
+QuantConfig fp8_dynamic() {
+  QuantConfig q;
+  q.method = QuantConfig::Method::kCompressedTensors;
+  q.weight_scale = Fp8WeightScale::kPerChannel;
+  q.activations = Fp8Activations::kDynamicPerToken;
+  q.weight_scale_names = {"weight_scale"};
+  q.input_scale_names = {"input_scale"};
+  return q;
+}
+
 }  // namespace
 
 std::vector<std::string> model_shape_names() {
-  return {"llama3-8b",    "llama3-70b", "mistral-7b",    "qwen2-7b",
-          "mixtral-8x7b", "qwen3-8b",   "qwen3-30b-a3b", "tiny"};
+  return {"llama3-8b",     "llama3-70b",     "mistral-7b",    "qwen2-7b",
+          "mixtral-8x7b",  "qwen3-8b",       "qwen3-30b-a3b", "tiny",
+          "llama3-8b-fp8", "llama3-70b-fp8", "tiny-fp8"};
 }
 
 ModelConfig model_shape(const std::string& name, int64_t layers) {
+  if (name.ends_with("-fp8")) {
+    const std::string base = name.substr(0, name.size() - 4);
+    if (base == "llama3-8b" || base == "llama3-70b" || base == "tiny") {
+      ModelConfig c = model_shape(base, layers);
+      c.quant = fp8_dynamic();
+      return c;
+    }
+  }
   ModelConfig c;
   if (name == "llama3-8b") {
     c = llama(128256, 4096, 14336, 32, 32, 8, 500000.0, 8192);
@@ -84,10 +105,15 @@ int64_t decode_weight_bytes(const ModelConfig& c, DType dtype) {
   const int64_t h = c.hidden_size;
   const int64_t attn = h * (c.q_size() + 2 * c.kv_size()) + c.q_size() * h;
   const int64_t experts = c.is_moe() ? c.num_experts : 1;
-  const int64_t mlp = experts * 3 * h * c.intermediate_size + (c.is_moe() ? c.num_experts * h : 0);
-  const int64_t per_layer = attn + mlp + 2 * h + (c.qk_norm ? 2 * c.head_dim : 0);
-  const int64_t params = c.num_layers * per_layer + h + c.vocab_size * h;
-  return params * static_cast<int64_t>(dtype_size(dtype));
+  const int64_t mlp = experts * 3 * h * c.intermediate_size;
+  const int64_t router = c.is_moe() ? c.num_experts * h : 0;
+  const int64_t norms = 2 * h + (c.qk_norm ? 2 * c.head_dim : 0);
+  const int64_t es = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t rest = c.num_layers * (router + norms) + h + c.vocab_size * h;
+  if (!c.quant.quantized()) return (c.num_layers * (attn + mlp) + rest) * es;
+  // One float32 scale per output row of q/k/v, o, gate/up and down.
+  const int64_t rows = c.q_size() + 2 * c.kv_size() + h + experts * (2 * c.intermediate_size + h);
+  return c.num_layers * (attn + mlp + 4 * rows) + rest * es;
 }
 
 double step_flops(const ModelConfig& c, int64_t tokens, int64_t attention_pairs, int64_t sampled) {

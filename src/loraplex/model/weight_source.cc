@@ -3,6 +3,7 @@
 #include <functional>
 
 #include "loraplex/core/error.h"
+#include "loraplex/model/fp8_checkpoint.h"
 #include "loraplex/model/model_ops.h"
 
 namespace loraplex::model {
@@ -15,6 +16,10 @@ Tensor CheckpointWeights::get(const std::string& name, const Shape& shape) const
                  ckpt_.dir(), ": tensor '", name, "' has dtype ", t.dtype(),
                  ", expected float32, float16 or bfloat16");
   return t;
+}
+
+BaseWeight CheckpointWeights::linear(const std::string& module, const Shape& shape) const {
+  return read_linear_weight(ckpt_, quant_, module, shape);
 }
 
 RandomWeights::RandomWeights(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
@@ -39,20 +44,49 @@ bool RandomWeights::has(const std::string& name) const {
          name.find(".mlp.experts.") == std::string::npos;
 }
 
-Tensor RandomWeights::get(const std::string& name, const Shape& shape) const {
-  LORAPLEX_CHECK(has(name), origin_, ": no tensor '", name, "'");
-  Tensor t = Tensor::empty(shape, dtype_, device_);
-  // Every RMSNorm weight (input, post-attention, final, Qwen3's q_norm / k_norm).
-  const bool norm = name.ends_with("norm.weight");
+Tensor RandomWeights::uniform(const std::string& name, const Shape& shape, DType dtype, float lo,
+                              float hi) const {
+  Tensor t = Tensor::empty(shape, dtype, device_);
   ops::FillUniformArgs a;
-  a.dtype = dtype_;
+  a.dtype = dtype;
   a.n = t.numel();
   a.seed = seed_ ^ std::hash<std::string>{}(name);
-  a.lo = norm ? 1.0f : -0.04f;
-  a.hi = norm ? 1.0f : 0.04f;
+  a.lo = lo;
+  a.hi = hi;
   a.out = t.data_ptr();
   throw_if_error(ops::run(&ops::cpu::fill_uniform, &ops::cuda::fill_uniform, a, stream_));
   return t;
+}
+
+Tensor RandomWeights::get(const std::string& name, const Shape& shape) const {
+  LORAPLEX_CHECK(has(name), origin_, ": no tensor '", name, "'");
+  // Every RMSNorm weight (input, post-attention, final, Qwen3's q_norm / k_norm).
+  const bool norm = name.ends_with("norm.weight");
+  return uniform(name, shape, dtype_, norm ? 1.0f : -0.04f, norm ? 1.0f : 0.04f);
+}
+
+BaseWeight RandomWeights::linear(const std::string& module, const Shape& shape) const {
+  BaseWeight b;
+  if (!config_.quant.quantized()) {
+    b.weight = get(module + ".weight", shape);
+    return b;
+  }
+  LORAPLEX_CHECK(shape.size() == 2 && has(module + ".weight"), origin_, ": no projection '", module,
+                 "' of shape ", shape_str(shape));
+  // Codes over the whole e4m3 range and per-channel scales around 0.04 / 448: dequantised
+  // weights of the same size as the float models' random ones.
+  b.weight = uniform(module + ".weight", shape, DType::kF8E4M3, -kE4M3Max, kE4M3Max);
+  b.scale = Tensor::empty({shape[0], 1}, DType::kF32);
+  const uint64_t h = seed_ ^ std::hash<std::string>{}(module + ".weight_scale");
+  for (int64_t r = 0; r < shape[0]; ++r) {
+    const double u =
+        static_cast<double>((h + static_cast<uint64_t>(r) * 0x9e3779b97f4a7c15ULL) >> 11) /
+        9007199254740992.0;
+    b.scale.data<float>()[r] = static_cast<float>((0.5 + u) * 0.04 / kE4M3Max);
+  }
+  b.group_n = 1;
+  b.group_k = shape[1];
+  return b;
 }
 
 }  // namespace loraplex::model

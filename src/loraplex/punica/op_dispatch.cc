@@ -116,6 +116,13 @@ Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
   return kernels::cuda::lora_expand_fp8(args, meta, stream.handle());
 }
 
+Status dispatch_lora_shrink_fp8(const kernels::ShrinkFp8Args& args,
+                                const kernels::LoraMetaView& meta, const Stream& stream) {
+  if (stream.device().is_cpu()) return kernels::cpu::lora_shrink_fp8(args, meta);
+  LORAPLEX_RETURN_IF_ERROR(select_device(stream));
+  return kernels::cuda::lora_shrink_fp8(args, meta, stream.handle());
+}
+
 Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArgs& args,
                                           const Stream& stream) {
   return route(&kernels::cpu::quantize_intermediate_fp8, &kernels::cuda::quantize_intermediate_fp8,

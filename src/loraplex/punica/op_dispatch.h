@@ -50,6 +50,8 @@ int64_t lora_linear_scratch_of(const kernels::ShrinkArgs& shrink, const kernels:
                                const kernels::cuda::LoraDevice& lora_device);
 Status dispatch_lora_expand_fp8(const kernels::ExpandFp8Args& args,
                                 const kernels::LoraMetaView& meta, const Stream& stream);
+Status dispatch_lora_shrink_fp8(const kernels::ShrinkFp8Args& args,
+                                const kernels::LoraMetaView& meta, const Stream& stream);
 Status dispatch_quantize_intermediate_fp8(const kernels::QuantizeIntermediateArgs& args,
                                           const Stream& stream);
 Status dispatch_lora_embedding(const kernels::EmbeddingLoraArgs& args, const Stream& stream);

@@ -1,6 +1,7 @@
 #include "loraplex/punica/punica_wrapper.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/lora_ops_checks.h"
@@ -101,9 +102,10 @@ void check_exact(const Tensor& t, Device device, DType dtype, const Shape& shape
                  t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+// `a_dtype`: of the A stacks, x's unless they are fp8 (add_shrink_fp8).
 kernels::ShrinkArgs make_shrink(const Tensor& out, const Tensor& x, std::span<const Tensor> lora_a,
                                 const SlotRanks& ranks, float scale, const LoraBatchMeta& meta,
-                                const char* op) {
+                                const char* op, std::optional<DType> a_dtype = std::nullopt) {
   const Device device = meta.device();
   check_rows(x, device, op, "x");
   const int num_slices = static_cast<int>(lora_a.size());
@@ -120,7 +122,8 @@ kernels::ShrinkArgs make_shrink(const Tensor& out, const Tensor& x, std::span<co
   a.num_slices = num_slices;
   a.max_loras = meta.max_loras();
   for (int s = 0; s < num_slices; ++s) {
-    const int64_t slot_rows = check_a_stack(lora_a[s], device, x.dtype(), meta.max_loras(), op, s);
+    const int64_t slot_rows =
+        check_a_stack(lora_a[s], device, a_dtype.value_or(x.dtype()), meta.max_loras(), op, s);
     const int64_t rows = lora_a[s].size(1);
     LORAPLEX_CHECK(lora_a[s].size(2) == a.hidden, op, ": LoRA-A of slice ", s, " has input size ",
                    lora_a[s].size(2), ", x has ", a.hidden);
@@ -259,6 +262,31 @@ void PunicaWrapper::add_shrink(Tensor& y, const Tensor& x, std::span<const Tenso
   const kernels::ShrinkArgs a = make_shrink(y, x, lora_a, ranks, scale, token_meta_, "add_shrink");
   if (token_meta_.no_lora()) return;
   throw_if_error(dispatch_lora_shrink(a, token_meta_.view(), stream, &lora_device_));
+  token_meta_.note_op_enqueued(stream);
+}
+
+void PunicaWrapper::add_shrink_fp8(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+                                   std::span<const Tensor> a_scales, const SlotRanks& ranks,
+                                   const Stream& stream) const {
+  const char* op = "add_shrink_fp8";
+  kernels::ShrinkFp8Args f;
+  f.base = make_shrink(y, x, lora_a, ranks, 1.0f, token_meta_, op, DType::kF8E4M3);
+  LORAPLEX_CHECK(y.dtype() == DType::kF32, op, ": output dtype ", y.dtype(), ", expected float32");
+  LORAPLEX_CHECK(a_scales.size() == lora_a.size(), op, ": ", a_scales.size(), " scale stacks for ",
+                 lora_a.size(), " LoRA-A slices");
+  for (size_t s = 0; s < a_scales.size(); ++s) {
+    const Tensor& sc = a_scales[s];
+    const Shape want{token_meta_.max_loras(), f.base.max_rank};
+    LORAPLEX_CHECK(sc.defined() && sc.dtype() == DType::kF32 && sc.device() == device_ &&
+                       sc.is_contiguous() && sc.shape() == want,
+                   op, ": scales of slice ", s, " must be contiguous float32 ", shape_str(want),
+                   " on ", device_, ", got ", sc.defined() ? sc.describe() : "undefined");
+    LORAPLEX_CHECK(f.base.a_slot_rows == f.base.max_rank, op,
+                   ": fp8 LoRA-A is a stack of its own (max_rank rows a slot)");
+    f.a_scale[s] = sc.data<float>();
+  }
+  if (token_meta_.no_lora()) return;
+  throw_if_error(dispatch_lora_shrink_fp8(f, token_meta_.view(), stream));
   token_meta_.note_op_enqueued(stream);
 }
 

@@ -125,6 +125,13 @@ class PunicaWrapper {
                           const Tensor& lora_b, const SlotRanks& ranks, float scale,
                           const Stream& stream) const;
 
+  /// Shrink with fp8 LoRA-A (the fp8 adapter storage): y[s, t, :rank] = x[t] @
+  /// deq(A_s[slot(t)][:rank])^T, deq(A)[r, :] = e4m3(A[r, :]) * a_scales_s[slot, r].
+  /// y: float32 [num_slices, num_tokens, max_rank] out; lora_a per slice float8_e4m3
+  /// [max_loras, max_rank, in]; a_scales per slice float32 [max_loras, max_rank].
+  void add_shrink_fp8(Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
+                      std::span<const Tensor> a_scales, const SlotRanks& ranks,
+                      const Stream& stream) const;
   /// Expand with fp8 LoRA-B: y[t, off_s : off_s + n_s] (+)= x[s, t, :rank] @ deq(B_s)^T.
   /// Weight-only: x is [num_slices, num_tokens, max_rank] float32 or y's dtype, x_scale
   /// undefined. W8A8: x is fp8 (from quantize_intermediate_fp8) and x_scale float32

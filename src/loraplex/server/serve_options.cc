@@ -159,6 +159,11 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
       ->capture_default_str();
   app.add_flag("--fully-sharded-loras", e.fully_sharded_loras,
                "shard the adapters like the layers they modify (LoRA-A by rank too)");
+  app.add_option_function<std::string>(
+         "--lora-dtype", [&](const std::string& v) { e.lora_dtype = engine::parse_lora_dtype(v); },
+         "how the projections' adapters are stored: auto (the model dtype) or fp8 (float8_e4m3 "
+         "with a scale per row: half the adapter memory)")
+      ->default_str("auto");
 
   // CLI11 has no two-letter short names: vLLM's -tp is spelled out.
   std::vector<std::string> reversed;

@@ -1,11 +1,14 @@
-// FP8 LoRA-B expand and the fp8 quantisation of the shrink result (W8A8), on the CPU. Each
-// slot's B is dequantised (q * scale) to fp32 once per thread, then the expand runs the same
-// loops as the bf16/f16/f32 one.
+// FP8 LoRA-B expand, the fp8 quantisation of the shrink result (W8A8), and the shrink with fp8
+// LoRA-A (fp8 adapter storage), on the CPU. Each slot's B is dequantised (q * scale) to fp32
+// once per thread, then the expand runs the same loops as the bf16/f16/f32 one; the shrink
+// dots x with each A row's e4m3 values and multiplies by the row's scale.
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <vector>
 
+#include "loraplex/core/parallel.h"
 #include "loraplex/kernels/cpu/cpu_common.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
 #include "loraplex/kernels/lora_ops_checks.h"
@@ -90,20 +93,62 @@ void expand_fp8_typed(const ExpandFp8Args& a, const int32_t* mapping,
   detail::expand_rows<T>(b, mapping, lt.tokens, lt.count, load_v, load_bt);
 }
 
-}  // namespace
+template <typename T>
+void shrink_fp8_typed(const ShrinkFp8Args& a, const int32_t* mapping,
+                      const detail::LoraTokens& lt) {
+  const ShrinkArgs& b = a.base;
+  const int64_t k = b.hidden;
+  const int64_t rows = a_slot_rows(b);
+  const float* values = fp8_values(DType::kF8E4M3).data();
+  const T* x = static_cast<const T*>(b.x);
+  float* out = static_cast<float*>(b.out);
+  parallel_for(0, lt.count, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> xs(static_cast<size_t>(k));
+    std::vector<float> w(static_cast<size_t>(k));
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t t = lt.tokens[i];
+      const int32_t slot = mapping[t];
+      detail::load_row(x + t * b.x_row_stride, k, xs.data());
+      for (int s = 0; s < b.num_slices; ++s) {
+        const int32_t rank = b.ranks[s * b.max_loras + slot];
+        const uint8_t* q = static_cast<const uint8_t*>(b.lora_a[s]) + slot * rows * k;
+        const float* scales = a.a_scale[s] + slot * rows;
+        float* o = out + (static_cast<int64_t>(s) * b.num_tokens + t) * b.max_rank;
+        for (int32_t r = 0; r < rank; ++r) {
+          for (int64_t c = 0; c < k; ++c) w[static_cast<size_t>(c)] = values[q[r * k + c]];
+          o[r] = b.scale * scales[r] * detail::dot(xs.data(), w.data(), k);
+        }
+      }
+    }
+  });
+}
 
-Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta) {
-  LORAPLEX_RETURN_IF_ERROR(check_expand_fp8_args(args));
-  const ExpandArgs& b = args.base;
+// The checks both fp8 ops share (sizes and ranks on the host), then run(T tag, mapping,
+// tokens) for the tokens with a slot, grouped by slot, with x's / y's element type.
+template <typename Args, typename Run>
+Status over_lora_tokens(const Args& b, const LoraMetaView& meta, const char* op, Run&& run) {
   LORAPLEX_RETURN_IF_ERROR(check_ranks_host(b.ranks, b.num_slices, b.max_loras, b.max_rank));
   if (b.num_tokens == 0) return Status();
   detail::LoraTokens lt;
-  LORAPLEX_RETURN_IF_ERROR(
-      detail::tokens_from_meta(meta, b.num_tokens, b.max_loras, "lora_expand_fp8", lt));
-  dispatch_activation_dtype(b.dtype, [&](auto tag) {
-    expand_fp8_typed<typename decltype(tag)::type>(args, meta.token_lora_mapping, lt);
-  });
+  LORAPLEX_RETURN_IF_ERROR(detail::tokens_from_meta(meta, b.num_tokens, b.max_loras, op, lt));
+  dispatch_activation_dtype(b.dtype, [&](auto tag) { run(tag, meta.token_lora_mapping, lt); });
   return Status();
+}
+
+}  // namespace
+
+Status lora_shrink_fp8(const ShrinkFp8Args& args, const LoraMetaView& meta) {
+  LORAPLEX_RETURN_IF_ERROR(check_shrink_fp8_args(args));
+  return over_lora_tokens(args.base, meta, "lora_shrink_fp8", [&](auto tag, auto map, auto& lt) {
+    shrink_fp8_typed<typename decltype(tag)::type>(args, map, lt);
+  });
+}
+
+Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta) {
+  LORAPLEX_RETURN_IF_ERROR(check_expand_fp8_args(args));
+  return over_lora_tokens(args.base, meta, "lora_expand_fp8", [&](auto tag, auto map, auto& lt) {
+    expand_fp8_typed<typename decltype(tag)::type>(args, map, lt);
+  });
 }
 
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& a) {

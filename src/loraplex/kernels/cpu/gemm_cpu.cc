@@ -12,10 +12,15 @@
 // The kernels (gemm_cpu_kernels.inc) use GCC/Clang vector types and are compiled twice, for
 // baseline x86-64 and for AVX2 (chosen at run time). Both builds do the same operations in the
 // same order (no fused multiply-add), so results do not depend on the machine.
+//
+// An fp8 weight is dequantised where it is converted to float anyway (packing, or the row of the
+// few-rows path): each element is its e4m3 value times its scale, one float product, which is
+// exactly what torch computes for `q.float() * scale`; x is used as it is.
 
 #include "loraplex/kernels/gemm.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -74,6 +79,52 @@ LORAPLEX_INLINE float to_float(Half v) {
   return f;
 }
 
+// Built on first use (not at static initialisation, where dtype.cc's own table may not exist
+// yet).
+const float* e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      t[static_cast<size_t>(b)] = e4m3_bits_to_float(static_cast<uint8_t>(b));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Weight rows as floats: the activation type itself...
+template <typename T>
+struct PlainWeight {
+  const T* w;
+  int64_t row_stride;
+  // dst[p * dst_stride] = w[r, c0 + p] for p < len.
+  LORAPLEX_INLINE void row(int64_t r, int64_t c0, int64_t len, float* dst,
+                           int64_t dst_stride) const {
+    const T* src = w + r * row_stride + c0;
+    for (int64_t p = 0; p < len; ++p) dst[p * dst_stride] = to_float(src[p]);
+  }
+};
+
+// ... or e4m3 codes times their scales (Fp8WeightScales), one group of columns at a time.
+struct Fp8Weight {
+  const uint8_t* w;
+  int64_t row_stride;
+  Fp8WeightScales s;
+  const float* values;  // e4m3_values()
+  LORAPLEX_INLINE void row(int64_t r, int64_t c0, int64_t len, float* dst,
+                           int64_t dst_stride) const {
+    const uint8_t* src = w + r * row_stride;
+    const float* scales = s.scale + (r / s.group_n) * s.stride_n;
+    const int64_t end = c0 + len;
+    for (int64_t c = c0; c < end;) {
+      const int64_t g = c / s.group_k;
+      const int64_t stop = std::min(end, (g + 1) * s.group_k);
+      const float scale = scales[g * s.stride_k];
+      for (; c < stop; ++c) dst[(c - c0) * dst_stride] = values[src[c]] * scale;
+    }
+  }
+};
+
 struct Scratch {
   std::vector<float> x;    // [kTileM, kTileK]
   std::vector<float> w;    // [kTileK, kTileN]
@@ -116,20 +167,20 @@ namespace gemm_avx2 {
 #pragma GCC pop_options
 #endif
 
-template <typename T>
-using TilesFn = void (*)(const GemmArgs&, int64_t, int64_t);
-template <typename T>
-using FewRowsFn = void (*)(const GemmArgs&, const float*, int64_t, int64_t);
+template <typename T, typename W>
+using TilesFn = void (*)(const GemmArgs&, const W&, int64_t, int64_t);
+template <typename T, typename W>
+using FewRowsFn = void (*)(const GemmArgs&, const W&, const float*, int64_t, int64_t);
 
-template <typename T>
-void gemm_typed(const GemmArgs& a) {
-  TilesFn<T> tiles = gemm_baseline::tiles<T>;
-  FewRowsFn<T> few_rows = gemm_baseline::few_rows<T>;
+template <typename T, typename W>
+void gemm_typed(const GemmArgs& a, const W& wl) {
+  TilesFn<T, W> tiles = gemm_baseline::tiles<T, W>;
+  FewRowsFn<T, W> few_rows = gemm_baseline::few_rows<T, W>;
 #if LORAPLEX_GEMM_AVX2
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2 && a.isa == GemmIsa::kAuto) {
-    tiles = gemm_avx2::tiles<T>;
-    few_rows = gemm_avx2::few_rows<T>;
+    tiles = gemm_avx2::tiles<T, W>;
+    few_rows = gemm_avx2::few_rows<T, W>;
   }
 #endif
   if (a.m < kFewRows) {
@@ -138,31 +189,31 @@ void gemm_typed(const GemmArgs& a) {
     for (int64_t i = 0; i < a.m; ++i)
       for (int64_t p = 0; p < a.k; ++p)
         xf[static_cast<size_t>(i * a.k + p)] = to_float(x[i * a.x_row_stride + p]);
-    parallel_for(0, a.n, 16, [&](int64_t lo, int64_t hi) { few_rows(a, xf.data(), lo, hi); });
+    parallel_for(0, a.n, 16, [&](int64_t lo, int64_t hi) { few_rows(a, wl, xf.data(), lo, hi); });
     return;
   }
   const int64_t tiles_m = (a.m + kTileM - 1) / kTileM;
   const int64_t tiles_n = (a.n + kTileN - 1) / kTileN;
   // Column tiles vary fastest, so one row tile still spreads over the threads.
-  parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t lo, int64_t hi) { tiles(a, lo, hi); });
+  parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t lo, int64_t hi) { tiles(a, wl, lo, hi); });
 }
 
 }  // namespace
 
 Status gemm_xwt(const GemmArgs& a) {
-  const char* op = "gemm_xwt";
-  LORAPLEX_ENSURE(a.dtype == DType::kF32 || a.dtype == DType::kF16 || a.dtype == DType::kBF16, op,
-                  ": dtype ", a.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(a.m >= 0 && a.n >= 0 && a.k >= 0, op, ": negative size (m ", a.m, ", n ", a.n,
-                  ", k ", a.k, ")");
-  LORAPLEX_ENSURE(a.x_row_stride >= a.k && a.w_row_stride >= a.k && a.y_row_stride >= a.n, op,
-                  ": row strides (x ", a.x_row_stride, ", w ", a.w_row_stride, ", y ",
-                  a.y_row_stride, ") must cover k ", a.k, " and n ", a.n);
+  LORAPLEX_RETURN_IF_ERROR(check_gemm_args(a));
   if (a.m == 0 || a.n == 0) return Status();
-  LORAPLEX_ENSURE(a.y != nullptr && (a.k == 0 || (a.x != nullptr && a.w != nullptr)), op,
-                  ": null operand");
-  dispatch_activation_dtype(a.dtype,
-                            [&](auto tag) { gemm_typed<typename decltype(tag)::type>(a); });
+  LORAPLEX_ENSURE(a.y != nullptr && (a.k == 0 || (a.x != nullptr && a.w != nullptr)),
+                  "gemm_xwt: null operand");
+  dispatch_activation_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (a.w_dtype == DType::kF8E4M3) {
+      gemm_typed<T>(a, Fp8Weight{static_cast<const uint8_t*>(a.w), a.w_row_stride, a.w_scales,
+                                 e4m3_values()});
+    } else {
+      gemm_typed<T>(a, PlainWeight<T>{static_cast<const T*>(a.w), a.w_row_stride});
+    }
+  });
   return Status();
 }
 

@@ -47,6 +47,7 @@ Status lora_expand(const ExpandArgs& args, const LoraMetaView& meta);
 Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping);
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta);
+Status lora_shrink_fp8(const ShrinkFp8Args& args, const LoraMetaView& meta);
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& args);
 Status lora_embedding(const EmbeddingLoraArgs& args);
 /// Pairs within an expert group are in ascending pair order (vLLM's CUDA kernel leaves that

@@ -69,13 +69,18 @@ int64_t table_offset(const PagedAttentionArgs& a, int64_t seq) {
 
 Status fill_uniform(const FillUniformArgs& a) {
   LORAPLEX_ENSURE(a.n >= 0 && (a.n == 0 || a.out != nullptr), "fill_uniform: bad arguments");
-  return dispatch(a.dtype, "fill_uniform", [&](auto tag) {
+  auto fill = [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* out = static_cast<T*>(a.out);
     parallel_for(0, a.n, 1 << 16, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) out[i] = store_float<T>(uniform_at(a, i));
     });
-  });
+  };
+  if (a.dtype == DType::kF8E4M3) {
+    fill(TypeTag<Fp8E4M3>{});
+    return Status();
+  }
+  return dispatch(a.dtype, "fill_uniform", fill);
 }
 
 Status add_rms_norm(const AddRmsNormArgs& a) {

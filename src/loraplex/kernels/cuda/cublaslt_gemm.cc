@@ -12,6 +12,15 @@
 // is not always the fastest, notably for the odd widths of a base weight with LoRA-A rows after
 // it. Only with LORAPLEX_GEMM_AUTOTUNE=1: the ranks of a tensor-parallel group could otherwise
 // pick different algorithms for the same product.
+//
+// FP8 weights (W8A8): x is quantised to e4m3 into the caller's scratch first (fp8_quant.h),
+// then one cuBLASLt matmul with e4m3 A (the weight, transposed: the TN layout fp8 needs) and B
+// (x), float32 compute, the output and bias in the activation dtype, and the scales as
+// cuBLASLt's scaling modes (kernels/gemm.h, Fp8WeightScales): the weight's per-row scales and
+// x's per-token ones as OUTER_VEC_32F vectors, 128x128 weight blocks as BLK128x128_32F with x
+// per token and 128 columns (VEC128_32F), or both per row (token) and 128 columns (VEC128_32F).
+// The scale layouts are those PyTorch's torch._scaled_mm passes to cuBLASLt for the same
+// recipes: vectors tokens / rows fastest, block rows of column groups padded to 4.
 
 #include "loraplex/kernels/gemm.h"
 
@@ -23,6 +32,8 @@
 #include <memory>
 #include <string>
 #include <tuple>
+
+#include "loraplex/kernels/fp8_quant.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
@@ -47,6 +58,64 @@ cudaDataType_t cuda_type(DType dtype) {
     default:
       return CUDA_R_32F;
   }
+}
+
+// How an fp8 GEMM scales A (the weight) and B (x), and the columns per activation scale.
+struct Fp8Scaling {
+  bool fp8 = false;
+  int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  int64_t act_group = 0;
+};
+
+Status fp8_scaling(const GemmArgs& g, Fp8Scaling& out) {
+  out = Fp8Scaling{};
+  if (g.w_dtype != DType::kF8E4M3) return Status();
+  out.fp8 = true;
+  const Fp8WeightScales& s = g.w_scales;
+  const int64_t k_groups = (g.k + 127) / 128;
+  if (s.group_n == 1 && s.group_k >= g.k) {
+    out.a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    out.b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    out.act_group = g.k;
+  } else if (s.group_n == 128 && s.group_k == 128 && s.stride_k == 1 &&
+             s.stride_n == (k_groups + 3) / 4 * 4) {
+    out.a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    out.b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    out.act_group = 128;
+  } else if (s.group_n == 1 && s.group_k == 128 && s.stride_n == 1 && s.stride_k == g.n) {
+    out.a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    out.b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    out.act_group = 128;
+  } else {
+    return unsupported("cuBLASLt fp8 gemm: weight scales in groups of ", s.group_n, " x ",
+                       s.group_k, " (strides ", s.stride_n, ", ", s.stride_k,
+                       ") have no cuBLASLt scaling mode (per row, 128x128 blocks with rows padded "
+                       "to 4 column groups, or per row and 128 columns)");
+  }
+  LORAPLEX_ENSURE(g.input_scale == nullptr || out.act_group == g.k,
+                  "cuBLASLt fp8 gemm: a static input scale goes with per-row weight scales, not "
+                  "with 128-column groups");
+  LORAPLEX_ENSURE(g.k % 16 == 0 && g.n % 16 == 0, "cuBLASLt fp8 gemm: n ", g.n, " and k ", g.k,
+                  " must be multiples of 16 (fp8 operands need 16-byte rows)");
+  LORAPLEX_ENSURE(!(g.dtype == DType::kF32 && g.bias != nullptr),
+                  "cuBLASLt fp8 gemm: a bias with float32 output is not supported (cuBLASLt "
+                  "wants a bfloat16 bias there); run the model in bfloat16 or float16");
+  LORAPLEX_ENSURE(
+      g.fp8_scratch != nullptr && g.fp8_scratch_bytes >= fp8_gemm_scratch_bytes(g.m, g.k),
+      "cuBLASLt fp8 gemm: the activation scratch holds ", g.fp8_scratch_bytes, " bytes, ",
+      fp8_gemm_scratch_bytes(g.m, g.k), " needed for ", g.m, " x ", g.k);
+  return Status();
+}
+
+// Sets the scale pointers of an fp8 plan's descriptor (they differ between layers that share a
+// plan, like the bias).
+Status set_scale_pointers(cublasLtMatmulDesc_t desc, const void* a_scale, const void* b_scale) {
+  LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                 &a_scale, sizeof(a_scale)));
+  LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                 &b_scale, sizeof(b_scale)));
+  return Status();
 }
 
 // Largest power of two (<= 256) dividing the address: cuBLASLt must not pick kernels that
@@ -74,7 +143,7 @@ struct Plan {
 };
 
 using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
-                           bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+                           bool, uint32_t, uint32_t, uint32_t, uint32_t, int32_t, int32_t>;
 
 struct Workspace {
   void* ptr = nullptr;
@@ -163,10 +232,19 @@ int fastest_algo(cublasLtHandle_t handle, const Plan& p, const GemmArgs& g,
   return best;
 }
 
-Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uint32_t align[4],
-                  void* workspace, cudaStream_t stream) {
+Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const Fp8Scaling& f8,
+                  const void* b_scale, const uint32_t align[4], void* workspace,
+                  cudaStream_t stream) {
   const cudaDataType_t t = cuda_type(g.dtype);
+  const cudaDataType_t ab = f8.fp8 ? CUDA_R_8F_E4M3 : t;
   LORAPLEX_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  if (f8.fp8) {
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                   &f8.a_mode, sizeof(f8.a_mode)));
+    LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                   &f8.b_mode, sizeof(f8.b_mode)));
+    LORAPLEX_RETURN_IF_ERROR(set_scale_pointers(p.desc, g.w_scales.scale, b_scale));
+  }
   const cublasOperation_t trans_a = CUBLAS_OP_T;
   const cublasOperation_t trans_b = CUBLAS_OP_N;
   LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
@@ -181,9 +259,9 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uin
     LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                    &bias_type, sizeof(bias_type)));
   }
-  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, t, static_cast<uint64_t>(g.k),
+  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, ab, static_cast<uint64_t>(g.k),
                                              static_cast<uint64_t>(g.n), g.w_row_stride));
-  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, t, static_cast<uint64_t>(g.k),
+  LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, ab, static_cast<uint64_t>(g.k),
                                              static_cast<uint64_t>(g.m), g.x_row_stride));
   LORAPLEX_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, t, static_cast<uint64_t>(g.n),
                                              static_cast<uint64_t>(g.m), g.y_row_stride));
@@ -207,8 +285,12 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uin
   cublasLtMatmulPreferenceDestroy(pref);
   LORAPLEX_CUBLAS(st);
   if (found == 0) {
+    const std::string modes = f8.fp8
+                                  ? " (cublasLtMatmulMatrixScale_t " + std::to_string(f8.a_mode) +
+                                        " for the weight, " + std::to_string(f8.b_mode) + " for x)"
+                                  : "";
     return unsupported("cuBLASLt has no algorithm for y = x W^T with m ", g.m, ", n ", g.n, ", k ",
-                       g.k, ", dtype ", g.dtype);
+                       g.k, ", dtype ", g.dtype, ", weight dtype ", g.w_dtype, modes);
   }
   if (g.bias != nullptr) {
     LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -221,12 +303,33 @@ Status build_plan(Plan& p, cublasLtHandle_t handle, const GemmArgs& g, const uin
 
 }  // namespace
 
-Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
-  LORAPLEX_ENSURE(g.dtype == DType::kF32 || g.dtype == DType::kF16 || g.dtype == DType::kBF16,
-                  "cuBLASLt gemm: dtype ", g.dtype, ", expected float32, float16 or bfloat16");
-  LORAPLEX_ENSURE(g.m >= 0 && g.n >= 1 && g.k >= 1, "cuBLASLt gemm: bad sizes (m ", g.m, ", n ",
-                  g.n, ", k ", g.k, ")");
-  if (g.m == 0) return Status();
+Status gemm_xwt(const GemmArgs& args, cuda_rt::StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_gemm_args(args));
+  LORAPLEX_ENSURE(args.n >= 1 && args.k >= 1, "cuBLASLt gemm: bad sizes (m ", args.m, ", n ",
+                  args.n, ", k ", args.k, ")");
+  if (args.m == 0) return Status();
+  Fp8Scaling f8;
+  LORAPLEX_RETURN_IF_ERROR(fp8_scaling(args, f8));
+  // An fp8 GEMM multiplies the quantised copy of x (contiguous rows) by the weight.
+  GemmArgs g = args;
+  const float* x_scales = nullptr;
+  if (f8.fp8) {
+    QuantizeRowsFp8Args q;
+    q.dtype = args.dtype;
+    q.m = args.m;
+    q.k = args.k;
+    q.x = args.x;
+    q.x_row_stride = args.x_row_stride;
+    q.group = f8.act_group;
+    q.static_scale = args.input_scale;
+    q.q = static_cast<uint8_t*>(args.fp8_scratch);
+    q.scale = reinterpret_cast<float*>(static_cast<uint8_t*>(args.fp8_scratch) +
+                                       fp8_gemm_scales_offset(args.m, args.k));
+    LORAPLEX_RETURN_IF_ERROR(quantize_rows_fp8(q, stream));
+    g.x = q.q;
+    g.x_row_stride = args.k;
+    x_scales = q.scale;
+  }
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     return Status(StatusCode::kCudaError, "cuBLASLt gemm: no current CUDA device");
@@ -241,7 +344,7 @@ Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
   const uint32_t align[4] = {alignment_of(g.w), alignment_of(g.x), alignment_of(g.y),
                              alignment_of(g.y)};
   const PlanKey key{device,
-                    static_cast<int>(g.dtype),
+                    static_cast<int>(g.dtype) * 256 + static_cast<int>(g.w_dtype),
                     g.m,
                     g.n,
                     g.k,
@@ -253,7 +356,9 @@ Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
                     align[0],
                     align[1],
                     align[2],
-                    align[3]};
+                    align[3],
+                    f8.a_mode,
+                    f8.b_mode};
   std::unique_ptr<Workspace>& ws = s.workspaces[{device, stream}];
   if (ws == nullptr) {
     ws = std::make_unique<Workspace>();
@@ -268,8 +373,8 @@ Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
   std::unique_ptr<Plan>& plan = s.plans[key];
   if (plan == nullptr) plan = std::make_unique<Plan>();
   if (!plan->ready) {
-    const Status st =
-        build_plan(*plan, h->second, g, align, ws->ptr, static_cast<cudaStream_t>(stream));
+    const Status st = build_plan(*plan, h->second, g, f8, x_scales, align, ws->ptr,
+                                 static_cast<cudaStream_t>(stream));
     if (!st.ok()) {
       plan.reset();
       return st;
@@ -280,6 +385,7 @@ Status gemm_xwt(const GemmArgs& g, cuda_rt::StreamHandle stream) {
     LORAPLEX_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                    &g.bias, sizeof(g.bias)));
   }
+  if (f8.fp8) LORAPLEX_RETURN_IF_ERROR(set_scale_pointers(plan->desc, g.w_scales.scale, x_scales));
   const float alpha = 1.0f;
   const float beta = g.accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(

@@ -5,6 +5,7 @@
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/fp8_quant.h"
 #include "loraplex/kernels/gemm.h"
 #include "loraplex/kernels/layer_ops.h"
 #include "loraplex/kernels/model_ops.h"
@@ -47,6 +48,9 @@ Status lora_linear(const ShrinkArgs&, const ExpandArgs&, const LoraMetaView&, co
 Status lora_expand_fp8(const ExpandFp8Args&, const LoraMetaView&, StreamHandle) {
   return no_cuda("lora_expand_fp8");
 }
+Status lora_shrink_fp8(const ShrinkFp8Args&, const LoraMetaView&, StreamHandle) {
+  return no_cuda("lora_shrink_fp8");
+}
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs&, StreamHandle) {
   return no_cuda("quantize_intermediate_fp8");
 }
@@ -57,6 +61,9 @@ Status moe_lora_align_block_size(const MoeAlignArgs&, StreamHandle) {
 Status fused_moe_lora(const FusedMoeLoraArgs&, StreamHandle) { return no_cuda("fused_moe_lora"); }
 Status write_column(const WriteColumnArgs&, StreamHandle) { return no_cuda("write_column"); }
 Status gemm_xwt(const GemmArgs&, StreamHandle) { return no_cuda("linear_base"); }
+Status quantize_rows_fp8(const QuantizeRowsFp8Args&, StreamHandle) {
+  return no_cuda("quantize_rows_fp8");
+}
 
 Status fill_uniform(const FillUniformArgs&, StreamHandle) { return no_cuda("fill_uniform"); }
 Status add_rms_norm(const AddRmsNormArgs&, StreamHandle) { return no_cuda("add_rms_norm"); }

@@ -1,7 +1,7 @@
 // FP8 LoRA-B expand (e4m3/e5m2 weights with per-tensor, per-channel or block scales;
-// weight-only or W8A8 with an fp8 intermediate) and the fp8 quantisation of the shrink
-// result. Conversions use the hardware's round-to-nearest-even with saturation, as the CPU
-// reference does.
+// weight-only or W8A8 with an fp8 intermediate), the fp8 quantisation of the shrink result,
+// and the shrink with fp8 LoRA-A (per-row scales: the fp8 adapter storage). Conversions use the
+// hardware's round-to-nearest-even with saturation, as the CPU reference does.
 
 #include <cuda_fp8.h>
 
@@ -167,7 +167,58 @@ __global__ void __launch_bounds__(kQuantBlock) quantize_per_slice_kernel(QuantPa
   }
 }
 
+struct Fp8ShrinkParams {
+  ShrinkArgs b;
+  const float* a_scale[kMaxSlices];
+  const int32_t* mapping;
+};
+
+constexpr int kShrinkWarps = 4;
+
+// One block per (token, slice), a warp per A row: x . e4m3(A[r]) over k, times the row's scale.
+// Plain and obviously correct; the tuned bf16 shrinks are not built for fp8 A.
+template <typename T>
+__global__ void __launch_bounds__(kShrinkWarps * 32) shrink_fp8_kernel(Fp8ShrinkParams p) {
+  const int64_t t = blockIdx.x;
+  const int s = static_cast<int>(blockIdx.y);
+  const int32_t slot = p.mapping[t];
+  if (!valid_slot(slot, p.b.max_loras)) return;
+  const int rank = p.b.ranks[s * p.b.max_loras + slot];
+  const int64_t k = p.b.hidden;
+  const int64_t rows = p.b.a_slot_rows > 0 ? p.b.a_slot_rows : p.b.max_rank;
+  const T* x = static_cast<const T*>(p.b.x) + t * p.b.x_row_stride;
+  const uint8_t* a = static_cast<const uint8_t*>(p.b.lora_a[s]) + slot * rows * k;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  float* out = static_cast<float*>(p.b.out) + (s * p.b.num_tokens + t) * p.b.max_rank;
+  for (int r = warp; r < rank; r += kShrinkWarps) {
+    float acc = 0.0f;
+    for (int64_t c = lane; c < k; c += 32) acc += to_float(x[c]) * fp8_to_float(a[r * k + c], true);
+    acc = warp_sum(acc);
+    if (lane == 0) out[r] = p.b.scale * p.a_scale[s][slot * rows + r] * acc;
+  }
+}
+
 }  // namespace
+
+Status lora_shrink_fp8(const ShrinkFp8Args& args, const LoraMetaView& meta, StreamHandle stream) {
+  LORAPLEX_RETURN_IF_ERROR(check_shrink_fp8_args(args));
+  const ShrinkArgs& b = args.base;
+  LORAPLEX_ENSURE(meta.num_tokens == b.num_tokens, "lora_shrink_fp8: metadata built for ",
+                  meta.num_tokens, " tokens, the call has ", b.num_tokens);
+  if (b.num_tokens == 0) return Status();
+  Fp8ShrinkParams p{};
+  p.b = b;
+  for (int s = 0; s < b.num_slices; ++s) p.a_scale[s] = args.a_scale[s];
+  p.mapping = meta.token_lora_mapping;
+  const dim3 grid(static_cast<unsigned>(b.num_tokens), static_cast<unsigned>(b.num_slices));
+  auto st = static_cast<cudaStream_t>(stream);
+  dispatch_device_dtype(b.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    shrink_fp8_kernel<T><<<grid, kShrinkWarps * 32, 0, st>>>(p);
+  });
+  return launch_status("shrink_fp8_kernel");
+}
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta, StreamHandle stream) {
   const ExpandArgs& b = args.base;

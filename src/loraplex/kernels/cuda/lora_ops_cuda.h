@@ -44,6 +44,7 @@ Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const Lor
                    const LoraDevice& device, StreamHandle stream);
 
 Status lora_expand_fp8(const ExpandFp8Args& args, const LoraMetaView& meta, StreamHandle stream);
+Status lora_shrink_fp8(const ShrinkFp8Args& args, const LoraMetaView& meta, StreamHandle stream);
 Status quantize_intermediate_fp8(const QuantizeIntermediateArgs& args, StreamHandle stream);
 Status lora_embedding(const EmbeddingLoraArgs& args, StreamHandle stream);
 /// One block per slot: that slot's (token, k) pairs grouped by expert (stable), each expert

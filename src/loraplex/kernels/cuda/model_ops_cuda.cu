@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,6 +36,14 @@ struct BF16 {
   using Storage = uint16_t;
   static __device__ float load(uint16_t v) { return __bfloat162float(__ushort_as_bfloat16(v)); }
   static __device__ uint16_t store(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+
+// fp8 weights are only ever filled (random FP8 models), never loaded here.
+struct E4M3 {
+  using Storage = uint8_t;
+  static __device__ uint8_t store(float v) {
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+  }
 };
 
 // Rounds through the storage type (what storing and reloading gives).
@@ -785,6 +794,10 @@ __global__ void argmax_kernel(ArgmaxArgs a) {
 Status fill_uniform(const FillUniformArgs& a, cuda_rt::StreamHandle stream) {
   LORAPLEX_ENSURE(a.n >= 0 && (a.n == 0 || a.out != nullptr), "fill_uniform: bad arguments");
   if (a.n == 0) return Status();
+  if (a.dtype == DType::kF8E4M3) {
+    fill_uniform_kernel<E4M3><<<blocks_for(a.n), kThreads, 0, raw(stream)>>>(a);
+    return Status();
+  }
   return dispatch(a.dtype, "fill_uniform", [&](auto e) {
     fill_uniform_kernel<decltype(e)><<<blocks_for(a.n), kThreads, 0, raw(stream)>>>(a);
   });
