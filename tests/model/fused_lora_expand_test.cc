@@ -361,6 +361,9 @@ void silu_cases(Device device, DType dt) {
       check_silu(make_case(dt, tokens, {24}, 4, 5, d, ++seed), device,
                  name_of("silu_mul fused LoRA", dt, d, tokens));
     }
+    // Rows of several B tiles, the last one partial, and B rows of rank 32.
+    check_silu(make_case(dt, 37, {1032, 1032}, 5, 32, d, ++seed), device,
+               name_of("silu_mul wide", dt, d, 37));
   }
 }
 
@@ -374,6 +377,9 @@ void norm_cases(Device device, DType dt) {
       check_norm(make_case(dt, tokens, {45}, 3, 3, d, ++seed), device, {},
                  name_of("add_rms_norm odd", dt, d, tokens));
     }
+    // Wider than one 16-byte run per thread of the largest block.
+    check_norm(make_case(dt, 9, {4104}, 3, 16, d, ++seed), device, {},
+               name_of("add_rms_norm wide", dt, d, 9));
     const std::vector<int32_t> pick = {4, 0, 7};
     check_norm(make_case(dt, 8, {64}, 5, 16, d, ++seed), device, pick,
                name_of("add_rms_norm sampled rows", dt, d, 8));

@@ -47,6 +47,13 @@ class CountedWeights : public WeightSource {
     counter_.add(static_cast<int64_t>(t.nbytes()));
     return t;
   }
+  BaseWeight linear(const std::string& module, const Shape& shape) const override {
+    BaseWeight w = source_.linear(module, shape);
+    for (const Tensor* t : {&w.weight, &w.scale, &w.input_scale}) {
+      if (t->defined()) counter_.add(static_cast<int64_t>(t->nbytes()));
+    }
+    return w;
+  }
   const std::string& origin() const override { return source_.origin(); }
 
  private:
@@ -73,7 +80,7 @@ std::unique_ptr<ModelExecutor> load_model(const std::string& dir, const DecoderO
   namespace fs = std::filesystem;
   LORAPLEX_CHECK(fs::is_directory(dir), dir, ": model directory does not exist");
   const ModelConfig config = ModelConfig::from_file((fs::path(dir) / "config.json").string());
-  const CheckpointWeights weights(dir);
+  const CheckpointWeights weights(dir, config.quant);
   int64_t bytes = 0;
   for (const std::string& name : weights.checkpoint().names()) {
     bytes += static_cast<int64_t>(weights.checkpoint().tensor(name).nbytes());

@@ -193,25 +193,57 @@ __device__ void stage_shrink(const FusedLoraExpand& e, int64_t t, int slot, floa
   }
 }
 
+// The slice holding input column j, or -1 when none does.
+__device__ int slice_of(const FusedLoraExpand& e, int64_t j) {
+  int s = 0;
+  while (s + 1 < e.num_slices && j >= e.offset[s + 1]) ++s;
+  return j >= e.offset[s] && j < e.offset[s] + e.width[s] ? s : -1;
+}
+
+// How B rows are read (kBRows): 0 one element at a time; -1 16 bytes at a time in a loop over
+// the rank (max_rank a multiple of the vector, rows 16-byte aligned); n > 0 as n 16-byte chunks,
+// all of them loaded before the first product: these ops are short, and a load chain as long as
+// the rank would be their running time.
+constexpr int kBRowsScalar = 0;
+constexpr int kBRowsLoop = -1;
+
 // v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
 // column j (all in one slice), with s the staged intermediate of the token (zero past the
-// rank). kVecB: B rows are read 16 bytes at a time (max_rank a multiple of the vector, rows
-// 16-byte aligned), the kVec rows of a rank chunk all in flight before their products; in the
-// last chunk the values past the rank are loaded and discarded.
-template <typename E, int kVec, bool kVecB>
+// rank). Values of B past the rank are loaded with the rest and discarded.
+template <typename E, int kVec, int kBRows>
 __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
                                  float (&v)[kVec]) {
   using S = typename E::Storage;
-  int s = 0;
-  while (s + 1 < e.num_slices && j >= e.offset[s + 1]) ++s;
-  if (j < e.offset[s] || j >= e.offset[s] + e.width[s]) return;
+  const int s = slice_of(e, j);
+  if (s < 0) return;
   const int rank = e.ranks[s * e.max_loras + slot];
-  if (rank <= 0) return;
   const float* sv = s_all + s * e.max_rank;
   const S* b =
       static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
   float acc[kVec] = {};
-  if constexpr (kVecB) {
+  if constexpr (kBRows > 0) {
+    constexpr int kN = 16 / static_cast<int>(sizeof(S));
+    using P = Pack<S, kN>;
+    P w[kVec][kBRows];
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) {
+#pragma unroll
+      for (int q = 0; q < kBRows; ++q)
+        w[c][q] = *reinterpret_cast<const P*>(b + c * e.max_rank + q * kN);
+    }
+    if (rank <= 0) return;
+#pragma unroll
+    for (int q = 0; q < kBRows; ++q) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const int i = q * kN + k;
+        const float x = sv[i];
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) acc[c] += x * (i < rank ? E::load(w[c][q].v[k]) : 0.0f);
+      }
+    }
+  } else if constexpr (kBRows == kBRowsLoop) {
+    if (rank <= 0) return;
     constexpr int kN = 16 / static_cast<int>(sizeof(S));
     using P = Pack<S, kN>;
     for (int i0 = 0; i0 < rank; i0 += kN) {
@@ -231,6 +263,7 @@ __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, 
       }
     }
   } else {
+    if (rank <= 0) return;
 #pragma unroll
     for (int c = 0; c < kVec; ++c) {
       for (int i = 0; i < rank; ++i) acc[c] += sv[i] * E::load(b[c * e.max_rank + i]);
@@ -240,17 +273,77 @@ __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, 
   for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
 }
 
-// The block's token group (blockIdx.y) with every token's intermediate staged in `staged`
-// ([group_size, num_slices * max_rank]); false past the last group. A slot the rows do not
-// hold (at or past num_slots) leaves its tokens without LoRA. All threads call it (it
-// synchronises).
+// Where the B tiles start after `floats` staged intermediates: a 16-byte boundary.
+__host__ __device__ constexpr int64_t silu_tile_offset(int64_t floats) {
+  return (floats + 3) / 4 * 4;
+}
+
+// The slot's B rows of input columns [first, first + count), staged transposed into shared
+// memory so that a thread's kVec columns of one rank index are one vector:
+//   bt[i * stride + c] = B_s[slot, first + c - offset[s], i]
+// for c < stride, zero at and past slice s's rank and for columns past count or in no slice.
+// The rows are read in 16-byte chunks when `vector_b` (vector_b_rows), consecutive threads on
+// consecutive chunks, so the tile crosses from memory once, every load in flight together.
 template <typename E>
+__device__ void stage_b_tile(const FusedLoraExpand& e, int slot, int64_t first, int64_t count,
+                             int stride, bool vector_b, typename E::Storage* bt) {
+  using S = typename E::Storage;
+  constexpr int kN = 16 / static_cast<int>(sizeof(S));
+  const int per_row = vector_b ? e.max_rank / kN : e.max_rank;
+  const int width = vector_b ? kN : 1;
+  for (int idx = threadIdx.x; idx < stride * per_row; idx += blockDim.x) {
+    const int c = idx / per_row;
+    const int i0 = idx % per_row * width;
+    const int s = c < count ? slice_of(e, first + c) : -1;
+    Pack<S, kN> w{};
+    int rank = 0;
+    if (s >= 0) {
+      rank = e.ranks[s * e.max_loras + slot];
+      const S* b = static_cast<const S*>(e.lora_b[s]) +
+                   (slot * e.width[s] + (first + c - e.offset[s])) * e.max_rank + i0;
+      if (vector_b) {
+        w = *reinterpret_cast<const Pack<S, kN>*>(b);
+      } else {
+        w.v[0] = *b;
+      }
+    }
+    for (int k = 0; k < width; ++k) bt[(i0 + k) * stride + c] = i0 + k < rank ? w.v[k] : S{};
+  }
+}
+
+// v[c] = round(v[c] + sum_i s[i] bt[i * stride + c0 + c]) over a staged tile (stage_b_tile),
+// for the kVec columns from tile column c0 (input column j, all in one slice).
+template <typename E, int kVec>
+__device__ void add_tile_expand(const FusedLoraExpand& e, int64_t j, const float* s_all,
+                                const typename E::Storage* bt, int stride, int c0,
+                                float (&v)[kVec]) {
+  using P = Pack<typename E::Storage, kVec>;
+  const int s = slice_of(e, j);
+  if (s < 0) return;
+  const float* sv = s_all + s * e.max_rank;
+  float acc[kVec] = {};
+  for (int i = 0; i < e.max_rank; ++i) {
+    const float x = sv[i];
+    const P b = *reinterpret_cast<const P*>(bt + i * stride + c0);
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) acc[c] += x * E::load(b.v[c]);
+  }
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
+}
+
+// The block's token group (blockIdx.y) with every token's intermediate staged in `staged`
+// ([group_size, num_slices * max_rank]) and whatever `also_stage(slot)` stages for a slot in
+// use; false past the last group. A slot the rows do not hold (at or past num_slots) leaves its
+// tokens without LoRA. All threads call it (it synchronises).
+template <typename E, typename AlsoStage>
 __device__ bool begin_token_group(const FusedLoraExpand& e, int group_size, float* staged,
-                                  TokenGroup& g) {
+                                  TokenGroup& g, AlsoStage&& also_stage) {
   if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return false;
   if (g.slot >= e.num_slots) g.slot = -1;
   const int cols = e.num_slices * e.max_rank;
   if (g.slot >= 0) {
+    also_stage(g.slot);
     for (int i = 0; i < g.count; ++i) {
       stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
     }
@@ -267,6 +360,22 @@ bool vector_b_rows(const FusedLoraExpand& e) {
   for (int s = 0; s < e.num_slices; ++s)
     ok = ok && reinterpret_cast<uintptr_t>(e.lora_b[s]) % 16 == 0;
   return ok;
+}
+
+// Calls f(std::integral_constant<int, kBRows>) with how add_fused_expand reads e's B rows: up
+// to two 16-byte chunks a row (rank 16 in 16 bits) all at once, longer rows in a loop.
+template <typename E, typename F>
+void with_b_rows(const FusedLoraExpand& e, F&& f) {
+  constexpr int kN = 16 / static_cast<int>(sizeof(typename E::Storage));
+  if (!vector_b_rows<E>(e)) {
+    f(std::integral_constant<int, kBRowsScalar>{});
+  } else if (e.max_rank == kN) {
+    f(std::integral_constant<int, 1>{});
+  } else if (e.max_rank == 2 * kN) {
+    f(std::integral_constant<int, 2>{});
+  } else {
+    f(std::integral_constant<int, kBRowsLoop>{});
+  }
 }
 
 // A LoRA consumer step with fewer threads than this at its widest vectors takes narrower ones.
@@ -307,8 +416,10 @@ __device__ int stage_norm_lora(const AddRmsNormArgs& a, int64_t src, float* stag
   }
 }
 
-template <typename E, bool kLora, bool kVecB>
-__global__ void add_rms_norm_vec_kernel(AddRmsNormArgs a) {
+constexpr int kNormLoraThreads = 512;
+
+template <typename E, bool kLora, int kBRows>
+__global__ void __launch_bounds__(kNormLoraThreads) add_rms_norm_vec_kernel(AddRmsNormArgs a) {
   using S = typename E::Storage;
   using V = Vec16<S>;
   constexpr int kN = V::kN;
@@ -337,7 +448,7 @@ __global__ void add_rms_norm_vec_kernel(AddRmsNormArgs a) {
       const V d1 = delta[i];
 #pragma unroll
       for (int e = 0; e < kN; ++e) add[e] = E::load(d1.v[e]);
-      if (kLora && slot >= 0) add_fused_expand<E, kN, kVecB>(a.lora, slot, i * kN, staged, add);
+      if (kLora && slot >= 0) add_fused_expand<E, kN, kBRows>(a.lora, slot, i * kN, staged, add);
     }
     if (delta2 != nullptr) {
       const V d2 = delta2[i];
@@ -395,7 +506,7 @@ __global__ void add_rms_norm_kernel(AddRmsNormArgs a) {
     const float v = E::load(res[j]);
     if (delta == nullptr && delta2 == nullptr) return v;
     float add[1] = {delta != nullptr ? E::load(delta[j]) : 0.0f};
-    if (kLora && slot >= 0) add_fused_expand<E, 1, false>(a.lora, slot, j, staged, add);
+    if (kLora && slot >= 0) add_fused_expand<E, 1, kBRowsScalar>(a.lora, slot, j, staged, add);
     if (delta2 != nullptr) add[0] += E::load(delta2[j]);
     return round_to<E>(v + add[0]);
   };
@@ -526,12 +637,12 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
 // Grid x = a share of the items, y = token group (find_token_group). The block's threads are
 // group_size rows of blockDim / group_size items: the tokens of a group run side by side on the
 // same items, so the B rows they share are read from L2 once and from L1 after.
-template <typename E, int kVec, bool kVecB>
+template <typename E, int kVec, int kBRows>
 __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
   const FusedLoraExpand& e = a.lora;
   TokenGroup g;
-  if (!begin_token_group<E>(e, group_size, staged, g)) return;
+  if (!begin_token_group<E>(e, group_size, staged, g, [](int) {})) return;
   const int cols = e.num_slices * e.max_rank;
   const int per_token = static_cast<int>(blockDim.x) / group_size;
   const int i = static_cast<int>(threadIdx.x) / per_token;
@@ -540,7 +651,7 @@ __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   if (i >= g.count || item >= rope_items<kVec>(a)) return;
   const int64_t t = e.meta.sorted_token_indices[g.begin + i];
   rope_kv_write_item<E, kVec>(a, t, item, g.slot >= 0, [&](int64_t j, float(&v)[kVec]) {
-    if (g.slot >= 0) add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, v);
+    if (g.slot >= 0) add_fused_expand<E, kVec, kBRows>(e, g.slot, j, staged + i * cols, v);
   });
 }
 
@@ -714,23 +825,32 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
   }
 }
 
-// Grid x = kVec-column runs of the gate (and the same of up), y = token group; the tokens of a
-// group side by side as in rope_kv_write_lora_kernel.
-template <typename E, int kVec, bool kVecB>
-__global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size) {
+// Grid x = tiles of `tile_cols` columns of the gate (and the same of up), y = token group. The
+// block stages its slot's B rows of both tiles in shared memory (stage_b_tile), then its
+// threads are group_size rows of tile_cols / kVec column runs: each B element crosses from
+// memory once per block and is read from shared memory by every token of the group.
+template <typename E, int kVec>
+__global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size, int tile_cols, bool vector_b) {
   using S = typename E::Storage;
   using P = Pack<S, kVec>;
-  extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
+  extern __shared__ float staged[];  // [group_size, num_slices * max_rank], then 2 B tiles
   const FusedLoraExpand& e = a.lora;
-  TokenGroup g;
-  if (!begin_token_group<E>(e, group_size, staged, g)) return;
   const int cols = e.num_slices * e.max_rank;
-  const int per_token = static_cast<int>(blockDim.x) / group_size;
+  S* tile = reinterpret_cast<S*>(staged + silu_tile_offset(group_size * cols));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * tile_cols;
+  const int64_t count = a.n - first < tile_cols ? a.n - first : tile_cols;
+  TokenGroup g;
+  const bool any = begin_token_group<E>(e, group_size, staged, g, [&](int slot) {
+    stage_b_tile<E>(e, slot, first, count, tile_cols, vector_b, tile);
+    stage_b_tile<E>(e, slot, a.n + first, count, tile_cols, vector_b,
+                    tile + e.max_rank * tile_cols);
+  });
+  if (!any) return;
+  const int per_token = tile_cols / kVec;
   const int i = static_cast<int>(threadIdx.x) / per_token;
-  const int64_t j =
-      (static_cast<int64_t>(blockIdx.x) * per_token + static_cast<int>(threadIdx.x) % per_token) *
-      kVec;
-  if (i >= g.count || j >= a.n) return;
+  const int c0 = static_cast<int>(threadIdx.x) % per_token * kVec;
+  const int64_t j = first + c0;
+  if (i >= g.count || c0 >= count) return;
   const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
   const int64_t t = e.meta.sorted_token_indices[g.begin + i];
   const S* row = static_cast<const S*>(a.x) + t * stride;
@@ -743,8 +863,9 @@ __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size) {
     uv[k] = E::load(up.v[k]);
   }
   if (g.slot >= 0) {
-    add_fused_expand<E, kVec, kVecB>(e, g.slot, j, staged + i * cols, gv);
-    add_fused_expand<E, kVec, kVecB>(e, g.slot, a.n + j, staged + i * cols, uv);
+    add_tile_expand<E, kVec>(e, j, staged + i * cols, tile, tile_cols, c0, gv);
+    add_tile_expand<E, kVec>(e, a.n + j, staged + i * cols, tile + e.max_rank * tile_cols,
+                             tile_cols, c0, uv);
   }
   P o;
 #pragma unroll
@@ -825,6 +946,34 @@ bool slices_on_vectors(const FusedLoraExpand& e, int64_t vec) {
   return ok;
 }
 
+// silu_mul's LoRA blocks: `group` tokens side by side on tiles of `tile_cols` gate columns (and
+// the same up columns), kThreads threads while the tiles of B fit the shared memory, fewer for
+// long B rows. `smem`: the staged intermediates and the two tiles.
+struct SiluLoraTiling {
+  int group = 1;
+  int tile_cols = 1;
+  size_t smem = 0;
+};
+
+SiluLoraTiling silu_lora_tiling(const FusedLoraExpand& e, int64_t tokens, int64_t n, int vec,
+                                size_t element_bytes) {
+  SiluLoraTiling t;
+  t.group = lora_group_tokens(e, tokens);
+  const int64_t staged = silu_tile_offset(t.group * e.num_slices * e.max_rank);
+  int per_token = kThreads / t.group;
+  // No wider than the row (rounded up to the vector): a few columns need no 256 threads.
+  const int64_t runs = (n + vec - 1) / vec;
+  while (per_token > 32 / t.group && per_token / 2 >= runs) per_token /= 2;
+  auto smem_of = [&](int cols) {
+    return static_cast<size_t>(staged) * sizeof(float) +
+           2 * static_cast<size_t>(e.max_rank) * cols * element_bytes;
+  };
+  while (per_token > 1 && smem_of(per_token * vec) > (48u << 10)) per_token /= 2;
+  t.tile_cols = per_token * vec;
+  t.smem = smem_of(t.tile_cols);
+  return t;
+}
+
 }  // namespace
 
 Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
@@ -853,16 +1002,23 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
     const unsigned grid = static_cast<unsigned>(a.num_rows);
     if (!a.lora.active()) {
       if (vec) {
-        add_rms_norm_vec_kernel<E, false, false><<<grid, kThreads, 0, raw(stream)>>>(a);
+        add_rms_norm_vec_kernel<E, false, kBRowsScalar><<<grid, kThreads, 0, raw(stream)>>>(a);
       } else {
         add_rms_norm_kernel<E, false><<<grid, kThreads, 0, raw(stream)>>>(a);
       }
     } else if (!vec) {
       add_rms_norm_kernel<E, true><<<grid, kThreads, smem, raw(stream)>>>(a);
-    } else if (vector_b_rows<E>(a.lora)) {
-      add_rms_norm_vec_kernel<E, true, true><<<grid, kThreads, smem, raw(stream)>>>(a);
     } else {
-      add_rms_norm_vec_kernel<E, true, false><<<grid, kThreads, smem, raw(stream)>>>(a);
+      // One 16-byte run a thread: the expand's loads are the row's running time, and one block
+      // per row leaves most SMs idle at a few tokens, so each thread keeps only one run's in
+      // flight.
+      const int64_t vecs = a.hidden / kN;
+      const unsigned threads = static_cast<unsigned>(
+          std::clamp<int64_t>((vecs + 31) / 32 * 32, kThreads, kNormLoraThreads));
+      with_b_rows<E>(a.lora, [&](auto b_rows) {
+        add_rms_norm_vec_kernel<E, true, decltype(b_rows)::value>
+            <<<grid, threads, smem, raw(stream)>>>(a);
+      });
     }
   });
 }
@@ -902,12 +1058,13 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
                     static_cast<unsigned>(max_token_groups(a.num_tokens, group, a.lora.max_loras)));
     const size_t smem = staged_shrink_bytes(a.lora, group);
     if (!vec) {
-      rope_kv_write_lora_kernel<E, 1, false><<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
-    } else if (vector_b_rows<E>(a.lora)) {
-      rope_kv_write_lora_kernel<E, kVec, true><<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
-    } else {
-      rope_kv_write_lora_kernel<E, kVec, false>
+      rope_kv_write_lora_kernel<E, 1, kBRowsScalar>
           <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
+    } else {
+      with_b_rows<E>(a.lora, [&](auto b_rows) {
+        rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value>
+            <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
+      });
     }
   });
 }
@@ -964,26 +1121,24 @@ Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
       }
       return;
     }
-    const int group = lora_group_tokens(a.lora, a.num_rows);
-    const size_t smem = staged_shrink_bytes(a.lora, group);
-    const unsigned groups =
-        static_cast<unsigned>(max_token_groups(a.num_rows, group, a.lora.max_loras));
-    const int per_token = kThreads / group;
+    // A few tokens spread over the SMs only with fewer columns a thread: each token's B is what
+    // the step reads, and 16-byte runs of a few rows would leave most SMs idle.
+    const int kv = !aligned ? 1 : a.num_rows * (a.n / kVec) < kSmallStepThreads ? 2 : kVec;
+    const SiluLoraTiling tiling =
+        silu_lora_tiling(a.lora, a.num_rows, a.n, kv, sizeof(typename E::Storage));
+    const dim3 grid(
+        static_cast<unsigned>((a.n + tiling.tile_cols - 1) / tiling.tile_cols),
+        static_cast<unsigned>(max_token_groups(a.num_rows, tiling.group, a.lora.max_loras)));
+    const unsigned threads = static_cast<unsigned>(tiling.group * tiling.tile_cols / kv);
     const bool vector_b = vector_b_rows<E>(a.lora);
     auto launch = [&](auto vec) {
       constexpr int kV = decltype(vec)::value;
-      const dim3 grid(static_cast<unsigned>((a.n / kV + per_token - 1) / per_token), groups);
-      if (kV > 1 && vector_b) {
-        silu_mul_lora_kernel<E, kV, true><<<grid, kThreads, smem, raw(stream)>>>(a, group);
-      } else {
-        silu_mul_lora_kernel<E, kV, false><<<grid, kThreads, smem, raw(stream)>>>(a, group);
-      }
+      silu_mul_lora_kernel<E, kV><<<grid, threads, tiling.smem, raw(stream)>>>(
+          a, tiling.group, tiling.tile_cols, vector_b);
     };
-    // A few tokens spread over the SMs only with fewer columns a thread: each token's B is what
-    // the step reads, and 16-byte runs of a few rows would leave most SMs idle.
-    if (!aligned) {
+    if (kv == 1) {
       launch(std::integral_constant<int, 1>{});
-    } else if (a.num_rows * (a.n / kVec) < kSmallStepThreads) {
+    } else if (kv == 2) {
       launch(std::integral_constant<int, 2>{});
     } else {
       launch(std::integral_constant<int, kVec>{});
