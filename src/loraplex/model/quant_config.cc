@@ -58,8 +58,9 @@ QuantConfig parse_compressed_tensors(const json& q, const std::string& source) {
                  ": quantization_config.config_groups has ",
                  groups.is_object() ? std::to_string(groups.size()) : groups.dump(),
                  " groups, expected exactly one (one FP8 scheme for every Linear)");
-  const std::string name = groups.begin().key();
-  const json& g = groups.begin().value();
+  const auto group = groups.begin();
+  const std::string name = group.key();
+  const json& g = group.value();
   const std::string where = "quantization_config.config_groups." + name + ".";
   LORAPLEX_CHECK(g.is_object(), source, ": ", where, " is ", g.dump(), ", expected an object");
   const json& targets = field(g, "targets");
