@@ -247,6 +247,8 @@ TEST(ServeOptions, StartupAdaptersDecideTheDefaultRankAndSlots) {
   o = parse_serve_options(args, nullptr);
   settle_serve_options(*o, positions(1024), std::vector<int>(kMaxDefaultLoras + 5, 8));
   EXPECT_EQ(o->engine.max_loras, 6);
+}
+
 TEST(ServeOptions, LoraDtypeAutoOrFp8) {
   const std::string dir = std::filesystem::temp_directory_path().string();
   EXPECT_FALSE(parse_serve_options({"--model", dir}, nullptr)->engine.lora_dtype.has_value());
