@@ -344,8 +344,16 @@ __device__ bool begin_token_group(const FusedLoraExpand& e, int group_size, floa
   const int cols = e.num_slices * e.max_rank;
   if (g.slot >= 0) {
     also_stage(g.slot);
-    for (int i = 0; i < g.count; ++i) {
-      stage_shrink<E>(e, e.meta.sorted_token_indices[g.begin + i], g.slot, staged + i * cols);
+    // Every token's intermediate at once (not token by token: each is a chain of two loads).
+    using S = typename E::Storage;
+    for (int idx = threadIdx.x; idx < g.count * cols; idx += blockDim.x) {
+      const int i = idx / cols;
+      const int c = idx % cols;
+      const int64_t t = e.meta.sorted_token_indices[g.begin + i];
+      const int rank = e.ranks[(c / e.max_rank) * e.max_loras + g.slot];
+      const S* src =
+          static_cast<const S*>(e.shrink) + t * e.shrink_row_stride + g.slot * e.slot_cols;
+      staged[idx] = c % e.max_rank < rank ? E::load(src[c]) : 0.0f;
     }
   }
   __syncthreads();
@@ -417,6 +425,8 @@ __device__ int stage_norm_lora(const AddRmsNormArgs& a, int64_t src, float* stag
 }
 
 constexpr int kNormLoraThreads = 512;
+// Steps of at least this many rows fill the SMs with kThreads a row.
+constexpr int64_t kNormWideRows = 128;
 
 template <typename E, bool kLora, int kBRows>
 __global__ void __launch_bounds__(kNormLoraThreads) add_rms_norm_vec_kernel(AddRmsNormArgs a) {
@@ -1009,12 +1019,14 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
     } else if (!vec) {
       add_rms_norm_kernel<E, true><<<grid, kThreads, smem, raw(stream)>>>(a);
     } else {
-      // One 16-byte run a thread: the expand's loads are the row's running time, and one block
-      // per row leaves most SMs idle at a few tokens, so each thread keeps only one run's in
-      // flight.
+      // A few rows: one 16-byte run a thread. The expand's loads are the row's running time,
+      // and one block per row leaves most SMs idle, so each thread keeps only one run's loads
+      // in flight.
       const int64_t vecs = a.hidden / kN;
-      const unsigned threads = static_cast<unsigned>(
-          std::clamp<int64_t>((vecs + 31) / 32 * 32, kThreads, kNormLoraThreads));
+      const unsigned threads = a.num_rows >= kNormWideRows
+                                   ? kThreads
+                                   : static_cast<unsigned>(std::clamp<int64_t>(
+                                         (vecs + 31) / 32 * 32, kThreads, kNormLoraThreads));
       with_b_rows<E>(a.lora, [&](auto b_rows) {
         add_rms_norm_vec_kernel<E, true, decltype(b_rows)::value>
             <<<grid, threads, smem, raw(stream)>>>(a);
