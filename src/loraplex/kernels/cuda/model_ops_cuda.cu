@@ -883,141 +883,6 @@ __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size, int tile_col
   *reinterpret_cast<P*>(static_cast<S*>(a.out) + t * a.n + j) = o;
 }
 
-// ---------------------------------------------------------------------------------------------
-// silu_mul's expand on tensor cores (16-bit types, max_rank a multiple of 16): for a group of up
-// to 16 tokens of one slot, the expand of 8 columns over 16 ranks is one mma.m16n8k16 with the
-// tokens' intermediates as A (16 x 16, rows past the group zero) and the B rows of the 8 columns
-// as B, read straight from memory: a B row holds a column's ranks contiguously, the
-// column-major B operand. Each lane takes its 4 contiguous rank values as one 8-byte load, in
-// A and in B alike (the mma's k order permuted the same way on both sides, which leaves the
-// sum unchanged). A warp takes kMmaChunks such 8-column chunks of gate and of up, and its lanes
-// hold the sums of 2 columns of tokens lane / 4 and lane / 4 + 8 (the C fragment), which they
-// add to those tokens' inputs before the SiLU. No shared memory, no synchronisation: the
-// FMA form spent its time on instructions (the products and their operands' loads).
-constexpr int kMmaWarps = 4;
-constexpr int kMmaChunks = 4;
-constexpr int kMmaTileCols = kMmaWarps * kMmaChunks * 8;
-
-template <typename E>
-__device__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (std::is_same_v<E, BF16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-}
-
-// The four 16-bit values at p (8-byte aligned), ranks k..k+3, as two registers (the lower
-// address in the lower half), zero at and past `rank`: values there may be anything, NaN too.
-__device__ void load_rank_quad(const uint16_t* p, int k, int rank, uint32_t& lo, uint32_t& hi) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
-  lo = v.x;
-  hi = v.y;
-  if (k + 4 > rank) {
-    lo &= (k < rank ? 0xffffu : 0u) | (k + 1 < rank ? 0xffff0000u : 0u);
-    hi &= (k + 2 < rank ? 0xffffu : 0u) | (k + 3 < rank ? 0xffff0000u : 0u);
-  }
-}
-
-// Grid x = kMmaTileCols-column tiles of the gate (and of up), y = token group (up to 16).
-template <typename E>
-__global__ void __launch_bounds__(kMmaWarps * 32)
-    silu_mul_lora_mma_kernel(SiluMulArgs a, int group_size) {
-  using S = typename E::Storage;
-  const FusedLoraExpand& e = a.lora;
-  TokenGroup g;
-  if (!find_token_group(e.meta, blockIdx.y, group_size, g)) return;
-  if (g.slot >= e.num_slots) g.slot = -1;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int row = lane >> 2;
-  const int quad = (lane & 3) * 4;
-  const int64_t col0 =
-      (static_cast<int64_t>(blockIdx.x) * kMmaWarps + (threadIdx.x >> 5)) * (kMmaChunks * 8);
-  if (col0 >= a.n) return;  // the whole warp
-  bool has[2];
-  int64_t tok[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    has[h] = row + 8 * h < g.count;
-    tok[h] = has[h] ? e.meta.sorted_token_indices[g.begin + row + 8 * h] : 0;
-  }
-  float acc[2][kMmaChunks][4] = {};  // [gate, up][chunk][C fragment]
-  if (g.slot >= 0) {
-    int slice[2], rank[2];
-    const S* b_rows[2];
-    const S* s_rows[2][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int64_t j = u * a.n + col0;
-      slice[u] = slice_of(e, j);
-      rank[u] = slice[u] >= 0 ? e.ranks[slice[u] * e.max_loras + g.slot] : 0;
-      const int sl = slice[u] >= 0 ? slice[u] : 0;
-      b_rows[u] = static_cast<const S*>(e.lora_b[sl]) +
-                  (g.slot * e.width[sl] + (j - e.offset[sl]) + row) * e.max_rank + quad;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s_rows[u][h] = static_cast<const S*>(e.shrink) + tok[h] * e.shrink_row_stride +
-                       g.slot * e.slot_cols + sl * e.max_rank + quad;
-      }
-    }
-    for (int k0 = 0; k0 < e.max_rank; k0 += 16) {
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (k0 >= rank[u]) continue;
-        uint32_t af[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (has[h]) load_rank_quad(s_rows[u][h] + k0, k0 + quad, rank[u], af[h], af[h + 2]);
-        }
-        uint32_t bf[kMmaChunks][2];
-#pragma unroll
-        for (int c = 0; c < kMmaChunks; ++c) {
-          const bool in = col0 + c * 8 < a.n;
-          if (in) {
-            load_rank_quad(b_rows[u] + static_cast<int64_t>(c) * 8 * e.max_rank + k0, k0 + quad,
-                           rank[u], bf[c][0], bf[c][1]);
-          } else {
-            bf[c][0] = bf[c][1] = 0u;
-          }
-        }
-#pragma unroll
-        for (int c = 0; c < kMmaChunks; ++c) mma_16816<E>(acc[u][c], af, bf[c]);
-      }
-    }
-  }
-  const int64_t stride = a.x_row_stride > 0 ? a.x_row_stride : 2 * a.n;
-  using P = Pack<S, 2>;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (!has[h]) continue;
-    const S* x = static_cast<const S*>(a.x) + tok[h] * stride;
-    S* out = static_cast<S*>(a.out) + tok[h] * a.n;
-#pragma unroll
-    for (int c = 0; c < kMmaChunks; ++c) {
-      const int64_t j = col0 + c * 8 + (lane & 3) * 2;
-      if (col0 + c * 8 >= a.n) continue;
-      const P gp = *reinterpret_cast<const P*>(x + j);
-      const P up = *reinterpret_cast<const P*>(x + a.n + j);
-      P o;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const float gv = round_to<E>(E::load(gp.v[k]) + acc[0][c][2 * h + k]);
-        const float uv = round_to<E>(E::load(up.v[k]) + acc[1][c][2 * h + k]);
-        o.v[k] = silu_mul_one<E>(gv, uv);
-      }
-      *reinterpret_cast<P*>(out + j) = o;
-    }
-  }
-}
-
 template <typename E>
 __global__ void argmax_kernel(ArgmaxArgs a) {
   using S = typename E::Storage;
@@ -1099,38 +964,6 @@ struct SiluLoraTiling {
   int tile_cols = 1;
   size_t smem = 0;
 };
-
-// Whether the tensor-core expand can read e's operands: ranks in whole 16-rank steps, and the
-// B rows and intermediates on 8-byte boundaries (a lane's 4 ranks are one load).
-bool mma_expand_fits(const FusedLoraExpand& e) {
-  auto at8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
-  bool ok =
-      e.max_rank % 16 == 0 && e.shrink_row_stride % 4 == 0 && e.slot_cols % 4 == 0 && at8(e.shrink);
-  for (int s = 0; s < e.num_slices; ++s) ok = ok && at8(e.lora_b[s]);
-  return ok;
-}
-
-// Whether each warp of silu_mul_lora_mma_kernel sees one slice in its gate columns and one in
-// its up columns: the slices start and end at gate or up column runs of a warp's width.
-bool silu_mma_slices_fit(const FusedLoraExpand& e, int64_t n) {
-  constexpr int64_t kWarpCols = kMmaChunks * 8;
-  auto on_run = [&](int64_t b) {
-    return b == n || b == 2 * n || (b < n ? b : b - n) % kWarpCols == 0;
-  };
-  bool ok = true;
-  for (int s = 0; s < e.num_slices; ++s)
-    ok = ok && on_run(e.offset[s]) && on_run(e.offset[s] + e.width[s]);
-  return ok;
-}
-
-// The tokens the tensor-core expand takes per group: about a step's tokens per slot, a power of
-// two up to the 16 rows of its A operand.
-int mma_group_tokens(const FusedLoraExpand& e, int64_t tokens) {
-  const int64_t per_slot = tokens / std::max(e.num_slots, 1);
-  int group = 1;
-  while (group < 16 && group * 2 <= per_slot) group *= 2;
-  return group;
-}
 
 SiluLoraTiling silu_lora_tiling(const FusedLoraExpand& e, int64_t tokens, int64_t n, int vec,
                                 size_t element_bytes) {
@@ -1299,16 +1132,6 @@ Status silu_mul(const SiluMulArgs& a, cuda_rt::StreamHandle stream) {
         silu_mul_kernel<E, 1><<<blocks_for(a.num_rows * a.n), kThreads, 0, raw(stream)>>>(a);
       }
       return;
-    }
-    if constexpr (!std::is_same_v<E, F32>) {
-      if (aligned && mma_expand_fits(a.lora) && silu_mma_slices_fit(a.lora, a.n)) {
-        const int group = mma_group_tokens(a.lora, a.num_rows);
-        const dim3 grid(
-            static_cast<unsigned>((a.n + kMmaTileCols - 1) / kMmaTileCols),
-            static_cast<unsigned>(max_token_groups(a.num_rows, group, a.lora.max_loras)));
-        silu_mul_lora_mma_kernel<E><<<grid, kMmaWarps * 32, 0, raw(stream)>>>(a, group);
-        return;
-      }
     }
     // A few tokens spread over the SMs only with fewer columns a thread: each token's B is what
     // the step reads, and 16-byte runs of a few rows would leave most SMs idle.
