@@ -108,7 +108,9 @@ TEST(LinearBaseFp8, RefusesScalesTooSmallForTheWeight) {
   }
 }
 
-TEST(LinearBaseFp8, CublasLtW8A8WithinTheE4m3BoundOfTheCpu) {
+// Disabled: cuBLASLt on an H200 had no algorithm for this with 128x128 block scales and gave
+// wrong values with per-row ones; LoraLinear refuses FP8 weights on CUDA until this passes.
+TEST(LinearBaseFp8, DISABLED_CublasLtW8A8WithinTheE4m3BoundOfTheCpu) {
   LORAPLEX_REQUIRE_GPU();
   const Device gpu = Device::cuda(0);
   const Stream stream = Stream::create(gpu);

