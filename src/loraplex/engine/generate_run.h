@@ -45,7 +45,7 @@ struct GenerateConfig {
   int tensor_parallel_size = 1;  // ranks (GPUs from `device` on, or CPU threads)
   bool fully_sharded_loras = false;
   model::LoraDecode lora_decode = model::LoraDecode::kAuto;
-  bool async_scheduling = true;  // EngineOptions::async_scheduling
+  bool async_scheduling = true;     // EngineOptions::async_scheduling
   std::optional<DType> lora_dtype;  // the projections' LoRA storage; nullopt: `dtype`
 };
 
