@@ -53,27 +53,9 @@ std::string launch(const std::string& kernel, int64_t gx, int64_t gy, int64_t gz
   return o.str();
 }
 
-// The persistent kernel's grid: its work items, at most one wave. The fake runtime's occupancy of
-// decode_lora_kernel: 128 registers a thread allow two 256-thread CTAs per SM, shared memory
-// permitting.
-int64_t persistent_grid(const kc::PersistentPlan& p, const kc::DeviceLimits& limits) {
-  const int by_smem = limits.smem_per_sm / (p.smem + limits.reserved_smem_per_block);
-  const int per_sm = std::max(1, std::min(2, by_smem));
-  return std::max<int64_t>(1, std::min<int64_t>(int64_t{per_sm} * p.sm_count, p.items));
-}
-
-std::string persistent_launch(const kc::PersistentPlan& p, DType dtype,
-                              const kc::DeviceLimits& limits) {
-  return launch(std::string("decode_lora<") + type_name(dtype) + ">", persistent_grid(p, limits), 1,
-                1, kc::persistent_kernel::kThreads, p.smem, 0, false);
-}
-
-std::string shrink_launches(const kc::ShrinkPlan& p, const kc::ShrinkShape& s,
-                            const kc::DeviceLimits& limits) {
+std::string shrink_launches(const kc::ShrinkPlan& p, const kc::ShrinkShape& s) {
   const std::string t = type_name(s.dtype);
   switch (p.kernel) {
-    case kc::ShrinkKernel::kPersistent:
-      return persistent_launch(p.persistent, s.dtype, limits);
     case kc::ShrinkKernel::kPrefill: {
       const kc::PrefillPlan& f = p.prefill;
       std::string out = launch("prefill_shrink<" + t + "," + std::to_string(f.cols) + "," +
@@ -112,8 +94,7 @@ std::string expand_launches(const kc::ExpandPlan& p, const kc::ExpandShape& e) {
                 kc::kGenericThreads, 0, 0, false);
 }
 
-std::string linear_launches(const kc::LinearPlan& p, const kc::LinearShape& shape,
-                            const kc::DeviceLimits& limits) {
+std::string linear_launches(const kc::LinearPlan& p, const kc::LinearShape& shape) {
   const std::string t = type_name(shape.shrink.dtype);
   switch (p.path) {
     case kc::LinearPath::kCluster: {
@@ -134,14 +115,11 @@ std::string linear_launches(const kc::LinearPlan& p, const kc::LinearShape& shap
                     g.expand_grid[0], g.expand_grid[1], 1, kc::gather_kernel::kThreads,
                     g.expand_smem, 0, true);
     }
-    case kc::LinearPath::kFused:
-      return persistent_launch(p.persistent, shape.shrink.dtype, limits);
     case kc::LinearPath::kSplit:
     case kc::LinearPath::kGeneric:
       break;
   }
-  return shrink_launches(p.shrink, shape.shrink, limits) + " " +
-         expand_launches(p.expand, shape.expand);
+  return shrink_launches(p.shrink, shape.shrink) + " " + expand_launches(p.expand, shape.expand);
 }
 
 // The call the launch recorder made for a row: every pointer 16-byte aligned, x rows of `hidden`
@@ -175,12 +153,24 @@ kc::LinearShape shape_of(DType dtype, int64_t tokens, int max_loras, int max_ran
   return sh;
 }
 
+// A recorded tuning without the fields of the removed persistent kernel (they changed only its
+// launches).
+std::string without_removed_keys(const std::string& tuning) {
+  std::string out;
+  for (const std::string& kv : split(tuning, ',')) {
+    if (kv.rfind("decode_k_chunks=", 0) == 0 || kv.rfind("decode_cols=", 0) == 0) continue;
+    out += (out.empty() ? "" : ",") + kv;
+  }
+  return out;
+}
+
 TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
   std::ifstream in(LORAPLEX_LAUNCH_TABLE);
   ASSERT_TRUE(in.good()) << "cannot read " << LORAPLEX_LAUNCH_TABLE;
   std::map<std::string, kc::LoraTuning> tunings = {{"-", kc::LoraTuning{}}};
   const kc::DeviceLimits limits;  // the H100 the table was recorded for
   int rows = 0;
+  int removed = 0;
   int mismatches = 0;
   std::map<std::string, int> paths;
   std::string line;
@@ -189,7 +179,7 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
       const std::vector<std::string> f = split(line.substr(2), ' ');
       ASSERT_EQ(f.size(), 2u) << line;
       kc::LoraTuning t;
-      ASSERT_TRUE(kc::parse_lora_tuning(f[1], t).ok()) << line;
+      ASSERT_TRUE(kc::parse_lora_tuning(without_removed_keys(f[1]), t).ok()) << line;
       tunings[f[0]] = t;
       continue;
     }
@@ -206,12 +196,22 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
     if (f[1] == "linear") {
       const kc::LinearPlan plan = kc::plan_lora_linear(shape, device);
       path = kc::path_name(plan.path);
-      got = linear_launches(plan, shape, limits);
+      got = linear_launches(plan, shape);
     } else if (f[1] == "shrink") {
-      got = shrink_launches(kc::plan_lora_shrink(shape.shrink, device), shape.shrink, limits);
+      got = shrink_launches(kc::plan_lora_shrink(shape.shrink, device), shape.shrink);
     } else {
       ASSERT_EQ(f[1], "expand") << line;
       got = expand_launches(kc::plan_lora_expand(shape.expand, device), shape.expand);
+    }
+    // Rows that ran the persistent decode kernel, removed since (bench kernels' path comparison:
+    // never the fastest path): a layer recorded there now takes the split kernels.
+    if (f[10].find("decode_lora<") != std::string::npos) {
+      ++removed;
+      EXPECT_EQ(got.find("decode_lora<"), std::string::npos) << line;
+      if (f[9] == "fused") {
+        EXPECT_TRUE(path == "split" || path == "generic") << path << ": " << line;
+      }
+      continue;
     }
     ++rows;
     ++paths[path];
@@ -226,8 +226,9 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
   }
   EXPECT_EQ(mismatches, 0) << "of " << rows << " rows";
   // The table covers every path (and the shrink and expand alone).
-  EXPECT_GT(rows, 8000);
-  for (const char* p : {"cluster", "gather", "fused", "split", "generic", "-"}) {
+  EXPECT_GT(rows, 6000);
+  EXPECT_GT(removed, 10);
+  for (const char* p : {"cluster", "gather", "split", "generic", "-"}) {
     EXPECT_GT(paths[p], 10) << p;
   }
 }

@@ -14,39 +14,39 @@ using kernels::cuda::LoraTuning;
 
 TEST(LoraTuning, ParsesKeysOverTheGivenTable) {
   LoraTuning t;
-  ASSERT_TRUE(kernels::cuda::parse_lora_tuning("decode_k_chunks=4,prefill_ctas_per_sm=3", t).ok());
-  EXPECT_EQ(t.decode_k_chunks, 4);
-  EXPECT_EQ(t.decode_cols, LoraTuning{}.decode_cols);
+  ASSERT_TRUE(kernels::cuda::parse_lora_tuning("cluster_size=4,prefill_ctas_per_sm=3", t).ok());
+  EXPECT_EQ(t.cluster_size, 4);
+  EXPECT_EQ(t.gather_rows, LoraTuning{}.gather_rows);
   EXPECT_EQ(t.prefill_k_split, LoraTuning{}.prefill_k_split);
   EXPECT_EQ(t.prefill_ctas_per_sm, 3);
   // A second parse keeps what the first set.
   ASSERT_TRUE(kernels::cuda::parse_lora_tuning(
-                  "decode_cols=256,prefill_k_split=8,expand_ctas_per_sm=2,decode_max_tokens=0", t)
+                  "gather_rows=16,prefill_k_split=8,expand_ctas_per_sm=2,decode_max_tokens=0", t)
                   .ok());
   EXPECT_EQ(t.expand_ctas_per_sm, 2);
   EXPECT_EQ(t.decode_max_tokens, 0);
-  EXPECT_EQ(t.decode_k_chunks, 4);
-  EXPECT_EQ(t.decode_cols, 256);
+  EXPECT_EQ(t.cluster_size, 4);
+  EXPECT_EQ(t.gather_rows, 16);
   EXPECT_EQ(t.prefill_k_split, 8);
 }
 
 TEST(LoraTuning, RejectsMalformedTextNamingItAndKeepsTheTable) {
   LoraTuning t;
-  t.decode_cols = 64;
+  t.gather_rows = 8;
   const Status unknown = kernels::cuda::parse_lora_tuning("decode_rows=4", t);
   EXPECT_FALSE(unknown.ok());
   EXPECT_NE(unknown.message().find("decode_rows"), std::string::npos) << unknown.message();
-  const Status not_int = kernels::cuda::parse_lora_tuning("decode_cols=12x", t);
+  const Status not_int = kernels::cuda::parse_lora_tuning("gather_rows=12x", t);
   EXPECT_FALSE(not_int.ok());
   EXPECT_NE(not_int.message().find("'12x'"), std::string::npos) << not_int.message();
-  const Status no_eq = kernels::cuda::parse_lora_tuning("decode_cols", t);
+  const Status no_eq = kernels::cuda::parse_lora_tuning("gather_rows", t);
   EXPECT_FALSE(no_eq.ok());
   EXPECT_NE(no_eq.message().find("key=value"), std::string::npos) << no_eq.message();
   // A valid key before an invalid value changes nothing.
-  const Status range = kernels::cuda::parse_lora_tuning("decode_k_chunks=8,decode_cols=4", t);
+  const Status range = kernels::cuda::parse_lora_tuning("cluster_size=8,gather_rows=4", t);
   EXPECT_FALSE(range.ok());
-  EXPECT_EQ(t.decode_cols, 64);
-  EXPECT_EQ(t.decode_k_chunks, LoraTuning{}.decode_k_chunks);
+  EXPECT_EQ(t.gather_rows, 8);
+  EXPECT_EQ(t.cluster_size, LoraTuning{}.cluster_size);
 }
 
 TEST(LoraTuning, CheckRejectsOutOfRangeValuesNamingThem) {
@@ -56,10 +56,8 @@ TEST(LoraTuning, CheckRejectsOutOfRangeValuesNamingThem) {
     const char* field;
   };
   const Bad bad[] = {
-      {[](LoraTuning& t) { t.decode_k_chunks = 3; }, "decode_k_chunks = 3"},
-      {[](LoraTuning& t) { t.decode_k_chunks = 32; }, "decode_k_chunks = 32"},
-      {[](LoraTuning& t) { t.decode_cols = 4; }, "decode_cols = 4"},
-      {[](LoraTuning& t) { t.decode_cols = 512; }, "decode_cols = 512"},
+      {[](LoraTuning& t) { t.gather_rows = 4; }, "gather_rows = 4"},
+      {[](LoraTuning& t) { t.gather_rows = 32; }, "gather_rows = 32"},
       {[](LoraTuning& t) { t.decode_max_tokens = -1; }, "decode_max_tokens = -1"},
       {[](LoraTuning& t) { t.prefill_k_split = 16; }, "prefill_k_split = 16"},
       {[](LoraTuning& t) { t.prefill_ctas_per_sm = 0; }, "prefill_ctas_per_sm = 0"},

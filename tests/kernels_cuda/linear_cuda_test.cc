@@ -155,7 +155,8 @@ Tensor run_linear(const LayerCase& c, const LayerData& d, Device device, const S
 const std::vector<LayerCase>& linear_cases() {
   using D = test::SlotDistribution;
   static const std::vector<LayerCase> cases = {
-      // Tensor-core eligible (bf16/f16, multiples of 8): fused up to 64 tokens, split above.
+      // Tensor-core eligible (bf16/f16, multiples of 8): decode paths up to 64 tokens, split
+      // above.
       {DType::kBF16, 1, 1, 16, 4096, {4096}, D::kOneAdapter, 0.0, false},
       {DType::kBF16, 16, 8, 16, 4096, {4096, 1024, 1024}, D::kUniform, 0.2, false},
       {DType::kBF16, 64, 32, 64, 1024, {512, 128, 128}, D::kZipf, 0.1, true},
@@ -196,25 +197,22 @@ TEST(CudaLoraLinear, DefaultPathMatchesCpu) {
   }
 }
 
-TEST(CudaLoraLinear, FusedGatherAndSplitPathsAllMatchCpu) {
+TEST(CudaLoraLinear, GatherClusterAndSplitPathsAllMatchCpu) {
   LORAPLEX_REQUIRE_GPU();
   std::mt19937_64 rng(202);
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
-  // decode_max_tokens 0: never fused (shrink + expand kernels, and no decode-kernel shrink);
-  // 1 << 20: the decode-sized paths wherever they apply: the one-kernel cluster layer (cluster
-  // 2), else the persistent kernel (gather_max_token_ranks 0) or the per-token PDL pair (the
-  // pair on every case it supports).
+  // decode_max_tokens 0: the shrink + expand kernels; 1 << 20: the decode-sized paths wherever
+  // they apply: the one-kernel cluster layer (cluster 2), else the per-token PDL pair (on every
+  // case it supports).
   struct Config {
     int limit;
     int gather_max_token_ranks;
     int cluster;
     const char* name;
   };
-  const Config configs[] = {{0, 1 << 30, 0, "split"},
-                            {1 << 20, 0, 0, "fused"},
-                            {1 << 20, 1 << 30, 0, "gather"},
-                            {1 << 20, 1 << 30, 2, "cluster"}};
+  const Config configs[] = {
+      {0, 1 << 30, 0, "split"}, {1 << 20, 1 << 30, 0, "gather"}, {1 << 20, 1 << 30, 2, "cluster"}};
   for (const Config& cfg : configs) {
     LoraTuning tuning;
     tuning.decode_max_tokens = cfg.limit;
@@ -402,8 +400,8 @@ TEST(CudaKernelTrace, TracedClusterLayerMatchesCpuAndRecordsOrderedTimelines) {
   EXPECT_GT(finished, 0);
 }
 
-// Every launch shape the tuning values reach must stay correct: the fused (decode) kernel with
-// few and many K chunks and wide consumer items, the prefill shrink with clusters of 1 and 8,
+// Every launch shape the tuning values reach must stay correct: the prefill shrink with clusters
+// of 1 and 8,
 // its ring 3 and 4 stages deep, its split-K sums met in a cluster and in global memory, its MMA
 // on mma.sync and on wgmma (clusters of 8, or 8 parts through global memory, summed in the last
 // CTA or by a second kernel), the expands with 1 to 16 CTAs per SM, the pair's shrink on FMA and
@@ -420,8 +418,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .gather_group = 1,
        .gather_rows = 8,
        .gather_shrink = 2,
-       .decode_k_chunks = 1,
-       .decode_cols = 256,
        .prefill_k_split = 1,
        .prefill_ctas_per_sm = 1,
        .prefill_stages = 3,
@@ -431,8 +427,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .gather_group = 2,
        .gather_rows = 8,
        .gather_shrink = 2,
-       .decode_k_chunks = 4,
-       .decode_cols = 64,
        .prefill_mma = 1,
        .prefill_k_split = 8,
        .prefill_ctas_per_sm = 8,
@@ -452,8 +446,6 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
        .gather_shrink = 2},
       {.decode_cluster = 0,
        .gather_max_token_ranks = 0,
-       .decode_k_chunks = 8,
-       .decode_cols = 8,
        .prefill_mma = 1,
        .prefill_k_split = 2,
        .prefill_ctas_per_sm = 4,
@@ -685,7 +677,7 @@ TEST(CudaGraph, ReplayAfterMappingChangeOnDevice) {
       {DType::kF32, 40, 4, 8, 96, {40, 24}, D::kUniform, 0.2, true},                // generic
   };
   // The decode-sized case runs the cluster layer (mode 2), the per-token PDL pair (mode 0) and
-  // the persistent kernel with its arrival counters (mode 1): each must replay correctly.
+  // the split kernels (mode 1): each must replay correctly.
   for (int mode : {2, 0, 1}) {
     LoraTuning tuning;
     if (mode == 1) tuning.gather_max_token_ranks = 0;

@@ -6,9 +6,9 @@
 //   rotating the same, but the captured calls cycle through distinct adapter weight sets
 //            (together >= 128 MB, more than the L2 holds), so the weights come from HBM.
 // Bytes are counted honestly: x read once, A and B of every active adapter at its own rank
-// once, y read and written, the fp32 intermediate written and read unless the layer ran
-// fused. Bandwidth is reported against the device-to-device copy bandwidth measured at
-// start-up (bytes read + written).
+// once, y read and written, the fp32 intermediate written and read unless the layer ran as
+// the per-token pair (its partial sums are not counted). Bandwidth is reported against the
+// device-to-device copy bandwidth measured at start-up (bytes read + written).
 
 #include <algorithm>
 #include <chrono>
@@ -409,8 +409,7 @@ int run_kernels(const Options& o) {
       double bytes;
       std::function<void(int)> fn;
     };
-    const double linear_bytes =
-        by.x + by.a + by.b + by.y + (path == "fused" || path == "gather" ? 0.0 : 2 * by.mid);
+    const double linear_bytes = by.x + by.a + by.b + by.y + (path == "gather" ? 0.0 : 2 * by.mid);
     std::vector<Op> ops = {
         {"linear", linear_bytes,
          [&](int s) {
@@ -467,11 +466,9 @@ int run_kernels(const Options& o) {
       row["adapters"] = c.adapters;
       row["tokens"] = c.tokens;
       row["slices"] = c.slices;
-      // split (shrink + expand kernels), the persistent decode kernel, the per-token pair, the
-      // one-kernel cluster layer, each as far as it goes: {decode tokens, pair's token x rank
-      // limit, cluster}.
-      const int configs[][3] = {
-          {0, 1 << 30, 0}, {1 << 20, 0, 0}, {1 << 20, 1 << 30, 0}, {1 << 20, 1 << 30, 2}};
+      // split (shrink + expand kernels), the per-token pair, the one-kernel cluster layer, each
+      // as far as it goes: {decode tokens, pair's token x rank limit, cluster}.
+      const int configs[][3] = {{0, 1 << 30, 0}, {1 << 20, 1 << 30, 0}, {1 << 20, 1 << 30, 2}};
       for (const auto& [limit, pair_limit, cluster] : configs) {
         kc::LoraTuning tuning = o.tuning;
         tuning.decode_max_tokens = limit;

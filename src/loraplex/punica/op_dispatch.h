@@ -33,8 +33,8 @@ Status dispatch_bgmv_shrink(const kernels::ShrinkArgs& args, const int32_t* toke
 Status dispatch_bgmv_expand(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
                             const Stream& stream);
 /// Shrink and expand of one layer in one call: on CUDA small batches run the decode kernel
-/// pair or the persistent decode kernel (split-K shrink partial sums in the metadata's
-/// scratch, `shrink.out` not written); otherwise shrink into `shrink.out`, then expand from it.
+/// pair (split-K shrink partial sums in the metadata's scratch, `shrink.out` not written) or
+/// the cluster layer; otherwise shrink into `shrink.out`, then expand from it.
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
                             const kernels::LoraMetaView& meta, const Stream& stream,
                             const kernels::cuda::LoraDevice* lora_device = nullptr);

@@ -102,8 +102,8 @@ class PunicaWrapper {
                        std::span<const Tensor> lora_b, const SlotRanks& ranks, float scale,
                        Tensor& workspace, const Stream& stream) const;
   /// Which kernel path add_lora_linear takes for these arguments now: "cpu", or on CUDA
-  /// "cluster" (the one-kernel decode layer), "gather" (the decode kernel pair), "fused" (the
-  /// persistent decode kernel), "split" (shrink + expand kernels) or "generic". For
+  /// "cluster" (the one-kernel decode layer), "gather" (the decode kernel pair), "split"
+  /// (shrink + expand kernels) or "generic". For
   /// benchmarks and tests; launches nothing.
   std::string lora_linear_path(const Tensor& y, const Tensor& x, std::span<const Tensor> lora_a,
                                std::span<const Tensor> lora_b, const SlotRanks& ranks,

@@ -66,17 +66,17 @@ const std::vector<Config>& configs() {
 
 const std::vector<std::string>& tuned_shapes() {
   static const std::vector<std::string> t = {
-      "decode_k_chunks=1,decode_cols=256,prefill_k_split=1,prefill_ctas_per_sm=1,prefill_stages=3,"
+      "prefill_k_split=1,prefill_ctas_per_sm=1,prefill_stages=3,"
       "expand_ctas_per_sm=1,gather_group=1,gather_max_token_ranks=1073741824,gather_shrink=2,"
       "gather_rows=8,decode_cluster=0",
-      "decode_k_chunks=4,decode_cols=64,prefill_k_split=8,prefill_ctas_per_sm=8,prefill_stages=4,"
+      "prefill_k_split=8,prefill_ctas_per_sm=8,prefill_stages=4,"
       "prefill_reduce=1,prefill_mma=1,expand_ctas_per_sm=16,gather_group=2,"
       "gather_max_token_ranks=1073741824,gather_shrink=2,gather_rows=8,decode_cluster=0",
       "gather_group=2,gather_max_token_ranks=1073741824,gather_shrink=1,gather_rows=8,"
       "decode_cluster=0,layer_pdl=2",
       "gather_group=2,gather_max_token_ranks=1073741824,gather_shrink=2,decode_cluster=0,"
       "layer_pdl=0",
-      "decode_k_chunks=8,decode_cols=8,prefill_k_split=2,prefill_ctas_per_sm=4,prefill_stages=4,"
+      "prefill_k_split=2,prefill_ctas_per_sm=4,prefill_stages=4,"
       "prefill_mma=1,expand_ctas_per_sm=2,gather_max_token_ranks=0,decode_cluster=0",
       "prefill_k_split=8,prefill_ctas_per_sm=8,prefill_reduce=1,prefill_mma=2",
       "prefill_k_split=8,prefill_ctas_per_sm=8,prefill_stages=3,prefill_reduce=2,prefill_mma=2",

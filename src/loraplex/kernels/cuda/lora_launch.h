@@ -14,9 +14,6 @@ namespace loraplex::kernels::cuda {
 
 using StreamHandle = cuda_rt::StreamHandle;
 
-/// The persistent decode kernel: the layer (expand given) or the shrink alone (decode_lora.cu).
-Status launch_persistent(const PersistentPlan& plan, const ShrinkArgs& shrink,
-                         const ExpandArgs* expand, const LoraMetaView& meta, StreamHandle stream);
 /// The per-token shrink + expand pair (gather_lora.cu).
 Status launch_gather(const GatherPlan& plan, const ShrinkArgs& shrink, const ExpandArgs& expand,
                      const LoraMetaView& meta, StreamHandle stream);

@@ -23,8 +23,6 @@ Status check_workspace(const Workspace& need, const LoraMetaView& meta, const ch
 Status run_shrink(const ShrinkPlan& plan, const ShrinkArgs& args, const LoraMetaView& meta,
                   StreamHandle stream) {
   switch (plan.kernel) {
-    case ShrinkKernel::kPersistent:
-      return launch_persistent(plan.persistent, args, nullptr, meta, stream);
     case ShrinkKernel::kPrefill:
       return launch_prefill(plan.prefill, args, meta, stream);
     case ShrinkKernel::kGeneric:
@@ -85,8 +83,6 @@ Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const Lor
       return launch_cluster(plan.cluster, shrink, expand, meta, stream);
     case LinearPath::kGather:
       return launch_gather(plan.gather, shrink, expand, meta, stream);
-    case LinearPath::kFused:
-      return launch_persistent(plan.persistent, shrink, &expand, meta, stream);
     case LinearPath::kSplit:
     case LinearPath::kGeneric:
       break;

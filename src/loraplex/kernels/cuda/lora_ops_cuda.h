@@ -23,9 +23,8 @@ using StreamHandle = cuda_rt::StreamHandle;
 Status build_lora_meta(int32_t num_tokens, int32_t max_loras, const cpu::LoraMetaBuffers& out,
                        StreamHandle stream);
 
-/// SGMV shrink over the metadata: the persistent decode kernel for small batches (split-K
-/// partial sums in the metadata's scratch), the tensor-core prefill shrink for larger ones,
-/// generic kernels for anything else (lora_plan.h decides).
+/// SGMV shrink over the metadata: the tensor-core prefill shrink where its alignment holds,
+/// the generic kernel for anything else (lora_plan.h decides).
 Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, const LoraDevice& device,
                    StreamHandle stream);
 /// SGMV expand over the metadata, all slices in one launch (tensor cores when aligned).
@@ -36,8 +35,8 @@ Status bgmv_shrink(const ShrinkArgs& args, const int32_t* token_lora_mapping, St
 Status bgmv_expand(const ExpandArgs& args, const int32_t* token_lora_mapping, StreamHandle stream);
 
 /// Shrink then expand of one layer, on the path plan_lora_linear picks: for small batches the
-/// one-kernel cluster layer, the per-token kernel pair or the persistent kernel (none of them
-/// writes shrink.out), else shrink into shrink.out and expand from it. expand.in must be
+/// one-kernel cluster layer or the per-token kernel pair (neither writes shrink.out), else
+/// shrink into shrink.out and expand from it. expand.in must be
 /// shrink.out. Fails, naming both, where the plan needs more of the metadata's scratch or
 /// counters than it holds.
 Status lora_linear(const ShrinkArgs& shrink, const ExpandArgs& expand, const LoraMetaView& meta,

@@ -11,11 +11,6 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 bool is_pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
 bool half_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-int log2_int(int v) {
-  int n = 0;
-  while ((1 << n) < v) ++n;
-  return n;
-}
 
 // The shrink and expand describe one layer that the one-launch decode paths can take: bf16 or
 // f16 throughout, the same slices, slots, ranks and tokens, and the sum added to y.
@@ -26,23 +21,14 @@ bool one_half_layer(const ShrinkShape& s, const ExpandShape& e) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The persistent decode kernel.
+// Decode-sized layers.
 
-// Producer items along K: a power of two (a shift on the device), at most kMaxKChunks and the
-// tuning's decode_k_chunks, with at least one batch of kWindows windows per chunk where K allows.
-int persistent_k_chunks(int64_t hidden, const LoraTuning& t) {
-  using namespace persistent_kernel;
-  const int64_t windows = ceil_div(hidden, kWindow);
-  const int max_chunks = std::min(kMaxKChunks, t.decode_k_chunks);
-  int kc = 1;
-  while (kc * 2 <= max_chunks && int64_t{kc} * 2 * kWindows <= windows) kc *= 2;
-  return kc;
-}
-
-bool persistent_shrink_ok(const ShrinkShape& s, const LoraTuning& t) {
-  using namespace persistent_kernel;
+// A shrink the decode paths take: 16-bit, rank a power of two from 8 to 256, aligned rows, up to
+// decode_max_tokens tokens, within the metadata limits they were measured with.
+bool decode_shrink_ok(const ShrinkShape& s, const LoraTuning& t) {
+  using namespace decode_layer;
   if (!half_dtype(s.dtype) || !is_pow2(s.max_rank) || s.max_rank < 8) return false;
-  if (s.max_rank > kStageB / 16) return false;  // a consumer stages at least 16 columns
+  if (s.max_rank > kStageB / 16) return false;
   if (s.hidden % 8 != 0 || s.x_row_stride % 8 != 0 || !s.x_aligned16) return false;
   if (s.tokens <= 0 || s.tokens > kMaxTokens || s.tokens > t.decode_max_tokens) return false;
   if (s.max_loras + 1 > kMaxEntries) return false;
@@ -50,7 +36,8 @@ bool persistent_shrink_ok(const ShrinkShape& s, const LoraTuning& t) {
   return s.a_aligned16;
 }
 
-bool persistent_expand_ok(const ShrinkShape& s, const ExpandShape& e) {
+// Its expand: the same slices, slots, ranks and tokens, 8-column aligned slices and rows.
+bool decode_expand_ok(const ShrinkShape& s, const ExpandShape& e) {
   if (e.dtype != s.dtype || e.num_slices != s.num_slices || e.max_rank != s.max_rank ||
       e.max_loras != s.max_loras || e.tokens != s.tokens)
     return false;
@@ -59,49 +46,6 @@ bool persistent_expand_ok(const ShrinkShape& s, const ExpandShape& e) {
     if (e.slice_width[i] % 8 != 0) return false;
   }
   return e.b_aligned16;
-}
-
-PersistentPlan plan_persistent(const ShrinkShape& s, const ExpandShape* e, const LoraDevice& dev) {
-  using namespace persistent_kernel;
-  PersistentPlan p;
-  p.expand = e != nullptr;
-  p.k_chunks = persistent_k_chunks(s.hidden, dev.tuning);
-  p.k_shift = log2_int(p.k_chunks);
-  p.k_chunk = static_cast<int>(ceil_div(ceil_div(s.hidden, p.k_chunks), kWindow) * kWindow);
-  int col_chunks = 0;
-  if (e != nullptr) {
-    // Few columns per item keep a consumer's instruction path short; at higher ranks the
-    // staged B bounds them.
-    p.cols = std::min({kMaxCols, dev.tuning.decode_cols, kStageB / s.max_rank});
-    p.cols_shift = log2_int(p.cols / 8);
-    for (int i = 0; i < e->num_slices; ++i) {
-      p.col_chunks[i] = static_cast<int>(ceil_div(e->slice_width[i], p.cols));
-      col_chunks += p.col_chunks[i];
-    }
-    p.off_y = p.cols * s.max_rank * 2;
-    p.off_frag = p.off_y + kTokens * (p.cols + 8) * 2;
-    p.warp_bytes = p.off_frag + static_cast<int>(ceil_div(s.max_rank, 16)) * 32 * 8;
-  } else {
-    p.warp_bytes = 16;
-  }
-  const int ne = s.max_loras + 1;
-  const int64_t ints = 3 * ne + int64_t{s.num_slices} * s.max_loras + s.tokens;
-  p.off_warp = static_cast<int>(ceil_div(ints * 4, 16) * 16);
-  p.smem = p.off_warp + kWarps * p.warp_bytes;
-  // Work items at most (every active slot at max_rank), so that the grid stays within them.
-  const int64_t active = std::min<int64_t>(s.tokens, s.max_loras);
-  const int64_t groups = (s.tokens + (kTokens - 1) * active) / kTokens + 1;
-  const int64_t producers =
-      groups * s.num_slices * ceil_div(s.max_rank, kRankGroup) * int64_t{p.k_chunks};
-  const int64_t consumers = groups * (p.expand ? col_chunks : s.num_slices);
-  p.items = producers + consumers;
-  p.sm_count = dev.limits.sm_count;
-  return p;
-}
-
-Workspace persistent_workspace(const PersistentPlan& p, const ShrinkShape& s) {
-  return {int64_t{p.k_chunks} * s.num_slices * s.tokens * s.max_rank,
-          int64_t{s.max_loras + 1} * s.num_slices};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,7 +260,7 @@ bool cluster_applies(const ShrinkShape& s, const ExpandShape& e, const LoraDevic
 //   10-16% faster than the pair without PDL, 35-53% with it (rank 16 at 16 tokens gains with
 //   PDL but is 38-60% slower without);
 // * 33 to 64 tokens with more rows (q/k/v at rank 64) and at least 16 tokens per slot: one slot
-//   at 64 tokens 33-49% faster than the persistent kernel.
+//   at 64 tokens 45-54% faster than the split path.
 bool use_cluster(const LinearShape& shape, const LoraDevice& dev) {
   const ShrinkShape& s = shape.shrink;
   const int mode = dev.tuning.decode_cluster;
@@ -583,8 +527,6 @@ const char* path_name(LinearPath path) {
       return "cluster";
     case LinearPath::kGather:
       return "gather";
-    case LinearPath::kFused:
-      return "fused";
     case LinearPath::kSplit:
       return "split";
     case LinearPath::kGeneric:
@@ -595,10 +537,7 @@ const char* path_name(LinearPath path) {
 
 ShrinkPlan plan_lora_shrink(const ShrinkShape& s, const LoraDevice& dev, bool expand_follows) {
   ShrinkPlan p;
-  if (persistent_shrink_ok(s, dev.tuning)) {
-    p.kernel = ShrinkKernel::kPersistent;
-    p.persistent = plan_persistent(s, nullptr, dev);
-  } else if (prefill_applies(s, dev)) {
+  if (prefill_applies(s, dev)) {
     p.kernel = ShrinkKernel::kPrefill;
     p.prefill = plan_prefill(s, dev, expand_follows);
   } else {
@@ -610,7 +549,6 @@ ShrinkPlan plan_lora_shrink(const ShrinkShape& s, const LoraDevice& dev, bool ex
 }
 
 Workspace shrink_workspace(const ShrinkPlan& p, const ShrinkShape& s) {
-  if (p.kernel == ShrinkKernel::kPersistent) return persistent_workspace(p.persistent, s);
   if (p.kernel == ShrinkKernel::kPrefill && p.prefill.global_reduce) {
     return {int64_t{p.prefill.k_split} * s.tokens * p.prefill.a_rows, p.prefill.tiles};
   }
@@ -667,18 +605,13 @@ LinearPlan plan_lora_linear(const LinearShape& shape, const LoraDevice& dev) {
     p.cluster = plan_cluster(shape, dev);
     return p;
   }
-  if (persistent_shrink_ok(s, dev.tuning) && persistent_expand_ok(s, e)) {
-    // The pair while tokens x max_rank is small (it reads each token's A rows once per token,
-    // with no grouping by slot: slower than the persistent kernel at rank 64 x 64 tokens).
-    if (s.tokens * s.max_rank <= dev.tuning.gather_max_token_ranks && gather_applies(s, e)) {
-      p.path = LinearPath::kGather;
-      p.gather = plan_gather(shape, dev);
-      p.workspace = {int64_t{p.gather.k_chunks} * s.num_slices * s.tokens * s.max_rank, 0};
-      return p;
-    }
-    p.path = LinearPath::kFused;
-    p.persistent = plan_persistent(s, &e, dev);
-    p.workspace = persistent_workspace(p.persistent, s);
+  // The pair while tokens x max_rank is small: it reads each token's A rows once per token,
+  // with no grouping by slot, and the split kernels win above (bench kernels' path comparison).
+  if (decode_shrink_ok(s, dev.tuning) && decode_expand_ok(s, e) &&
+      s.tokens * s.max_rank <= dev.tuning.gather_max_token_ranks && gather_applies(s, e)) {
+    p.path = LinearPath::kGather;
+    p.gather = plan_gather(shape, dev);
+    p.workspace = {int64_t{p.gather.k_chunks} * s.num_slices * s.tokens * s.max_rank, 0};
     return p;
   }
   p.path = half_dtype(s.dtype) ? LinearPath::kSplit : LinearPath::kGeneric;
@@ -692,18 +625,16 @@ LinearPlan plan_lora_linear(const LinearShape& shape, const LoraDevice& dev) {
 }
 
 int64_t lora_scratch_floats(int64_t n, const LoraTuning& t) {
-  // Decode kernels: tokens up to decode_max_tokens (and the persistent kernel's 2048); the
-  // persistent kernel's 16 K chunks x 8 slices x rank 256 per token, the pair's ceil(K / 1024)
-  // chunks (64 at K = 65536) x 8 slices x tokens x max_rank, with tokens x max_rank at most
+  // The pair: tokens up to decode_max_tokens (and 2048), ceil(K / 1024) chunks (64 at
+  // K = 65536) x 8 slices x tokens x max_rank, with tokens x max_rank at most
   // gather_max_token_ranks.
-  const int64_t td = std::min<int64_t>({n, t.decode_max_tokens, persistent_kernel::kMaxTokens});
-  const int64_t persistent = int64_t{persistent_kernel::kMaxKChunks} * kMaxSlices * 256 * td;
+  const int64_t td = std::min<int64_t>({n, t.decode_max_tokens, decode_layer::kMaxTokens});
   const int64_t gather =
       64 * int64_t{kMaxSlices} * std::min<int64_t>(256 * td, t.gather_max_token_ranks);
   const int64_t rows =
       t.prefill_reduce == 2 ? prefill_kernel::kMaxRows : prefill_kernel::kSmallRows;
   const int64_t prefill = int64_t{prefill_kernel::kMaxParts} * rows * n;
-  return std::max({persistent, gather, prefill});
+  return std::max(gather, prefill);
 }
 
 int64_t lora_counters(int64_t n, int max_loras) {

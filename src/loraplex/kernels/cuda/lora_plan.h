@@ -1,11 +1,11 @@
 #pragma once
 // The one place that decides how the CUDA LoRA kernels run a call: which path a layer takes
-// (the cluster layer, the per-token pair, the persistent kernel, shrink + expand kernels, or the
-// generic kernels), and every launch's shape (grid, threads, shared memory, template
-// arguments, PDL and cluster attributes), from the call's sizes and alignments, the device's
-// limits and the tuning table. The launchers (lora_launch.h) run a plan; the tests and the
-// benchmark read it. Plain C++ (no CUDA headers): compiled in every build, so the decisions are
-// tested without a GPU (tests/kernels_cpu/lora_plan_test.cc).
+// (the cluster layer, the per-token pair, shrink + expand kernels, or the generic kernels), and
+// every launch's shape (grid, threads, shared memory, template arguments, PDL and cluster
+// attributes), from the call's sizes and alignments, the device's limits and the tuning table. The
+// launchers (lora_launch.h) run a plan; the tests and the benchmark read it. Plain C++ (no CUDA
+// headers): compiled in every build, so the decisions are tested without a GPU
+// (tests/kernels_cpu/lora_plan_test.cc).
 //
 // A plan states the workspace it needs (LoraMetaView's scratch floats and counters); a launch
 // whose metadata holds less fails with an error naming both, instead of taking another path.
@@ -42,21 +42,14 @@ LoraDevice lora_device(int index);
 // ---------------------------------------------------------------------------------------------
 // Kernel shapes the planner and the kernels share.
 
-/// The persistent decode kernel (decode_lora.cu).
-namespace persistent_kernel {
-inline constexpr int kThreads = 256;
-inline constexpr int kWarps = kThreads / 32;
-inline constexpr int kTokens = 8;       // tokens per work item
-inline constexpr int kRankGroup = 16;   // A rows per producer item
-inline constexpr int kWindow = 32;      // K per pair of producer MMAs: 4 lanes x 8
-inline constexpr int kWindows = 8;      // windows per batch of loads
-inline constexpr int kMaxKChunks = 16;  // producer items along K at most
-inline constexpr int kStageB = 4096;    // B elements (columns x max_rank) a consumer stages at most
-inline constexpr int kMaxCols = 256;    // output columns per consumer item at most
-inline constexpr int kMaxEntries = 64;  // metadata entries (max_loras + 1): two per lane
-inline constexpr int kMaxTokens = 2048;     // the sorted token indices are cached in shared memory
-inline constexpr int kMaxRankTable = 8192;  // and the layer's ranks [num_slices, max_loras]
-}  // namespace persistent_kernel
+/// The layer shapes the decode paths (the per-token pair) take: the limits they were measured
+/// and recorded within.
+namespace decode_layer {
+inline constexpr int kStageB = 4096;        // columns x max_rank of B staged at most
+inline constexpr int kMaxEntries = 64;      // metadata entries (max_loras + 1)
+inline constexpr int kMaxTokens = 2048;     // tokens
+inline constexpr int kMaxRankTable = 8192;  // ranks [num_slices, max_loras]
+}  // namespace decode_layer
 
 /// The per-token kernel pair (gather_lora.cu).
 namespace gather_kernel {
@@ -204,24 +197,6 @@ struct Workspace {
   int64_t counters = 0;
 };
 
-/// The persistent decode kernel over one layer (expand) or one shrink.
-struct PersistentPlan {
-  bool expand = false;
-  int k_chunks = 1;  // a power of two
-  int k_shift = 0;   // log2(k_chunks)
-  int k_chunk = 0;   // K per chunk
-  int cols = 0;      // expand: columns per consumer item (a power of two)
-  int cols_shift = 0;
-  int col_chunks[kMaxSlices] = {};
-  int off_y = 0;  // bytes within a warp's area
-  int off_frag = 0;
-  int warp_bytes = 0;
-  int off_warp = 0;  // bytes: start of the per-warp areas
-  int smem = 0;
-  int64_t items = 0;  // producer and consumer items at most: the grid's bound
-  int sm_count = 0;   // the grid is also bounded by one wave (occupancy x SMs)
-};
-
 /// How the pair's expand holds B's ranks before its wait (gather_lora.cu's template argument):
 /// kRegs up to rank 16, all of them unpacked in registers (the shrink then also loads its A rows
 /// before it knows the slot's rank); kStaged up to rank 64 in shared memory; kLoop after the wait.
@@ -278,10 +253,9 @@ struct PrefillPlan {
 };
 
 /// Which kernel runs a shrink.
-enum class ShrinkKernel { kPersistent, kPrefill, kGeneric };
+enum class ShrinkKernel { kPrefill, kGeneric };
 struct ShrinkPlan {
   ShrinkKernel kernel = ShrinkKernel::kGeneric;
-  PersistentPlan persistent;
   PrefillPlan prefill;
   unsigned generic_grid[2] = {1, 1};
 };
@@ -303,18 +277,17 @@ struct ExpandPlan {
   int64_t generic_col_blocks = 0;
 };
 
-enum class LinearPath { kCluster, kGather, kFused, kSplit, kGeneric };
-/// "cluster", "gather", "fused" (the persistent kernel), "split" or "generic".
+enum class LinearPath { kCluster, kGather, kSplit, kGeneric };
+/// "cluster", "gather", "split" or "generic".
 const char* path_name(LinearPath path);
 
 /// One layer: the path and the plan of each kernel it launches.
 struct LinearPlan {
   LinearPath path = LinearPath::kGeneric;
-  ClusterPlan cluster;        // kCluster
-  GatherPlan gather;          // kGather
-  PersistentPlan persistent;  // kFused
-  ShrinkPlan shrink;          // kSplit, kGeneric
-  ExpandPlan expand;          // kSplit, kGeneric
+  ClusterPlan cluster;  // kCluster
+  GatherPlan gather;    // kGather
+  ShrinkPlan shrink;    // kSplit, kGeneric
+  ExpandPlan expand;    // kSplit, kGeneric
   Workspace workspace;
 };
 
@@ -326,10 +299,9 @@ ExpandPlan plan_lora_expand(const ExpandShape& shape, const LoraDevice& device,
 Workspace shrink_workspace(const ShrinkPlan& plan, const ShrinkShape& shape);
 
 /// LoraMetaView scratch floats that cover every plan of `tuning` for up to max_num_tokens
-/// tokens with K up to 65536 (LoraBatchMeta's size): the decode kernels' split-K partial sums
-/// (at most 16 K chunks x 8 slices x rank 256 per token, up to decode_max_tokens or 2048
-/// tokens) and the prefill shrink's parts in global memory (8 x 64 A rows per token; 8 x 256
-/// where prefill_reduce 2 sends the large variant there too).
+/// tokens with K up to 65536 (LoraBatchMeta's size): the pair's split-K partial sums (up to
+/// decode_max_tokens tokens) and the prefill shrink's parts in global memory (8 x 64 A rows per
+/// token; 8 x 256 where prefill_reduce 2 sends the large variant there too).
 int64_t lora_scratch_floats(int64_t max_num_tokens, const LoraTuning& tuning);
 /// Counters that cover every plan for up to max_num_tokens tokens and max_loras slots.
 int64_t lora_counters(int64_t max_num_tokens, int max_loras);

@@ -25,8 +25,6 @@ constexpr Field kFields[] = {
     {"gather_group", &LoraTuning::gather_group, 1, 2, false, true},
     {"gather_rows", &LoraTuning::gather_rows, 8, 16, true, true},
     {"gather_shrink", &LoraTuning::gather_shrink, 1, 2, false, true},
-    {"decode_k_chunks", &LoraTuning::decode_k_chunks, 1, 16, true, false},
-    {"decode_cols", &LoraTuning::decode_cols, 8, 256, true, false},
     {"cluster_size", &LoraTuning::cluster_size, 1, 16, true, true},
     {"prefill_mma", &LoraTuning::prefill_mma, 1, 2, false, true},
     {"prefill_k_split", &LoraTuning::prefill_k_split, 1, 8, true, true},

@@ -16,8 +16,7 @@ namespace loraplex::kernels::cuda {
 /// H100 and H200; 0 in a field documented as automatic picks by the planner's
 /// measured rule.
 struct LoraTuning {
-  /// Largest batch (tokens) that runs a decode kernel (the per-token pair or the persistent
-  /// kernel, for the layer and for the shrink alone); 0: never.
+  /// Largest batch (tokens) that runs the per-token pair; 0: never.
   int decode_max_tokens = 64;
   /// Layers up to 256 tokens: the one-kernel cluster layer (cluster_lora.cu). 0: never; 1: where
   /// it measured faster than the other paths (lora_plan.cc, use_cluster); 2: wherever it applies.
@@ -27,7 +26,7 @@ struct LoraTuning {
   /// faster; 2: always.
   int layer_pdl = 1;
   /// The per-token pair runs decode-sized layers while tokens x max_rank is at most this, the
-  /// persistent kernel above it (0: always the persistent kernel).
+  /// split kernels above it (0: never the pair).
   int gather_max_token_ranks = 2048;
   /// Pair: consecutive sorted tokens per shrink CTA (1 or 2); 0: 2 up to max_rank 16 except at
   /// 2-16 tokens, else 1.
@@ -38,10 +37,6 @@ struct LoraTuning {
   /// Pair: the shrink's arithmetic. 1: FMA; 2: tensor cores; 0: tensor cores where groups of
   /// tokens share a slot.
   int gather_shrink = 0;
-  /// Persistent kernel: producer items along K at most (a power of two, 1..16).
-  int decode_k_chunks = 16;
-  /// Persistent kernel: output columns per consumer item at most (a power of two, 8..256).
-  int decode_cols = 128;
   /// Cluster layer: CTAs per cluster (a power of two, 1..16); 0: about 256 of K per CTA.
   int cluster_size = 0;
   /// Prefill shrink: the MMA. 1: mma.sync on 64-token tiles; 2: wgmma on 128-token tiles; 0:
