@@ -1,4 +1,4 @@
-// Launch cost of thread-block clusters (docs/architecture.md): an almost
+// Launch cost of thread-block clusters (docs/kernels.md): an almost
 // empty kernel, and one with a single barrier.cluster (release/acquire), launched with clusters
 // of 1..16 CTAs, 20 launches per CUDA graph, median of 50 replays per launch. Not built by
 // CMake; run on the GPU machine as

@@ -1,4 +1,4 @@
-// Latency probes behind the decode cost model (docs/architecture.md): dependent loads at three
+// Latency probes behind the decode cost model (docs/kernels.md): dependent loads at three
 // footprints (L2 / DRAM), __threadfence() after a store, and kernels in a CUDA graph (empty, one
 // load, 10 and 20 dependent loads). Not built by CMake; run on the GPU machine as
 //   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o /tmp/lat bench/probes/latency_probe.cu

@@ -60,7 +60,7 @@ TEST_P(Fp8FirstStep, CpuGivesTransformersTokenAndLogprob) {
 }
 
 // Disabled while LoraLinear refuses FP8 weights on CUDA: cuBLASLt's W8A8 gave the wrong tokens
-// with per-row scales on an H200 (docs/architecture.md, FP8).
+// with per-row scales on an H200 (docs/model.md, FP8).
 TEST_P(Fp8FirstStep, DISABLED_CudaW8A8WithinTheFormatsErrorOfTransformers) {
   LORAPLEX_REQUIRE_GPU();
   const FirstSteps f = first_steps(GetParam(), Device::cuda(0), DType::kBF16);

@@ -28,7 +28,7 @@
 //     reserved for the waiting adapter. One drain per waiting adapter, oldest first. Requests
 //     of resident adapters that are not draining are never held back by adapters that wait.
 //     With eviction on there is no drain: the requests a drain holds back made the
-//     time-to-first-token tail (docs/architecture.md has the measurements).
+//     time-to-first-token tail (docs/engine.md has the measurements).
 //  4. Slot eviction (lora_evict_after_s; negative = off). When an adapter in host memory
 //     without a slot has a request that awaits its first token (never run, never preempted,
 //     never the cause of an eviction) and has waited lora_evict_after_s, or a request that has

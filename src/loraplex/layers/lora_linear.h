@@ -1,6 +1,6 @@
 #pragma once
 // One LoRA-aware linear layer for every projection kind of vLLM's LoRA subsystem, described
-// by data instead of one class per kind (docs/architecture.md "One class, many layer kinds"):
+// by data instead of one class per kind (docs/decisions.md "One linear class, described by data"):
 //
 //   vLLM class                                   LinearSpec factory
 //   ReplicatedLinearWithLoRA                     LinearSpec::replicated

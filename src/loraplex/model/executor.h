@@ -27,7 +27,7 @@ namespace loraplex::model {
 ///   kOverlap: each projection's LoRA kernels on a second stream beside its GEMM (one GPU);
 ///   kKernels: each projection's LoRA kernels after its GEMM, in stream order;
 ///   kAuto: kOverlap for steps of up to kAutoOverlapTokens tokens where it exists, else kFused.
-/// Which wins at which size is measured in BENCHMARKS.md and explained in docs/architecture.md
+/// Which wins at which size is measured in BENCHMARKS.md and explained in docs/model.md
 /// ("How a decode step runs its LoRA").
 enum class LoraDecode { kAuto, kFused, kOverlap, kKernels };
 inline constexpr int64_t kAutoOverlapTokens = 64;

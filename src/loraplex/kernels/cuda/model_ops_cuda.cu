@@ -145,7 +145,7 @@ struct TokenGroup {
 // Group g of the step: the active slots' tokens cut into groups of at most `size`, slot by slot.
 // Every warp finds it on its own, 32 active slots per round: a loop over the slots one by one is
 // a chain of dependent loads as long as the slots, which dominated these short kernels (docs/
-// architecture.md). False past the last group.
+// model.md). False past the last group.
 __device__ bool find_token_group(const LoraMetaView& m, int g, int size, TokenGroup& out) {
   const int active = *m.num_active_loras;
   const int lane = static_cast<int>(threadIdx.x) & 31;
