@@ -5,7 +5,7 @@
 #include <numeric>
 
 #include "loraplex/core/error.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 #include "support/random_data.h"
 
 namespace loraplex::test {

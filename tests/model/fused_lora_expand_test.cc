@@ -16,7 +16,7 @@
 
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 #include "loraplex/punica/batch_meta.h"
 #include "support/gpu_check.h"
 #include "support/random_data.h"

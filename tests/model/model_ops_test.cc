@@ -13,9 +13,9 @@
 
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
-#include "loraplex/layers/layer_ops.h"
+#include "loraplex/layers/embedding_moe_ops.h"
+#include "loraplex/model/decoder_ops.h"
 #include "loraplex/model/kv_cache.h"
-#include "loraplex/model/model_ops.h"
 #include "loraplex/model/sampler.h"
 #include "support/gpu_check.h"
 #include "support/random_data.h"

@@ -1,6 +1,6 @@
 #pragma once
-// The non-GEMM steps of the embedding and MoE layers (their tensor API: layers/layer_ops.h) as
-// argument structs over raw pointers: the embedding rows of a vocab shard, token ids within a
+// The non-GEMM steps of the embedding and MoE layers (their tensor API: layers/embedding_moe_ops.h)
+// as argument structs over raw pointers: the embedding rows of a vocab shard, token ids within a
 // shard, top-k softmax routing, row gather and scatter, the sum over top-k. The CPU versions
 // (cpu/layer_ops_cpu.cc) define the semantics; the CUDA versions (cuda/layer_ops_cuda.cu)
 // implement the same structs; punica/op_dispatch routes between them. Activations are f32, f16

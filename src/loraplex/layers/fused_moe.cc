@@ -5,7 +5,7 @@
 
 #include "loraplex/core/allocator.h"
 #include "loraplex/core/error.h"
-#include "loraplex/layers/layer_ops.h"
+#include "loraplex/layers/embedding_moe_ops.h"
 #include "loraplex/layers/layer_util.h"
 #include "loraplex/layers/linear_base.h"
 #include "loraplex/punica/op_dispatch.h"

@@ -4,7 +4,7 @@
 #include <optional>
 
 #include "loraplex/core/error.h"
-#include "loraplex/layers/layer_ops.h"
+#include "loraplex/layers/embedding_moe_ops.h"
 #include "loraplex/layers/layer_util.h"
 
 namespace loraplex {

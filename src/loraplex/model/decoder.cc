@@ -11,7 +11,7 @@
 #include "loraplex/core/allocator.h"
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/error.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 #include "loraplex/model/sampler.h"
 #include "loraplex/model/sampling_ops.h"
 #include "loraplex/model/shard_layout.h"

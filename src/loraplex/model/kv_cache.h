@@ -9,7 +9,7 @@
 
 #include "loraplex/core/tensor.h"
 #include "loraplex/model/config.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 
 namespace loraplex::model {
 

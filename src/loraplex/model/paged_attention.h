@@ -7,7 +7,7 @@
 // On CUDA, bf16/f16 with head dims 64 and 128 run FlashInfer's batch prefill kernel over the
 // paged cache (one launch for a mixed batch of prompt chunks and decodes: causal mask, GQA);
 // other dtypes and head dims run ops::cuda::paged_attention, and the CPU runs
-// ops::cpu::paged_attention (model_ops.h). Every buffer is sized at construction.
+// ops::cpu::paged_attention (decoder_ops.h). Every buffer is sized at construction.
 
 #include <cstdint>
 #include <memory>
@@ -18,7 +18,7 @@
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
 #include "loraplex/model/cuda/flashinfer_attention.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 
 namespace loraplex::model {
 

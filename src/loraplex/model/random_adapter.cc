@@ -7,7 +7,7 @@
 
 #include "loraplex/adapters/safetensors.h"
 #include "loraplex/core/error.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 
 namespace loraplex::model {
 

@@ -4,8 +4,8 @@
 
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/error.h"
+#include "loraplex/model/decoder_ops.h"
 #include "loraplex/model/logit_adjust_ops.h"
-#include "loraplex/model/model_ops.h"
 
 namespace loraplex::model {
 

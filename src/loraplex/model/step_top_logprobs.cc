@@ -6,7 +6,7 @@
 #include "loraplex/core/allocator.h"
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/error.h"
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 #include "loraplex/model/top_logprobs_ops.h"
 
 namespace loraplex::model {

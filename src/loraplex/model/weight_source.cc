@@ -3,8 +3,8 @@
 #include <functional>
 
 #include "loraplex/core/error.h"
+#include "loraplex/model/decoder_ops.h"
 #include "loraplex/model/fp8_checkpoint.h"
-#include "loraplex/model/model_ops.h"
 
 namespace loraplex::model {
 

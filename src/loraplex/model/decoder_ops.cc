@@ -1,4 +1,4 @@
-#include "loraplex/model/model_ops.h"
+#include "loraplex/model/decoder_ops.h"
 
 #include "loraplex/punica/op_dispatch.h"
 

@@ -1,4 +1,4 @@
-#include "loraplex/layers/layer_ops.h"
+#include "loraplex/layers/embedding_moe_ops.h"
 
 #include <algorithm>
 
