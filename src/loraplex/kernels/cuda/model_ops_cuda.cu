@@ -4,6 +4,7 @@
 // never read on the host); kernels skip out-of-range ids and slots instead of reading past a
 // buffer, so bad input cannot fault.
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "loraplex/kernels/model_ops.h"
@@ -188,8 +190,11 @@ __device__ void stage_shrink(const FusedLoraExpand& e, int64_t t, int slot, floa
   const S* src = static_cast<const S*>(e.shrink) + t * e.shrink_row_stride + slot * e.slot_cols;
   const int cols = e.num_slices * e.max_rank;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    // Both loads at once: the value is read whatever the rank (it lies inside the slot's
+    // columns) and dropped after.
+    const float x = E::load(src[c]);
     const int rank = e.ranks[(c / e.max_rank) * e.max_loras + slot];
-    dst[c] = c % e.max_rank < rank ? E::load(src[c]) : 0.0f;
+    dst[c] = c % e.max_rank < rank ? x : 0.0f;
   }
 }
 
@@ -207,31 +212,38 @@ __device__ int slice_of(const FusedLoraExpand& e, int64_t j) {
 constexpr int kBRowsScalar = 0;
 constexpr int kBRowsLoop = -1;
 
-// v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
-// column j (all in one slice), with s the staged intermediate of the token (zero past the
-// rank). Values of B past the rank are loaded with the rest and discarded.
+// The B rows of the kVec columns from input column j (all in one slice) as kBRows 16-byte
+// chunks each (kBRows > 0), all loaded by load() before add() multiplies: values past the
+// slot's rank are loaded with the rest and discarded. Split in two so that a kernel can issue
+// these loads beside its other loads and do the products later.
 template <typename E, int kVec, int kBRows>
-__device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
-                                 float (&v)[kVec]) {
+struct FusedBRows {
   using S = typename E::Storage;
-  const int s = slice_of(e, j);
-  if (s < 0) return;
-  const int rank = e.ranks[s * e.max_loras + slot];
-  const float* sv = s_all + s * e.max_rank;
-  const S* b =
-      static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
-  float acc[kVec] = {};
-  if constexpr (kBRows > 0) {
-    constexpr int kN = 16 / static_cast<int>(sizeof(S));
-    using P = Pack<S, kN>;
-    P w[kVec][kBRows];
+  static constexpr int kN = 16 / static_cast<int>(sizeof(S));
+  using P = Pack<S, kN>;
+  P w[kVec][kBRows > 0 ? kBRows : 1];  // only kBRows > 0 loads
+  int slice = -1;
+  int rank = 0;
+
+  __device__ void load(const FusedLoraExpand& e, int slot, int64_t j) {
+    slice = slice_of(e, j);
+    if (slice < 0) return;
+    rank = e.ranks[slice * e.max_loras + slot];
+    const S* b = static_cast<const S*>(e.lora_b[slice]) +
+                 (slot * e.width[slice] + (j - e.offset[slice])) * e.max_rank;
 #pragma unroll
     for (int c = 0; c < kVec; ++c) {
 #pragma unroll
       for (int q = 0; q < kBRows; ++q)
         w[c][q] = *reinterpret_cast<const P*>(b + c * e.max_rank + q * kN);
     }
-    if (rank <= 0) return;
+  }
+
+  // v[c] = round(v[c] + sum_{i < rank} s[i] B[c, i]) with s the slice's staged intermediate.
+  __device__ void add(const FusedLoraExpand& e, const float* s_all, float (&v)[kVec]) const {
+    if (slice < 0 || rank <= 0) return;
+    const float* sv = s_all + slice * e.max_rank;
+    float acc[kVec] = {};
 #pragma unroll
     for (int q = 0; q < kBRows; ++q) {
 #pragma unroll
@@ -242,35 +254,60 @@ __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, 
         for (int c = 0; c < kVec; ++c) acc[c] += x * (i < rank ? E::load(w[c][q].v[k]) : 0.0f);
       }
     }
-  } else if constexpr (kBRows == kBRowsLoop) {
-    if (rank <= 0) return;
-    constexpr int kN = 16 / static_cast<int>(sizeof(S));
-    using P = Pack<S, kN>;
-    for (int i0 = 0; i0 < rank; i0 += kN) {
-      P w[kVec];
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) w[c] = *reinterpret_cast<const P*>(b + c * e.max_rank + i0);
-      float x[kN];
+    for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
+  }
+};
+
+// v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
+// column j (all in one slice), with s the staged intermediate of the token (zero past the
+// rank).
+template <typename E, int kVec, int kBRows>
+__device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
+                                 float (&v)[kVec]) {
+  using S = typename E::Storage;
+  if constexpr (kBRows > 0) {
+    FusedBRows<E, kVec, kBRows> b;
+    b.load(e, slot, j);
+    b.add(e, s_all, v);
+  } else {
+    const int s = slice_of(e, j);
+    if (s < 0) return;
+    const int rank = e.ranks[s * e.max_loras + slot];
+    const float* sv = s_all + s * e.max_rank;
+    const S* b =
+        static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
+    float acc[kVec] = {};
+    if constexpr (kBRows == kBRowsLoop) {
+      if (rank <= 0) return;
+      constexpr int kN = 16 / static_cast<int>(sizeof(S));
+      using P = Pack<S, kN>;
+      for (int i0 = 0; i0 < rank; i0 += kN) {
+        P w[kVec];
 #pragma unroll
-      for (int q = 0; q < kN; ++q) x[q] = sv[i0 + q];
-      const bool whole = i0 + kN <= rank;
+        for (int c = 0; c < kVec; ++c) w[c] = *reinterpret_cast<const P*>(b + c * e.max_rank + i0);
+        float x[kN];
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) {
+        for (int q = 0; q < kN; ++q) x[q] = sv[i0 + q];
+        const bool whole = i0 + kN <= rank;
 #pragma unroll
-        for (int q = 0; q < kN; ++q) {
-          acc[c] += x[q] * (whole || i0 + q < rank ? E::load(w[c].v[q]) : 0.0f);
+        for (int c = 0; c < kVec; ++c) {
+#pragma unroll
+          for (int q = 0; q < kN; ++q) {
+            acc[c] += x[q] * (whole || i0 + q < rank ? E::load(w[c].v[q]) : 0.0f);
+          }
         }
       }
-    }
-  } else {
-    if (rank <= 0) return;
+    } else {
+      if (rank <= 0) return;
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) {
-      for (int i = 0; i < rank; ++i) acc[c] += sv[i] * E::load(b[c * e.max_rank + i]);
+      for (int c = 0; c < kVec; ++c) {
+        for (int i = 0; i < rank; ++i) acc[c] += sv[i] * E::load(b[c * e.max_rank + i]);
+      }
     }
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
   }
-#pragma unroll
-  for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
 }
 
 // Where the B tiles start after `floats` staged intermediates: a 16-byte boundary.
@@ -278,40 +315,67 @@ __host__ __device__ constexpr int64_t silu_tile_offset(int64_t floats) {
   return (floats + 3) / 4 * 4;
 }
 
-// The slot's B rows of input columns [first, first + count), staged transposed into shared
-// memory so that a thread's kVec columns of one rank index are one vector:
-//   bt[i * stride + c] = B_s[slot, first + c - offset[s], i]
+// The slot's B rows of input columns [first_u, first_u + count) for two tiles u (a gate's and
+// an up's), each staged transposed into shared memory so that a thread's kVec columns of one
+// rank index are one vector:
+//   bt_u[i * stride + c] = B_s[slot, first_u + c - offset[s], i]
 // for c < stride, zero at and past slice s's rank and for columns past count or in no slice.
 // The rows are read in 16-byte chunks when `vector_b` (vector_b_rows), consecutive threads on
-// consecutive chunks, so the tile crosses from memory once, every load in flight together.
+// consecutive chunks, so the tile crosses from memory once; a thread issues up to kStageLoads
+// loads before it stores any (a load then a store per step would make the staging as many
+// memory round trips as the thread has chunks).
+constexpr int kStageLoads = 8;
+
 template <typename E>
-__device__ void stage_b_tile(const FusedLoraExpand& e, int slot, int64_t first, int64_t count,
-                             int stride, bool vector_b, typename E::Storage* bt) {
+__device__ void stage_b_tiles(const FusedLoraExpand& e, int slot, int64_t first0, int64_t first1,
+                              int64_t count, int stride, bool vector_b, typename E::Storage* bt0,
+                              typename E::Storage* bt1) {
   using S = typename E::Storage;
   constexpr int kN = 16 / static_cast<int>(sizeof(S));
   const int per_row = vector_b ? e.max_rank / kN : e.max_rank;
   const int width = vector_b ? kN : 1;
-  for (int idx = threadIdx.x; idx < stride * per_row; idx += blockDim.x) {
-    const int c = idx / per_row;
-    const int i0 = idx % per_row * width;
-    const int s = c < count ? slice_of(e, first + c) : -1;
-    Pack<S, kN> w{};
-    int rank = 0;
-    if (s >= 0) {
-      rank = e.ranks[s * e.max_loras + slot];
-      const S* b = static_cast<const S*>(e.lora_b[s]) +
-                   (slot * e.width[s] + (first + c - e.offset[s])) * e.max_rank + i0;
-      if (vector_b) {
-        w = *reinterpret_cast<const Pack<S, kN>*>(b);
-      } else {
-        w.v[0] = *b;
+  const int per_tile = stride * per_row;
+  for (int base = 0; base < 2 * per_tile; base += kStageLoads * static_cast<int>(blockDim.x)) {
+    Pack<S, kN> w[kStageLoads];
+    int rank[kStageLoads];
+#pragma unroll
+    for (int k = 0; k < kStageLoads; ++k) {
+      const int idx = base + k * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+      const int u = idx < per_tile ? 0 : 1;
+      const int c = (idx - u * per_tile) / per_row;
+      const int i0 = (idx - u * per_tile) % per_row * width;
+      const int64_t j = (u == 0 ? first0 : first1) + c;
+      const int s = idx < 2 * per_tile && c < count ? slice_of(e, j) : -1;
+      w[k] = Pack<S, kN>{};
+      rank[k] = 0;
+      if (s >= 0) {
+        rank[k] = e.ranks[s * e.max_loras + slot];
+        const S* b = static_cast<const S*>(e.lora_b[s]) +
+                     (slot * e.width[s] + (j - e.offset[s])) * e.max_rank + i0;
+        if (vector_b) {
+          w[k] = *reinterpret_cast<const Pack<S, kN>*>(b);
+        } else {
+          w[k].v[0] = *b;
+        }
       }
     }
-    for (int k = 0; k < width; ++k) bt[(i0 + k) * stride + c] = i0 + k < rank ? w.v[k] : S{};
+#pragma unroll
+    for (int k = 0; k < kStageLoads; ++k) {
+      const int idx = base + k * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+      if (idx >= 2 * per_tile) break;
+      const int u = idx < per_tile ? 0 : 1;
+      const int c = (idx - u * per_tile) / per_row;
+      const int i0 = (idx - u * per_tile) % per_row * width;
+      S* bt = u == 0 ? bt0 : bt1;
+#pragma unroll
+      for (int q = 0; q < kN; ++q) {
+        if (q < width) bt[(i0 + q) * stride + c] = i0 + q < rank[k] ? w[k].v[q] : S{};
+      }
+    }
   }
 }
 
-// v[c] = round(v[c] + sum_i s[i] bt[i * stride + c0 + c]) over a staged tile (stage_b_tile),
+// v[c] = round(v[c] + sum_i s[i] bt[i * stride + c0 + c]) over a staged tile (stage_b_tiles),
 // for the kVec columns from tile column c0 (input column j, all in one slice).
 template <typename E, int kVec>
 __device__ void add_tile_expand(const FusedLoraExpand& e, int64_t j, const float* s_all,
@@ -350,10 +414,11 @@ __device__ bool begin_token_group(const FusedLoraExpand& e, int group_size, floa
       const int i = idx / cols;
       const int c = idx % cols;
       const int64_t t = e.meta.sorted_token_indices[g.begin + i];
-      const int rank = e.ranks[(c / e.max_rank) * e.max_loras + g.slot];
       const S* src =
           static_cast<const S*>(e.shrink) + t * e.shrink_row_stride + g.slot * e.slot_cols;
-      staged[idx] = c % e.max_rank < rank ? E::load(src[c]) : 0.0f;
+      const float x = E::load(src[c]);
+      const int rank = e.ranks[(c / e.max_rank) * e.max_loras + g.slot];
+      staged[idx] = c % e.max_rank < rank ? x : 0.0f;
     }
   }
   __syncthreads();
@@ -424,12 +489,13 @@ __device__ int stage_norm_lora(const AddRmsNormArgs& a, int64_t src, float* stag
   }
 }
 
-constexpr int kNormLoraThreads = 512;
-// Steps of at least this many rows fill the SMs with kThreads a row.
+// Steps of at least this many rows fill the SMs with kThreads a row; a LoRA row of a smaller
+// step is split over the kNormParts CTAs of a cluster (add_rms_norm_lora_split_kernel).
 constexpr int64_t kNormWideRows = 128;
+constexpr int kNormParts = 8;
 
 template <typename E, bool kLora, int kBRows>
-__global__ void __launch_bounds__(kNormLoraThreads) add_rms_norm_vec_kernel(AddRmsNormArgs a) {
+__global__ void __launch_bounds__(kThreads) add_rms_norm_vec_kernel(AddRmsNormArgs a) {
   using S = typename E::Storage;
   using V = Vec16<S>;
   constexpr int kN = V::kN;
@@ -495,6 +561,87 @@ __global__ void __launch_bounds__(kNormLoraThreads) add_rms_norm_vec_kernel(AddR
     if (res_out != nullptr) res_out[i] = keep;
     out[i] = o;
   }
+}
+
+// A LoRA row of a step of few rows split over the `parts` CTAs of a thread-block cluster, one
+// 16-byte run a thread: one SM reading a whole row's B rows (hidden x rank) is bound by the
+// loads it can keep in flight, parts SMs share them. Every load that does not need the slot
+// (residual, deltas, weight) is issued before the slot is known, the B rows and the
+// intermediate right after it; the CTAs' sums of squares meet in distributed shared memory.
+template <typename E, int kBRows>
+__global__ void add_rms_norm_lora_split_kernel(AddRmsNormArgs a) {
+  using S = typename E::Storage;
+  using V = Vec16<S>;
+  constexpr int kN = V::kN;
+  __shared__ float shared[32];
+  __shared__ float part_squares;
+  extern __shared__ float staged[];  // [num_slices * max_rank]
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int parts = static_cast<int>(cluster.num_blocks());
+  const int64_t r = blockIdx.x / parts;
+  const int64_t src = a.rows != nullptr ? a.rows[r] : r;
+  const int64_t vecs = a.hidden / kN;
+  const int64_t per_part = (vecs + parts - 1) / parts;
+  const int64_t i = static_cast<int64_t>(cluster.block_rank()) * per_part + threadIdx.x;
+  const bool mine = threadIdx.x < per_part && i < vecs;
+  const int64_t dstride = a.delta_row_stride > 0 ? a.delta_row_stride : a.hidden;
+  const FusedLoraExpand& e = a.lora;
+  int slot = e.meta.token_lora_mapping[src];
+  V x{}, d1{}, d2{}, wv{};
+  V* delta2 = a.delta2 != nullptr ? reinterpret_cast<V*>(static_cast<S*>(a.delta2) + src * a.hidden)
+                                  : nullptr;
+  if (mine) {
+    x = reinterpret_cast<const V*>(static_cast<const S*>(a.residual) + src * a.hidden)[i];
+    d1 = reinterpret_cast<const V*>(static_cast<const S*>(a.delta) + src * dstride)[i];
+    if (delta2 != nullptr) d2 = delta2[i];
+    wv = reinterpret_cast<const V*>(a.weight)[i];
+  }
+  if (slot >= e.num_slots) slot = -1;
+  FusedBRows<E, kN, kBRows> b;
+  if constexpr (kBRows > 0) {
+    if (mine && slot >= 0) b.load(e, slot, i * kN);
+  }
+  if (slot >= 0) stage_shrink<E>(e, src, slot, staged);
+  __syncthreads();
+  float v[kN];
+  float squares = 0.0f;
+  if (mine) {
+    float add[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) add[k] = E::load(d1.v[k]);
+    if (slot >= 0) {
+      if constexpr (kBRows > 0) {
+        b.add(e, staged, add);
+      } else {
+        add_fused_expand<E, kN, kBRows>(e, slot, i * kN, staged, add);
+      }
+    }
+    if (delta2 != nullptr && a.clear_delta2) delta2[i] = V{};
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      if (delta2 != nullptr) add[k] += E::load(d2.v[k]);
+      v[k] = round_to<E>(E::load(x.v[k]) + add[k]);
+      squares += v[k] * v[k];
+    }
+  }
+  squares = block_sum(squares, shared);
+  if (threadIdx.x == 0) part_squares = squares;
+  cluster.sync();
+  float total = 0.0f;
+  for (int p = 0; p < parts; ++p) total += *cluster.map_shared_rank(&part_squares, p);
+  cluster.sync();  // no CTA leaves while another reads its sum
+  if (!mine) return;
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(a.hidden) + a.eps);
+  V o, keep;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    keep.v[k] = E::store(v[k]);
+    o.v[k] = E::store(E::load(wv.v[k]) * round_to<E>(v[k] * inv));
+  }
+  if (a.residual_out != nullptr)
+    reinterpret_cast<V*>(static_cast<S*>(a.residual_out) + r * a.hidden)[i] = keep;
+  reinterpret_cast<V*>(static_cast<S*>(a.out) + r * a.hidden)[i] = o;
 }
 
 template <typename E, bool kLora>
@@ -644,24 +791,64 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   });
 }
 
+// The input columns item `item` reads (rope_kv_write_item): a rotary item's two runs (j0, j1),
+// a v item's one (j0; j1 = -1).
+template <int kVec>
+__device__ void rope_item_columns(const RopeKvWriteArgs& a, int64_t item, int64_t& j0,
+                                  int64_t& j1) {
+  const int64_t d = a.cache.head_dim;
+  const int64_t per_head = d / 2 / kVec;
+  const int64_t rot_items = (a.num_heads + a.cache.num_kv_heads) * per_head;
+  if (item < rot_items) {
+    j0 = item / per_head * d + item % per_head * kVec;
+    j1 = j0 + d / 2;
+  } else {
+    j0 = (a.num_heads + a.cache.num_kv_heads) * d + (item - rot_items) * kVec;
+    j1 = -1;
+  }
+}
+
 // Grid x = a share of the items, y = token group (find_token_group). The block's threads are
 // group_size rows of blockDim / group_size items: the tokens of a group run side by side on the
-// same items, so the B rows they share are read from L2 once and from L1 after.
-template <typename E, int kVec, int kBRows>
+// same items, so the B rows they share are read from L2 once and from L1 after. A thread's B
+// rows (kBRows > 0) are loaded as soon as the group's slot is known, in flight while the
+// intermediates are staged.
+template <typename E, int kVec, int kBRows, bool kPreload = true>
 __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
   const FusedLoraExpand& e = a.lora;
-  TokenGroup g;
-  if (!begin_token_group<E>(e, group_size, staged, g, [](int) {})) return;
-  const int cols = e.num_slices * e.max_rank;
   const int per_token = static_cast<int>(blockDim.x) / group_size;
   const int i = static_cast<int>(threadIdx.x) / per_token;
   const int64_t item =
       static_cast<int64_t>(blockIdx.x) * per_token + static_cast<int>(threadIdx.x) % per_token;
-  if (i >= g.count || item >= rope_items<kVec>(a)) return;
+  const bool has_item = item < rope_items<kVec>(a);
+  int64_t j0 = -1, j1 = -1;
+  if (has_item) rope_item_columns<kVec>(a, item, j0, j1);
+  FusedBRows<E, kVec, kBRows> b0, b1;
+  TokenGroup g;
+  if (!begin_token_group<E>(e, group_size, staged, g, [&](int slot) {
+        if constexpr (kBRows > 0 && kPreload) {
+          if (!has_item) return;
+          b0.load(e, slot, j0);
+          if (j1 >= 0) b1.load(e, slot, j1);
+        }
+      })) {
+    return;
+  }
+  const int cols = e.num_slices * e.max_rank;
+  if (i >= g.count || !has_item) return;
   const int64_t t = e.meta.sorted_token_indices[g.begin + i];
   rope_kv_write_item<E, kVec>(a, t, item, g.slot >= 0, [&](int64_t j, float(&v)[kVec]) {
-    if (g.slot >= 0) add_fused_expand<E, kVec, kBRows>(e, g.slot, j, staged + i * cols, v);
+    if (g.slot < 0) return;
+    if constexpr (kBRows > 0 && kPreload) {
+      if (j == j0) {
+        b0.add(e, staged + i * cols, v);
+      } else {
+        b1.add(e, staged + i * cols, v);
+      }
+    } else {
+      add_fused_expand<E, kVec, kBRows>(e, g.slot, j, staged + i * cols, v);
+    }
   });
 }
 
@@ -836,7 +1023,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
 }
 
 // Grid x = tiles of `tile_cols` columns of the gate (and the same of up), y = token group. The
-// block stages its slot's B rows of both tiles in shared memory (stage_b_tile), then its
+// block stages its slot's B rows of both tiles in shared memory (stage_b_tiles), then its
 // threads are group_size rows of tile_cols / kVec column runs: each B element crosses from
 // memory once per block and is read from shared memory by every token of the group.
 template <typename E, int kVec>
@@ -851,9 +1038,8 @@ __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size, int tile_col
   const int64_t count = a.n - first < tile_cols ? a.n - first : tile_cols;
   TokenGroup g;
   const bool any = begin_token_group<E>(e, group_size, staged, g, [&](int slot) {
-    stage_b_tile<E>(e, slot, first, count, tile_cols, vector_b, tile);
-    stage_b_tile<E>(e, slot, a.n + first, count, tile_cols, vector_b,
-                    tile + e.max_rank * tile_cols);
+    stage_b_tiles<E>(e, slot, first, a.n + first, count, tile_cols, vector_b, tile,
+                     tile + e.max_rank * tile_cols);
   });
   if (!any) return;
   const int per_token = tile_cols / kVec;
@@ -979,6 +1165,16 @@ SiluLoraTiling silu_lora_tiling(const FusedLoraExpand& e, int64_t tokens, int64_
            2 * static_cast<size_t>(e.max_rank) * cols * element_bytes;
   };
   while (per_token > 1 && smem_of(per_token * vec) > (48u << 10)) per_token /= 2;
+  // A step of a few tokens in narrower tiles, so that their B rows spread over the SMs: one
+  // SM's loads in flight bound how fast it reads its tiles.
+  const int64_t groups = std::max<int64_t>((tokens + t.group - 1) / t.group, 1);
+  static const int64_t spread = [] {
+    const char* v = std::getenv("LORAPLEX_SILU_SPREAD");
+    return v != nullptr ? std::atoll(v) : int64_t{128};
+  }();
+  while (per_token > 32 / t.group &&
+         (n + per_token * vec - 1) / (per_token * vec) * groups < spread)
+    per_token /= 2;
   t.tile_cols = per_token * vec;
   t.smem = smem_of(t.tile_cols);
   return t;
@@ -1018,18 +1214,28 @@ Status add_rms_norm(const AddRmsNormArgs& a, cuda_rt::StreamHandle stream) {
       }
     } else if (!vec) {
       add_rms_norm_kernel<E, true><<<grid, kThreads, smem, raw(stream)>>>(a);
+    } else if (a.num_rows < kNormWideRows) {
+      // A few rows: each split over a cluster (add_rms_norm_lora_split_kernel).
+      const int64_t per_part = (a.hidden / kN + kNormParts - 1) / kNormParts;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(grid * static_cast<unsigned>(kNormParts));
+      cfg.blockDim = dim3(static_cast<unsigned>((per_part + 31) / 32 * 32));
+      cfg.dynamicSmemBytes = smem;
+      cfg.stream = raw(stream);
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = static_cast<unsigned>(kNormParts);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      with_b_rows<E>(a.lora, [&](auto b_rows) {
+        cudaLaunchKernelEx(&cfg, add_rms_norm_lora_split_kernel<E, decltype(b_rows)::value>, a);
+      });
     } else {
-      // A few rows: one 16-byte run a thread. The expand's loads are the row's running time,
-      // and one block per row leaves most SMs idle, so each thread keeps only one run's loads
-      // in flight.
-      const int64_t vecs = a.hidden / kN;
-      const unsigned threads = a.num_rows >= kNormWideRows
-                                   ? kThreads
-                                   : static_cast<unsigned>(std::clamp<int64_t>(
-                                         (vecs + 31) / 32 * 32, kThreads, kNormLoraThreads));
       with_b_rows<E>(a.lora, [&](auto b_rows) {
         add_rms_norm_vec_kernel<E, true, decltype(b_rows)::value>
-            <<<grid, threads, smem, raw(stream)>>>(a);
+            <<<grid, kThreads, smem, raw(stream)>>>(a);
       });
     }
   });
@@ -1073,9 +1279,15 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
       rope_kv_write_lora_kernel<E, 1, kBRowsScalar>
           <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
     } else {
+      static const bool preload = std::getenv("LORAPLEX_ROPE_PRELOAD") == nullptr;
       with_b_rows<E>(a.lora, [&](auto b_rows) {
-        rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value>
-            <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
+        if (preload) {
+          rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value>
+              <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
+        } else {
+          rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value, false>
+              <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
+        }
       });
     }
   });
