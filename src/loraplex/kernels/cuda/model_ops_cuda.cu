@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "loraplex/kernels/model_ops.h"
@@ -261,53 +260,68 @@ struct FusedBRows {
 
 // v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
 // column j (all in one slice), with s the staged intermediate of the token (zero past the
-// rank).
+// rank). Values of B past the rank are loaded with the rest and discarded.
 template <typename E, int kVec, int kBRows>
 __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
                                  float (&v)[kVec]) {
   using S = typename E::Storage;
+  const int s = slice_of(e, j);
+  if (s < 0) return;
+  const int rank = e.ranks[s * e.max_loras + slot];
+  const float* sv = s_all + s * e.max_rank;
+  const S* b =
+      static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
+  float acc[kVec] = {};
   if constexpr (kBRows > 0) {
-    FusedBRows<E, kVec, kBRows> b;
-    b.load(e, slot, j);
-    b.add(e, s_all, v);
-  } else {
-    const int s = slice_of(e, j);
-    if (s < 0) return;
-    const int rank = e.ranks[s * e.max_loras + slot];
-    const float* sv = s_all + s * e.max_rank;
-    const S* b =
-        static_cast<const S*>(e.lora_b[s]) + (slot * e.width[s] + (j - e.offset[s])) * e.max_rank;
-    float acc[kVec] = {};
-    if constexpr (kBRows == kBRowsLoop) {
-      if (rank <= 0) return;
-      constexpr int kN = 16 / static_cast<int>(sizeof(S));
-      using P = Pack<S, kN>;
-      for (int i0 = 0; i0 < rank; i0 += kN) {
-        P w[kVec];
+    constexpr int kN = 16 / static_cast<int>(sizeof(S));
+    using P = Pack<S, kN>;
+    P w[kVec][kBRows];
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) w[c] = *reinterpret_cast<const P*>(b + c * e.max_rank + i0);
-        float x[kN];
+    for (int c = 0; c < kVec; ++c) {
 #pragma unroll
-        for (int q = 0; q < kN; ++q) x[q] = sv[i0 + q];
-        const bool whole = i0 + kN <= rank;
+      for (int q = 0; q < kBRows; ++q)
+        w[c][q] = *reinterpret_cast<const P*>(b + c * e.max_rank + q * kN);
+    }
+    if (rank <= 0) return;
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) {
+    for (int q = 0; q < kBRows; ++q) {
 #pragma unroll
-          for (int q = 0; q < kN; ++q) {
-            acc[c] += x[q] * (whole || i0 + q < rank ? E::load(w[c].v[q]) : 0.0f);
-          }
-        }
-      }
-    } else {
-      if (rank <= 0) return;
+      for (int k = 0; k < kN; ++k) {
+        const int i = q * kN + k;
+        const float x = sv[i];
 #pragma unroll
-      for (int c = 0; c < kVec; ++c) {
-        for (int i = 0; i < rank; ++i) acc[c] += sv[i] * E::load(b[c * e.max_rank + i]);
+        for (int c = 0; c < kVec; ++c) acc[c] += x * (i < rank ? E::load(w[c][q].v[k]) : 0.0f);
       }
     }
+  } else if constexpr (kBRows == kBRowsLoop) {
+    if (rank <= 0) return;
+    constexpr int kN = 16 / static_cast<int>(sizeof(S));
+    using P = Pack<S, kN>;
+    for (int i0 = 0; i0 < rank; i0 += kN) {
+      P w[kVec];
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
+      for (int c = 0; c < kVec; ++c) w[c] = *reinterpret_cast<const P*>(b + c * e.max_rank + i0);
+      float x[kN];
+#pragma unroll
+      for (int q = 0; q < kN; ++q) x[q] = sv[i0 + q];
+      const bool whole = i0 + kN <= rank;
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) {
+#pragma unroll
+        for (int q = 0; q < kN; ++q) {
+          acc[c] += x[q] * (whole || i0 + q < rank ? E::load(w[c].v[q]) : 0.0f);
+        }
+      }
+    }
+  } else {
+    if (rank <= 0) return;
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) {
+      for (int i = 0; i < rank; ++i) acc[c] += sv[i] * E::load(b[c * e.max_rank + i]);
+    }
   }
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) v[c] = round_to<E>(v[c] + acc[c]);
 }
 
 // Where the B tiles start after `floats` staged intermediates: a 16-byte boundary.
@@ -315,67 +329,40 @@ __host__ __device__ constexpr int64_t silu_tile_offset(int64_t floats) {
   return (floats + 3) / 4 * 4;
 }
 
-// The slot's B rows of input columns [first_u, first_u + count) for two tiles u (a gate's and
-// an up's), each staged transposed into shared memory so that a thread's kVec columns of one
-// rank index are one vector:
-//   bt_u[i * stride + c] = B_s[slot, first_u + c - offset[s], i]
+// The slot's B rows of input columns [first, first + count), staged transposed into shared
+// memory so that a thread's kVec columns of one rank index are one vector:
+//   bt[i * stride + c] = B_s[slot, first + c - offset[s], i]
 // for c < stride, zero at and past slice s's rank and for columns past count or in no slice.
 // The rows are read in 16-byte chunks when `vector_b` (vector_b_rows), consecutive threads on
-// consecutive chunks, so the tile crosses from memory once; a thread issues up to kStageLoads
-// loads before it stores any (a load then a store per step would make the staging as many
-// memory round trips as the thread has chunks).
-constexpr int kStageLoads = 8;
-
+// consecutive chunks, so the tile crosses from memory once, every load in flight together.
 template <typename E>
-__device__ void stage_b_tiles(const FusedLoraExpand& e, int slot, int64_t first0, int64_t first1,
-                              int64_t count, int stride, bool vector_b, typename E::Storage* bt0,
-                              typename E::Storage* bt1) {
+__device__ void stage_b_tile(const FusedLoraExpand& e, int slot, int64_t first, int64_t count,
+                             int stride, bool vector_b, typename E::Storage* bt) {
   using S = typename E::Storage;
   constexpr int kN = 16 / static_cast<int>(sizeof(S));
   const int per_row = vector_b ? e.max_rank / kN : e.max_rank;
   const int width = vector_b ? kN : 1;
-  const int per_tile = stride * per_row;
-  for (int base = 0; base < 2 * per_tile; base += kStageLoads * static_cast<int>(blockDim.x)) {
-    Pack<S, kN> w[kStageLoads];
-    int rank[kStageLoads];
-#pragma unroll
-    for (int k = 0; k < kStageLoads; ++k) {
-      const int idx = base + k * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
-      const int u = idx < per_tile ? 0 : 1;
-      const int c = (idx - u * per_tile) / per_row;
-      const int i0 = (idx - u * per_tile) % per_row * width;
-      const int64_t j = (u == 0 ? first0 : first1) + c;
-      const int s = idx < 2 * per_tile && c < count ? slice_of(e, j) : -1;
-      w[k] = Pack<S, kN>{};
-      rank[k] = 0;
-      if (s >= 0) {
-        rank[k] = e.ranks[s * e.max_loras + slot];
-        const S* b = static_cast<const S*>(e.lora_b[s]) +
-                     (slot * e.width[s] + (j - e.offset[s])) * e.max_rank + i0;
-        if (vector_b) {
-          w[k] = *reinterpret_cast<const Pack<S, kN>*>(b);
-        } else {
-          w[k].v[0] = *b;
-        }
+  for (int idx = threadIdx.x; idx < stride * per_row; idx += blockDim.x) {
+    const int c = idx / per_row;
+    const int i0 = idx % per_row * width;
+    const int s = c < count ? slice_of(e, first + c) : -1;
+    Pack<S, kN> w{};
+    int rank = 0;
+    if (s >= 0) {
+      rank = e.ranks[s * e.max_loras + slot];
+      const S* b = static_cast<const S*>(e.lora_b[s]) +
+                   (slot * e.width[s] + (first + c - e.offset[s])) * e.max_rank + i0;
+      if (vector_b) {
+        w = *reinterpret_cast<const Pack<S, kN>*>(b);
+      } else {
+        w.v[0] = *b;
       }
     }
-#pragma unroll
-    for (int k = 0; k < kStageLoads; ++k) {
-      const int idx = base + k * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
-      if (idx >= 2 * per_tile) break;
-      const int u = idx < per_tile ? 0 : 1;
-      const int c = (idx - u * per_tile) / per_row;
-      const int i0 = (idx - u * per_tile) % per_row * width;
-      S* bt = u == 0 ? bt0 : bt1;
-#pragma unroll
-      for (int q = 0; q < kN; ++q) {
-        if (q < width) bt[(i0 + q) * stride + c] = i0 + q < rank[k] ? w[k].v[q] : S{};
-      }
-    }
+    for (int k = 0; k < width; ++k) bt[(i0 + k) * stride + c] = i0 + k < rank ? w.v[k] : S{};
   }
 }
 
-// v[c] = round(v[c] + sum_i s[i] bt[i * stride + c0 + c]) over a staged tile (stage_b_tiles),
+// v[c] = round(v[c] + sum_i s[i] bt[i * stride + c0 + c]) over a staged tile (stage_b_tile),
 // for the kVec columns from tile column c0 (input column j, all in one slice).
 template <typename E, int kVec>
 __device__ void add_tile_expand(const FusedLoraExpand& e, int64_t j, const float* s_all,
@@ -495,7 +482,7 @@ constexpr int64_t kNormWideRows = 128;
 constexpr int kNormParts = 8;
 
 template <typename E, bool kLora, int kBRows>
-__global__ void __launch_bounds__(kThreads) add_rms_norm_vec_kernel(AddRmsNormArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) add_rms_norm_vec_kernel(AddRmsNormArgs a) {
   using S = typename E::Storage;
   using V = Vec16<S>;
   constexpr int kN = V::kN;
@@ -791,64 +778,24 @@ __global__ void rope_kv_write_kernel(RopeKvWriteArgs a) {
   });
 }
 
-// The input columns item `item` reads (rope_kv_write_item): a rotary item's two runs (j0, j1),
-// a v item's one (j0; j1 = -1).
-template <int kVec>
-__device__ void rope_item_columns(const RopeKvWriteArgs& a, int64_t item, int64_t& j0,
-                                  int64_t& j1) {
-  const int64_t d = a.cache.head_dim;
-  const int64_t per_head = d / 2 / kVec;
-  const int64_t rot_items = (a.num_heads + a.cache.num_kv_heads) * per_head;
-  if (item < rot_items) {
-    j0 = item / per_head * d + item % per_head * kVec;
-    j1 = j0 + d / 2;
-  } else {
-    j0 = (a.num_heads + a.cache.num_kv_heads) * d + (item - rot_items) * kVec;
-    j1 = -1;
-  }
-}
-
 // Grid x = a share of the items, y = token group (find_token_group). The block's threads are
 // group_size rows of blockDim / group_size items: the tokens of a group run side by side on the
-// same items, so the B rows they share are read from L2 once and from L1 after. A thread's B
-// rows (kBRows > 0) are loaded as soon as the group's slot is known, in flight while the
-// intermediates are staged.
-template <typename E, int kVec, int kBRows, bool kPreload = true>
+// same items, so the B rows they share are read from L2 once and from L1 after.
+template <typename E, int kVec, int kBRows>
 __global__ void rope_kv_write_lora_kernel(RopeKvWriteArgs a, int group_size) {
   extern __shared__ float staged[];  // [group_size, num_slices * max_rank]
   const FusedLoraExpand& e = a.lora;
+  TokenGroup g;
+  if (!begin_token_group<E>(e, group_size, staged, g, [](int) {})) return;
+  const int cols = e.num_slices * e.max_rank;
   const int per_token = static_cast<int>(blockDim.x) / group_size;
   const int i = static_cast<int>(threadIdx.x) / per_token;
   const int64_t item =
       static_cast<int64_t>(blockIdx.x) * per_token + static_cast<int>(threadIdx.x) % per_token;
-  const bool has_item = item < rope_items<kVec>(a);
-  int64_t j0 = -1, j1 = -1;
-  if (has_item) rope_item_columns<kVec>(a, item, j0, j1);
-  FusedBRows<E, kVec, kBRows> b0, b1;
-  TokenGroup g;
-  if (!begin_token_group<E>(e, group_size, staged, g, [&](int slot) {
-        if constexpr (kBRows > 0 && kPreload) {
-          if (!has_item) return;
-          b0.load(e, slot, j0);
-          if (j1 >= 0) b1.load(e, slot, j1);
-        }
-      })) {
-    return;
-  }
-  const int cols = e.num_slices * e.max_rank;
-  if (i >= g.count || !has_item) return;
+  if (i >= g.count || item >= rope_items<kVec>(a)) return;
   const int64_t t = e.meta.sorted_token_indices[g.begin + i];
   rope_kv_write_item<E, kVec>(a, t, item, g.slot >= 0, [&](int64_t j, float(&v)[kVec]) {
-    if (g.slot < 0) return;
-    if constexpr (kBRows > 0 && kPreload) {
-      if (j == j0) {
-        b0.add(e, staged + i * cols, v);
-      } else {
-        b1.add(e, staged + i * cols, v);
-      }
-    } else {
-      add_fused_expand<E, kVec, kBRows>(e, g.slot, j, staged + i * cols, v);
-    }
+    if (g.slot >= 0) add_fused_expand<E, kVec, kBRows>(e, g.slot, j, staged + i * cols, v);
   });
 }
 
@@ -1023,7 +970,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
 }
 
 // Grid x = tiles of `tile_cols` columns of the gate (and the same of up), y = token group. The
-// block stages its slot's B rows of both tiles in shared memory (stage_b_tiles), then its
+// block stages its slot's B rows of both tiles in shared memory (stage_b_tile), then its
 // threads are group_size rows of tile_cols / kVec column runs: each B element crosses from
 // memory once per block and is read from shared memory by every token of the group.
 template <typename E, int kVec>
@@ -1038,8 +985,9 @@ __global__ void silu_mul_lora_kernel(SiluMulArgs a, int group_size, int tile_col
   const int64_t count = a.n - first < tile_cols ? a.n - first : tile_cols;
   TokenGroup g;
   const bool any = begin_token_group<E>(e, group_size, staged, g, [&](int slot) {
-    stage_b_tiles<E>(e, slot, first, a.n + first, count, tile_cols, vector_b, tile,
-                     tile + e.max_rank * tile_cols);
+    stage_b_tile<E>(e, slot, first, count, tile_cols, vector_b, tile);
+    stage_b_tile<E>(e, slot, a.n + first, count, tile_cols, vector_b,
+                    tile + e.max_rank * tile_cols);
   });
   if (!any) return;
   const int per_token = tile_cols / kVec;
@@ -1165,16 +1113,6 @@ SiluLoraTiling silu_lora_tiling(const FusedLoraExpand& e, int64_t tokens, int64_
            2 * static_cast<size_t>(e.max_rank) * cols * element_bytes;
   };
   while (per_token > 1 && smem_of(per_token * vec) > (48u << 10)) per_token /= 2;
-  // A step of a few tokens in narrower tiles, so that their B rows spread over the SMs: one
-  // SM's loads in flight bound how fast it reads its tiles.
-  const int64_t groups = std::max<int64_t>((tokens + t.group - 1) / t.group, 1);
-  static const int64_t spread = [] {
-    const char* v = std::getenv("LORAPLEX_SILU_SPREAD");
-    return v != nullptr ? std::atoll(v) : int64_t{128};
-  }();
-  while (per_token > 32 / t.group &&
-         (n + per_token * vec - 1) / (per_token * vec) * groups < spread)
-    per_token /= 2;
   t.tile_cols = per_token * vec;
   t.smem = smem_of(t.tile_cols);
   return t;
@@ -1279,15 +1217,9 @@ Status rope_kv_write(const RopeKvWriteArgs& a, cuda_rt::StreamHandle stream) {
       rope_kv_write_lora_kernel<E, 1, kBRowsScalar>
           <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
     } else {
-      static const bool preload = std::getenv("LORAPLEX_ROPE_PRELOAD") == nullptr;
       with_b_rows<E>(a.lora, [&](auto b_rows) {
-        if (preload) {
-          rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value>
-              <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
-        } else {
-          rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value, false>
-              <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
-        }
+        rope_kv_write_lora_kernel<E, kVec, decltype(b_rows)::value>
+            <<<grid, kRopeThreads, smem, raw(stream)>>>(a, group);
       });
     }
   });
