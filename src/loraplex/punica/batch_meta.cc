@@ -5,7 +5,7 @@
 
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/cuda/lora_plan.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/lora_dispatch.h"
 
 namespace loraplex {
 

@@ -5,7 +5,7 @@
 
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/lora_ops_checks.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/lora_dispatch.h"
 
 namespace loraplex {
 namespace {
