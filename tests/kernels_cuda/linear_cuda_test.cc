@@ -18,7 +18,7 @@
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/lora_tuning.h"
+#include "loraplex/kernels/planner/lora_tuning.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex {
@@ -100,7 +100,7 @@ std::vector<Tensor> to_device(const std::vector<Tensor>& ts, Device device, cons
   return out;
 }
 
-using kernels::cuda::LoraTuning;
+using kernels::planner::LoraTuning;
 
 // A layer case on `device`: the wrapper with the case's metadata and the CUDA kernels' tuning
 // table, the ranks, the weights, x and a fresh copy of y0.
@@ -472,8 +472,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
       t.decode_max_tokens = limit;
       // The values that differ from the defaults, for the failure messages.
       std::string name;
-      const auto defaults = kernels::cuda::lora_tuning_values(LoraTuning{});
-      const auto values = kernels::cuda::lora_tuning_values(t);
+      const auto defaults = kernels::planner::lora_tuning_values(LoraTuning{});
+      const auto values = kernels::planner::lora_tuning_values(t);
       for (size_t i = 0; i < values.size(); ++i) {
         if (values[i].second != defaults[i].second) {
           name += " " + values[i].first + "=" + std::to_string(values[i].second);

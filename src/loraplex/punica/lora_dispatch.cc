@@ -9,15 +9,20 @@ namespace {
 using kernels::route;
 
 // The plans' device: the caller's, or the stream device's own (read into `storage`).
-const kernels::cuda::LoraDevice& or_default(const kernels::cuda::LoraDevice* lora_device,
-                                            const Stream& stream,
-                                            kernels::cuda::LoraDevice& storage) {
+const kernels::planner::LoraDevice& or_default(const kernels::planner::LoraDevice* lora_device,
+                                               const Stream& stream,
+                                               kernels::planner::LoraDevice& storage) {
   if (lora_device != nullptr) return *lora_device;
   storage = kernels::cuda::lora_device(stream.device().index);
   return storage;
 }
 
 }  // namespace
+
+kernels::planner::LoraDevice lora_device_of(Device device) {
+  return device.is_cuda() ? kernels::cuda::lora_device(device.index)
+                          : kernels::planner::LoraDevice{};
+}
 
 Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
                                 const kernels::cpu::LoraMetaBuffers& buffers,
@@ -30,22 +35,22 @@ Status dispatch_build_lora_meta(int32_t num_tokens, int32_t max_loras,
 }
 
 Status dispatch_lora_shrink(const kernels::ShrinkArgs& args, const kernels::LoraMetaView& meta,
-                            const Stream& stream, const kernels::cuda::LoraDevice* lora_device) {
+                            const Stream& stream, const kernels::planner::LoraDevice* lora_device) {
   return route(
       stream, [&] { return kernels::cpu::lora_shrink(args, meta); },
       [&](cuda_rt::StreamHandle handle) {
-        kernels::cuda::LoraDevice storage;
+        kernels::planner::LoraDevice storage;
         return kernels::cuda::lora_shrink(args, meta, or_default(lora_device, stream, storage),
                                           handle);
       });
 }
 
 Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::LoraMetaView& meta,
-                            const Stream& stream, const kernels::cuda::LoraDevice* lora_device) {
+                            const Stream& stream, const kernels::planner::LoraDevice* lora_device) {
   return route(
       stream, [&] { return kernels::cpu::lora_expand(args, meta); },
       [&](cuda_rt::StreamHandle handle) {
-        kernels::cuda::LoraDevice storage;
+        kernels::planner::LoraDevice storage;
         return kernels::cuda::lora_expand(args, meta, or_default(lora_device, stream, storage),
                                           handle);
       });
@@ -53,7 +58,7 @@ Status dispatch_lora_expand(const kernels::ExpandArgs& args, const kernels::Lora
 
 Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
                             const kernels::LoraMetaView& meta, const Stream& stream,
-                            const kernels::cuda::LoraDevice* lora_device) {
+                            const kernels::planner::LoraDevice* lora_device) {
   return route(
       stream,
       [&] {
@@ -61,7 +66,7 @@ Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::Ex
         return kernels::cpu::lora_expand(expand, meta);
       },
       [&](cuda_rt::StreamHandle handle) {
-        kernels::cuda::LoraDevice storage;
+        kernels::planner::LoraDevice storage;
         return kernels::cuda::lora_linear(shrink, expand, meta,
                                           or_default(lora_device, stream, storage), handle);
       });
@@ -70,20 +75,20 @@ Status dispatch_lora_linear(const kernels::ShrinkArgs& shrink, const kernels::Ex
 std::string lora_linear_path_of(const kernels::ShrinkArgs& shrink,
                                 const kernels::ExpandArgs& expand,
                                 const kernels::LoraMetaView& meta, Device device,
-                                const kernels::cuda::LoraDevice& lora_device) {
+                                const kernels::planner::LoraDevice& lora_device) {
   if (device.is_cpu()) return "cpu";
-  return kernels::cuda::path_name(
-      kernels::cuda::plan_lora_linear(kernels::cuda::linear_shape(shrink, expand, meta),
-                                      lora_device)
+  return kernels::planner::path_name(
+      kernels::planner::plan_lora_linear(kernels::planner::linear_shape(shrink, expand, meta),
+                                         lora_device)
           .path);
 }
 
 int64_t lora_linear_scratch_of(const kernels::ShrinkArgs& shrink, const kernels::ExpandArgs& expand,
                                const kernels::LoraMetaView& meta, Device device,
-                               const kernels::cuda::LoraDevice& lora_device) {
+                               const kernels::planner::LoraDevice& lora_device) {
   if (device.is_cpu()) return 0;
-  return kernels::cuda::plan_lora_linear(kernels::cuda::linear_shape(shrink, expand, meta),
-                                         lora_device)
+  return kernels::planner::plan_lora_linear(kernels::planner::linear_shape(shrink, expand, meta),
+                                            lora_device)
       .workspace.scratch_floats;
 }
 
