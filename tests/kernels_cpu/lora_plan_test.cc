@@ -1,11 +1,11 @@
-// The planner of the CUDA LoRA kernels (kernels/cuda/lora_plan.h) is plain C++: these tests run
+// The planner of the CUDA LoRA kernels (kernels/planner/lora_plan.h) is plain C++: these tests run
 // it in every build. The launch table (launch_table/lora_launches_h100.tsv, made on the fake CUDA
 // runtime from the launchers as they were before the planner existed: see launch_table/README.md)
 // holds, for a grid of layer shapes and tuning tables on an H100, the path and every launch
 // (kernel and template arguments, grid, threads, shared memory, cluster, PDL) of lora_linear, of
 // lora_shrink and of lora_expand; the plans must describe exactly those launches.
 
-#include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/planner/lora_plan.h"
 
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@
 namespace loraplex {
 namespace {
 
-namespace kc = kernels::cuda;
+namespace kp = kernels::planner;
 
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -53,70 +53,70 @@ std::string launch(const std::string& kernel, int64_t gx, int64_t gy, int64_t gz
   return o.str();
 }
 
-std::string shrink_launches(const kc::ShrinkPlan& p, const kc::ShrinkShape& s) {
+std::string shrink_launches(const kp::ShrinkPlan& p, const kp::ShrinkShape& s) {
   const std::string t = type_name(s.dtype);
   switch (p.kernel) {
-    case kc::ShrinkKernel::kPrefill: {
-      const kc::PrefillPlan& f = p.prefill;
+    case kp::ShrinkKernel::kPrefill: {
+      const kp::PrefillPlan& f = p.prefill;
       std::string out = launch("prefill_shrink<" + t + "," + std::to_string(f.cols) + "," +
                                    std::to_string(f.stages) + ",0," + (f.wg ? "1" : "0") + ">",
-                               f.tiles * f.k_split, 1, 1, kc::prefill_kernel::kThreads, f.smem,
+                               f.tiles * f.k_split, 1, 1, kp::prefill_kernel::kThreads, f.smem,
                                f.global_reduce ? 0 : f.k_split, false);
       if (f.defer_sum) {
         out += " " + launch("prefill_sum<" + t + "," + std::to_string(f.m) + "," +
                                 std::to_string(f.k_split) + ">",
-                            f.sum_grid, 1, 1, kc::prefill_kernel::kSumThreads, 0, 0, true);
+                            f.sum_grid, 1, 1, kp::prefill_kernel::kSumThreads, 0, 0, true);
       }
       return out;
     }
-    case kc::ShrinkKernel::kGeneric:
+    case kp::ShrinkKernel::kGeneric:
       break;
   }
   const std::string out_t = s.out_dtype == DType::kF32 ? "float" : t;
   return launch("shrink_generic<" + t + "," + out_t + ">", p.generic_grid[0], p.generic_grid[1], 1,
-                kc::kGenericThreads, 0, 0, false);
+                kp::kGenericThreads, 0, 0, false);
 }
 
-std::string expand_launches(const kc::ExpandPlan& p, const kc::ExpandShape& e) {
+std::string expand_launches(const kp::ExpandPlan& p, const kp::ExpandShape& e) {
   const std::string t = type_name(e.dtype);
   switch (p.kernel) {
-    case kc::ExpandKernel::kPipelined:
+    case kp::ExpandKernel::kPipelined:
       return launch("expand_pipe<" + t + "," + std::to_string(p.steps) + ",0>", p.grid, 1, 1,
-                    kc::expand_kernel::kThreads, p.smem, 0, p.pdl);
-    case kc::ExpandKernel::kTensorCore:
-      return launch("expand_tc<" + t + ",64,0>", p.grid, 1, 1, kc::expand_kernel::kThreads, p.smem,
+                    kp::expand_kernel::kThreads, p.smem, 0, p.pdl);
+    case kp::ExpandKernel::kTensorCore:
+      return launch("expand_tc<" + t + ",64,0>", p.grid, 1, 1, kp::expand_kernel::kThreads, p.smem,
                     0, false);
-    case kc::ExpandKernel::kGeneric:
+    case kp::ExpandKernel::kGeneric:
       break;
   }
   const std::string in_t = e.in_dtype == DType::kF32 ? "float" : t;
   return launch("expand_generic<" + t + "," + in_t + ">", e.tokens, p.generic_col_blocks, 1,
-                kc::kGenericThreads, 0, 0, false);
+                kp::kGenericThreads, 0, 0, false);
 }
 
-std::string linear_launches(const kc::LinearPlan& p, const kc::LinearShape& shape) {
+std::string linear_launches(const kp::LinearPlan& p, const kp::LinearShape& shape) {
   const std::string t = type_name(shape.shrink.dtype);
   switch (p.path) {
-    case kc::LinearPath::kCluster: {
-      const kc::ClusterPlan& c = p.cluster;
+    case kp::LinearPath::kCluster: {
+      const kp::ClusterPlan& c = p.cluster;
       return launch("cluster_lora<" + t + ",0>", c.cluster, c.units, 1,
-                    kc::cluster_kernel::kThreads, c.smem, c.cluster, c.pdl);
+                    kp::cluster_kernel::kThreads, c.smem, c.cluster, c.pdl);
     }
-    case kc::LinearPath::kGather: {
-      const kc::GatherPlan& g = p.gather;
-      const bool regs = g.mode == kc::GatherExpandMode::kRegs;
+    case kp::LinearPath::kGather: {
+      const kp::GatherPlan& g = p.gather;
+      const bool regs = g.mode == kp::GatherExpandMode::kRegs;
       return launch("gather_shrink<" + t + "," + std::to_string(g.group) + "," +
                         (g.mma ? "1" : "0") + ",0," + (regs ? "1" : "0") + "," +
                         std::to_string(g.rows) + ">",
                     g.shrink_grid[0], g.shrink_grid[1], g.shrink_grid[2],
-                    kc::gather_kernel::kThreads, 0, 0, g.shrink_pdl) +
+                    kp::gather_kernel::kThreads, 0, 0, g.shrink_pdl) +
              " " +
              launch("gather_expand<" + t + ",0," + std::to_string(static_cast<int>(g.mode)) + ">",
-                    g.expand_grid[0], g.expand_grid[1], 1, kc::gather_kernel::kThreads,
+                    g.expand_grid[0], g.expand_grid[1], 1, kp::gather_kernel::kThreads,
                     g.expand_smem, 0, true);
     }
-    case kc::LinearPath::kSplit:
-    case kc::LinearPath::kGeneric:
+    case kp::LinearPath::kSplit:
+    case kp::LinearPath::kGeneric:
       break;
   }
   return shrink_launches(p.shrink, shape.shrink) + " " + expand_launches(p.expand, shape.expand);
@@ -124,10 +124,10 @@ std::string linear_launches(const kc::LinearPlan& p, const kc::LinearShape& shap
 
 // The call the launch recorder made for a row: every pointer 16-byte aligned, x rows of `hidden`
 // elements, y rows of the slices' widths, the intermediate float32.
-kc::LinearShape shape_of(DType dtype, int64_t tokens, int max_loras, int max_rank, int64_t hidden,
+kp::LinearShape shape_of(DType dtype, int64_t tokens, int max_loras, int max_rank, int64_t hidden,
                          const std::vector<int64_t>& widths, bool settled) {
-  kc::LinearShape sh;
-  kc::ShrinkShape& s = sh.shrink;
+  kp::LinearShape sh;
+  kp::ShrinkShape& s = sh.shrink;
   s.dtype = dtype;
   s.out_dtype = DType::kF32;
   s.tokens = tokens;
@@ -136,7 +136,7 @@ kc::LinearShape shape_of(DType dtype, int64_t tokens, int max_loras, int max_ran
   s.num_slices = static_cast<int>(widths.size());
   s.max_loras = max_loras;
   s.max_rank = max_rank;
-  kc::ExpandShape& e = sh.expand;
+  kp::ExpandShape& e = sh.expand;
   e.dtype = dtype;
   e.in_dtype = DType::kF32;
   e.tokens = tokens;
@@ -167,8 +167,8 @@ std::string without_removed_keys(const std::string& tuning) {
 TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
   std::ifstream in(LORAPLEX_LAUNCH_TABLE);
   ASSERT_TRUE(in.good()) << "cannot read " << LORAPLEX_LAUNCH_TABLE;
-  std::map<std::string, kc::LoraTuning> tunings = {{"-", kc::LoraTuning{}}};
-  const kc::DeviceLimits limits;  // the H100 the table was recorded for
+  std::map<std::string, kp::LoraTuning> tunings = {{"-", kp::LoraTuning{}}};
+  const kp::DeviceLimits limits;  // the H100 the table was recorded for
   int rows = 0;
   int removed = 0;
   int mismatches = 0;
@@ -178,30 +178,30 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
     if (line.rfind("# ", 0) == 0) {
       const std::vector<std::string> f = split(line.substr(2), ' ');
       ASSERT_EQ(f.size(), 2u) << line;
-      kc::LoraTuning t;
-      ASSERT_TRUE(kc::parse_lora_tuning(without_removed_keys(f[1]), t).ok()) << line;
+      kp::LoraTuning t;
+      ASSERT_TRUE(kp::parse_lora_tuning(without_removed_keys(f[1]), t).ok()) << line;
       tunings[f[0]] = t;
       continue;
     }
     const std::vector<std::string> f = split(line, '\t');
     ASSERT_EQ(f.size(), 11u) << line;
     ASSERT_TRUE(tunings.count(f[0])) << "undeclared tuning in " << line;
-    const kc::LoraDevice device{limits, tunings[f[0]]};
+    const kp::LoraDevice device{limits, tunings[f[0]]};
     std::vector<int64_t> widths;
     for (const std::string& w : split(f[7], '/')) widths.push_back(std::stoll(w));
-    const kc::LinearShape shape = shape_of(dtype_from_name(f[2]), std::stoll(f[3]), std::stoi(f[4]),
+    const kp::LinearShape shape = shape_of(dtype_from_name(f[2]), std::stoll(f[3]), std::stoi(f[4]),
                                            std::stoi(f[5]), std::stoll(f[6]), widths, f[8] == "1");
     std::string path = "-";
     std::string got;
     if (f[1] == "linear") {
-      const kc::LinearPlan plan = kc::plan_lora_linear(shape, device);
-      path = kc::path_name(plan.path);
+      const kp::LinearPlan plan = kp::plan_lora_linear(shape, device);
+      path = kp::path_name(plan.path);
       got = linear_launches(plan, shape);
     } else if (f[1] == "shrink") {
-      got = shrink_launches(kc::plan_lora_shrink(shape.shrink, device), shape.shrink);
+      got = shrink_launches(kp::plan_lora_shrink(shape.shrink, device), shape.shrink);
     } else {
       ASSERT_EQ(f[1], "expand") << line;
-      got = expand_launches(kc::plan_lora_expand(shape.expand, device), shape.expand);
+      got = expand_launches(kp::plan_lora_expand(shape.expand, device), shape.expand);
     }
     // Rows that ran the persistent decode kernel, removed since (bench kernels' path comparison:
     // never the fastest path): a layer recorded there now takes the split kernels.
@@ -236,23 +236,23 @@ TEST(LoraPlan, MatchesTheRecordedLaunchesOfEveryShapeAndTuning) {
 // The plans' workspace fits what LoraBatchMeta holds by default (lora_scratch_floats), for the
 // default tuning, every token count up to max_num_tokens and the shapes the kernels take.
 TEST(LoraPlan, DefaultScratchCoversEveryDefaultPlan) {
-  const kc::LoraDevice device;
+  const kp::LoraDevice device;
   for (const int max_tokens : {1, 7, 64, 300}) {
-    const int64_t scratch = kc::lora_scratch_floats(max_tokens, device.tuning);
+    const int64_t scratch = kp::lora_scratch_floats(max_tokens, device.tuning);
     for (int tokens = 1; tokens <= max_tokens; tokens += tokens < 20 ? 1 : 37) {
       for (const int rank : {8, 16, 64, 256}) {
         for (const int slices : {1, 3, 8}) {
           for (const int64_t hidden : {64, 4096, 16384, 65536}) {
             const std::vector<int64_t> widths(static_cast<size_t>(slices), 1024);
-            const kc::LinearShape shape =
+            const kp::LinearShape shape =
                 shape_of(DType::kBF16, tokens, 16, rank, hidden, widths, true);
-            const kc::LinearPlan plan = kc::plan_lora_linear(shape, device);
+            const kp::LinearPlan plan = kp::plan_lora_linear(shape, device);
             EXPECT_LE(plan.workspace.scratch_floats, scratch)
-                << kc::path_name(plan.path) << " T" << tokens << " R" << rank << " S" << slices
+                << kp::path_name(plan.path) << " T" << tokens << " R" << rank << " S" << slices
                 << " K" << hidden << " max_num_tokens " << max_tokens;
-            EXPECT_LE(plan.workspace.counters, kc::lora_counters(max_tokens, 16));
-            const kc::ShrinkPlan shrink = kc::plan_lora_shrink(shape.shrink, device);
-            EXPECT_LE(kc::shrink_workspace(shrink, shape.shrink).scratch_floats, scratch);
+            EXPECT_LE(plan.workspace.counters, kp::lora_counters(max_tokens, 16));
+            const kp::ShrinkPlan shrink = kp::plan_lora_shrink(shape.shrink, device);
+            EXPECT_LE(kp::shrink_workspace(shrink, shape.shrink).scratch_floats, scratch);
           }
         }
       }
@@ -263,23 +263,23 @@ TEST(LoraPlan, DefaultScratchCoversEveryDefaultPlan) {
 // Limits come from the device: a smaller opt-in shared memory moves the cluster layer to larger
 // clusters, and fewer SMs shrink the grids that fill them.
 TEST(LoraPlan, FollowsTheDeviceLimits) {
-  kc::LoraDevice h100;
-  kc::LoraDevice small = h100;
+  kp::LoraDevice h100;
+  kp::LoraDevice small = h100;
   small.limits.sm_count = 66;
-  const kc::LinearShape decode = shape_of(DType::kBF16, 64, 2, 16, 4096, {4096, 1024, 1024}, true);
-  const kc::LinearPlan a = kc::plan_lora_linear(decode, h100);
-  ASSERT_EQ(a.path, kc::LinearPath::kCluster);
-  kc::LoraDevice tight = h100;
+  const kp::LinearShape decode = shape_of(DType::kBF16, 64, 2, 16, 4096, {4096, 1024, 1024}, true);
+  const kp::LinearPlan a = kp::plan_lora_linear(decode, h100);
+  ASSERT_EQ(a.path, kp::LinearPath::kCluster);
+  kp::LoraDevice tight = h100;
   tight.limits.smem_per_block_optin = a.cluster.smem - 1;
-  const kc::LinearPlan b = kc::plan_lora_linear(decode, tight);
-  if (b.path == kc::LinearPath::kCluster) {
+  const kp::LinearPlan b = kp::plan_lora_linear(decode, tight);
+  if (b.path == kp::LinearPath::kCluster) {
     EXPECT_GT(b.cluster.cluster, a.cluster.cluster);
     EXPECT_LE(b.cluster.smem, tight.limits.smem_per_block_optin);
   }
-  const kc::LinearShape prefill = shape_of(DType::kBF16, 4096, 8, 16, 4096, {4096}, true);
-  const kc::ExpandPlan e132 = kc::plan_lora_expand(prefill.expand, h100);
-  const kc::ExpandPlan e66 = kc::plan_lora_expand(prefill.expand, small);
-  EXPECT_EQ(e132.kernel, kc::ExpandKernel::kPipelined);
+  const kp::LinearShape prefill = shape_of(DType::kBF16, 4096, 8, 16, 4096, {4096}, true);
+  const kp::ExpandPlan e132 = kp::plan_lora_expand(prefill.expand, h100);
+  const kp::ExpandPlan e66 = kp::plan_lora_expand(prefill.expand, small);
+  EXPECT_EQ(e132.kernel, kp::ExpandKernel::kPipelined);
   EXPECT_LT(e66.grid, e132.grid);
   EXPECT_LE(e66.grid, 5u * 66);
 }

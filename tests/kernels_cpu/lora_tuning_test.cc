@@ -1,7 +1,7 @@
-// The tuning tables of the CUDA LoRA kernels (kernels/cuda/lora_tuning.h) are plain C++: their
+// The tuning tables of the CUDA LoRA kernels (kernels/planner/lora_tuning.h) are plain C++: their
 // parsing and range checks run in every build.
 
-#include "loraplex/kernels/cuda/lora_tuning.h"
+#include "loraplex/kernels/planner/lora_tuning.h"
 
 #include <gtest/gtest.h>
 
@@ -10,17 +10,17 @@
 namespace loraplex {
 namespace {
 
-using kernels::cuda::LoraTuning;
+using kernels::planner::LoraTuning;
 
 TEST(LoraTuning, ParsesKeysOverTheGivenTable) {
   LoraTuning t;
-  ASSERT_TRUE(kernels::cuda::parse_lora_tuning("cluster_size=4,prefill_ctas_per_sm=3", t).ok());
+  ASSERT_TRUE(kernels::planner::parse_lora_tuning("cluster_size=4,prefill_ctas_per_sm=3", t).ok());
   EXPECT_EQ(t.cluster_size, 4);
   EXPECT_EQ(t.gather_rows, LoraTuning{}.gather_rows);
   EXPECT_EQ(t.prefill_k_split, LoraTuning{}.prefill_k_split);
   EXPECT_EQ(t.prefill_ctas_per_sm, 3);
   // A second parse keeps what the first set.
-  ASSERT_TRUE(kernels::cuda::parse_lora_tuning(
+  ASSERT_TRUE(kernels::planner::parse_lora_tuning(
                   "gather_rows=16,prefill_k_split=8,expand_ctas_per_sm=2,decode_max_tokens=0", t)
                   .ok());
   EXPECT_EQ(t.expand_ctas_per_sm, 2);
@@ -33,17 +33,17 @@ TEST(LoraTuning, ParsesKeysOverTheGivenTable) {
 TEST(LoraTuning, RejectsMalformedTextNamingItAndKeepsTheTable) {
   LoraTuning t;
   t.gather_rows = 8;
-  const Status unknown = kernels::cuda::parse_lora_tuning("decode_rows=4", t);
+  const Status unknown = kernels::planner::parse_lora_tuning("decode_rows=4", t);
   EXPECT_FALSE(unknown.ok());
   EXPECT_NE(unknown.message().find("decode_rows"), std::string::npos) << unknown.message();
-  const Status not_int = kernels::cuda::parse_lora_tuning("gather_rows=12x", t);
+  const Status not_int = kernels::planner::parse_lora_tuning("gather_rows=12x", t);
   EXPECT_FALSE(not_int.ok());
   EXPECT_NE(not_int.message().find("'12x'"), std::string::npos) << not_int.message();
-  const Status no_eq = kernels::cuda::parse_lora_tuning("gather_rows", t);
+  const Status no_eq = kernels::planner::parse_lora_tuning("gather_rows", t);
   EXPECT_FALSE(no_eq.ok());
   EXPECT_NE(no_eq.message().find("key=value"), std::string::npos) << no_eq.message();
   // A valid key before an invalid value changes nothing.
-  const Status range = kernels::cuda::parse_lora_tuning("cluster_size=8,gather_rows=4", t);
+  const Status range = kernels::planner::parse_lora_tuning("cluster_size=8,gather_rows=4", t);
   EXPECT_FALSE(range.ok());
   EXPECT_EQ(t.gather_rows, 8);
   EXPECT_EQ(t.cluster_size, LoraTuning{}.cluster_size);
@@ -80,18 +80,18 @@ TEST(LoraTuning, CheckRejectsOutOfRangeValuesNamingThem) {
   for (const Bad& b : bad) {
     LoraTuning t;
     b.set(t);
-    const Status s = kernels::cuda::check_lora_tuning(t);
+    const Status s = kernels::planner::check_lora_tuning(t);
     EXPECT_FALSE(s.ok()) << b.field;
     EXPECT_NE(s.message().find(b.field), std::string::npos) << s.message();
   }
-  EXPECT_TRUE(kernels::cuda::check_lora_tuning(LoraTuning{}).ok());
-  EXPECT_TRUE(kernels::cuda::check_lora_tuning(kernels::cuda::lora_tuning_for(9, 0)).ok());
+  EXPECT_TRUE(kernels::planner::check_lora_tuning(LoraTuning{}).ok());
+  EXPECT_TRUE(kernels::planner::check_lora_tuning(kernels::planner::lora_tuning_for(9, 0)).ok());
 }
 
 TEST(LoraTuning, ReportsEveryFieldOnceInOrder) {
   LoraTuning t;
   t.cluster_size = 4;
-  const auto values = kernels::cuda::lora_tuning_values(t);
+  const auto values = kernels::planner::lora_tuning_values(t);
   ASSERT_FALSE(values.empty());
   EXPECT_EQ(values.front().first, "decode_max_tokens");
   int found = 0;
@@ -102,7 +102,7 @@ TEST(LoraTuning, ReportsEveryFieldOnceInOrder) {
     }
     // Every reported name parses back.
     LoraTuning u;
-    EXPECT_TRUE(kernels::cuda::parse_lora_tuning(name + "=" + std::to_string(value), u).ok())
+    EXPECT_TRUE(kernels::planner::parse_lora_tuning(name + "=" + std::to_string(value), u).ok())
         << name;
   }
   EXPECT_EQ(found, 1);

@@ -7,8 +7,11 @@
 #include <sstream>
 
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/cpu/lora_ops_cpu.h"
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
+#include "loraplex/kernels/dispatch/route.h"
 #include "loraplex/punica/batch_meta.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/lora_dispatch.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::test {
@@ -151,6 +154,24 @@ int64_t sum_widths(const std::vector<int64_t>& widths) {
 bool same_bits(const char* a, const char* b, size_t n) { return std::memcmp(a, b, n) == 0; }
 
 }  // namespace
+
+Status bgmv_shrink_on(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
+                      const Stream& stream) {
+  return kernels::route(
+      stream, [&] { return kernels::cpu::bgmv_shrink(args, token_lora_mapping); },
+      [&](cuda_rt::StreamHandle handle) {
+        return kernels::cuda::bgmv_shrink(args, token_lora_mapping, handle);
+      });
+}
+
+Status bgmv_expand_on(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
+                      const Stream& stream) {
+  return kernels::route(
+      stream, [&] { return kernels::cpu::bgmv_expand(args, token_lora_mapping); },
+      [&](cuda_rt::StreamHandle handle) {
+        return kernels::cuda::bgmv_expand(args, token_lora_mapping, handle);
+      });
+}
 
 // ---------------------------------------------------------------------------------------------
 // Comparison
@@ -481,7 +502,7 @@ Tensor run_shrink(const LinearProblem& p, OpForm form, const Tensor& before, Dev
     throw_if_error(dispatch_lora_shrink(args, meta.view(), stream));
   } else {
     const Tensor mapping = int_tensor(p.slots, {c.num_tokens}, device, stream);
-    throw_if_error(dispatch_bgmv_shrink(args, mapping.data<int32_t>(), stream));
+    throw_if_error(bgmv_shrink_on(args, mapping.data<int32_t>(), stream));
   }
   return out.to(Device::cpu(), stream);
 }
@@ -530,7 +551,7 @@ Tensor run_expand(const LinearProblem& p, OpForm form, const Tensor& mid, bool a
     throw_if_error(dispatch_lora_expand(args, meta.view(), stream));
   } else {
     const Tensor mapping = int_tensor(p.slots, {c.num_tokens}, device, stream);
-    throw_if_error(dispatch_bgmv_expand(args, mapping.data<int32_t>(), stream));
+    throw_if_error(bgmv_expand_on(args, mapping.data<int32_t>(), stream));
   }
   return y.to(Device::cpu(), stream);
 }
@@ -548,7 +569,7 @@ Tensor run_expand_slice(const LinearProblem& p, int slice, int64_t offset, bool 
       int_tensor(slice_ranks(p.ranks, slice, c.max_loras), {1, c.max_loras}, device, stream);
   kernels::ExpandArgs args = expand_args(p, in, y, b, ranks, slice, 1, offset, add_inputs);
   const Tensor mapping = int_tensor(p.slots, {c.num_tokens}, device, stream);
-  throw_if_error(dispatch_bgmv_expand(args, mapping.data<int32_t>(), stream));
+  throw_if_error(bgmv_expand_on(args, mapping.data<int32_t>(), stream));
   return y.to(Device::cpu(), stream);
 }
 

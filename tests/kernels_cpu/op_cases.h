@@ -1,10 +1,10 @@
 #pragma once
 // The multi-LoRA op test cases as data, their random inputs, double-precision references
 // written directly from the inputs (never through the library's ops), and runners that execute
-// an op of a case on any device through punica/op_dispatch (or the Punica wrapper) and return
-// the result on the CPU. The CPU tests (tests/kernels_cpu) run every case on the CPU; a CUDA
-// test links this library (loraplex_op_cases) and runs the same cases on the GPU, comparing
-// with the reference and with the CPU result.
+// an op of a case on any device through the op routers (kernels/dispatch, punica/lora_dispatch.h,
+// the Punica wrapper) and return the result on the CPU. The CPU tests (tests/kernels_cpu) run every
+// case on the CPU; a CUDA test links this library (loraplex_op_cases) and runs the same cases on
+// the GPU, comparing with the reference and with the CPU result.
 //
 // Inputs follow the op contract strictly: weights past a slot's rank and intermediate columns
 // past a slot's rank (and rows of slot -1 tokens) hold NaN, so an op that reads them, or relies
@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "loraplex/core/status.h"
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
 #include "loraplex/kernels/lora_ops.h"
@@ -119,6 +120,14 @@ Tolerance expand_tolerance(const LinearProblem& p, DType mid_dtype);
 Tolerance linear_tolerance(const LinearProblem& p, DType mid_dtype);
 
 enum class OpForm { kSgmv, kBgmv };
+
+/// vLLM's per-token gather forms (bgmv_shrink / bgmv_expand): the same math as the SGMV ops,
+/// driven by the mapping alone ([num_tokens] slots, in), on the stream's device. Only the tests
+/// run them, so they route here rather than in the library.
+Status bgmv_shrink_on(const kernels::ShrinkArgs& args, const int32_t* token_lora_mapping,
+                      const Stream& stream);
+Status bgmv_expand_on(const kernels::ExpandArgs& args, const int32_t* token_lora_mapping,
+                      const Stream& stream);
 
 /// The shrink output before the call: random values, so untouched elements are visible.
 Tensor shrink_output_before(const LinearProblem& p, DType out_dtype);
@@ -299,8 +308,8 @@ struct MoeAlignment {
 /// local expert listed exactly once, in its expert's blocks. The order of pairs inside a group
 /// is free (vLLM's CUDA kernel does not fix it).
 ::testing::AssertionResult check_alignment(const MoeAlignment& al);
-/// Runs moe_lora_align_block_size on `device` through op_dispatch with buffers of the sizes
-/// moe_align_sizes() gives, and copies everything back.
+/// Runs moe_lora_align_block_size on `device` through punica/lora_dispatch.h with buffers of the
+/// sizes moe_align_sizes() gives, and copies everything back.
 MoeAlignment run_moe_align(int64_t num_tokens, int top_k, int num_experts, int block_size,
                            int max_loras, const std::vector<int32_t>& slots,
                            const std::vector<int32_t>& topk_ids,

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "kernels_cpu/op_cases.h"
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/lora_tuning.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/kernels/planner/lora_tuning.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex {
@@ -100,7 +100,7 @@ std::vector<Tensor> to_device(const std::vector<Tensor>& ts, Device device, cons
   return out;
 }
 
-using kernels::cuda::LoraTuning;
+using kernels::planner::LoraTuning;
 
 // A layer case on `device`: the wrapper with the case's metadata and the CUDA kernels' tuning
 // table, the ranks, the weights, x and a fresh copy of y0.
@@ -472,8 +472,8 @@ TEST(CudaLoraLinear, TunedLaunchShapesMatchCpu) {
       t.decode_max_tokens = limit;
       // The values that differ from the defaults, for the failure messages.
       std::string name;
-      const auto defaults = kernels::cuda::lora_tuning_values(LoraTuning{});
-      const auto values = kernels::cuda::lora_tuning_values(t);
+      const auto defaults = kernels::planner::lora_tuning_values(LoraTuning{});
+      const auto values = kernels::planner::lora_tuning_values(t);
       for (size_t i = 0; i < values.size(); ++i) {
         if (values[i].second != defaults[i].second) {
           name += " " + values[i].first + "=" + std::to_string(values[i].second);
@@ -601,7 +601,7 @@ TEST(CudaBgmv, ShrinkAndExpandMatchCpu) {
       sa.scale = 1.0f;
       sa.out_dtype = DType::kF32;
       sa.out = mid.data_ptr();
-      throw_if_error(dispatch_bgmv_shrink(sa, mapping.data<int32_t>(), s));
+      throw_if_error(test::bgmv_shrink_on(sa, mapping.data<int32_t>(), s));
       kernels::ExpandArgs ea;
       ea.dtype = c.dtype;
       ea.num_tokens = c.tokens;
@@ -617,7 +617,7 @@ TEST(CudaBgmv, ShrinkAndExpandMatchCpu) {
       ea.ranks = ranks.device().data<int32_t>();
       ea.y = y.data_ptr();
       ea.y_row_stride = d.width;
-      throw_if_error(dispatch_bgmv_expand(ea, mapping.data<int32_t>(), s));
+      throw_if_error(test::bgmv_expand_on(ea, mapping.data<int32_t>(), s));
       results[dev][0] = dev == 0 ? test::on_cpu(mid, s) : mid;
       results[dev][1] = dev == 0 ? test::on_cpu(y, s) : y;
     }

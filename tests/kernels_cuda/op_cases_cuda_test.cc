@@ -1,5 +1,5 @@
 // The shared op case library (tests/kernels_cpu/op_cases.h) run on the GPU: every case the
-// CPU tests run, through the same runners (op_dispatch and the Punica wrapper), checked
+// CPU tests run, through the same runners (the op routers and the Punica wrapper), checked
 // against the same double-precision references, including the bit-for-bit check that
 // elements an op must not write are untouched and the NaN poisoning of weights and
 // intermediates past each slot's rank. Skipped without a GPU.

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/lora_dispatch.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex {

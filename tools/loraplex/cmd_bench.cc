@@ -27,13 +27,14 @@
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/kernels/cuda/kernel_trace.h"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
-#include "loraplex/kernels/cuda/lora_tuning.h"
+#include "loraplex/kernels/planner/lora_tuning.h"
 #include "loraplex/punica/punica_wrapper.h"
 
 namespace loraplex::cli {
 namespace {
 
 namespace kc = kernels::cuda;
+namespace kp = kernels::planner;
 using nlohmann::json;
 
 const char* kHelp =
@@ -51,7 +52,7 @@ const char* kHelp =
     "at start-up. --quick runs a small subset. --commit records the source commit (default:\n"
     "$LORAPLEX_COMMIT). --only restricts the grid (each field a value or *, SLICES 1 or 3;\n"
     "OP linear, shrink or expand), e.g. for a profiler. --tune sets launch-shape knobs for a\n"
-    "sweep (the fields of src/loraplex/kernels/cuda/lora_tuning.h; an unknown key is an\n"
+    "sweep (the fields of src/loraplex/kernels/planner/lora_tuning.h; an unknown key is an\n"
     "error that lists them; the rest keep their defaults). --trace writes, per shrink and\n"
     "expand case that ran the prefill shrink or a tensor-core expand, one cold call's per-CTA\n"
     "timeline (SM, global-timer ns at the points of kernel_trace.h) as JSON lines, and per\n"
@@ -68,7 +69,7 @@ struct Options {
   std::vector<std::string> only;  // op, rank, adapters, tokens, slices; "*" matches anything
   Device device = Device::cuda(0);
   std::string commit;
-  kc::LoraTuning tuning;
+  kp::LoraTuning tuning;
   std::string trace_path;
 };
 
@@ -109,7 +110,7 @@ bool parse(const std::vector<std::string>& args, Options& o) {
       ->type_name("OP:RANK:ADAPTERS:TOKENS:SLICES");
   app.add_option_function<std::string>(
          "--tune",
-         [&](const std::string& v) { throw_if_error(kc::parse_lora_tuning(v, o.tuning)); },
+         [&](const std::string& v) { throw_if_error(kp::parse_lora_tuning(v, o.tuning)); },
          "tuning values over the defaults")
       ->type_name("K=V,...");
   app.add_option("--trace", o.trace_path, "per-CTA timelines as JSON lines")->type_name("FILE");
@@ -262,7 +263,7 @@ std::vector<int64_t> widths_of(int slices) {
 
 // All tensors of one case: activations, a pool of weight sets, the wrapper with its metadata.
 struct CaseData {
-  CaseData(const Case& c, Device device, const Stream& stream, const kc::LoraTuning& tuning)
+  CaseData(const Case& c, Device device, const Stream& stream, const kp::LoraTuning& tuning)
       : wrapper(c.adapters, c.tokens, 1, device), ranks(c.slices, c.adapters, c.rank, device) {
     wrapper.set_lora_tuning(tuning);
     widths = widths_of(c.slices);
@@ -470,7 +471,7 @@ int run_kernels(const Options& o) {
       // as far as it goes: {decode tokens, pair's token x rank limit, cluster}.
       const int configs[][3] = {{0, 1 << 30, 0}, {1 << 20, 1 << 30, 0}, {1 << 20, 1 << 30, 2}};
       for (const auto& [limit, pair_limit, cluster] : configs) {
-        kc::LoraTuning tuning = o.tuning;
+        kp::LoraTuning tuning = o.tuning;
         tuning.decode_max_tokens = limit;
         tuning.gather_max_token_ranks = pair_limit;
         tuning.decode_cluster = cluster;
@@ -518,7 +519,7 @@ int run_kernels(const Options& o) {
     doc["copy_bandwidth_gbs"] = copy_gbs;
     doc["sm_clock_mhz_start"] = clock_start;
     doc["sm_clock_mhz_end"] = kc::measured_sm_clock_mhz(stream.handle());
-    for (const auto& [name, value] : kc::lora_tuning_values(o.tuning)) {
+    for (const auto& [name, value] : kp::lora_tuning_values(o.tuning)) {
       doc["tuning"][name] = value;
     }
     doc["dtype"] = "bfloat16";

@@ -195,110 +195,32 @@ void Scheduler::drop_stale_claims() {
                   reserved_.end());
 }
 
-void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
-  std::set<std::string> skip;                 // adapters whose requests wait this step
-  std::set<std::string> engaged;              // adapters without a slot that may load, oldest first
-  std::map<std::string, std::string> failed;  // adapter -> error
-  std::vector<Starving> starving;             // in host memory, no slot; age order
-  std::map<std::string, size_t> starving_index;  // adapter -> its entry in `starving`
-  const auto note_starving = [&](Starving& st, Sequence& s) {
-    if (st.longest == nullptr || s.waiting_since < st.longest->waiting_since) st.longest = &s;
-    st.since = std::min(st.since, s.waiting_since);
-    if (st.first_token == nullptr && s.num_preemptions == 0 && !s.caused_eviction) {
-      st.first_token = &s;
-    }
-  };
-  const int64_t bs = blocks_.block_size();
+void Scheduler::AdmissionPass::note_starving(Starving& st, Sequence& seq) {
+  if (st.longest == nullptr || seq.waiting_since < st.longest->waiting_since) st.longest = &seq;
+  st.since = std::min(st.since, seq.waiting_since);
+  if (st.first_token == nullptr && seq.num_preemptions == 0 && !seq.caused_eviction) {
+    st.first_token = &seq;
+  }
+}
 
+void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
+  AdmissionPass pass;
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     if (static_cast<int64_t>(running_.size()) >= config_.max_num_seqs || budget <= 0) break;
     Sequence& s = *it->second;
-    bool newly_pinned = false;
-    bool used_reservation = false;
-    if (!s.adapter.empty()) {
-      // Every reason below holds for the adapter's later requests too, for the rest of this
-      // pass: they are skipped at once.
-      if (skip.count(s.adapter) != 0) {
-        const auto st = starving_index.find(s.adapter);
-        if (st != starving_index.end()) note_starving(starving[st->second], s);
-        ++it;
-        continue;
-      }
-      const auto skip_adapter = [&] {
-        skip.insert(s.adapter);
-        ++it;
-      };
-      AdapterUse& u = use(s.adapter);
-      if (u.pinned) {
-        if (u.draining) {
-          plan.held_back.push_back(s.adapter);
-          skip_adapter();
-          continue;
-        }
-      } else {
-        if (engaged.count(s.adapter) == 0 &&
-            static_cast<int>(engaged.size()) < config_.max_loading_adapters) {
-          engaged.insert(s.adapter);
-        }
-        if (!slots_.ready(s.adapter)) {
-          if (engaged.count(s.adapter) == 0) {
-            skip_adapter();
-            continue;
-          }
-          std::string error;
-          const AdapterSlots::LoadState st = slots_.load(s.adapter, error);
-          if (st == AdapterSlots::LoadState::kFailed) failed.emplace(s.adapter, error);
-          if (st != AdapterSlots::LoadState::kReady || !slots_.ready(s.adapter)) {
-            skip_adapter();
-            continue;
-          }
-        }
-        const auto mine = std::find(reserved_.begin(), reserved_.end(), s.adapter);
-        const int64_t free_slots = config_.max_loras - num_pinned_ -
-                                   static_cast<int64_t>(reserved_.size()) +
-                                   (mine != reserved_.end() ? 1 : 0);
-        if (free_slots <= 0) {
-          starving_index.emplace(s.adapter, starving.size());
-          starving.push_back({s.adapter, s.waiting_since, nullptr});
-          note_starving(starving.back(), s);
-          skip_adapter();
-          continue;
-        }
-        const int slot = slots_.pin(s.adapter);
-        if (slot < 0) {
-          skip_adapter();
-          continue;
-        }
-        if (mine != reserved_.end()) {
-          reserved_.erase(mine);
-          used_reservation = true;
-        }
-        u.pinned = true;
-        u.slot = slot;
-        ++num_pinned_;
-        newly_pinned = true;
-        cancel_drains_for(s.adapter);
-      }
+    const AdapterAdmission adapter = admit_adapter(s, plan, pass);
+    if (!adapter.admit) {
+      ++it;
+      continue;
     }
-
-    // Prefix-cache hits: whole blocks, never the last token (its logits are needed).
-    int64_t hit_tokens = 0;
-    if (s.num_computed == 0 && blocks_.caching()) {
-      const size_t max_hit = static_cast<size_t>((s.num_tokens() - 1) / bs);
-      const std::span<const uint64_t> hashes =
-          std::span<const uint64_t>(s.block_hashes).first(std::min(max_hit, s.block_hashes.size()));
-      s.blocks = blocks_.lookup(hashes, s.tokens, s.adapter_key);
-      hit_tokens = static_cast<int64_t>(s.blocks.size()) * bs;
-      s.num_computed = hit_tokens;
-      s.num_registered_blocks = static_cast<int64_t>(s.blocks.size());
-    }
+    const int64_t hit_tokens = take_prefix_hits(s);
     const int64_t n = std::min(s.num_tokens() - s.num_computed, budget);
     const int64_t need =
         blocks_.blocks_for(s.num_computed + n) - static_cast<int64_t>(s.blocks.size());
     if (!blocks_.allocate(std::max<int64_t>(need, 0), s.blocks)) {
       free_blocks(s);
-      if (newly_pinned) unpin_if_idle(s.adapter);
-      if (used_reservation) reserved_.push_back(s.adapter);
+      if (adapter.newly_pinned) unpin_if_idle(s.adapter);
+      if (adapter.used_reservation) reserved_.push_back(s.adapter);
       plan.stopped_for_blocks = true;
       break;  // first come, first served: nothing younger takes the blocks it waits for
     }
@@ -309,18 +231,109 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
     if (s.prompt_cached_tokens < 0)
       s.prompt_cached_tokens = std::min(hit_tokens, s.num_prompt_tokens);
     it = waiting_.erase(it);
-    running_.push_back(&s);
-    s.status = Sequence::Status::kRunning;
-    if (!s.adapter.empty()) {
-      AdapterUse& u = use(s.adapter);
-      --u.waiting;
-      ++u.running;
-      u.last_admitted = step_;
-      s.slot = u.slot;
-    }
+    start_running(s);
     plan_seq(s, n, plan, budget);
   }
+  fail_waiting_of(pass.failed, plan);
+  plan_slot_claims(pass.starving, now);
+}
 
+Scheduler::AdapterAdmission Scheduler::admit_adapter(Sequence& s, StepPlan& plan,
+                                                     AdmissionPass& pass) {
+  AdapterAdmission out;
+  if (s.adapter.empty()) {
+    out.admit = true;
+    return out;
+  }
+  // Every reason below holds for the adapter's later requests too, for the rest of this pass:
+  // they are skipped at once.
+  if (pass.skip.count(s.adapter) != 0) {
+    const auto st = pass.starving_index.find(s.adapter);
+    if (st != pass.starving_index.end()) AdmissionPass::note_starving(pass.starving[st->second], s);
+    return out;
+  }
+  const auto skip_adapter = [&] {
+    pass.skip.insert(s.adapter);
+    return AdapterAdmission{};
+  };
+  const AdapterUse& u = use(s.adapter);
+  if (u.pinned) {
+    if (u.draining) {
+      plan.held_back.push_back(s.adapter);
+      return skip_adapter();
+    }
+    out.admit = true;
+    return out;
+  }
+  if (!adapter_loaded(s, pass) || !pin_free_slot(s, pass, out)) return skip_adapter();
+  out.admit = true;
+  return out;
+}
+
+bool Scheduler::adapter_loaded(const Sequence& s, AdmissionPass& pass) {
+  if (pass.engaged.count(s.adapter) == 0 &&
+      static_cast<int>(pass.engaged.size()) < config_.max_loading_adapters) {
+    pass.engaged.insert(s.adapter);
+  }
+  if (slots_.ready(s.adapter)) return true;
+  if (pass.engaged.count(s.adapter) == 0) return false;
+  std::string error;
+  const AdapterSlots::LoadState st = slots_.load(s.adapter, error);
+  if (st == AdapterSlots::LoadState::kFailed) pass.failed.emplace(s.adapter, error);
+  return st == AdapterSlots::LoadState::kReady && slots_.ready(s.adapter);
+}
+
+bool Scheduler::pin_free_slot(Sequence& s, AdmissionPass& pass, AdapterAdmission& out) {
+  const auto mine = std::find(reserved_.begin(), reserved_.end(), s.adapter);
+  const int64_t free_slots = config_.max_loras - num_pinned_ -
+                             static_cast<int64_t>(reserved_.size()) +
+                             (mine != reserved_.end() ? 1 : 0);
+  if (free_slots <= 0) {
+    pass.starving_index.emplace(s.adapter, pass.starving.size());
+    pass.starving.push_back({s.adapter, s.waiting_since, nullptr});
+    AdmissionPass::note_starving(pass.starving.back(), s);
+    return false;
+  }
+  const int slot = slots_.pin(s.adapter);
+  if (slot < 0) return false;
+  if (mine != reserved_.end()) {
+    reserved_.erase(mine);
+    out.used_reservation = true;
+  }
+  AdapterUse& u = use(s.adapter);
+  u.pinned = true;
+  u.slot = slot;
+  ++num_pinned_;
+  out.newly_pinned = true;
+  cancel_drains_for(s.adapter);
+  return true;
+}
+
+int64_t Scheduler::take_prefix_hits(Sequence& s) {
+  if (s.num_computed != 0 || !blocks_.caching()) return 0;
+  const int64_t bs = blocks_.block_size();
+  const size_t max_hit = static_cast<size_t>((s.num_tokens() - 1) / bs);
+  const std::span<const uint64_t> hashes =
+      std::span<const uint64_t>(s.block_hashes).first(std::min(max_hit, s.block_hashes.size()));
+  s.blocks = blocks_.lookup(hashes, s.tokens, s.adapter_key);
+  const int64_t hit_tokens = static_cast<int64_t>(s.blocks.size()) * bs;
+  s.num_computed = hit_tokens;
+  s.num_registered_blocks = static_cast<int64_t>(s.blocks.size());
+  return hit_tokens;
+}
+
+void Scheduler::start_running(Sequence& s) {
+  running_.push_back(&s);
+  s.status = Sequence::Status::kRunning;
+  if (s.adapter.empty()) return;
+  AdapterUse& u = use(s.adapter);
+  --u.waiting;
+  ++u.running;
+  u.last_admitted = step_;
+  s.slot = u.slot;
+}
+
+void Scheduler::fail_waiting_of(const std::map<std::string, std::string>& failed, StepPlan& plan) {
   for (const auto& [adapter, error] : failed) {
     for (auto it = waiting_.begin(); it != waiting_.end();) {
       if (it->second->adapter != adapter) {
@@ -333,7 +346,6 @@ void Scheduler::admit_waiting(StepPlan& plan, int64_t& budget, double now) {
       plan.failed_errors.push_back(error);
     }
   }
-  plan_slot_claims(starving, now);
 }
 
 void Scheduler::cancel_drains_for(const std::string& beneficiary) {

@@ -239,7 +239,38 @@ class Scheduler {
   void update_hashes(Sequence& seq);
   // Offers the sequence's full blocks that are computed and whose tokens are known.
   void register_blocks(Sequence& seq);
+  // One admission pass over the waiting queue, in arrival order, under the step's budget.
   void admit_waiting(StepPlan& plan, int64_t& budget, double now);
+  // What one admission pass learns about adapters, for the rest of the pass.
+  struct AdmissionPass {
+    std::set<std::string> skip;     // adapters whose requests wait this step
+    std::set<std::string> engaged;  // adapters without a slot that may load, oldest first
+    std::map<std::string, std::string> failed;     // adapter -> error
+    std::vector<Starving> starving;                // in host memory, no slot; age order
+    std::map<std::string, size_t> starving_index;  // adapter -> its entry in `starving`
+    // Counts `seq` among the requests of the starving adapter `st`.
+    static void note_starving(Starving& st, Sequence& seq);
+  };
+  // What admission decided for a waiting sequence's adapter.
+  struct AdapterAdmission {
+    bool admit = false;             // false: the sequence (and its adapter's others) waits
+    bool newly_pinned = false;      // this pass pinned the adapter's slot
+    bool used_reservation = false;  // ... taking the slot a drain reserved for it
+  };
+  // The adapter step of admission: no adapter, a pinned slot, or a slot pinned now once the
+  // adapter is in host memory and a slot is free.
+  AdapterAdmission admit_adapter(Sequence& seq, StepPlan& plan, AdmissionPass& pass);
+  // Whether an adapter without a slot is in host memory (starting its load while it may).
+  bool adapter_loaded(const Sequence& seq, AdmissionPass& pass);
+  // Pins a free slot for the sequence's adapter (false: none free, and it starves; or no pin).
+  bool pin_free_slot(Sequence& seq, AdmissionPass& pass, AdapterAdmission& out);
+  // Blocks of a new sequence found in the prefix cache (whole blocks, never the last token):
+  // taken as computed; returns their tokens.
+  int64_t take_prefix_hits(Sequence& seq);
+  // Moves an admitted sequence (already out of waiting_) to the running set.
+  void start_running(Sequence& seq);
+  // Ends the waiting requests of adapters that failed to load.
+  void fail_waiting_of(const std::map<std::string, std::string>& failed, StepPlan& plan);
   // Drains (eviction off) or evictions (on) for the adapters that found no free slot.
   void plan_slot_claims(const std::vector<Starving>& starving, double now);
   void plan_evictions(const std::vector<Starving>& starving, double now,

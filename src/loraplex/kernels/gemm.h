@@ -4,7 +4,7 @@
 // The CPU version (cpu/gemm_cpu.h) is blocked and threaded with f32 accumulation and dequantises
 // fp8 weights as it packs them (the dequantised model, x never quantised); the CUDA version runs
 // cuBLASLt (cuda/cublaslt_gemm.cc: fp32 compute, TF32 off for f32; fp8 weights as W8A8, x
-// quantised to e4m3 first) on the current device. punica/op_dispatch routes between them.
+// quantised to e4m3 first) on the current device. kernels/dispatch/base_ops.h routes between them.
 
 #include <cstdint>
 

@@ -3,8 +3,8 @@
 // as argument structs over raw pointers: the embedding rows of a vocab shard, token ids within a
 // shard, top-k softmax routing, row gather and scatter, the sum over top-k. The CPU versions
 // (cpu/layer_ops_cpu.cc) define the semantics; the CUDA versions (cuda/layer_ops_cuda.cu)
-// implement the same structs; punica/op_dispatch routes between them. Activations are f32, f16
-// or bf16, arithmetic in float; row strides in elements. Launchers return Status.
+// implement the same structs; kernels/dispatch/base_ops.h routes between them. Activations are f32,
+// f16 or bf16, arithmetic in float; row strides in elements. Launchers return Status.
 
 #include <cstdint>
 

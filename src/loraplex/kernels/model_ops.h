@@ -3,8 +3,8 @@
 // cache write, paged attention, SiLU-and-multiply, greedy argmax, uniform fill) as framework-free
 // argument structs over raw pointers. The CPU versions (cpu/model_ops_cpu.cc) define the
 // semantics; the CUDA versions (cuda/model_ops_cuda.cu) implement the same structs and are tested
-// against them; punica/op_dispatch routes between them (model/decoder_ops.h is the decoder's view).
-// Launchers return Status and never throw.
+// against them; kernels/dispatch/base_ops.h routes between them (model/decoder_ops.h is the
+// decoder's view). Launchers return Status and never throw.
 //
 // Activations are f32, f16 or bf16 (`dtype`); every op reads and accumulates in float32 and
 // rounds once when it stores, so the float32 path follows transformers' float32 math exactly.

@@ -4,8 +4,8 @@
 // the host is read when the work runs, so the host may change its own copy of the table at
 // once and never waits: an adapter upload can be enqueued on a copy stream and publish the
 // slot's ranks after its weights without synchronising.
-// The CPU version writes at once; punica/op_dispatch routes between them. In a build without
-// CUDA the CUDA launcher returns an "unsupported" Status.
+// The CPU version writes at once; kernels/dispatch/base_ops.h routes between them. In a build
+// without CUDA the CUDA launcher returns an "unsupported" Status.
 
 #include <cstdint>
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "loraplex/core/error.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/kernels/dispatch/base_ops.h"
 
 namespace loraplex::layer_ops {
 namespace {
@@ -53,7 +53,7 @@ void embedding_lookup(const Tensor& weight, const Tensor& ids, int64_t vocab_sta
   a.vocab = vocab;
   a.out = out.data_ptr();
   a.out_stride = pitch(out);
-  throw_if_error(dispatch_embedding_rows(a, stream));
+  throw_if_error(kernels::dispatch_embedding_rows(a, stream));
 }
 
 void shard_token_ids(const Tensor& ids, int64_t vocab_start, int64_t rows, int32_t outside,
@@ -69,7 +69,7 @@ void shard_token_ids(const Tensor& ids, int64_t vocab_start, int64_t rows, int32
   a.rows = rows;
   a.outside = outside;
   a.local = local.data<int32_t>();
-  throw_if_error(dispatch_shard_token_ids(a, stream));
+  throw_if_error(kernels::dispatch_shard_token_ids(a, stream));
 }
 
 void topk_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& ids, Tensor& weights,
@@ -96,7 +96,7 @@ void topk_softmax(const Tensor& logits, int top_k, bool renormalize, Tensor& ids
   a.renormalize = renormalize;
   a.ids = ids.data<int32_t>();
   a.weights = weights.data<float>();
-  throw_if_error(dispatch_topk_softmax(a, stream));
+  throw_if_error(kernels::dispatch_topk_softmax(a, stream));
 }
 
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst, const Stream& stream) {
@@ -121,7 +121,7 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst, const Stre
   a.width = width;
   a.dst = dst.data_ptr();
   a.dst_stride = pitch(dst);
-  throw_if_error(dispatch_gather_rows(a, stream));
+  throw_if_error(kernels::dispatch_gather_rows(a, stream));
 }
 
 void scatter_rows(const Tensor& src, const Tensor& index, const Tensor& row_scale, Tensor& dst,
@@ -154,7 +154,7 @@ void scatter_rows(const Tensor& src, const Tensor& index, const Tensor& row_scal
   a.dst = dst.data_ptr();
   a.dst_stride = pitch(dst);
   a.dst_rows = dst.size(0);
-  throw_if_error(dispatch_scatter_rows(a, stream));
+  throw_if_error(kernels::dispatch_scatter_rows(a, stream));
 }
 
 void silu_and_mul(const Tensor& in, Tensor& out, const Stream& stream) {
@@ -177,7 +177,7 @@ void silu_and_mul(const Tensor& in, Tensor& out, const Stream& stream) {
   a.n = width;
   a.x = in.data_ptr();
   a.out = out.data_ptr();
-  throw_if_error(dispatch_silu_mul(a, stream));
+  throw_if_error(kernels::dispatch_silu_mul(a, stream));
 }
 
 void sum_topk(const Tensor& in, int top_k, Tensor& out, const Stream& stream) {
@@ -201,7 +201,7 @@ void sum_topk(const Tensor& in, int top_k, Tensor& out, const Stream& stream) {
   a.width = width;
   a.out = out.data_ptr();
   a.out_stride = pitch(out);
-  throw_if_error(dispatch_sum_topk(a, stream));
+  throw_if_error(kernels::dispatch_sum_topk(a, stream));
 }
 
 }  // namespace loraplex::layer_ops

@@ -1,7 +1,7 @@
 #pragma once
 // The few non-GEMM steps of the embedding and MoE layers, on the tensor's device (the ops of
-// kernels/layer_ops.h and kernels/model_ops.h through punica/op_dispatch). Activations are f32,
-// f16 or bf16; arithmetic is in float.
+// kernels/layer_ops.h and kernels/model_ops.h through kernels/dispatch/base_ops.h). Activations are
+// f32, f16 or bf16; arithmetic is in float.
 
 #include <cstdint>
 

@@ -8,7 +8,7 @@
 #include "loraplex/layers/embedding_moe_ops.h"
 #include "loraplex/layers/layer_util.h"
 #include "loraplex/layers/linear_base.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/lora_dispatch.h"
 
 namespace loraplex {
 

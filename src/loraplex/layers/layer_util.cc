@@ -1,8 +1,8 @@
 #include "loraplex/layers/layer_util.h"
 
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/dispatch/base_ops.h"
 #include "loraplex/kernels/fp8_quant.h"
-#include "loraplex/punica/op_dispatch.h"
 
 namespace loraplex {
 
@@ -127,7 +127,7 @@ void write_int32(Tensor& t, int32_t value, const Stream& stream) {
   a.row_stride = 1;
   a.count = 1;
   a.values[0] = value;
-  throw_if_error(dispatch_write_column(a, stream));
+  throw_if_error(kernels::dispatch_write_column(a, stream));
 }
 
 void check_copy_stream(const Stream& stream, Device device, const std::string& layer) {

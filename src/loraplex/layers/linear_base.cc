@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "loraplex/core/error.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/kernels/dispatch/base_ops.h"
 
 namespace loraplex {
 namespace {
@@ -70,7 +70,7 @@ void linear_base(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
                  "linear_base: a float8_e4m3 weight goes through linear_base_fp8 with its scales");
   kernels::GemmArgs a = gemm_args(x, w, bias, y, w.dtype(), stream);
   a.accumulate = accumulate;
-  throw_if_error(dispatch_gemm_xwt(a, stream));
+  throw_if_error(kernels::dispatch_gemm_xwt(a, stream));
 }
 
 void linear_base_fp8(const Tensor& x, const Tensor& w, const Fp8Scales& scales, const Tensor& bias,
@@ -111,7 +111,7 @@ void linear_base_fp8(const Tensor& x, const Tensor& w, const Fp8Scales& scales, 
     a.fp8_scratch = scratch.data_ptr();
     a.fp8_scratch_bytes = need;
   }
-  throw_if_error(dispatch_gemm_xwt(a, stream));
+  throw_if_error(kernels::dispatch_gemm_xwt(a, stream));
 }
 
 }  // namespace loraplex

@@ -1,7 +1,7 @@
 #pragma once
 // The base GEMM of every layer, y = x W^T (+ bias), on the tensor's device: the blocked CPU
-// GEMM (kernels/gemm.h, through punica/op_dispatch) or cuBLASLt (fp32 compute; TF32 off for f32;
-// f16/bf16 with fp32 accumulation; fp8 weights as W8A8).
+// GEMM (kernels/gemm.h, through kernels/dispatch/base_ops.h) or cuBLASLt (fp32 compute; TF32 off
+// for f32; f16/bf16 with fp32 accumulation; fp8 weights as W8A8).
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"

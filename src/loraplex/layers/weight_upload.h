@@ -2,9 +2,9 @@
 // Base weights into device memory at page-cache speed. A checkpoint's tensors are views of
 // memory-mapped files in any float dtype; a layer needs its shard in the model dtype on the
 // device. Copying each through a fresh pageable buffer, one at a time, left the GPU idle while
-// the host converted and the host idle while the GPU copied (~1 GB/s). Here several threads
-// convert each source into one of a ring of pinned buffers while the device copies the previous
-// ones in, so reading, converting and copying overlap.
+// the host converted and the host idle while the GPU copied. Here several threads convert each
+// source into one of a ring of pinned buffers while the device copies the previous ones in, so
+// reading, converting and copying overlap (BENCHMARKS.md gives each run's load time).
 //
 // One WeightUpload serves a whole model load; layers take it as an optional argument of
 // load_base. Not thread-safe: one loading thread calls copy().

@@ -190,182 +190,225 @@ LinearSpec with_fp8(LinearSpec spec, const std::vector<BaseWeight>& weights,
 
 }  // namespace
 
-void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
-  const ModelConfig& c = config_;
-  const DType dt = options_.dtype;
-  const Device dev = options_.device;
-  const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt,
-                        options_.fully_sharded_loras};
+// What bind()'s steps share: where the weights come from and go, and the layers' common
+// arguments.
+struct Decoder::BindContext {
+  const WeightSource& src;
+  WeightUpload& upload;
+  const ModelConfig& c;
+  DType dt;
+  Device dev;
+  LoraConfig lora;
   // The projections' adapters may be stored in fp8 (options_.lora_dtype).
-  LoraConfig linear_lora = lora;
-  linear_lora.lora_dtype = options_.lora_dtype.value_or(dt);
+  LoraConfig linear_lora;
   // Every sharded layer takes this rank's part of the full weights it is given (views of the
   // memory-mapped checkpoint: only that part is read).
-  Communicator* comm = options_.comm;
-  const int max_tokens = static_cast<int>(options_.max_num_tokens);
-  const int64_t h = c.hidden_size;
-  auto weight = [&](const std::string& name, const Shape& s) { return src.get(name, s); };
-  auto linear = [&](const std::string& module, const Shape& s) { return src.linear(module, s); };
-  auto norm = [&](const std::string& name, int64_t n) {
+  Communicator* comm;
+  int max_tokens;
+
+  Tensor weight(const std::string& name, const Shape& s) const { return src.get(name, s); }
+  BaseWeight linear(const std::string& module, const Shape& s) const {
+    return src.linear(module, s);
+  }
+  Tensor norm(const std::string& name, int64_t n) const {
     Tensor t = Tensor::empty({n}, dt, dev);
     upload.copy(t, weight(name, {n}));
     return t;
-  };
-  auto add = [&](const std::string& module, const LoraLayerHandle& handle, int slice, int64_t in,
-                 int64_t out, TargetKind kind = TargetKind::kLinear, Tensor base = Tensor()) {
+  }
+};
+
+void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
+  const DType dt = options_.dtype;
+  const LoraConfig lora{options_.max_loras, options_.max_lora_rank, dt,
+                        options_.fully_sharded_loras};
+  LoraConfig linear_lora = lora;
+  linear_lora.lora_dtype = options_.lora_dtype.value_or(dt);
+  const BindContext b{src,         upload,          config_,
+                      dt,          options_.device, lora,
+                      linear_lora, options_.comm,   static_cast<int>(options_.max_num_tokens)};
+  bind_embedding_and_head(b);
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    Layer layer;
+    layer.input_norm = b.norm(p + "input_layernorm.weight", config_.hidden_size);
+    layer.post_norm = b.norm(p + "post_attention_layernorm.weight", config_.hidden_size);
+    bind_attention(b, p, layer);
+    if (config_.is_moe()) {
+      bind_moe(b, p, layer);
+    } else {
+      bind_mlp(b, p, layer);
+    }
+    layers_.push_back(std::move(layer));
+  }
+}
+
+void Decoder::add_target(const std::string& module, const LoraLayerHandle& handle, int slice,
+                         int64_t in, int64_t out, TargetKind kind, Tensor base) {
+  LoraTarget t;
+  t.module = module;
+  t.layer = handle;
+  t.slice = slice;
+  t.in_features = in;
+  t.out_features = out;
+  t.kind = kind;
+  t.base_weight = std::move(base);
+  targets_.add(std::move(t));
+}
+
+void Decoder::bind_embedding_and_head(const BindContext& b) {
+  const ModelConfig& c = b.c;
+  const int64_t h = c.hidden_size;
+  const Tensor embed = b.weight("model.embed_tokens.weight", {c.vocab_size, h});
+  embed_ = std::make_unique<VocabEmbeddingWithLora>(c.vocab_size, h, b.dt, b.lora, b.comm, b.dev,
+                                                    b.max_tokens);
+  embed_->load_base(embed, &b.upload);
+  add_target("model.embed_tokens",
+             LoraLayerHandle::of<LoraSliceWeights>(*embed_, "model.embed_tokens", 1), 0,
+             c.vocab_size, h, TargetKind::kEmbedding, host_only(embed));
+  LORAPLEX_CHECK(b.src.has("lm_head.weight") || c.tie_word_embeddings, b.src.origin(),
+                 ": no lm_head.weight and tie_word_embeddings is false");
+  const Tensor head = c.tie_word_embeddings ? embed : b.weight("lm_head.weight", {c.vocab_size, h});
+  lm_head_ = std::make_unique<LogitsProcessorWithLora>(h, c.vocab_size, b.dt, b.lora, b.comm, b.dev,
+                                                       static_cast<int>(options_.max_num_seqs),
+                                                       workspace_);
+  lm_head_->load_base(head, Tensor(), &b.upload);
+  add_target("lm_head", LoraLayerHandle::of<LoraSliceWeights>(*lm_head_, "lm_head", 1), 0, h,
+             c.vocab_size, TargetKind::kLmHead, host_only(head));
+  final_norm_ = b.norm("model.norm.weight", h);
+}
+
+void Decoder::bind_attention(const BindContext& b, const std::string& p, Layer& layer) {
+  const ModelConfig& c = b.c;
+  const int64_t h = c.hidden_size;
+  const int64_t q = c.q_size();
+  const int64_t kv = c.kv_size();
+  const std::string a = p + "self_attn.";
+  if (c.qk_norm) {
+    // One weight over head_dim shared by every head: whole on every rank.
+    layer.q_norm = b.norm(a + "q_norm.weight", c.head_dim);
+    layer.k_norm = b.norm(a + "k_norm.weight", c.head_dim);
+  }
+  const std::vector<BaseWeight> qkv_w = {b.linear(a + "q_proj", {q, h}),
+                                         b.linear(a + "k_proj", {kv, h}),
+                                         b.linear(a + "v_proj", {kv, h})};
+  layer.qkv = std::make_unique<LoraLinear>(
+      with_fp8(LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, b.dt), qkv_w,
+               a + "qkv_proj"),
+      b.linear_lora, b.comm, b.dev, b.max_tokens, workspace_);
+  std::vector<Tensor> qkv_b;
+  if (c.qkv_bias) {
+    qkv_b = {b.weight(a + "q_proj.bias", {q}), b.weight(a + "k_proj.bias", {kv}),
+             b.weight(a + "v_proj.bias", {kv})};
+  }
+  layer.qkv->load_base(qkv_w, qkv_b, &b.upload);
+  const std::vector<BaseWeight> o_w = {b.linear(a + "o_proj", {h, q})};
+  layer.o = std::make_unique<LoraLinear>(with_fp8(LinearSpec::row(q, h, b.dt), o_w, a + "o_proj"),
+                                         b.linear_lora, b.comm, b.dev, b.max_tokens, workspace_);
+  std::vector<Tensor> o_b;
+  if (c.o_bias) o_b = {b.weight(a + "o_proj.bias", {h})};
+  layer.o->load_base(o_w, o_b, &b.upload);
+  const LoraLayerHandle qkv_h =
+      LoraLayerHandle::of<LoraSliceWeights>(*layer.qkv, a + "qkv_proj", 3);
+  add_target(a + "q_proj", qkv_h, 0, h, q);
+  add_target(a + "k_proj", qkv_h, 1, h, kv);
+  add_target(a + "v_proj", qkv_h, 2, h, kv);
+  add_target(a + "o_proj", LoraLayerHandle::of<LoraSliceWeights>(*layer.o, a + "o_proj", 1), 0, q,
+             h);
+}
+
+void Decoder::bind_mlp(const BindContext& b, const std::string& p, Layer& layer) {
+  const ModelConfig& c = b.c;
+  const int64_t h = c.hidden_size;
+  const int64_t inter = c.intermediate_size;
+  const std::string m = p + "mlp.";
+  const std::vector<BaseWeight> gu_w = {b.linear(m + "gate_proj", {inter, h}),
+                                        b.linear(m + "up_proj", {inter, h})};
+  layer.gate_up = std::make_unique<LoraLinear>(
+      with_fp8(LinearSpec::merged_column(h, {inter, inter}, b.dt), gu_w, m + "gate_up_proj"),
+      b.linear_lora, b.comm, b.dev, b.max_tokens, workspace_);
+  std::vector<Tensor> gu_b;
+  if (c.mlp_bias) {
+    gu_b = {b.weight(m + "gate_proj.bias", {inter}), b.weight(m + "up_proj.bias", {inter})};
+  }
+  layer.gate_up->load_base(gu_w, gu_b, &b.upload);
+  const std::vector<BaseWeight> down_w = {b.linear(m + "down_proj", {h, inter})};
+  layer.down = std::make_unique<LoraLinear>(
+      with_fp8(LinearSpec::row(inter, h, b.dt), down_w, m + "down_proj"), b.linear_lora, b.comm,
+      b.dev, b.max_tokens, workspace_);
+  std::vector<Tensor> down_b;
+  if (c.mlp_bias) down_b = {b.weight(m + "down_proj.bias", {h})};
+  layer.down->load_base(down_w, down_b, &b.upload);
+  const LoraLayerHandle gu_h =
+      LoraLayerHandle::of<LoraSliceWeights>(*layer.gate_up, m + "gate_up_proj", 2);
+  add_target(m + "gate_proj", gu_h, 0, h, inter);
+  add_target(m + "up_proj", gu_h, 1, h, inter);
+  add_target(m + "down_proj",
+             LoraLayerHandle::of<LoraSliceWeights>(*layer.down, m + "down_proj", 1), 0, inter, h);
+}
+
+void Decoder::bind_moe(const BindContext& b, const std::string& p, Layer& layer) {
+  const ModelConfig& c = b.c;
+  const int64_t h = c.hidden_size;
+  const int64_t inter = c.intermediate_size;
+  MoeSpec spec;
+  spec.num_experts = static_cast<int>(c.num_experts);
+  spec.top_k = static_cast<int>(c.num_experts_per_tok);
+  spec.hidden = h;
+  spec.intermediate = inter;
+  spec.dtype = b.dt;
+  spec.renormalize = c.moe_renormalize;
+  layer.moe =
+      std::make_unique<FusedMoeWithLora>(spec, b.lora, b.comm, b.dev, b.max_tokens, workspace_);
+  // transformers 5 still saves Mixtral and Qwen3-MoE with the 4.x per-expert names
+  // (block_sparse_moe.experts.N.w1/w3/w2; mlp.experts.N.gate_proj/up_proj/down_proj); a
+  // checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
+  const bool qwen = c.arch == Architecture::kQwen3Moe;
+  const std::string new_p = p + "mlp.";
+  const std::string old_p = qwen ? new_p : p + "block_sparse_moe.";
+  const std::array<std::string, 3> names_2d =
+      qwen ? std::array<std::string, 3>{"gate_proj", "up_proj", "down_proj"}
+           : std::array<std::string, 3>{"w1", "w3", "w2"};
+  const int64_t e_count = c.num_experts;
+  if (b.src.has(old_p + "experts.0." + names_2d[0] + ".weight")) {
+    std::vector<Tensor> w1, w2, w3;
+    for (int64_t e = 0; e < e_count; ++e) {
+      const std::string ep = old_p + "experts." + std::to_string(e) + ".";
+      w1.push_back(b.weight(ep + names_2d[0] + ".weight", {inter, h}));
+      w3.push_back(b.weight(ep + names_2d[1] + ".weight", {inter, h}));
+      w2.push_back(b.weight(ep + names_2d[2] + ".weight", {h, inter}));
+    }
+    layer.moe->load_base(b.weight(old_p + "gate.weight", {e_count, h}), w1, w3, w2, &b.upload);
+  } else {
+    layer.moe->load_base_3d(b.weight(new_p + "gate.weight", {e_count, h}),
+                            b.weight(new_p + "experts.gate_up_proj", {e_count, 2 * inter, h}),
+                            b.weight(new_p + "experts.down_proj", {e_count, h, inter}),
+                            GateUpLayout::kConcatenated, &b.upload);
+  }
+  const LoraLayerHandle moe_h = moe_handle(*layer.moe, p + "experts");
+  // PEFT's 3-D LoRA: A always consumes the projection input (ParamWrapper swaps in/out
+  // for transformers-5 [E, out, in] parameters), so both register in forward orientation,
+  // in the module's parameter order (which fixes PEFT's wrapper nesting).
+  const std::tuple<const char*, int, int64_t, int64_t> params[] = {
+      {"gate_up_proj", 0, h, 2 * inter}, {"down_proj", 1, inter, h}};
+  for (const auto& [param, slice, in, out] : params) {
     LoraTarget t;
-    t.module = module;
-    t.layer = handle;
+    t.module = new_p + "experts";
+    t.layer = moe_h;
     t.slice = slice;
     t.in_features = in;
     t.out_features = out;
-    t.kind = kind;
-    t.base_weight = std::move(base);
+    t.kind = TargetKind::kExperts3d;
+    t.parameter = param;
+    t.num_experts = e_count;
+    t.parameter_out_in = false;
     targets_.add(std::move(t));
-  };
-
-  const Tensor embed = weight("model.embed_tokens.weight", {c.vocab_size, h});
-  embed_ =
-      std::make_unique<VocabEmbeddingWithLora>(c.vocab_size, h, dt, lora, comm, dev, max_tokens);
-  embed_->load_base(embed, &upload);
-  add("model.embed_tokens", LoraLayerHandle::of<LoraSliceWeights>(*embed_, "model.embed_tokens", 1),
-      0, c.vocab_size, h, TargetKind::kEmbedding, host_only(embed));
-  LORAPLEX_CHECK(src.has("lm_head.weight") || c.tie_word_embeddings, src.origin(),
-                 ": no lm_head.weight and tie_word_embeddings is false");
-  const Tensor head = c.tie_word_embeddings ? embed : weight("lm_head.weight", {c.vocab_size, h});
-  lm_head_ = std::make_unique<LogitsProcessorWithLora>(
-      h, c.vocab_size, dt, lora, comm, dev, static_cast<int>(options_.max_num_seqs), workspace_);
-  lm_head_->load_base(head, Tensor(), &upload);
-  add("lm_head", LoraLayerHandle::of<LoraSliceWeights>(*lm_head_, "lm_head", 1), 0, h, c.vocab_size,
-      TargetKind::kLmHead, host_only(head));
-  final_norm_ = norm("model.norm.weight", h);
-
-  const int64_t q = c.q_size();
-  const int64_t kv = c.kv_size();
-  const int64_t inter = c.intermediate_size;
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    Layer layer;
-    layer.input_norm = norm(p + "input_layernorm.weight", h);
-    layer.post_norm = norm(p + "post_attention_layernorm.weight", h);
-    const std::string a = p + "self_attn.";
-    if (c.qk_norm) {
-      // One weight over head_dim shared by every head: whole on every rank.
-      layer.q_norm = norm(a + "q_norm.weight", c.head_dim);
-      layer.k_norm = norm(a + "k_norm.weight", c.head_dim);
-    }
-    const std::vector<BaseWeight> qkv_w = {
-        linear(a + "q_proj", {q, h}), linear(a + "k_proj", {kv, h}), linear(a + "v_proj", {kv, h})};
-    layer.qkv = std::make_unique<LoraLinear>(
-        with_fp8(LinearSpec::qkv(h, c.head_dim, c.num_heads, c.num_kv_heads, dt), qkv_w,
-                 a + "qkv_proj"),
-        linear_lora, comm, dev, max_tokens, workspace_);
-    std::vector<Tensor> qkv_b;
-    if (c.qkv_bias) {
-      qkv_b = {weight(a + "q_proj.bias", {q}), weight(a + "k_proj.bias", {kv}),
-               weight(a + "v_proj.bias", {kv})};
-    }
-    layer.qkv->load_base(qkv_w, qkv_b, &upload);
-    const std::vector<BaseWeight> o_w = {linear(a + "o_proj", {h, q})};
-    layer.o = std::make_unique<LoraLinear>(with_fp8(LinearSpec::row(q, h, dt), o_w, a + "o_proj"),
-                                           linear_lora, comm, dev, max_tokens, workspace_);
-    std::vector<Tensor> o_b;
-    if (c.o_bias) o_b = {weight(a + "o_proj.bias", {h})};
-    layer.o->load_base(o_w, o_b, &upload);
-    const LoraLayerHandle qkv_h =
-        LoraLayerHandle::of<LoraSliceWeights>(*layer.qkv, a + "qkv_proj", 3);
-    add(a + "q_proj", qkv_h, 0, h, q);
-    add(a + "k_proj", qkv_h, 1, h, kv);
-    add(a + "v_proj", qkv_h, 2, h, kv);
-    add(a + "o_proj", LoraLayerHandle::of<LoraSliceWeights>(*layer.o, a + "o_proj", 1), 0, q, h);
-
-    if (!c.is_moe()) {
-      const std::string m = p + "mlp.";
-      const std::vector<BaseWeight> gu_w = {linear(m + "gate_proj", {inter, h}),
-                                            linear(m + "up_proj", {inter, h})};
-      layer.gate_up = std::make_unique<LoraLinear>(
-          with_fp8(LinearSpec::merged_column(h, {inter, inter}, dt), gu_w, m + "gate_up_proj"),
-          linear_lora, comm, dev, max_tokens, workspace_);
-      std::vector<Tensor> gu_b;
-      if (c.mlp_bias) {
-        gu_b = {weight(m + "gate_proj.bias", {inter}), weight(m + "up_proj.bias", {inter})};
-      }
-      layer.gate_up->load_base(gu_w, gu_b, &upload);
-      const std::vector<BaseWeight> down_w = {linear(m + "down_proj", {h, inter})};
-      layer.down = std::make_unique<LoraLinear>(
-          with_fp8(LinearSpec::row(inter, h, dt), down_w, m + "down_proj"), linear_lora, comm, dev,
-          max_tokens, workspace_);
-      std::vector<Tensor> down_b;
-      if (c.mlp_bias) down_b = {weight(m + "down_proj.bias", {h})};
-      layer.down->load_base(down_w, down_b, &upload);
-      const LoraLayerHandle gu_h =
-          LoraLayerHandle::of<LoraSliceWeights>(*layer.gate_up, m + "gate_up_proj", 2);
-      add(m + "gate_proj", gu_h, 0, h, inter);
-      add(m + "up_proj", gu_h, 1, h, inter);
-      add(m + "down_proj", LoraLayerHandle::of<LoraSliceWeights>(*layer.down, m + "down_proj", 1),
-          0, inter, h);
-    } else {
-      MoeSpec spec;
-      spec.num_experts = static_cast<int>(c.num_experts);
-      spec.top_k = static_cast<int>(c.num_experts_per_tok);
-      spec.hidden = h;
-      spec.intermediate = inter;
-      spec.dtype = dt;
-      spec.renormalize = c.moe_renormalize;
-      layer.moe = std::make_unique<FusedMoeWithLora>(spec, lora, comm, dev, max_tokens, workspace_);
-      // transformers 5 still saves Mixtral and Qwen3-MoE with the 4.x per-expert names
-      // (block_sparse_moe.experts.N.w1/w3/w2; mlp.experts.N.gate_proj/up_proj/down_proj); a
-      // checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.
-      const bool qwen = c.arch == Architecture::kQwen3Moe;
-      const std::string new_p = p + "mlp.";
-      const std::string old_p = qwen ? new_p : p + "block_sparse_moe.";
-      const std::array<std::string, 3> names_2d =
-          qwen ? std::array<std::string, 3>{"gate_proj", "up_proj", "down_proj"}
-               : std::array<std::string, 3>{"w1", "w3", "w2"};
-      const int64_t e_count = c.num_experts;
-      if (src.has(old_p + "experts.0." + names_2d[0] + ".weight")) {
-        std::vector<Tensor> w1, w2, w3;
-        for (int64_t e = 0; e < e_count; ++e) {
-          const std::string ep = old_p + "experts." + std::to_string(e) + ".";
-          w1.push_back(weight(ep + names_2d[0] + ".weight", {inter, h}));
-          w3.push_back(weight(ep + names_2d[1] + ".weight", {inter, h}));
-          w2.push_back(weight(ep + names_2d[2] + ".weight", {h, inter}));
-        }
-        layer.moe->load_base(weight(old_p + "gate.weight", {e_count, h}), w1, w3, w2, &upload);
-      } else {
-        layer.moe->load_base_3d(weight(new_p + "gate.weight", {e_count, h}),
-                                weight(new_p + "experts.gate_up_proj", {e_count, 2 * inter, h}),
-                                weight(new_p + "experts.down_proj", {e_count, h, inter}),
-                                GateUpLayout::kConcatenated, &upload);
-      }
-      const LoraLayerHandle moe_h = moe_handle(*layer.moe, p + "experts");
-      // PEFT's 3-D LoRA: A always consumes the projection input (ParamWrapper swaps in/out
-      // for transformers-5 [E, out, in] parameters), so both register in forward orientation,
-      // in the module's parameter order (which fixes PEFT's wrapper nesting).
-      const std::tuple<const char*, int, int64_t, int64_t> params[] = {
-          {"gate_up_proj", 0, h, 2 * inter}, {"down_proj", 1, inter, h}};
-      for (const auto& [param, slice, in, out] : params) {
-        LoraTarget t;
-        t.module = new_p + "experts";
-        t.layer = moe_h;
-        t.slice = slice;
-        t.in_features = in;
-        t.out_features = out;
-        t.kind = TargetKind::kExperts3d;
-        t.parameter = param;
-        t.num_experts = e_count;
-        t.parameter_out_in = false;
-        targets_.add(std::move(t));
-      }
-      for (int64_t e = 0; e < e_count; ++e) {
-        const std::string ep = old_p + "experts." + std::to_string(e) + ".";
-        const int base = 2 + 3 * static_cast<int>(e);
-        add(ep + names_2d[0], moe_h, base + 0, h, inter);
-        add(ep + names_2d[1], moe_h, base + 1, h, inter);
-        add(ep + names_2d[2], moe_h, base + 2, inter, h);
-      }
-    }
-    layers_.push_back(std::move(layer));
+  }
+  for (int64_t e = 0; e < e_count; ++e) {
+    const std::string ep = old_p + "experts." + std::to_string(e) + ".";
+    const int base = 2 + 3 * static_cast<int>(e);
+    add_target(ep + names_2d[0], moe_h, base + 0, h, inter);
+    add_target(ep + names_2d[1], moe_h, base + 1, h, inter);
+    add_target(ep + names_2d[2], moe_h, base + 2, inter, h);
   }
 }
 

@@ -173,7 +173,17 @@ class Decoder final : public ModelExecutor {
   };
   // `feedable`: rows the previous launch sampled, which feed rows may name.
   BatchSummary summarize(const StepBatch& batch, int64_t feedable) const;
+  // Builds every layer from the checkpoint's weights and registers where adapters land.
   void bind(const WeightSource& source, WeightUpload& upload);
+  // bind()'s steps, over what they share (BindContext: decoder.cc).
+  struct BindContext;
+  void bind_embedding_and_head(const BindContext& b);
+  void bind_attention(const BindContext& b, const std::string& prefix, Layer& layer);
+  void bind_mlp(const BindContext& b, const std::string& prefix, Layer& layer);
+  void bind_moe(const BindContext& b, const std::string& prefix, Layer& layer);
+  // Registers an adapter module's place: slice `slice` of `handle`'s layer, `in` -> `out`.
+  void add_target(const std::string& module, const LoraLayerHandle& handle, int slice, int64_t in,
+                  int64_t out, TargetKind kind = TargetKind::kLinear, Tensor base = Tensor());
   void allocate_step_buffers();
   // The host half of a step: fills the staging inputs for `batch` (padded to `padded`
   // tokens, each padding token a sequence of its own on the pad block) and enqueues their

@@ -1,7 +1,7 @@
 #pragma once
 // The decoder's non-LoRA ops (kernels/model_ops.h) under the names the model code uses: cpu::
-// runs the reference, cuda:: the CUDA version on a Stream (through punica/op_dispatch), run()
-// picks one by the stream's device.
+// runs the reference, cuda:: the CUDA version on a Stream (through kernels/dispatch/base_ops.h),
+// run() picks one by the stream's device.
 
 #include "loraplex/core/status.h"
 #include "loraplex/core/stream.h"

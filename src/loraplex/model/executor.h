@@ -64,7 +64,7 @@ struct DecoderOptions {
   /// by the weight bytes) absorb and a long prefill's (bound by the arithmetic) do not.
   LoraDecode lora_decode = LoraDecode::kAuto;
   int64_t fused_lora_max_tokens = 512;
-  /// "key=value,..." over the device's LoRA kernel tuning table (kernels/cuda/lora_tuning.h),
+  /// "key=value,..." over the device's LoRA kernel tuning table (kernels/planner/lora_tuning.h),
   /// for benchmarks that compare kernel paths inside a model; empty: the table as it is.
   std::string lora_tuning;
   /// One Decoder's tensor-parallel group (tensor_parallel_size ranks), or nullptr for one

@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "loraplex/core/error.h"
-#include "loraplex/kernels/cuda/lora_plan.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/kernels/planner/lora_plan.h"
+#include "loraplex/punica/lora_dispatch.h"
 
 namespace loraplex {
 
@@ -29,13 +29,13 @@ LoraBatchMeta::LoraBatchMeta(int max_loras, int max_num_tokens, Device device,
           Tensor::empty_with({n}, DType::kI32, Device::cpu(), pinned_host_allocator());
     }
     if (scratch_floats < 0) {
-      scratch_floats = kernels::cuda::lora_scratch_floats(n, kernels::cuda::LoraTuning{});
+      scratch_floats = kernels::planner::lora_scratch_floats(n, kernels::planner::LoraTuning{});
     }
     scratch_ = Tensor::empty({std::max<int64_t>(scratch_floats, 1)}, DType::kF32, device);
     // Zeroed once here; every op that counts on them leaves them at zero again.
     const Stream setup = Stream::default_for(device);
     counters_ =
-        Tensor::zeros({kernels::cuda::lora_counters(n, max_loras)}, DType::kI32, device, setup);
+        Tensor::zeros({kernels::planner::lora_counters(n, max_loras)}, DType::kI32, device, setup);
     setup.synchronize();
   }
 }

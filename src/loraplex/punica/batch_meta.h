@@ -20,8 +20,8 @@ class LoraBatchMeta {
   /// On CUDA the metadata also owns the scratch the ops of a step use for split-K partial
   /// sums (LoraMetaView::scratch): `scratch_floats` floats, by default what every plan of the
   /// default tuning table needs for up to max_num_tokens tokens
-  /// (kernels::cuda::lora_scratch_floats), and arrival counters for every plan
-  /// (kernels::cuda::lora_counters). An op whose plan needs more fails, naming both.
+  /// (kernels::planner::lora_scratch_floats), and arrival counters for every plan
+  /// (kernels::planner::lora_counters). An op whose plan needs more fails, naming both.
   LoraBatchMeta(int max_loras, int max_num_tokens, Device device, int64_t scratch_floats = -1);
 
   /// Grows the scratch to at least `floats` (CUDA; waits for the device first, so that no

@@ -5,7 +5,7 @@
 
 #include "loraplex/core/error.h"
 #include "loraplex/kernels/lora_ops_checks.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/punica/lora_dispatch.h"
 
 namespace loraplex {
 namespace {
@@ -215,25 +215,24 @@ PunicaWrapper::PunicaWrapper(int max_loras, int max_num_tokens, int max_num_seqs
     : max_loras_(max_loras),
       max_num_tokens_(max_num_tokens),
       device_(device),
-      lora_device_(device.is_cuda() ? kernels::cuda::lora_device(device.index)
-                                    : kernels::cuda::LoraDevice{}),
+      lora_device_(lora_device_of(device)),
       token_meta_(max_loras, max_num_tokens, device,
-                  kernels::cuda::lora_scratch_floats(max_num_tokens, lora_device_.tuning)),
+                  kernels::planner::lora_scratch_floats(max_num_tokens, lora_device_.tuning)),
       sampler_meta_(max_loras, max_num_seqs, device,
-                    kernels::cuda::lora_scratch_floats(max_num_seqs, lora_device_.tuning)) {}
+                    kernels::planner::lora_scratch_floats(max_num_seqs, lora_device_.tuning)) {}
 
-void PunicaWrapper::set_lora_tuning(const kernels::cuda::LoraTuning& tuning) {
-  throw_if_error(kernels::cuda::check_lora_tuning(tuning));
+void PunicaWrapper::set_lora_tuning(const kernels::planner::LoraTuning& tuning) {
+  throw_if_error(kernels::planner::check_lora_tuning(tuning));
   lora_device_.tuning = tuning;
   // Plans of the new table (longer decode paths, say) may need more scratch than the old's.
-  token_meta_.reserve_scratch(kernels::cuda::lora_scratch_floats(max_num_tokens_, tuning));
+  token_meta_.reserve_scratch(kernels::planner::lora_scratch_floats(max_num_tokens_, tuning));
   sampler_meta_.reserve_scratch(
-      kernels::cuda::lora_scratch_floats(sampler_meta_.max_num_tokens(), tuning));
+      kernels::planner::lora_scratch_floats(sampler_meta_.max_num_tokens(), tuning));
 }
 
 void PunicaWrapper::set_lora_tuning(const std::string& overrides) {
-  kernels::cuda::LoraTuning tuning = lora_device_.tuning;
-  throw_if_error(kernels::cuda::parse_lora_tuning(overrides, tuning));
+  kernels::planner::LoraTuning tuning = lora_device_.tuning;
+  throw_if_error(kernels::planner::parse_lora_tuning(overrides, tuning));
   set_lora_tuning(tuning);
 }
 

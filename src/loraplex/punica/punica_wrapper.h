@@ -12,8 +12,8 @@
 
 #include "loraplex/core/stream.h"
 #include "loraplex/core/tensor.h"
-#include "loraplex/kernels/cuda/lora_plan.h"
 #include "loraplex/kernels/lora_ops.h"
+#include "loraplex/kernels/planner/lora_plan.h"
 #include "loraplex/punica/batch_meta.h"
 #include "loraplex/punica/slot_ranks.h"
 
@@ -77,12 +77,12 @@ class PunicaWrapper {
   int max_loras() const { return max_loras_; }
   Device device() const { return device_; }
   /// What the CUDA kernels' plans are made for: the device's limits and tuning table
-  /// (kernels::cuda::lora_device; the defaults on the CPU).
-  const kernels::cuda::LoraDevice& lora_device() const { return lora_device_; }
+  /// (lora_device_of: a CUDA device's own, the defaults on the CPU).
+  const kernels::planner::LoraDevice& lora_device() const { return lora_device_; }
   /// Replaces the tuning table (checked; an error names the field) for this wrapper's ops. For
   /// benchmarks and tests, between steps (captured graphs keep the old plans). The metadata's
   /// scratch grows to what the new table's plans need.
-  void set_lora_tuning(const kernels::cuda::LoraTuning& tuning);
+  void set_lora_tuning(const kernels::planner::LoraTuning& tuning);
   /// The same with "key=value,..." over the current table (an error names a bad key or value).
   void set_lora_tuning(const std::string& overrides);
 
@@ -203,7 +203,7 @@ class PunicaWrapper {
   int max_loras_;
   int max_num_tokens_;
   Device device_;
-  kernels::cuda::LoraDevice lora_device_;
+  kernels::planner::LoraDevice lora_device_;
   LoraBatchMeta token_meta_;
   LoraBatchMeta sampler_meta_;
   // MoE alignment buffers, sized by reserve_moe_lora.

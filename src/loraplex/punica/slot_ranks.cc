@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "loraplex/core/error.h"
-#include "loraplex/punica/op_dispatch.h"
+#include "loraplex/kernels/dispatch/base_ops.h"
 
 namespace loraplex {
 
@@ -66,7 +66,7 @@ void SlotRanks::upload(int first_slice, int count, int slot, const Stream& strea
     a.col = slot;
     a.count = std::min(kernels::kMaxColumnValues, first_slice + count - s0);
     for (int i = 0; i < a.count; ++i) a.values[i] = host[(s0 + i) * max_loras_ + slot];
-    throw_if_error(dispatch_write_column(a, stream));
+    throw_if_error(kernels::dispatch_write_column(a, stream));
   }
 }
 

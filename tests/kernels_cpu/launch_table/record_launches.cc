@@ -9,7 +9,7 @@
 // kernel<template args>|grid x,y,z|threads|dynamic smem|cluster x|pdl[|params], params being a
 // 64-bit FNV-1a hash of the kernel's parameter bytes (fake device pointers, the same in every
 // build). Built by record.sh against a build's libloraplex_kernels.a, once per API generation
-// (RECORD_OLD_API: the KernelTuning global that preceded kernels/cuda/lora_plan.h).
+// (RECORD_OLD_API: the KernelTuning global that preceded kernels/planner/lora_plan.h).
 //
 // usage: record_launches KERNEL_INFO {table|full} [--no-params]
 //   table: the grid of lora_launches_h100.tsv; full: a wider one, for comparing two builds.
@@ -30,7 +30,7 @@
 #ifdef RECORD_OLD_API
 #include "loraplex/kernels/cuda/kernel_tuning.h"
 #else
-#include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/planner/lora_plan.h"
 #endif
 
 namespace {
@@ -39,6 +39,9 @@ using loraplex::DType;
 using loraplex::Status;
 namespace lk = loraplex::kernels;
 namespace kc = loraplex::kernels::cuda;
+#ifndef RECORD_OLD_API
+namespace kp = loraplex::kernels::planner;
+#endif
 
 struct Config {
   const char* name;
@@ -338,22 +341,22 @@ struct Api {
 };
 #else
 struct Api {
-  kc::LoraDevice device = kc::lora_device(0);
+  kp::LoraDevice device = kc::lora_device(0);
   void set(const Config& c, const std::string& extra, int limit) {
     std::string text = c.new_tuning;
     if (!extra.empty()) text += (text.empty() ? "" : ",") + extra;
     if (limit >= 0 && text.find("decode_max_tokens") == std::string::npos) {
       text += (text.empty() ? "" : ",") + std::string("decode_max_tokens=") + std::to_string(limit);
     }
-    device.tuning = kc::LoraTuning{};
-    if (!kc::parse_lora_tuning(text, device.tuning).ok()) {
+    device.tuning = kp::LoraTuning{};
+    if (!kp::parse_lora_tuning(text, device.tuning).ok()) {
       std::fprintf(stderr, "bad tuning %s\n", text.c_str());
       std::exit(1);
     }
   }
   std::string path(const Call& c) {
-    return kc::path_name(
-        kc::plan_lora_linear(kc::linear_shape(c.shrink, c.expand, c.meta), device).path);
+    return kp::path_name(
+        kp::plan_lora_linear(kp::linear_shape(c.shrink, c.expand, c.meta), device).path);
   }
   Status linear(const Call& c) {
     return kc::lora_linear(c.shrink, c.expand, c.meta, device, nullptr);

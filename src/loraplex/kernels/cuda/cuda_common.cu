@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
-#include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
 
 namespace loraplex::kernels::cuda {
 

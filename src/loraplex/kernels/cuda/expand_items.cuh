@@ -7,7 +7,7 @@
 // an item index. Internal to the CUDA backend.
 
 #include "loraplex/kernels/cuda/cuda_common.cuh"
-#include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/lora_ops.h"
 
 namespace loraplex::kernels::cuda {

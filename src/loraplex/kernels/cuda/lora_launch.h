@@ -1,13 +1,13 @@
 #pragma once
-// The launchers of the CUDA LoRA kernels: each runs one plan of lora_plan.h on the arguments'
-// pointers and decides nothing itself. Internal to the CUDA backend (lora_ops_cuda.cc, the entry
-// points, plans and calls them). Plain C++ declarations.
+// The launchers of the CUDA LoRA kernels: each runs one plan of kernels/planner/lora_plan.h on the
+// arguments' pointers and decides nothing itself. Internal to the CUDA backend (lora_ops_cuda.cc,
+// the entry points, plans and calls them). Plain C++ declarations.
 
 #include <cstdint>
 
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/status.h"
-#include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/lora_ops.h"
 
 namespace loraplex::kernels::cuda {

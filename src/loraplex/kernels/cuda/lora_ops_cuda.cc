@@ -1,5 +1,6 @@
-// The entry points of the CUDA LoRA ops: check the arguments, make the plan (lora_plan.h),
-// check that the metadata holds the workspace the plan needs, run the plan's launchers.
+// The entry points of the CUDA LoRA ops: check the arguments, make the plan
+// (kernels/planner/lora_plan.h), check that the metadata holds the workspace the plan needs, run
+// the plan's launchers.
 
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 #include "loraplex/kernels/cuda/lora_launch.h"

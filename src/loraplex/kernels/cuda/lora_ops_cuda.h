@@ -10,12 +10,20 @@
 #include "loraplex/core/cuda_runtime.h"
 #include "loraplex/core/status.h"
 #include "loraplex/kernels/cpu/lora_ops_cpu.h"
-#include "loraplex/kernels/cuda/lora_plan.h"
 #include "loraplex/kernels/lora_ops.h"
+#include "loraplex/kernels/planner/lora_plan.h"
 
 namespace loraplex::kernels::cuda {
 
 using StreamHandle = cuda_rt::StreamHandle;
+
+// The CUDA backend runs the planner's plans (kernels/planner/) and shares its kernel shapes: its
+// names are the backend's own.
+using namespace planner;
+
+/// The limits of CUDA device `index` and its architecture's tuning table (cached per device).
+/// In a build without CUDA: the defaults.
+LoraDevice lora_device(int index);
 
 /// Builds the batch metadata from buffers.token_lora_mapping (device) in one single-block
 /// kernel: stable counting sort by slot, distinct slots, counts and start offsets. Slots
@@ -24,7 +32,7 @@ Status build_lora_meta(int32_t num_tokens, int32_t max_loras, const cpu::LoraMet
                        StreamHandle stream);
 
 /// SGMV shrink over the metadata: the tensor-core prefill shrink where its alignment holds,
-/// the generic kernel for anything else (lora_plan.h decides).
+/// the generic kernel for anything else (kernels/planner/lora_plan.h decides).
 Status lora_shrink(const ShrinkArgs& args, const LoraMetaView& meta, const LoraDevice& device,
                    StreamHandle stream);
 /// SGMV expand over the metadata, all slices in one launch (tensor cores when aligned).

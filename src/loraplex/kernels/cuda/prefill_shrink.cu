@@ -18,9 +18,9 @@
 // on 128-token tiles (2 warpgroups of 64 rows, every column, both operands read by the tensor
 // cores from 128-byte-swizzled shared memory). The wgmma form reads each A row from shared memory
 // once per 64 tokens instead of once per 16 and each slot's A rows from L2 once per 128 tokens
-// instead of once per 64: its K loop measured 1.8x faster at rank 64 (one slice and q/k/v, 4096
-// tokens). Its longer tiles make fewer items, hence longer reductions and grids that fit the SMs
-// differently, so the planner (lora_plan.cc) picks the form per shape.
+// instead of once per 64, so its K loop is faster (docs/decisions.md, "Kernel details
+// measured"). Its longer tiles make fewer items, hence longer reductions and grids that fit the
+// SMs differently, so the planner (kernels/planner/lora_plan.cc) picks the form per shape.
 //
 // The grid is the host's upper bound of tiles times k_split; CTAs whose tile does not exist in
 // this batch (counted on the device from the metadata) return at once, so the launch
@@ -45,9 +45,9 @@ template <bool kWg>
 constexpr int kTileM = kWg ? kTileWg : kTileMma;
 // The 8 warps share a tile as 4 row groups of 16 rows x 2 column sets: warp w takes rows
 // (w % 4) * 16 .. + 16 and the column tiles w / 4, w / 4 + 2, ... (kTilesPerWarp at most). Two
-// row groups of 32 rows x 4 column sets (each B fragment load feeding two MMAs) measured 2%
-// faster for the large variant at 4096 tokens but up to 33% slower at 256-1024 tokens with 32
-// adapters (q/k/v, rank 64; ptxas spilled ~90 bytes).
+// row groups of 32 rows x 4 column sets (each B fragment load feeding two MMAs) gained little for
+// the large variant and lost much more at a few hundred tokens with many adapters, where ptxas
+// spilled (docs/decisions.md, "Kernel details measured").
 constexpr int kColSets = 2;
 // stage_pairs may read the 16 rows past the last stage (the unused half of a pair's x4 load);
 // the row sources that always follow the stage region cover them.
@@ -156,7 +156,7 @@ struct PrefillParams {
 // `width` of them (fewer past the slice's rank), as one 16- (fp32) or 8-byte store where `vec`
 // (all four inside the rank, the output aligned for it: ranks and their tiles are multiples of 8,
 // so a quad never straddles two slices). Four scalar stores with their index arithmetic each
-// took the rank-64 q/k/v reduction at 4096 tokens to 6.6 us against 3.7 (traced graph replays).
+// made the reduction much slower (docs/decisions.md, "Kernel details measured").
 template <typename T>
 __device__ __forceinline__ void store_quad(const PrefillParams& p, int64_t o, int width, bool vec,
                                            float4 v) {
@@ -260,7 +260,7 @@ __device__ __forceinline__ void sum_rows_for(int ks, const PrefillParams& p, int
 // offset, whether it is one vector store) is worked out once, so a row costs its loads, its sums
 // and one store. A flat walk over the tile's quads (a new row and column, hence slice, rank and
 // offset, for every quad, and every part's load behind a predicate) took ~200 instructions per
-// quad and, with two warps per scheduler in the big wgmma form, most of its 7-9 us reduction.
+// quad and, with two warps per scheduler in the big wgmma form, most of the reduction's time.
 // load(q, m, c) gives part q's four values at row m from column c. Parts are added in order
 // 0..ks-1 wherever they come from, so every reduction gives the same bits (sum_quads too).
 template <typename T, int kRows, typename Load>
@@ -287,8 +287,8 @@ __device__ __forceinline__ void reduce_parts(const PrefillParams& p, int first, 
 // `first` of `step` taking quads first, first + step, ... of the tile (row-major), kQuads of
 // them with all kQuads x kParts loads issued at once (one round trip: kParts <= 8, <= 2 quads a
 // thread). The same sums as reduce_parts, in the same order. reduce_parts' layout (a fixed
-// column per thread, the same loads here) measured 0.3-1 us slower in this short kernel, which
-// is one latency chain (H100).
+// column per thread, the same loads here) measured slower in this short kernel, which is one
+// latency chain.
 template <typename T, int kQuads, int kParts, typename Load>
 __device__ __forceinline__ void sum_quads(const PrefillParams& p, int first, int step, int mrows,
                                           int ntiles, const int* tok, const int* tile_slice,
@@ -381,9 +381,9 @@ __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
   } else {
     // Long tiles go through shared memory (free after the K loop), so that the global stores
     // are whole rows of 16-byte quads instead of 8 bytes per thread and 32 per row and warp
-    // instruction: rank 16 q/k/v at 4096 tokens 0-3.5% faster (H100). Short ones (32 adapters x
-    // 256-1024 tokens) measured 2-3% slower that way: the extra barrier and shared-memory round
-    // trip cost more than the stores they merge.
+    // instruction, a little faster for long tiles. Short ones (many adapters, a few hundred
+    // tokens each) measured slower that way: the extra barrier and shared-memory round trip cost
+    // more than the stores they merge.
     for_each_acc<kWg, kAccTiles>(acc, ntiles, [&](int row, int col, float v0, float v1) {
       *reinterpret_cast<float2*>(red + row * p.red_pitch + col) = make_float2(v0, v1);
     });
@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
     if constexpr (kWg) {
       // The tensor cores start on this stage before the threads issue the next stage's copies
       // (ten per thread at 192 A rows), so that the two overlap instead of following each other
-      // (rank 64 q/k/v 6-10% faster at 256-4096 tokens than the copies first). The stage those
+      // (measured faster than the copies first). The stage those
       // copies overwrite was read by the previous iteration's MMAs, which each warpgroup waited
       // for before the barrier above.
       const uint64_t da = wgmma_desc(buf + wg_a_off);
@@ -673,9 +673,9 @@ __global__ void __launch_bounds__(kThreads, (kWg && kCols > 64) ? 1 : 2)
 // The deferred split-K sum (PrefillParams::defer_sum): CTA b adds the parts of rows
 // kSumRows (b % blocks) .. + kSumRows of item b / blocks. Its metadata reads (the tile prefix,
 // the item's token indices, the slot's ranks) come before pdl_wait: the metadata build finished
-// before the shrink started, and the shrink writes none of it. At 4096 tokens the shrink's last
-// CTA per 128-token tile summing 8 parts of 128 x 64 floats alone took 7-9 us (four
-// latency-bound round trips); here each CTA reads one round trip's worth.
+// before the shrink started, and the shrink writes none of it. The shrink's last CTA per
+// 128-token tile summing 8 parts of 128 x 64 floats alone was four latency-bound round trips
+// long; here each CTA reads one round trip's worth.
 template <typename T, int kM, int kParts>  // kParts: p.k_split
 __global__ void __launch_bounds__(kSumThreads) prefill_sum_kernel(PrefillParams p) {
   __shared__ int prefix[kMaxLorasForSum + 2];

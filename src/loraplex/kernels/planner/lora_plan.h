@@ -3,9 +3,9 @@
 // (the cluster layer, the per-token pair, shrink + expand kernels, or the generic kernels), and
 // every launch's shape (grid, threads, shared memory, template arguments, PDL and cluster
 // attributes), from the call's sizes and alignments, the device's limits and the tuning table. The
-// launchers (lora_launch.h) run a plan; the tests and the benchmark read it. Plain C++ (no CUDA
-// headers): compiled in every build, so the decisions are tested without a GPU
-// (tests/kernels_cpu/lora_plan_test.cc).
+// launchers (kernels/cuda/lora_launch.h) run a plan; the tests and the benchmark read it. Plain C++
+// (no CUDA headers, its own library, loraplex_lora_planner): compiled in every build, so the
+// decisions are tested without a GPU (tests/kernels_cpu/lora_plan_test.cc).
 //
 // A plan states the workspace it needs (LoraMetaView's scratch floats and counters); a launch
 // whose metadata holds less fails with an error naming both, instead of taking another path.
@@ -13,13 +13,13 @@
 #include <cstdint>
 
 #include "loraplex/core/dtype.h"
-#include "loraplex/kernels/cuda/lora_tuning.h"
 #include "loraplex/kernels/lora_ops.h"
+#include "loraplex/kernels/planner/lora_tuning.h"
 
-namespace loraplex::kernels::cuda {
+namespace loraplex::kernels::planner {
 
-/// What the planner knows of the device, read from cudaGetDeviceProperties (lora_device()).
-/// The defaults are an H100 SXM's (and an H200's).
+/// What the planner knows of the device, read from cudaGetDeviceProperties
+/// (kernels::cuda::lora_device). The defaults are an H100 SXM's (and an H200's).
 struct DeviceLimits {
   int cc_major = 9;
   int cc_minor = 0;
@@ -29,15 +29,12 @@ struct DeviceLimits {
   int reserved_smem_per_block = 1024;     // the system's share of each block
 };
 
-/// The device a plan is made for: its limits and the tuning table in force.
+/// The device a plan is made for: its limits and the tuning table in force (a CUDA device's:
+/// kernels::cuda::lora_device).
 struct LoraDevice {
   DeviceLimits limits;
   LoraTuning tuning;
 };
-
-/// The limits of CUDA device `index` and its architecture's tuning table (cached per device).
-/// In a build without CUDA: the defaults.
-LoraDevice lora_device(int index);
 
 // ---------------------------------------------------------------------------------------------
 // Kernel shapes the planner and the kernels share.
@@ -306,4 +303,4 @@ int64_t lora_scratch_floats(int64_t max_num_tokens, const LoraTuning& tuning);
 /// Counters that cover every plan for up to max_num_tokens tokens and max_loras slots.
 int64_t lora_counters(int64_t max_num_tokens, int max_loras);
 
-}  // namespace loraplex::kernels::cuda
+}  // namespace loraplex::kernels::planner

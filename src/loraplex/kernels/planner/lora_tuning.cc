@@ -1,9 +1,9 @@
-#include "loraplex/kernels/cuda/lora_tuning.h"
+#include "loraplex/kernels/planner/lora_tuning.h"
 
 #include <charconv>
 #include <string>
 
-namespace loraplex::kernels::cuda {
+namespace loraplex::kernels::planner {
 namespace {
 
 // One row per field: its name, where it lives and its range. Checking, parsing and reporting
@@ -103,4 +103,4 @@ std::vector<std::pair<std::string, int>> lora_tuning_values(const LoraTuning& t)
   return values;
 }
 
-}  // namespace loraplex::kernels::cuda
+}  // namespace loraplex::kernels::planner

@@ -10,7 +10,7 @@
 
 #include "loraplex/core/status.h"
 
-namespace loraplex::kernels::cuda {
+namespace loraplex::kernels::planner {
 
 /// Launch-shape values of the LoRA kernels. The defaults are the sm_90 table, measured on
 /// H100 and H200; 0 in a field documented as automatic picks by the planner's
@@ -75,4 +75,4 @@ Status parse_lora_tuning(const std::string& text, LoraTuning& out);
 /// Every field as (name, value), in declaration order (for reports).
 std::vector<std::pair<std::string, int>> lora_tuning_values(const LoraTuning& tuning);
 
-}  // namespace loraplex::kernels::cuda
+}  // namespace loraplex::kernels::planner

@@ -1,10 +1,10 @@
-#include "loraplex/kernels/cuda/lora_plan.h"
+#include "loraplex/kernels/planner/lora_plan.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
 
-namespace loraplex::kernels::cuda {
+namespace loraplex::kernels::planner {
 namespace {
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -641,4 +641,4 @@ int64_t lora_counters(int64_t n, int max_loras) {
   return std::max<int64_t>((int64_t{max_loras} + 1) * kMaxSlices, (n + 63) / 64 + max_loras + 1);
 }
 
-}  // namespace loraplex::kernels::cuda
+}  // namespace loraplex::kernels::planner
