@@ -234,7 +234,7 @@ def paths_table(paths):
             "128 + 64 tokens, 256 of 128 + 16 over 64 adapters, one request. *fused*: the "
             "shrink as extra rows of each base GEMM, the expand in the op after it; *overlap*: "
             "the LoRA kernels on a second stream. HEAD's default (auto) takes overlap for steps of "
-            "up to 64 tokens and fused above. The step's components "
+            "up to 16 tokens and fused above. The step's components "
             "(CUPTI, ms) come from the runs that were profiled. Files: " +
             ", ".join(f"`{p}`" for p, _ in docs) + ".")
     out = ["### LoRA in decode steps: the paths side by side", "", para(text), "",

@@ -30,7 +30,7 @@ namespace loraplex::model {
 /// Which wins at which size is measured in BENCHMARKS.md and explained in docs/model.md
 /// ("How a decode step runs its LoRA").
 enum class LoraDecode { kAuto, kFused, kOverlap, kKernels };
-inline constexpr int64_t kAutoOverlapTokens = 64;
+inline constexpr int64_t kAutoOverlapTokens = 16;
 
 struct DecoderOptions {
   DType dtype = DType::kF32;  // activations, weights on the device, KV cache, LoRA
