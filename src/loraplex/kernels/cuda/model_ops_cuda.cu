@@ -260,7 +260,9 @@ struct FusedBRows {
 
 // v[c] = round(v[c] + sum_{i < rank} s[i] B_s[slot, j + c, i]) for the kVec columns from input
 // column j (all in one slice), with s the staged intermediate of the token (zero past the
-// rank). Values of B past the rank are loaded with the rest and discarded.
+// rank). Values of B past the rank are loaded with the rest and discarded. The kBRows > 0 form
+// repeats FusedBRows' loads and products inline: built on FusedBRows, the wide-step norm
+// kernel (kNormVecs runs a thread, 128 registers) spilled about 1 KB a thread.
 template <typename E, int kVec, int kBRows>
 __device__ void add_fused_expand(const FusedLoraExpand& e, int slot, int64_t j, const float* s_all,
                                  float (&v)[kVec]) {
