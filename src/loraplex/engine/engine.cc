@@ -21,6 +21,7 @@
 #include "loraplex/engine/request_checks.h"
 #include "loraplex/engine/scheduler.h"
 #include "loraplex/model/sampler.h"
+#include "loraplex/tokenizer/prompt_encoding.h"
 
 namespace loraplex::engine {
 
@@ -418,11 +419,12 @@ Pending Engine::Impl::prepare(Request&& request) {
              "a text prompt needs a tokenizer, and this engine has none: send token ids");
     }
     try {
-      ids = tokenizer->encode(request.prompt, true);
+      ids = ::loraplex::tokenizer::encode_prompt(
+          [&](std::string_view text, bool special) { return tokenizer->encode(text, special); },
+          request.prompt, {});
     } catch (const Error& e) {
-      refuse(RequestError::Kind::kInvalid, "cannot tokenize the prompt: ", e.what());
+      refuse(RequestError::Kind::kInvalid, e.what());
     }
-    if (ids.empty()) refuse(RequestError::Kind::kInvalid, "the prompt encodes to no tokens");
   }
   check_prompt(ids, o, limits);
 

@@ -12,6 +12,7 @@
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
 #include "loraplex/model/load_model.h"
+#include "loraplex/tokenizer/prompt_encoding.h"
 
 namespace loraplex::engine {
 namespace {
@@ -83,12 +84,12 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
   for (const RequestSpec& r : cfg.requests) {
     std::vector<int32_t> ids;
     try {
-      ids = tokenizer->encode(r.prompt, true);
+      ids = ::loraplex::tokenizer::encode_prompt(
+          [&](std::string_view text, bool special) { return tokenizer->encode(text, special); },
+          r.prompt, {});
     } catch (const Error& err) {
-      LORAPLEX_FAIL(cfg.requests_path, ":", r.line, ": cannot tokenize the prompt: ", err.what());
+      LORAPLEX_FAIL(cfg.requests_path, ":", r.line, ": ", err.what());
     }
-    LORAPLEX_CHECK(!ids.empty(), cfg.requests_path, ":", r.line,
-                   ": the prompt encodes to no tokens");
     max_tokens.push_back(r.max_tokens.value_or(cfg.max_tokens));
     report.outputs.push_back({r.prompt, r.adapter, ids, {}, {}});
     prompts.push_back(std::move(ids));

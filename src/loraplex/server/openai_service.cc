@@ -4,10 +4,12 @@
 #include <chrono>
 #include <ctime>
 #include <filesystem>
+#include <string_view>
 
 #include "loraplex/server/adapter_policy.h"
 #include "loraplex/server/prometheus.h"
 #include "loraplex/template/errors.h"
+#include "loraplex/tokenizer/prompt_encoding.h"
 
 namespace loraplex::server {
 namespace {
@@ -51,15 +53,18 @@ bool safe_component(const std::string& name) {
          name.find('\\') == std::string::npos && name.find('\0') == std::string::npos;
 }
 
-// vLLM's truncate_prompt_tokens: the last `k` ids (k = -1: max_model_len), after the first
-// `keep` (the special tokens a text prompt's encoding starts with, which a tokenizer truncating
-// on the left keeps).
-void truncate_left(std::vector<int32_t>& ids, size_t keep, int64_t k, int64_t max_model_len) {
-  const size_t limit = static_cast<size_t>(k < 0 ? max_model_len : k);
-  if (ids.size() <= limit) return;
-  keep = std::min(keep, limit);
-  ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(keep),
-            ids.end() - static_cast<std::ptrdiff_t>(limit - keep));
+// A text prompt's ids as the request asks (special tokens, vLLM's truncate_prompt_tokens: the
+// last k ids after the special tokens the encoding starts with, which a tokenizer truncating on
+// the left keeps); throws Error.
+std::vector<int32_t> encode(const ServingBackend& backend, const std::string& text,
+                            const GenerationRequest& r) {
+  tokenizer::PromptEncoding how;
+  how.add_special_tokens = r.add_special_tokens;
+  how.truncate_to = r.truncate_prompt_tokens;
+  how.max_model_len = backend.max_model_len();
+  return tokenizer::encode_prompt(
+      [&](std::string_view t, bool special) { return backend.encode(std::string(t), special); },
+      text, how);
 }
 
 HttpReply text_reply(int status, std::string body) {
@@ -166,13 +171,9 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
       throw_api(400, e.what(), "messages");
     }
     try {
-      req.prompt_ids = backend_.encode(prompt, r.add_special_tokens);
+      req.prompt_ids = encode(backend_, prompt, r);
     } catch (const Error& e) {
-      throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "messages");
-    }
-    if (req.prompt_ids.empty()) throw_api(400, "the chat prompt encodes to no tokens", "messages");
-    if (r.truncate_prompt_tokens) {
-      truncate_left(req.prompt_ids, 0, *r.truncate_prompt_tokens, backend_.max_model_len());
+      throw_api(400, e.what(), "messages");
     }
     if (!r.max_tokens_given) {
       // vLLM's default for chat: whatever context the prompt leaves.
@@ -191,28 +192,17 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
   } else if (!r.prompt_ids.empty()) {
     req.prompt_ids = r.prompt_ids;
     if (r.truncate_prompt_tokens) {
-      truncate_left(req.prompt_ids, 0, *r.truncate_prompt_tokens, backend_.max_model_len());
+      tokenizer::truncate_prompt_left(req.prompt_ids, 0, *r.truncate_prompt_tokens,
+                                      backend_.max_model_len());
     }
   } else if (r.add_special_tokens && !r.truncate_prompt_tokens) {
-    req.prompt = r.prompt;  // the engine encodes it, with special tokens
+    req.prompt = r.prompt;  // the engine encodes it (tokenizer::encode_prompt, the same rules)
   } else {
     try {
-      req.prompt_ids = backend_.encode(r.prompt, r.add_special_tokens);
-      if (r.truncate_prompt_tokens) {
-        size_t special = 0;
-        if (r.add_special_tokens) {
-          const std::vector<int32_t> plain = backend_.encode(r.prompt, false);
-          if (plain.size() < req.prompt_ids.size() &&
-              std::equal(plain.rbegin(), plain.rend(), req.prompt_ids.rbegin())) {
-            special = req.prompt_ids.size() - plain.size();
-          }
-        }
-        truncate_left(req.prompt_ids, special, *r.truncate_prompt_tokens, backend_.max_model_len());
-      }
+      req.prompt_ids = encode(backend_, r.prompt, r);
     } catch (const Error& e) {
-      throw_api(400, std::string("cannot tokenize the prompt: ") + e.what(), "prompt");
+      throw_api(400, e.what(), "prompt");
     }
-    if (req.prompt_ids.empty()) throw_api(400, "the prompt encodes to no tokens", "prompt");
   }
   s.header.id = new_request_id(kind == GenerationRequest::Kind::kChat ? "chatcmpl-" : "cmpl-");
   s.header.created = unix_now();
