@@ -21,7 +21,7 @@ cudaStream_t as_stream(cuda_rt::StreamHandle s) { return static_cast<cudaStream_
 // The "cold" flush: ld.global.cg keeps the L2's normal eviction priority, so 512 MB of it evicts
 // every line an earlier call left there (and writes back the dirty ones). ld.global.cs marks the
 // flushed lines evict-first: the previous call's inputs survived in L2, and the cold timings of
-// inputs that fit (1024-4096 tokens) came out up to 41% faster than with this flush (H100).
+// inputs that fit came out faster than with this flush (docs/decisions.md).
 __global__ void read_buffer_kernel(const uint4* data, int64_t n, float* sink) {
   uint32_t acc = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

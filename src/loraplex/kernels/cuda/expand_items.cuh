@@ -87,9 +87,9 @@ __device__ __forceinline__ ExpandItem expand_item(const ExpandTileParams& p, con
 /// The first of CTA `cta`'s contiguous run of `items` work items (its run ends where CTA cta + 1's
 /// begins). Balanced: runs differ by at most one item (the first items % grid CTAs take one
 /// more); else ceil(items / grid) each, which leaves the last CTAs idle (2048 items on 528 CTAs:
-/// 512 CTAs with 4, 16 with none). The pipelined expand is 1-3% faster balanced at 4096 tokens;
-/// the one-item-at-a-time expand, which reuses the token rows and intermediate of consecutive
-/// items, up to 5% slower (rank 64, q/k/v), so it keeps ceil-sized runs (H200). 32-bit (the
+/// 512 CTAs with 4, 16 with none). The pipelined expand is faster balanced; the one-item-at-a-
+/// time expand, which reuses the token rows and intermediate of consecutive items, slower, so
+/// it keeps ceil-sized runs (docs/decisions.md). 32-bit (the
 /// launchers check that the items fit): a 64-bit division is a call to
 /// a subroutine at the end of the kernel's code, one more instruction-cache miss in the cold
 /// chain before the first load.

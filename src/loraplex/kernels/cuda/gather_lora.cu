@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
     done |= mine;
     // Up to max_rank 16 the A rows are loaded before the slot's rank arrives, one round trip
     // less in the chain (a row's sums depend on that row only; rows past the rank are not
-    // written): on the H200 3-6% faster at rank 16, and 1-4% slower at rank 64, which waits.
+    // written): faster at rank 16, slower at rank 64, which waits (docs/decisions.md).
     // Above rank 16 the wait comes before the rank (only the metadata is read before it): an
     // empty before_x keeps the compiler's own load order there (one token per CTA: 48 registers,
     // against 163 with every A load issued before a wait).
@@ -346,8 +346,8 @@ __global__ void __launch_bounds__(kThreads) gather_shrink_kernel(GatherParams p)
 // How the expand holds B's ranks before its wait (kPreRanks in registers in every mode):
 // kRegs (max_rank <= kPreRanks) unpacks them all to fp32 before the wait, so that after it
 // only the sums, the FMAs and the store are left (one warp's instructions after the wait are
-// on the layer's critical path, as the kernel timelines show): 8-13% faster on the H200 at rank
-// 16 (above it the unpacked form was not measured on its own). kStaged (max_rank <= kStagedRanks,
+// on the layer's critical path, as the kernel timelines show; measured at rank 16 only,
+// docs/decisions.md). kStaged (max_rank <= kStagedRanks,
 // where each CTA of the pair gets an SM of its own: the planner says why) copies ranks
 // kPreRanks.. into shared memory with cp.async before the wait;
 // kLoop loads them after the wait, 8 ranks at a time, one dependent round trip each.

@@ -253,14 +253,13 @@ bool cluster_applies(const ShrinkShape& s, const ExpandShape& e, const LoraDevic
 // both with the layers back to back (its PDL launch overlaps the kernel before it, which the
 // benchmark's graphs measure) and without PDL (as after a GEMM in a model). `rows` = the slices'
 // A rows (ranks rounded to 16), `slots` = the slots that can be active:
-// * 64 to 256 tokens, at least 8 per slot, rows <= 64 (at most 48 above 64 tokens): the other
-//   paths up to 48% slower without PDL and 13-64% with it; above 64 tokens at rank 64 the split
-//   path is faster;
-// * 16 to 63 tokens above rank 16 with rows <= 64 and at most 16 clusters (tokens / 16 + slots):
-//   10-16% faster than the pair without PDL, 35-53% with it (rank 16 at 16 tokens gains with
-//   PDL but is 38-60% slower without);
-// * 33 to 64 tokens with more rows (q/k/v at rank 64) and at least 16 tokens per slot: one slot
-//   at 64 tokens 45-54% faster than the split path.
+// * 64 to 256 tokens, at least 8 per slot, rows <= 64 (at most 48 above 64 tokens); above 64
+//   tokens at rank 64 the split path is faster;
+// * 16 to 63 tokens above rank 16 with rows <= 64 and at most 16 clusters (tokens / 16 + slots),
+//   faster than the pair with and without PDL (rank 16 at 16 tokens gains only with PDL);
+// * 33 to 64 tokens with more rows (q/k/v at rank 64) and at least 16 tokens per slot, against
+//   the split path.
+// The margins are in docs/decisions.md ("Kernel details measured").
 bool use_cluster(const LinearShape& shape, const LoraDevice& dev) {
   const ShrinkShape& s = shape.shrink;
   const int mode = dev.tuning.decode_cluster;
