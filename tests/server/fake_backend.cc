@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <thread>
+#include <utility>
 
 #include "loraplex/core/error.h"
 
@@ -109,6 +110,9 @@ std::unique_ptr<GenerationStream> FakeBackend::submit(engine::Request request) {
   std::vector<int32_t> prompt =
       request.prompt_ids.empty() ? encode(request.prompt, true) : request.prompt_ids;
   if (prompt.empty()) throw engine::RequestError(K::kInvalid, "empty prompt");
+  if (!unload_before_submit.empty() && request.adapter == unload_before_submit) {
+    unload_adapter(std::exchange(unload_before_submit, std::string()));
+  }
   if (!request.adapter.empty() && !has_adapter(request.adapter)) {
     throw engine::RequestError(K::kUnknownAdapter,
                                "adapter '" + request.adapter + "' is not loaded");

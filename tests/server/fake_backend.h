@@ -51,6 +51,9 @@ class FakeBackend : public ServingBackend {
   std::atomic<int64_t> submitted{0};
   std::atomic<int64_t> loads{0};
   std::atomic<bool> still_unloading{false};
+  /// Plays an unload that lands between the service resolving a request's adapter and the
+  /// engine taking it: the next submit for this adapter forgets it first (once).
+  std::string unload_before_submit;
 
  private:
   mutable std::mutex mutex_;

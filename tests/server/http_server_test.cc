@@ -568,6 +568,19 @@ TEST_F(ServerTest, LoadAndUnloadAdapterEndpoints) {
   EXPECT_EQ(after->status, 404);
 }
 
+TEST_F(ServerTest, AnUnloadBetweenResolvingAndSubmittingLoadsTheAdapterAgain) {
+  start();
+  backend_.load_adapter("sql", (lora_dir_ / "sql").string());
+  backend_.unload_before_submit = "sql";
+  const int64_t loads = backend_.loads;
+  auto r = post("/v1/completions", {{"model", "sql"}, {"prompt", "q"}, {"max_tokens", 3}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["text"], expected_completion("q", "sql", 3));
+  EXPECT_TRUE(backend_.has_adapter("sql"));
+  EXPECT_EQ(backend_.loads, loads + 1);
+}
+
 TEST_F(ServerTest, ConcurrentStreamsWithAReloadInTheMiddle) {
   allow_runtime_loading();
   start();

@@ -147,6 +147,21 @@ std::string OpenAIService::resolve_adapter(const std::string& model) {
   throw ApiException(ApiError{404, "The model `" + model + "` does not exist.", "", "model"});
 }
 
+std::unique_ptr<GenerationStream> OpenAIService::submit_resolved(engine::Request request) {
+  try {
+    return backend_.submit(request);
+  } catch (const engine::RequestError& e) {
+    // The adapter was resolved, then unloaded before the engine took the request: with
+    // --lora-dir the name still resolves, so the request loads it again instead of failing.
+    if (e.kind() != engine::RequestError::Kind::kUnknownAdapter || request.adapter.empty() ||
+        config_.lora_dir.empty()) {
+      throw;
+    }
+    resolve_adapter(request.adapter);
+    return backend_.submit(std::move(request));
+  }
+}
+
 OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
                                                std::string_view body) {
   Submitted s;
@@ -213,7 +228,7 @@ OpenAIService::Submitted OpenAIService::submit(GenerationRequest::Kind kind,
     for (int64_t i = 0; i < r.n; ++i) {
       engine::Request one = req;
       if (one.options.seed && i > 0) *one.options.seed += static_cast<uint64_t>(i);
-      s.streams.push_back(backend_.submit(std::move(one)));
+      s.streams.push_back(submit_resolved(std::move(one)));
     }
   } catch (const engine::RequestError& e) {
     s.abort();

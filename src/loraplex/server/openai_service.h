@@ -97,6 +97,7 @@ class OpenAIService {
 
  private:
   std::string resolve_adapter(const std::string& model);
+  std::unique_ptr<GenerationStream> submit_resolved(engine::Request request);
   void wait_until_unloaded(const std::string& name, const std::string& param);
   std::vector<TokenLogprob> logprobs_of(const engine::RequestOutput& out) const;
   Finish finish_of(const engine::RequestOutput& out, const GenerationRequest& request) const;
