@@ -302,6 +302,20 @@ TEST(FusedMoeLoraSharded, DecodeNaiveBlocks_tp4) {
   check_moe(make_problem(15, 2), Backend::kCpu, 4, true);
 }
 TEST(FusedMoeLora, Cuda_tp1) { check_moe(make_problem(1), Backend::kCuda, 1, false); }
+// Above kDeviceRoutedMaxPairs a GPU step groups the pairs on the host, one GEMM per expert.
+TEST(FusedMoeLora, CudaHostRoutedAboveTheDevicePairLimit) {
+  constexpr int kTokens = FusedMoeWithLora::kDeviceRoutedMaxPairs / kTopK + 3;
+  MoeSpec spec{kExperts, kTopK, kHidden, kInter, kF32, true};
+  const FusedMoeWithLora cpu_layer(spec, {kMaxLoras, kMaxRank, kF32, false}, nullptr, Device::cpu(),
+                                   kTokens);
+  EXPECT_FALSE(cpu_layer.routes_on_device(1));
+  LORAPLEX_REQUIRE_GPUS(1);
+  const FusedMoeWithLora gpu_layer(spec, {kMaxLoras, kMaxRank, kF32, false}, nullptr,
+                                   Device::cuda(0), kTokens);
+  EXPECT_TRUE(gpu_layer.routes_on_device(kTokens - 4));
+  EXPECT_FALSE(gpu_layer.routes_on_device(kTokens));
+  check_moe(make_problem(16, kTokens), Backend::kCuda, 1, false);
+}
 
 // ---------------------------------------------------------------- routing
 

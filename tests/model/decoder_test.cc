@@ -36,7 +36,16 @@ ModelConfig tiny_config() {
   return c;
 }
 
-std::unique_ptr<Decoder> make(Device device, DType dtype, bool graphs = true) {
+// Mixtral's layout at tiny_config()'s sizes: 8 experts, top 2.
+ModelConfig tiny_moe_config() {
+  ModelConfig c = tiny_config();
+  c.arch = Architecture::kMixtral;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  return c;
+}
+
+std::unique_ptr<Decoder> make(Device device, DType dtype, bool graphs = true, bool moe = false) {
   DecoderOptions o;
   o.dtype = dtype;
   o.device = device;
@@ -45,7 +54,7 @@ std::unique_ptr<Decoder> make(Device device, DType dtype, bool graphs = true) {
   o.kv_blocks = 64;
   o.kv_block_size = 16;
   o.cuda_graphs = graphs;
-  return Decoder::create_random(tiny_config(), o, 1234);
+  return Decoder::create_random(moe ? tiny_moe_config() : tiny_config(), o, 1234);
 }
 
 std::vector<int32_t> prompt(int n, uint64_t seed) {
@@ -411,6 +420,26 @@ TEST(RandomDecoderCuda, GraphStepsEqualEagerStepsAndTheCpu) {
               generate(*eager, {seqs[0], seqs[2]}, 0, 8));
     if (dt == DType::kF32) {
       EXPECT_EQ(g, generate(*make(Device::cpu(), dt), seqs, 0, 8));
+    }
+  }
+}
+
+// MoE decode steps route on the device, so they are captured too; graph, eager and the CPU
+// (which routes on the host) give the same tokens.
+TEST(RandomDecoderCuda, MoeGraphStepsEqualEagerStepsAndTheCpu) {
+  LORAPLEX_REQUIRE_GPU();
+  const std::vector<Seq> seqs = three_sequences();
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    auto graphs = make(Device::cuda(0), dt, true, true);
+    auto eager = make(Device::cuda(0), dt, false, true);
+    const auto g = generate(*graphs, seqs, 0, 8);
+    EXPECT_TRUE(graphs->last_step().graph) << dtype_name(dt);
+    EXPECT_FALSE(eager->last_step().graph);
+    EXPECT_EQ(g, generate(*eager, seqs, 0, 8)) << dtype_name(dt);
+    EXPECT_EQ(generate(*graphs, {seqs[0], seqs[2]}, 0, 8),
+              generate(*eager, {seqs[0], seqs[2]}, 0, 8));
+    if (dt == DType::kF32) {
+      EXPECT_EQ(g, generate(*make(Device::cpu(), dt, true, true), seqs, 0, 8));
     }
   }
 }

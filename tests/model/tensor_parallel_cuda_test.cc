@@ -119,10 +119,8 @@ std::vector<std::vector<int32_t>> generate(model::ModelExecutor& m, std::vector<
 // sequences), and the LoRA kernels group the sorted tokens differently with the padding row in
 // it (tensor cores where two tokens share a slot, FMA otherwise): sums in another order, so only
 // the first decoded token is compared there.
-TEST(TensorParallelCuda, GraphStepsEqualEagerStepsWithAdaptersAppliedPerSequence) {
-  LORAPLEX_REQUIRE_GPUS(2);
-  const model::ModelConfig c = graph_config();
-  const std::string dir = ::testing::TempDir() + "/loraplex_tp_graph_adapter";
+void check_graph_steps_equal_eager_steps(const model::ModelConfig& c, const std::string& tag) {
+  const std::string dir = ::testing::TempDir() + "/loraplex_tp_graph_adapter_" + tag;
   model::write_random_peft_adapter(dir + "0", c, 8, model::all_linear_targets(), 11);
   model::write_random_peft_adapter(dir + "1", c, 16, model::all_linear_targets(), 12);
   std::mt19937_64 rng(3);
@@ -143,7 +141,9 @@ TEST(TensorParallelCuda, GraphStepsEqualEagerStepsWithAdaptersAppliedPerSequence
                         {1, DType::kBF16, false},
                         {2, DType::kBF16, false}};
   for (const Case& k : cases) {
-    const std::string what = "tp " + std::to_string(k.tp) + " " + std::string(dtype_name(k.dtype)) +
+    if (k.tp > cuda_device_count()) continue;
+    const std::string what = tag + " tp " + std::to_string(k.tp) + " " +
+                             std::string(dtype_name(k.dtype)) +
                              (k.fully_sharded ? " fully sharded" : "");
     std::vector<std::vector<std::vector<int32_t>>> runs;
     for (bool graphs : {true, false}) {
@@ -215,6 +215,22 @@ TEST(TensorParallelCuda, GraphStepsEqualEagerStepsWithAdaptersAppliedPerSequence
       std::printf("%s: graph and eager agree on %d of %d tokens\n", what.c_str(), equal, total);
     }
   }
+}
+
+TEST(TensorParallelCuda, GraphStepsEqualEagerStepsWithAdaptersAppliedPerSequence) {
+  LORAPLEX_REQUIRE_GPUS(2);
+  check_graph_steps_equal_eager_steps(graph_config(), "dense");
+}
+
+// MoE decode steps route their pairs on the device and are captured like dense ones; the
+// adapters cover attention and every expert. The tp 1 cases run on one GPU.
+TEST(TensorParallelCuda, MoeGraphStepsEqualEagerStepsWithAdaptersAppliedPerSequence) {
+  LORAPLEX_REQUIRE_GPUS(1);
+  model::ModelConfig c = graph_config();
+  c.arch = model::Architecture::kMixtral;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  check_graph_steps_equal_eager_steps(c, "moe");
 }
 
 TEST(TensorParallelCuda, AStalledRankIsAbortedAtTheTimeout) {

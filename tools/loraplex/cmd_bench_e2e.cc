@@ -33,6 +33,7 @@
 #include "loraplex/engine/engine.h"
 #include "loraplex/kernels/cuda/device_timing.h"
 #include "loraplex/layers/linear_base.h"
+#include "loraplex/model/executor.h"
 #include "loraplex/model/load_model.h"
 #include "loraplex/model/model_shapes.h"
 #include "loraplex/model/random_adapter.h"
@@ -294,8 +295,8 @@ int run(const std::vector<std::string>& args) {
   app.add_option("--lora-decode", o.lora_decode,
                  "how decode steps run their LoRA: fused (the shrink in the base GEMM, the "
                  "expand in the op after it), overlap (LoRA kernels on a second stream), "
-                 "kernels (LoRA kernels after each GEMM) or auto (overlap up to 64 tokens, "
-                 "else fused; default)")
+                 "kernels (LoRA kernels after each GEMM) or auto (overlap up to " +
+                     std::to_string(model::kAutoOverlapTokens) + " tokens, else fused; default)")
       ->check(CLI::IsMember({"auto", "fused", "overlap", "kernels"}));
   app.add_option("--lora-dtype", o.lora_dtype,
                  "the adapters' storage: auto (the model dtype, default) or fp8 (float8_e4m3 "

@@ -1,7 +1,8 @@
 #pragma once
 // The non-GEMM steps of the embedding and MoE layers (their tensor API: layers/embedding_moe_ops.h)
 // as argument structs over raw pointers: the embedding rows of a vocab shard, token ids within a
-// shard, top-k softmax routing, row gather and scatter, the sum over top-k. The CPU versions
+// shard, top-k softmax routing, row gather and scatter, the sum over top-k, the expert GEMMs over
+// a block table built on the device. The CPU versions
 // (cpu/layer_ops_cpu.cc) define the semantics; the CUDA versions (cuda/layer_ops_cuda.cu)
 // implement the same structs; kernels/dispatch/base_ops.h routes between them. Activations are f32,
 // f16 or bf16, arithmetic in float; row strides in elements. Launchers return Status.
@@ -94,6 +95,54 @@ struct SumTopkArgs {
   int64_t out_stride = 0;
 };
 
+/// The routed pairs of an MoE step grouped by expert on the device, so that the expert GEMMs
+/// need no host read of the routing (and a decode step can be a captured graph). Pair p =
+/// t * top_k + k goes to expert ids[p]; expert e's pairs fill ceil(count_e /
+/// kMoeExpertBlockRows) blocks, blocks in expert order: block_expert[b] = e for a used block and
+/// -1 for the rest of the max_blocks, block_pairs[b * kMoeExpertBlockRows + i] = a pair or -1
+/// (padding). Pairs with an id outside [0, num_experts) are left out. The order of the pairs
+/// inside an expert's blocks is unspecified: no result depends on it.
+constexpr int kMoeExpertBlockRows = 16;
+
+/// The most blocks any routing of `num_pairs` pairs over `num_experts` experts can fill: one
+/// partial block per expert that has pairs, the rest full.
+inline int64_t moe_expert_max_blocks(int64_t num_pairs, int num_experts) {
+  const int64_t partial = num_pairs < num_experts ? num_pairs : num_experts;
+  return num_pairs / kMoeExpertBlockRows + partial;
+}
+
+struct MoeExpertBlocksArgs {
+  const int32_t* topk_ids = nullptr;  // [num_pairs] in
+  int64_t num_pairs = 0;
+  int num_experts = 0;
+  int64_t max_blocks = 0;           // >= moe_expert_max_blocks(num_pairs, num_experts)
+  int32_t* block_expert = nullptr;  // [max_blocks] out
+  int32_t* block_pairs = nullptr;   // [max_blocks * kMoeExpertBlockRows] out
+};
+
+/// The expert GEMMs over a block table (MoeExpertBlocksArgs): for every pair p listed in block
+/// b, out[p] = row_scale[p] * (W[e] x_p) with e = block_expert[b] and x_p = x[p / top_k] (token
+/// rows) or x[p] (x_rows_are_pairs); float accumulation, rounded once; no row_scale = 1. Rows of
+/// out whose pairs no block lists are left as they are.
+struct MoeExpertGemmArgs {
+  DType dtype = DType::kF32;  // of x, w and out
+  const void* x = nullptr;    // [tokens or pairs, x_stride] in
+  int64_t x_stride = 0;
+  bool x_rows_are_pairs = false;
+  int top_k = 1;
+  const void* w = nullptr;  // [num_experts, n, k] in, contiguous
+  int num_experts = 0;
+  int64_t n = 0;                          // output columns (rows of each expert's weight)
+  int64_t k = 0;                          // input columns
+  const int32_t* block_expert = nullptr;  // [max_blocks] in
+  const int32_t* block_pairs = nullptr;   // [max_blocks * kMoeExpertBlockRows] in
+  int64_t max_blocks = 0;
+  int64_t num_pairs = 0;             // the CPU rejects a listed pair outside [0, num_pairs)
+  const float* row_scale = nullptr;  // [num_pairs] in, or nullptr
+  void* out = nullptr;               // [num_pairs, out_stride] out
+  int64_t out_stride = 0;
+};
+
 namespace cpu {
 Status embedding_rows(const EmbeddingRowsArgs& a);
 Status shard_token_ids(const ShardTokenIdsArgs& a);
@@ -101,6 +150,8 @@ Status topk_softmax(const TopkSoftmaxArgs& a);
 Status gather_rows(const GatherRowsArgs& a);
 Status scatter_rows(const ScatterRowsArgs& a);
 Status sum_topk(const SumTopkArgs& a);
+Status moe_expert_blocks(const MoeExpertBlocksArgs& a);
+Status moe_expert_gemm(const MoeExpertGemmArgs& a);
 }  // namespace cpu
 
 /// The same on a CUDA stream (device pointers); "unsupported" in a build without CUDA.
@@ -111,6 +162,8 @@ Status topk_softmax(const TopkSoftmaxArgs& a, cuda_rt::StreamHandle stream);
 Status gather_rows(const GatherRowsArgs& a, cuda_rt::StreamHandle stream);
 Status scatter_rows(const ScatterRowsArgs& a, cuda_rt::StreamHandle stream);
 Status sum_topk(const SumTopkArgs& a, cuda_rt::StreamHandle stream);
+Status moe_expert_blocks(const MoeExpertBlocksArgs& a, cuda_rt::StreamHandle stream);
+Status moe_expert_gemm(const MoeExpertGemmArgs& a, cuda_rt::StreamHandle stream);
 }  // namespace cuda
 
 }  // namespace loraplex::kernels

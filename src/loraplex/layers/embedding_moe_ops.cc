@@ -204,4 +204,74 @@ void sum_topk(const Tensor& in, int top_k, Tensor& out, const Stream& stream) {
   throw_if_error(kernels::dispatch_sum_topk(a, stream));
 }
 
+void moe_expert_blocks(const Tensor& topk_ids, int num_experts, Tensor& block_expert,
+                       Tensor& block_pairs, const Stream& stream) {
+  const char* op = "moe_expert_blocks";
+  const int64_t pairs = topk_ids.defined() ? topk_ids.numel() : 0;
+  check_i32(topk_ids, pairs, op, "topk ids");
+  const int64_t max_blocks = block_expert.defined() ? block_expert.numel() : 0;
+  check_i32(block_expert, max_blocks, op, "block experts");
+  check_i32(block_pairs, max_blocks * kernels::kMoeExpertBlockRows, op, "block pairs");
+  check_same(topk_ids, block_expert, op);
+  check_same(topk_ids, block_pairs, op);
+  LORAPLEX_CHECK(
+      num_experts >= 1 && max_blocks >= kernels::moe_expert_max_blocks(pairs, num_experts), op,
+      ": ", max_blocks, " blocks for ", pairs, " pairs over ", num_experts, " experts, need ",
+      kernels::moe_expert_max_blocks(pairs, std::max(num_experts, 1)));
+  kernels::MoeExpertBlocksArgs a;
+  a.topk_ids = topk_ids.data<int32_t>();
+  a.num_pairs = pairs;
+  a.num_experts = num_experts;
+  a.max_blocks = max_blocks;
+  a.block_expert = block_expert.data<int32_t>();
+  a.block_pairs = block_pairs.data<int32_t>();
+  throw_if_error(kernels::dispatch_moe_expert_blocks(a, stream));
+}
+
+void moe_expert_gemm(const Tensor& x, bool x_rows_are_pairs, int top_k, const Tensor& w,
+                     const Tensor& block_expert, const Tensor& block_pairs, const Tensor& row_scale,
+                     Tensor& out, const Stream& stream) {
+  const char* op = "moe_expert_gemm";
+  check_rows(x, op, "x");
+  check_rows(out, op, "out");
+  check_same(x, out, op);
+  check_same(x, w, op);
+  check_same(x, block_expert, op);
+  LORAPLEX_CHECK(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == x.dtype() &&
+                     out.dtype() == x.dtype(),
+                 op, ": w must be contiguous [experts, n, k] of x's dtype ", x.dtype(), ", got ",
+                 w.defined() ? w.describe() : "undefined", " (out ", out.describe(), ")");
+  const int64_t pairs = out.size(0);
+  LORAPLEX_CHECK(top_k >= 1 && w.size(2) == x.size(1) && w.size(1) == out.size(1) &&
+                     x.size(0) == (x_rows_are_pairs ? pairs : pairs / top_k) && pairs % top_k == 0,
+                 op, ": x ", x.describe(), ", w ", w.describe(), " and out ", out.describe(),
+                 " do not fit top_k ", top_k, x_rows_are_pairs ? " (x rows are pairs)" : "");
+  const int64_t max_blocks = block_expert.numel();
+  check_i32(block_expert, max_blocks, op, "block experts");
+  check_i32(block_pairs, max_blocks * kernels::kMoeExpertBlockRows, op, "block pairs");
+  if (row_scale.defined()) {
+    LORAPLEX_CHECK(
+        row_scale.dtype() == DType::kF32 && row_scale.is_contiguous() && row_scale.numel() == pairs,
+        op, ": row_scale must be contiguous float32 [", pairs, "], got ", row_scale.describe());
+  }
+  kernels::MoeExpertGemmArgs a;
+  a.dtype = x.dtype();
+  a.x = x.data_ptr();
+  a.x_stride = pitch(x);
+  a.x_rows_are_pairs = x_rows_are_pairs;
+  a.top_k = top_k;
+  a.w = w.data_ptr();
+  a.num_experts = static_cast<int>(w.size(0));
+  a.n = w.size(1);
+  a.k = w.size(2);
+  a.block_expert = block_expert.data<int32_t>();
+  a.block_pairs = block_pairs.data<int32_t>();
+  a.max_blocks = max_blocks;
+  a.num_pairs = pairs;
+  a.row_scale = row_scale.defined() ? row_scale.data<float>() : nullptr;
+  a.out = out.data_ptr();
+  a.out_stride = pitch(out);
+  throw_if_error(kernels::dispatch_moe_expert_gemm(a, stream));
+}
+
 }  // namespace loraplex::layer_ops

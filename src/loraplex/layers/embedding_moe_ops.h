@@ -46,4 +46,18 @@ void silu_and_mul(const Tensor& in, Tensor& out, const Stream& stream);
 /// in: [T * top_k, W] in (contiguous); out: [T, W] out (rows contiguous).
 void sum_topk(const Tensor& in, int top_k, Tensor& out, const Stream& stream);
 
+/// The routed pairs grouped by expert on the device (kernels::MoeExpertBlocksArgs).
+/// topk_ids: int32 [P] in; block_expert: int32 [max_blocks] out; block_pairs: int32
+/// [max_blocks * kernels::kMoeExpertBlockRows] out, max_blocks >= moe_expert_max_blocks(P, E).
+void moe_expert_blocks(const Tensor& topk_ids, int num_experts, Tensor& block_expert,
+                       Tensor& block_pairs, const Stream& stream);
+
+/// out[p] = row_scale[p] * (w[e] x_p) for the pairs of the block table (kernels::
+/// MoeExpertGemmArgs): x_p = x[p / top_k], or x[p] when x_rows_are_pairs. x: [T or P, k] in
+/// (rows contiguous); w: [E, n, k] in, contiguous; row_scale: float32 [P] in or undefined; out:
+/// [P, n] out (rows contiguous).
+void moe_expert_gemm(const Tensor& x, bool x_rows_are_pairs, int top_k, const Tensor& w,
+                     const Tensor& block_expert, const Tensor& block_pairs, const Tensor& row_scale,
+                     Tensor& out, const Stream& stream);
+
 }  // namespace loraplex::layer_ops

@@ -5,6 +5,7 @@
 
 #include "loraplex/core/allocator.h"
 #include "loraplex/core/error.h"
+#include "loraplex/kernels/layer_ops.h"
 #include "loraplex/layers/embedding_moe_ops.h"
 #include "loraplex/layers/layer_util.h"
 #include "loraplex/layers/linear_base.h"
@@ -196,6 +197,9 @@ FusedMoeWithLora::Scratch FusedMoeWithLora::carve(LayerWorkspace::Carver& carver
   s.sorted_ids = carver.take({L, s.align_padded}, DType::kI32);
   s.expert_ids = carver.take({L, s.align_blocks}, DType::kI32);
   s.num_post_pad = carver.take({L}, DType::kI32);
+  const int64_t blocks = kernels::moe_expert_max_blocks(P, spec_.num_experts);
+  s.block_expert = carver.take({blocks}, DType::kI32);
+  s.block_pairs = carver.take({blocks * kernels::kMoeExpertBlockRows}, DType::kI32);
   if (config_.fully_sharded) {
     s.fs13 = carver.take({P * 2 * rank_shard_}, dt);
     s.fs13_gathered = carver.take({P * 2 * rank_pad_}, dt);
@@ -599,6 +603,46 @@ void FusedMoeWithLora::add_w2_lora(const Tensor& act, Tensor& down, const Punica
   throw_if_error(dispatch_fused_moe_lora(expand, stream));
 }
 
+bool FusedMoeWithLora::routes_on_device(int64_t tokens) const {
+  return !device_.is_cpu() && tokens * spec_.top_k <= kDeviceRoutedMaxPairs;
+}
+
+// Pairs grouped on the host: the x rows gathered by expert, one GEMM per expert, the gate_up
+// rows scattered back into pair order.
+void FusedMoeWithLora::gate_up_on_host(const Tensor& x, const Stream& stream) {
+  route_on_host(x.size(0), stream);
+  const Tensor order = s_.pair_index.select(0, 0);
+  const Tensor order_tokens = s_.pair_index.select(0, 1);
+  Tensor& x_sorted = s_.rows_h;
+  layer_ops::gather_rows(x, order_tokens, x_sorted, stream);
+  Tensor& gu_sorted = s_.gate_up_sorted;
+  for (int e = 0; e < spec_.num_experts; ++e) {
+    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
+    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
+    if (n == 0) continue;
+    Tensor dst = gu_sorted.narrow(0, lo, n);
+    linear_base(x_sorted.narrow(0, lo, n), w13_.select(0, e), Tensor(), dst, stream);
+  }
+  layer_ops::scatter_rows(gu_sorted, order, Tensor(), s_.gate_up, stream);
+}
+
+// The same grouping for the down projection; the router weights are applied in the scatter.
+void FusedMoeWithLora::down_on_host(const Stream& stream) {
+  const Tensor order = s_.pair_index.select(0, 0);
+  Tensor& act_sorted = s_.act_sorted;
+  layer_ops::gather_rows(s_.act, order, act_sorted, stream);
+  // The gathered x rows are dead after the gate_up GEMMs: their rows hold the down outputs.
+  Tensor& down_sorted = s_.rows_h;
+  for (int e = 0; e < spec_.num_experts; ++e) {
+    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
+    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
+    if (n == 0) continue;
+    Tensor dst = down_sorted.narrow(0, lo, n);
+    linear_base(act_sorted.narrow(0, lo, n), w2_.select(0, e), Tensor(), dst, stream);
+  }
+  layer_ops::scatter_rows(down_sorted, order, s_.topk_weights, s_.down, stream);
+}
+
 void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica,
                                const Stream& stream) {
   LORAPLEX_CHECK(w13_.defined(), kName, ": forward before load_base");
@@ -625,22 +669,15 @@ void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& 
   Tensor& ids = s_.topk_ids;
   Tensor& weights = s_.topk_weights;
   layer_ops::topk_softmax(logits, K, spec_.renormalize, ids, weights, stream);
-  route_on_host(tokens, stream);
-  const Tensor order = s_.pair_index.select(0, 0);
-  const Tensor order_tokens = s_.pair_index.select(0, 1);
-
-  Tensor& x_sorted = s_.rows_h;
-  layer_ops::gather_rows(x, order_tokens, x_sorted, stream);
-  Tensor& gu_sorted = s_.gate_up_sorted;
-  for (int e = 0; e < spec_.num_experts; ++e) {
-    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
-    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
-    if (n == 0) continue;
-    Tensor dst = gu_sorted.narrow(0, lo, n);
-    linear_base(x_sorted.narrow(0, lo, n), w13_.select(0, e), Tensor(), dst, stream);
+  const bool on_device = routes_on_device(tokens);
+  if (on_device) {
+    layer_ops::moe_expert_blocks(ids, spec_.num_experts, s_.block_expert, s_.block_pairs, stream);
+    layer_ops::moe_expert_gemm(x, false, K, w13_, s_.block_expert, s_.block_pairs, Tensor(),
+                               s_.gate_up, stream);
+  } else {
+    gate_up_on_host(x, stream);
   }
   Tensor& gate_up = s_.gate_up;
-  layer_ops::scatter_rows(gu_sorted, order, Tensor(), gate_up, stream);
 
   const bool lora = !punica.token_meta().no_lora();
   if (lora) {
@@ -667,19 +704,13 @@ void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& 
 
   Tensor& act = s_.act;
   layer_ops::silu_and_mul(gate_up, act, stream);
-  Tensor& act_sorted = s_.act_sorted;
-  layer_ops::gather_rows(act, order, act_sorted, stream);
-  // The gathered x rows are dead after the gate_up GEMMs: their rows hold the down outputs.
-  Tensor& down_sorted = s_.rows_h;
-  for (int e = 0; e < spec_.num_experts; ++e) {
-    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
-    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
-    if (n == 0) continue;
-    Tensor dst = down_sorted.narrow(0, lo, n);
-    linear_base(act_sorted.narrow(0, lo, n), w2_.select(0, e), Tensor(), dst, stream);
+  if (on_device) {
+    layer_ops::moe_expert_gemm(act, true, K, w2_, s_.block_expert, s_.block_pairs, weights, s_.down,
+                               stream);
+  } else {
+    down_on_host(stream);
   }
   Tensor& down = s_.down;
-  layer_ops::scatter_rows(down_sorted, order, weights, down, stream);
   if (lora) add_w2_lora(act, down, punica, stream);
   layer_ops::sum_topk(down, K, y, stream);
   comm().all_reduce_sum(y, stream);

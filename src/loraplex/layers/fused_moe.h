@@ -18,8 +18,11 @@
 // Adapters: per-expert 2-D weights (transformers 4.x names block_sparse_moe.experts.N.w1/w3/w2)
 // in MoeLoraWeights, or PEFT's 3-D expert parameters converted with peft_3d_expert_lora().
 //
-// Base experts run as one GEMM per expert over the pairs routed to it; grouping the pairs
-// needs the routing on the host (one device-to-host copy of the top-k ids per forward).
+// Base experts: on a GPU, steps of up to kDeviceRoutedMaxPairs routed pairs (decode) group the
+// pairs by expert on the device and run the expert GEMMs over that block table
+// (layer_ops::moe_expert_gemm): no host read, so the decoder can capture them in CUDA graphs.
+// Larger steps, and the CPU, run one GEMM per expert over the pairs routed to it, grouped on the
+// host (one device-to-host copy of the top-k ids per forward on a GPU).
 
 #include <cstdint>
 #include <memory>
@@ -118,6 +121,13 @@ class FusedMoeWithLora {
   void forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica, const Stream& stream);
 
   const MoeSpec& spec() const { return spec_; }
+  /// Whether a forward of `tokens` tokens routes on the device (no host synchronisation: it can
+  /// be captured in a CUDA graph).
+  bool routes_on_device(int64_t tokens) const;
+  /// The most routed pairs (tokens x top_k) a GPU step groups on the device. Decode steps of
+  /// up to 256 sequences of a top-8 model fit; beyond that (prefill) one GEMM per expert with
+  /// its whole M is the better kernel.
+  static constexpr int64_t kDeviceRoutedMaxPairs = 2048;
   /// Adapter rank of (slot, projection): projection 0 = w1, 1 = w3, 2 = w2.
   int lora_rank(int slot, int projection) const;
 
@@ -129,6 +139,8 @@ class FusedMoeWithLora {
                     const std::vector<Tensor>& up, const std::vector<Tensor>& down,
                     WeightUpload* upload);
   void route_on_host(int64_t tokens, const Stream& stream);
+  void gate_up_on_host(const Tensor& x, const Stream& stream);
+  void down_on_host(const Stream& stream);
   void add_w13_lora(const Tensor& x, Tensor& gate_up, const PunicaWrapper& punica,
                     const Stream& stream);
   void add_w2_lora(const Tensor& act, Tensor& down, const PunicaWrapper& punica,
@@ -181,6 +193,8 @@ class FusedMoeWithLora {
     Tensor sorted_ids;      // int32 [L, align_padded]
     Tensor expert_ids;      // int32 [L, align_blocks]
     Tensor num_post_pad;    // int32 [L]
+    Tensor block_expert;    // int32 [expert blocks]: device routing (moe_expert_blocks)
+    Tensor block_pairs;     // int32 [expert blocks * 16]
     int64_t align_padded = 0;
     int64_t align_blocks = 0;
     Tensor fs13;           // fully sharded: [P * 2 * rank_shard]

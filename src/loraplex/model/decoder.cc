@@ -904,8 +904,11 @@ void Decoder::launch(const StepBatch& batch) {
   // The batch passed its checks; from here on a launch that fails may have overwritten the
   // ids, and leaves none for the next step to take.
   feedable_rows_ = 0;
-  const bool graph = options_.cuda_graphs && options_.device.is_cuda() && !config_.is_moe() &&
-                     pure_decode && bucket > 0 && !adjusting && top_[slot].k() == 0;
+  // MoE layers synchronise with the host when they route a step's pairs there.
+  bool moe_ok = true;
+  for (const Layer& l : layers_) moe_ok = moe_ok && (!l.moe || l.moe->routes_on_device(bucket));
+  const bool graph = options_.cuda_graphs && options_.device.is_cuda() && moe_ok && pure_decode &&
+                     bucket > 0 && !adjusting && top_[slot].k() == 0;
   const Sampling sampling = batch.want_logprobs ? Sampling::kSampleLogprobs : Sampling::kSample;
   const int64_t padded = graph ? bucket : n;
   const Staged staged = stage(batch, padded, graph, fed);

@@ -86,6 +86,12 @@ Status topk_softmax(const TopkSoftmaxArgs&, StreamHandle) { return no_cuda("topk
 Status gather_rows(const GatherRowsArgs&, StreamHandle) { return no_cuda("gather_rows"); }
 Status scatter_rows(const ScatterRowsArgs&, StreamHandle) { return no_cuda("scatter_rows"); }
 Status sum_topk(const SumTopkArgs&, StreamHandle) { return no_cuda("sum_topk"); }
+Status moe_expert_blocks(const MoeExpertBlocksArgs&, StreamHandle) {
+  return no_cuda("moe_expert_blocks");
+}
+Status moe_expert_gemm(const MoeExpertGemmArgs&, StreamHandle) {
+  return no_cuda("moe_expert_gemm");
+}
 
 DeviceInfo device_info(int) { throw_no_cuda("device_info"); }
 Graph::~Graph() = default;

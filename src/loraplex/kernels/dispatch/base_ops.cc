@@ -54,5 +54,11 @@ Status dispatch_scatter_rows(const ScatterRowsArgs& args, const Stream& stream) 
 Status dispatch_sum_topk(const SumTopkArgs& args, const Stream& stream) {
   return route(&cpu::sum_topk, &cuda::sum_topk, args, stream);
 }
+Status dispatch_moe_expert_blocks(const MoeExpertBlocksArgs& args, const Stream& stream) {
+  return route(&cpu::moe_expert_blocks, &cuda::moe_expert_blocks, args, stream);
+}
+Status dispatch_moe_expert_gemm(const MoeExpertGemmArgs& args, const Stream& stream) {
+  return route(&cpu::moe_expert_gemm, &cuda::moe_expert_gemm, args, stream);
+}
 
 }  // namespace loraplex::kernels

@@ -35,5 +35,7 @@ Status dispatch_topk_softmax(const TopkSoftmaxArgs& args, const Stream& stream);
 Status dispatch_gather_rows(const GatherRowsArgs& args, const Stream& stream);
 Status dispatch_scatter_rows(const ScatterRowsArgs& args, const Stream& stream);
 Status dispatch_sum_topk(const SumTopkArgs& args, const Stream& stream);
+Status dispatch_moe_expert_blocks(const MoeExpertBlocksArgs& args, const Stream& stream);
+Status dispatch_moe_expert_gemm(const MoeExpertGemmArgs& args, const Stream& stream);
 
 }  // namespace loraplex::kernels
