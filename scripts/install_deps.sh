@@ -22,6 +22,8 @@ if ((${#missing[@]})); then
 fi
 # FlashInfer's C++ headers (PyPI wheel) for the CUDA backend's paged attention.
 bash "$(dirname "$0")/fetch_flashinfer.sh"
+# xgrammar's C++ core (PyPI sdist) for structured output.
+bash "$(dirname "$0")/fetch_xgrammar.sh"
 # Python modules the tests compare against: jinja2 (chat templates rendered as transformers
 # renders them) and prometheus_client (its parser reads /metrics). pip for the python3 on PATH
 # (what CMake finds); Debian's packages where pip may not install into the system Python.

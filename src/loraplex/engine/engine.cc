@@ -20,6 +20,7 @@
 #include "loraplex/engine/manager_slots.h"
 #include "loraplex/engine/request_checks.h"
 #include "loraplex/engine/scheduler.h"
+#include "loraplex/engine/structured_output.h"
 #include "loraplex/model/sampler.h"
 #include "loraplex/tokenizer/prompt_encoding.h"
 
@@ -91,8 +92,9 @@ struct Record {
   RequestOptions options;
   model::SamplingParams sampling;
   std::mt19937_64 rng;
-  std::vector<int32_t> banned;  // until min_tokens is reached
-  LogitsProcessing processing;  // penalties, logit_bias, allowed ids, bad words
+  std::vector<int32_t> banned;            // until min_tokens is reached
+  LogitsProcessing processing;            // penalties, logit_bias, allowed ids, bad words
+  std::unique_ptr<GrammarState> grammar;  // structured output
   std::unique_ptr<IncrementalDetokenizer> detok;
   int64_t prompt_len = 0;
   int64_t generated = 0;
@@ -219,6 +221,11 @@ struct Engine::Impl {
   std::unique_ptr<Scheduler> scheduler;
   std::shared_ptr<Inbox> inbox = std::make_shared<Inbox>();
   std::atomic<int64_t> num_waiting{0};  // as of the last step, for max_waiting
+  // Structured output's compiler over the tokenizer's vocabulary: made on the first request
+  // that needs it (reading a large vocabulary takes a moment), shared by the submit threads.
+  std::once_flag grammar_once;
+  std::unique_ptr<GrammarCompiler> grammars;
+  const GrammarCompiler& grammar_compiler();
 
   // Step loop only.
   std::unordered_map<uint64_t, Record> records;
@@ -446,6 +453,9 @@ Pending Engine::Impl::prepare(Request&& request) {
   r.sampling = sampling_params_of(o);
   if (o.min_tokens > 0) r.banned = min_tokens_banned_ids(o, eos);
   r.processing = LogitsProcessing(o, r.handle->prompt_ids, tokenizer.get());
+  if (o.structured.kind != StructuredOutput::Kind::kNone) {
+    r.grammar = grammar_compiler().start(o.structured);
+  }
   r.prompt_len = p.seq->num_prompt_tokens;
   if (tokenizer != nullptr) {
     r.detok = std::make_unique<IncrementalDetokenizer>(
@@ -454,6 +464,13 @@ Pending Engine::Impl::prepare(Request&& request) {
   }
   r.options = std::move(o);
   return p;
+}
+
+const GrammarCompiler& Engine::Impl::grammar_compiler() {
+  std::call_once(grammar_once, [&] {
+    grammars = std::make_unique<GrammarCompiler>(*tokenizer, limits.vocab_size, eos);
+  });
+  return *grammars;
 }
 
 // Under inbox->mutex: checks the adapter and gives the request its id and place.
@@ -739,10 +756,12 @@ model::StepBatch Engine::Impl::build_batch(const StepPlan& plan, LaunchedStep& s
                                           s.tokens.begin() + s.num_known_tokens());
         r.processing.step(output, st.adjust, st.only_listed);
       }
+      if (r.grammar != nullptr) r.grammar->constrain(st.adjust, st.only_listed);
       if (r.options.logprobs) batch.want_logprobs = true;
       batch.top_logprobs = std::max(batch.top_logprobs, r.options.top_logprobs);
       step.sampled.push_back(s.id);
-      step.host_tokens_needed = step.host_tokens_needed || r.processing.reads_output();
+      step.host_tokens_needed =
+          step.host_tokens_needed || r.processing.reads_output() || r.grammar != nullptr;
     }
     batch.seqs.push_back(std::move(st));
   }
@@ -857,6 +876,16 @@ void Engine::Impl::on_token(Sequence& s, int32_t token, const float* logprob,
       stop_reason = std::to_string(token);
       stop_token = true;
     }
+  }
+  if (r.grammar != nullptr) {
+    // The mask allowed only what the grammar accepts; a grammar that has accepted EOS is done
+    // (also with ignore_eos: nothing may follow).
+    if (!r.grammar->accept(token)) {
+      finish(s.id, FinishReason::kError, "",
+             "structured output: the grammar refused token " + std::to_string(token));
+      return;
+    }
+    if (reason == FinishReason::kNone && r.grammar->terminated()) reason = FinishReason::kStop;
   }
   if (reason == FinishReason::kNone &&
       (generated >= o.max_tokens || s.num_known_tokens() >= options.max_model_len)) {

@@ -109,6 +109,25 @@ inline std::optional<DType> parse_lora_dtype(const std::string& text) {
 model::DecoderOptions engine_decoder_options(const EngineOptions& options, DType dtype,
                                              Device device);
 
+/// Structured output (vLLM's StructuredOutputsParams / guided decoding): the generated text is
+/// held to a grammar, applied as a token mask before every sample (structured_output.h).
+struct StructuredOutput {
+  enum class Kind {
+    kNone,
+    kJson,     // `spec`: a JSON schema (response_format json_schema, guided_json)
+    kAnyJson,  // any JSON object (response_format json_object)
+    kRegex,    // `spec`: a regular expression (guided_regex)
+    kChoice,   // exactly one of `choices` (guided_choice)
+    kGrammar,  // `spec`: an EBNF grammar whose start rule is `root` (guided_grammar)
+  };
+  Kind kind = Kind::kNone;
+  std::string spec;
+  std::vector<std::string> choices;
+  /// JSON may put any whitespace between its tokens (vLLM's default); false: none beyond one
+  /// space after ':' and ',' (vLLM's disable_any_whitespace).
+  bool any_whitespace = true;
+};
+
 /// What a request asks for: vLLM's SamplingParams, the fields loraplex implements.
 struct RequestOptions {
   int64_t max_tokens = 16;
@@ -135,6 +154,7 @@ struct RequestOptions {
   std::map<int32_t, float> logit_bias;  // added to the id's logit (-100 .. 100)
   std::vector<int32_t> allowed_token_ids;  // only these may be sampled; empty: every id
   std::vector<std::string> bad_words;      // never completed in the output
+  StructuredOutput structured;
 };
 
 struct Request {

@@ -102,15 +102,20 @@ void check_request_options(const RequestOptions& o, const RequestLimits& limits)
   if (!o.bad_words.empty() && !limits.has_tokenizer) {
     refuse(kInvalid, "bad_words need a tokenizer, and this engine has none");
   }
+  const bool structured = o.structured.kind != StructuredOutput::Kind::kNone;
+  if (structured && !limits.has_tokenizer) {
+    refuse(kInvalid, "structured output needs a tokenizer, and this engine has none");
+  }
   const bool processing = o.presence_penalty != 0.0f || o.frequency_penalty != 0.0f ||
                           o.repetition_penalty != 1.0f || !o.logit_bias.empty() ||
-                          !o.allowed_token_ids.empty() || !o.bad_words.empty();
+                          !o.allowed_token_ids.empty() || !o.bad_words.empty() || structured;
   if (processing && o.logprobs) {
     // vLLM returns the raw model's log-probabilities; the sampler here computes them from the
     // logits it samples from, which these fields have changed.
     refuse(kInvalid,
-           "logprobs together with penalties, logit_bias, allowed_token_ids or bad_words are not "
-           "supported (they would be of the adjusted logits, not the model's)");
+           "logprobs together with penalties, logit_bias, allowed_token_ids, bad_words or "
+           "structured output are not supported (they would be of the adjusted logits, not the "
+           "model's)");
   }
   if (o.min_tokens > 0) {
     const size_t banned = min_tokens_banned_ids(o, limits.eos_token_ids).size();

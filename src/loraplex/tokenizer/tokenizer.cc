@@ -26,6 +26,7 @@ struct Tokenizer::Impl {
   std::unique_ptr<tok::PostProcessor> post_processor;
   std::unique_ptr<tok::Decoder> decoder;
   int32_t vocab_size = 0;
+  std::string vocabulary_encoding;  // {"decoder", "normalizer", "pre_tokenizer"} of the JSON
 };
 
 namespace {
@@ -83,6 +84,11 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   impl->post_processor = tok::make_post_processor(root.get("post_processor"));
   impl->decoder = tok::make_decoder(root.get("decoder"));
   impl->vocab_size = std::max(impl->model->max_id(), impl->added->max_id()) + 1;
+  nlohmann::json encoding = nlohmann::json::object();
+  for (const char* key : {"decoder", "normalizer", "pre_tokenizer"}) {
+    if (json.contains(key)) encoding[key] = json[key];
+  }
+  impl->vocabulary_encoding = encoding.dump();
   return Tokenizer(std::move(impl));
 }
 
@@ -145,6 +151,20 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
 }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
+
+std::vector<std::string> Tokenizer::vocabulary() const {
+  std::vector<std::string> vocab(static_cast<size_t>(impl_->vocab_size));
+  for (int32_t id = 0; id < impl_->vocab_size; ++id) {
+    const std::string* token = impl_->added->id_to_token(id);
+    if (token == nullptr) token = impl_->model->id_to_token(id);
+    if (token != nullptr) vocab[static_cast<size_t>(id)] = *token;
+  }
+  return vocab;
+}
+
+const std::string& Tokenizer::vocabulary_encoding_json() const {
+  return impl_->vocabulary_encoding;
+}
 
 std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
   return impl_->added->token_to_id(token);

@@ -38,6 +38,12 @@ class Tokenizer {
   std::optional<int32_t> token_to_id(std::string_view token) const;
   /// Whether `id` is a special token (removed by decode with skip_special_tokens).
   bool is_special(int32_t id) const;
+  /// The vocabulary as tokenizer.json writes it: entry `id` is the token string of that id
+  /// (added tokens included; "" where no token has the id), before the decoder maps it to text.
+  std::vector<std::string> vocabulary() const;
+  /// tokenizer.json's "decoder", "normalizer" and "pre_tokenizer" as one JSON object: how the
+  /// vocabulary's strings map to bytes, what a grammar library needs to read vocabulary().
+  const std::string& vocabulary_encoding_json() const;
 
  private:
   struct Impl;
