@@ -605,9 +605,33 @@ try:
     check("truncate_prompt_tokens keeps BOS and the prompt's last tokens",
           extra(c.choices[0], "prompt_token_ids") == [full_ids[0], full_ids[-1]],
           (extra(c.choices[0], "prompt_token_ids"), full_ids))
-    for field, value in [("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
-                         ("use_beam_search", True), ("prompt_logprobs", 1),
-                         ("logits_processors", ["a.b"])]:
+    c = oa.completions.create(model=BASE, prompt=ref["prompt"], max_tokens=8, temperature=0,
+                              extra_body={"guided_choice": ["yes", "no"]})
+    check("guided_choice: the text is one of the choices, then it stops",
+          c.choices[0].text in ("yes", "no") and c.choices[0].finish_reason == "stop",
+          c.model_dump())
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    cc = oa.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0.8,
+        seed=3, response_format={"type": "json_schema",
+                                 "json_schema": {"name": "t", "schema": schema}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    try:
+        value = json.loads(cc.choices[0].message.content)
+    except ValueError:
+        value = None
+    check("response_format json_schema: the content is JSON of the schema",
+          isinstance(value, dict) and value.get("n") in (1, 2, 3) and
+          isinstance(value.get("ok"), bool) and len(value) == 2, cc.model_dump())
+    try:
+        oa.completions.create(model=BASE, prompt="x", max_tokens=1,
+                              extra_body={"guided_regex": "(unclosed"})
+        check("a regex that does not compile: 400 naming it", False, "accepted")
+    except openai.BadRequestError as e:
+        check("a regex that does not compile: 400 naming it", "regex" in str(e), str(e))
+    for field, value in [("structural_tag", "{}"), ("use_beam_search", True),
+                         ("prompt_logprobs", 1), ("logits_processors", ["a.b"])]:
         try:
             oa.completions.create(model=BASE, prompt="x", max_tokens=1,
                                   extra_body={field: value})

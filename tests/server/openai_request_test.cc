@@ -78,6 +78,75 @@ TEST(OpenAIRequest, ChatFields) {
   EXPECT_TRUE(prefill.chat.continue_final_message);
 }
 
+// Structured output as vLLM reads it: response_format, the guided_* fields and
+// structured_outputs, one kind per request.
+TEST(OpenAIRequest, StructuredOutputFieldsBecomeTheEngineRequestsGrammar) {
+  using Kind = engine::StructuredOutput::Kind;
+  auto parse = [](const std::string& extra) {
+    return parse_completion_request(R"({"prompt": "x", )" + extra + "}").options.structured;
+  };
+  EXPECT_EQ(parse(R"("max_tokens": 3)").kind, Kind::kNone);
+  EXPECT_EQ(parse(R"("response_format": {"type": "text"})").kind, Kind::kNone);
+  EXPECT_EQ(parse(R"("response_format": {"type": "json_object"})").kind, Kind::kAnyJson);
+  const auto rf = parse(
+      R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})");
+  EXPECT_EQ(rf.kind, Kind::kJson);
+  EXPECT_EQ(nlohmann::json::parse(rf.spec), nlohmann::json::parse(R"({"type": "integer"})"));
+  EXPECT_TRUE(rf.any_whitespace);
+  const auto gj = parse(R"("guided_json": "{\"type\": \"string\"}")");
+  EXPECT_EQ(gj.kind, Kind::kJson);
+  EXPECT_EQ(nlohmann::json::parse(gj.spec), nlohmann::json::parse(R"({"type": "string"})"));
+  const auto gr = parse(R"("guided_regex": "a+b")");
+  EXPECT_EQ(gr.kind, Kind::kRegex);
+  EXPECT_EQ(gr.spec, "a+b");
+  const auto gc = parse(R"("guided_choice": ["yes", "no"])");
+  EXPECT_EQ(gc.kind, Kind::kChoice);
+  EXPECT_EQ(gc.choices, (std::vector<std::string>{"yes", "no"}));
+  const auto gg = parse(R"("guided_grammar": "root ::= \"a\"")");
+  EXPECT_EQ(gg.kind, Kind::kGrammar);
+  EXPECT_EQ(gg.spec, "root ::= \"a\"");
+  const auto so =
+      parse(R"("structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": true})");
+  EXPECT_EQ(so.kind, Kind::kRegex);
+  EXPECT_FALSE(so.any_whitespace);
+  // Whitespace off for a response_format schema, given beside it.
+  const auto both = parse(
+      R"("response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": true})");
+  EXPECT_EQ(both.kind, Kind::kAnyJson);
+  EXPECT_FALSE(both.any_whitespace);
+  EXPECT_EQ(parse(R"("structured_outputs": {"json_object": true})").kind, Kind::kAnyJson);
+
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {R"("guided_regex": "a", "guided_choice": ["b"])", "guided_choice"},
+      {R"("response_format": {"type": "json_object"}, "guided_json": {})", "guided_json"},
+      {R"("response_format": {"type": "structural_tag"})", "response_format"},
+      {R"("response_format": {"type": "json_schema"})", "response_format"},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"name": "n"}})",
+       "response_format"},
+      {R"("response_format": "json")", "response_format"},
+      {R"("guided_json": 3)", "guided_json"},
+      {R"("guided_json": "{not json")", "guided_json"},
+      {R"("guided_choice": [])", "guided_choice"},
+      {R"("guided_choice": ["a", 1])", "guided_choice"},
+      {R"("guided_regex": "")", "guided_regex"},
+      {R"("structured_outputs": {"whitespace_pattern": "x"})",
+       "structured_outputs.whitespace_pattern"},
+      {R"("structured_outputs": {"json_object": "yes"})", "structured_outputs.json_object"},
+      {R"("structured_outputs": [1])", "structured_outputs"},
+  };
+  for (const auto& [extra, param] : refused) {
+    try {
+      parse(extra);
+      ADD_FAILURE() << "accepted: " << extra;
+    } catch (const ApiException& e) {
+      EXPECT_EQ(e.error().status, 400) << extra;
+      EXPECT_EQ(e.error().param, param) << extra;
+      EXPECT_NE(e.error().message.find(param.substr(param.find('.') + 1)), std::string::npos)
+          << e.error().message;
+    }
+  }
+}
+
 // Every vLLM field loraplex does not implement: refused (400 naming it) unless absent, null or
 // at the value that changes nothing.
 TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
@@ -85,12 +154,8 @@ TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
       {"use_beam_search", "true"},
       {"length_penalty", "0.5"},
       {"logits_processors", R"(["a.b"])"},
-      {"guided_json", R"({"type": "object"})"},
-      {"guided_regex", R"("a+")"},
-      {"guided_choice", R"(["a", "b"])"},
-      {"guided_grammar", R"("root ::= x")"},
       {"structural_tag", R"("{}")"},
-      {"structured_outputs", R"({"json": {}})"},
+      {"guided_whitespace_pattern", R"("\\s*")"},
       {"prompt_logprobs", "0"},
       {"return_tokens_as_token_ids", "true"},
       {"priority", "1"},
@@ -106,7 +171,6 @@ TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
       {"audio", "{}"},
       {"modalities", R"(["text", "audio"])"},
       {"prediction", "{}"},
-      {"response_format", R"({"type": "json_object"})"},
       {"min_p", "0.1"},
   };
   for (const auto& [name, value] : refused) {

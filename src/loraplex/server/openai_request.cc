@@ -7,6 +7,7 @@
 #include <string>
 
 #include "loraplex/server/api_error.h"
+#include "loraplex/server/structured_output_fields.h"
 #include "loraplex/server/unsupported_fields.h"
 
 namespace loraplex::server {
@@ -235,11 +236,7 @@ void parse_common(const json& body, GenerationRequest& r) {
       o.bad_words.push_back(w.get<std::string>());
     }
   }
-  if (const json* rf = field(body, "response_format")) {
-    if (!rf->is_object()) bad_type("response_format", "an object", *rf);
-    refuse_unless(rf->value("type", "text") == "text", "response_format",
-                  "only response_format {\"type\": \"text\"} is supported");
-  }
+  o.structured = structured_output_of(body);
   if (auto e = get_bool(body, "echo")) refuse_unless(!*e, "echo", "'echo' is not supported");
   if (const json* u = field(body, "user")) {
     if (!u->is_string()) bad_type("user", "a string", *u);

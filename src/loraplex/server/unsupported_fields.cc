@@ -29,8 +29,8 @@ std::function<bool(const json&)> equals(double x) {
 bool text_only(const json& v) { return v.is_array() && v.size() == 1 && v[0] == "text"; }
 
 constexpr const char* kStructured =
-    "structured output (a token mask from a grammar) is not implemented; docs/serving.md says "
-    "why";
+    "structural tags are not implemented (response_format json_object and json_schema, and the "
+    "guided_* and structured_outputs json, regex, choice and grammar are)";
 constexpr const char* kLogitsProcessing =
     "custom logits processors are not supported (penalties, logit_bias, allowed_token_ids and "
     "bad_words are)";
@@ -40,12 +40,7 @@ const std::vector<Unsupported>& table() {
       {"use_beam_search", is_false, "beam search is not implemented"},
       {"length_penalty", equals(1.0), "it applies to beam search, which is not implemented"},
       {"logits_processors", is_empty, kLogitsProcessing},
-      {"guided_json", never, kStructured},
-      {"guided_regex", never, kStructured},
-      {"guided_choice", never, kStructured},
-      {"guided_grammar", never, kStructured},
       {"structural_tag", never, kStructured},
-      {"structured_outputs", never, kStructured},
       {"prompt_logprobs", never,
        "prompt log-probabilities are not computed: the model computes logits only for the "
        "positions it samples from"},
