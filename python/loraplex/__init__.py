@@ -26,11 +26,13 @@ from loraplex import ops
 from loraplex.llm import LLM
 from loraplex.lora_request import LoRARequest
 from loraplex.outputs import CompletionOutput, Logprob, RequestOutput
-from loraplex.sampling_params import SamplingParams
+from loraplex.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "LoRARequest",
     "RequestOutput",
     "CompletionOutput",

@@ -87,6 +87,7 @@ class _Accumulated:
         self.token_ids: List[int] = []
         self.text = ""
         self.logprobs: List[float] = []
+        self.top_logprobs: List[List[tuple]] = []
         self.finish_reason: Optional[str] = None
         self.stop_reason = ""
         self.error = ""
@@ -96,6 +97,7 @@ class _Accumulated:
         self.token_ids.extend(out.token_ids)
         self.text += out.text
         self.logprobs.extend(out.logprobs)
+        self.top_logprobs.extend(out.top_logprobs)
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -346,6 +348,18 @@ class LLM:
             o.stop_token_ids = p.stop_token_ids
             o.ignore_eos = p.ignore_eos
             o.logprobs = p.logprobs is not None
+            o.top_logprobs = p.logprobs or 0
+            o.include_stop_str_in_output = p.include_stop_str_in_output
+            o.skip_special_tokens = p.skip_special_tokens
+            o.presence_penalty = p.presence_penalty
+            o.frequency_penalty = p.frequency_penalty
+            o.repetition_penalty = p.repetition_penalty
+            o.logit_bias = {int(k): float(v) for k, v in (p.logit_bias or {}).items()}
+            o.allowed_token_ids = list(p.allowed_token_ids or [])
+            o.bad_words = list(p.bad_words or [])
+            structured = p.structured()
+            if structured is not None:
+                o.set_structured_output(*structured.engine_args())
             r.options = o
             requests.append(r)
         handles = self._engine.submit_all(requests)
@@ -364,7 +378,15 @@ class LLM:
         logprobs = None
         cumulative = None
         if params.logprobs is not None:
-            logprobs = [{t: Logprob(lp, None, None)} for t, lp in zip(acc.token_ids, acc.logprobs)]
+            logprobs = []
+            for i, (t, lp) in enumerate(zip(acc.token_ids, acc.logprobs)):
+                top = acc.top_logprobs[i] if i < len(acc.top_logprobs) else []
+                # vLLM's shape: the sampled token, then the most likely ones (rank 1 first).
+                ranks = {tid: r + 1 for r, (tid, _) in enumerate(top)}
+                entry = {t: Logprob(lp, ranks.get(t), None)}
+                for r, (tid, tlp) in enumerate(top):
+                    entry.setdefault(tid, Logprob(tlp, r + 1, None))
+                logprobs.append(entry)
             cumulative = float(sum(acc.logprobs))
         completion = CompletionOutput(
             index=0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from typing import Any, Optional, Sequence, Union
 
 # Fields loraplex does not implement, with the value that means "off": a request that asks
@@ -9,32 +10,98 @@ from typing import Any, Optional, Sequence, Union
 _UNSUPPORTED_DEFAULTS = {
     "n": 1,
     "best_of": None,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "min_p": 0.0,
-    "bad_words": None,
     "prompt_logprobs": None,
     "detokenize": True,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "include_stop_str_in_output": False,
     "logits_processors": None,
     "truncate_prompt_tokens": None,
-    "guided_decoding": None,
-    "structured_outputs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
 }
+
+# The most top log-probabilities a step returns per token (the engine's limit).
+_MAX_LOGPROBS = 20
+
+
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: the generated text held to one grammar, given as a JSON
+    schema (`json`: a dict or its JSON text), any JSON object (`json_object=True`), a regular
+    expression, a list of choices or an EBNF grammar whose start rule is `root`.
+    `disable_any_whitespace` keeps JSON free of whitespace beyond one space after ':' and ','.
+    Compiled by xgrammar's C++ core inside the engine."""
+
+    def __init__(
+        self,
+        json: Any = None,
+        regex: Optional[str] = None,
+        choice: Optional[Sequence[str]] = None,
+        grammar: Optional[str] = None,
+        json_object: Optional[bool] = None,
+        disable_fallback: bool = False,
+        disable_any_whitespace: bool = False,
+        disable_additional_properties: bool = False,
+        whitespace_pattern: Optional[str] = None,
+        structural_tag: Optional[str] = None,
+        backend: Optional[str] = None,
+    ) -> None:
+        self.json = json
+        self.regex = regex
+        self.choice = choice
+        self.grammar = grammar
+        self.json_object = json_object
+        self.disable_fallback = disable_fallback
+        self.disable_any_whitespace = disable_any_whitespace
+        self.disable_additional_properties = disable_additional_properties
+        self.whitespace_pattern = whitespace_pattern
+        self.structural_tag = structural_tag
+        self.backend = backend
+        self.engine_args()  # refuses what cannot run, naming it
+
+    def engine_args(self) -> tuple:
+        """(kind, spec, choices, any_whitespace) for the engine's request options."""
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"StructuredOutputsParams.{name} is not supported by loraplex")
+        if self.disable_additional_properties:
+            raise ValueError(
+                "StructuredOutputsParams.disable_additional_properties is not supported by loraplex"
+            )
+        kinds = []
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else _json.dumps(self.json)
+            kinds.append(("json", spec, []))
+        if self.json_object:
+            kinds.append(("json_object", "", []))
+        if self.regex is not None:
+            kinds.append(("regex", self.regex, []))
+        if self.choice is not None:
+            choices = [self.choice] if isinstance(self.choice, str) else list(self.choice)
+            if not choices or not all(isinstance(c, str) for c in choices):
+                raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+            kinds.append(("choice", "", choices))
+        if self.grammar is not None:
+            kinds.append(("grammar", self.grammar, []))
+        if len(kinds) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of json, json_object, regex, choice and "
+                f"grammar, got {len(kinds)}"
+            )
+        kind, spec, choices = kinds[0]
+        return kind, spec, choices, not self.disable_any_whitespace
+
+
+# vLLM's name for the same fields before StructuredOutputsParams.
+GuidedDecodingParams = StructuredOutputsParams
 
 
 class SamplingParams:
     """How to sample, with vLLM's names and defaults (vllm.SamplingParams).
 
     Implemented: temperature (0 = greedy), top_p, top_k (0 or -1 = off), seed, max_tokens
-    (None = up to max_model_len), min_tokens, stop strings, stop_token_ids, ignore_eos and
-    logprobs=0 (the sampled token's log-probability). The rest of vLLM's fields are accepted
-    only at their default values.
+    (None = up to max_model_len), min_tokens, stop strings, stop_token_ids, ignore_eos,
+    include_stop_str_in_output, skip_special_tokens, logprobs (the sampled token's
+    log-probability and up to 20 most likely tokens'), the presence, frequency and repetition
+    penalties, logit_bias, allowed_token_ids, bad_words and structured_outputs (or
+    guided_decoding). The rest of vLLM's fields are accepted only at their default values.
     """
 
     def __init__(
@@ -115,13 +182,24 @@ class SamplingParams:
                     f"SamplingParams.{name}={value!r} is not supported by loraplex "
                     f"(only {default!r}); see docs/python.md"
                 )
-        if self.logprobs not in (None, 0):
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(
-                f"SamplingParams.logprobs={self.logprobs!r}: loraplex returns only the sampled "
-                "token's log-probability (logprobs=0), no top alternatives"
+                f"SamplingParams.logprobs={self.logprobs!r}, expected 0 to {_MAX_LOGPROBS}"
+            )
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("give structured_outputs or guided_decoding, not both")
+        so = self.structured()
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                "SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(so).__name__}"
             )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}, expected >= 1")
+
+    def structured(self) -> Optional[StructuredOutputsParams]:
+        """The request's grammar (structured_outputs, or guided_decoding), or None."""
+        return self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
 
     def clone(self) -> "SamplingParams":
         other = SamplingParams.__new__(SamplingParams)

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -140,6 +142,17 @@ class PyEngine {
   std::unique_ptr<engine::Engine> engine_;
 };
 
+engine::StructuredOutput::Kind structured_kind(const std::string& kind) {
+  using Kind = engine::StructuredOutput::Kind;
+  if (kind == "json") return Kind::kJson;
+  if (kind == "json_object") return Kind::kAnyJson;
+  if (kind == "regex") return Kind::kRegex;
+  if (kind == "choice") return Kind::kChoice;
+  if (kind == "grammar") return Kind::kGrammar;
+  LORAPLEX_FAIL("structured output kind '", kind,
+                "' is not one of json, json_object, regex, choice, grammar");
+}
+
 engine::RequestOutput next_output(engine::RequestHandle& h, std::optional<double> timeout_s) {
   nb::gil_scoped_release release;
   if (!timeout_s) return h.next();
@@ -204,7 +217,27 @@ void bind_engine(nb::module_& m) {
       .def_rw("stop", &engine::RequestOptions::stop)
       .def_rw("stop_token_ids", &engine::RequestOptions::stop_token_ids)
       .def_rw("ignore_eos", &engine::RequestOptions::ignore_eos)
-      .def_rw("logprobs", &engine::RequestOptions::logprobs);
+      .def_rw("logprobs", &engine::RequestOptions::logprobs)
+      .def_rw("top_logprobs", &engine::RequestOptions::top_logprobs)
+      .def_rw("include_stop_str_in_output", &engine::RequestOptions::include_stop_str_in_output)
+      .def_rw("skip_special_tokens", &engine::RequestOptions::skip_special_tokens)
+      .def_rw("presence_penalty", &engine::RequestOptions::presence_penalty)
+      .def_rw("frequency_penalty", &engine::RequestOptions::frequency_penalty)
+      .def_rw("repetition_penalty", &engine::RequestOptions::repetition_penalty)
+      .def_rw("logit_bias", &engine::RequestOptions::logit_bias)
+      .def_rw("allowed_token_ids", &engine::RequestOptions::allowed_token_ids)
+      .def_rw("bad_words", &engine::RequestOptions::bad_words)
+      .def(
+          "set_structured_output",
+          [](engine::RequestOptions& o, const std::string& kind, const std::string& spec,
+             const std::vector<std::string>& choices, bool any_whitespace) {
+            o.structured.kind = structured_kind(kind);
+            o.structured.spec = spec;
+            o.structured.choices = choices;
+            o.structured.any_whitespace = any_whitespace;
+          },
+          nb::arg("kind"), nb::arg("spec"), nb::arg("choices"), nb::arg("any_whitespace"),
+          "kind: json, json_object, regex, choice or grammar (the engine's StructuredOutput)");
 
   nb::class_<engine::Request>(m, "Request")
       .def(nb::init<>())
@@ -217,6 +250,7 @@ void bind_engine(nb::module_& m) {
       .def_ro("token_ids", &engine::RequestOutput::token_ids)
       .def_ro("text", &engine::RequestOutput::text)
       .def_ro("logprobs", &engine::RequestOutput::logprobs)
+      .def_ro("top_logprobs", &engine::RequestOutput::top_logprobs)
       .def_ro("finished", &engine::RequestOutput::finished)
       .def_prop_ro("finish_reason",
                    [](const engine::RequestOutput& o) -> std::optional<std::string> {

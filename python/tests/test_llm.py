@@ -194,6 +194,71 @@ def test_logprobs_stop_tokens_and_seeds(tiny_llama):
     assert sampled[0] == sampled[1]
 
 
+def test_top_logprobs_are_pefts(tiny_llama):
+    want = expected_of("tiny-llama")[0]
+    out = tiny_llama.generate(
+        want["prompt"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                       logprobs=5))[0].outputs[0]
+    first = out.logprobs[0]
+    # The sampled token first, then the five most likely (here the sampled one is rank 1).
+    assert list(first)[0] == out.token_ids[0]
+    assert len(first) == 5
+    for rank, (token, logprob) in enumerate(want["first_token_top5_logprobs"], start=1):
+        assert first[token].rank == rank
+        assert first[token].logprob == pytest.approx(logprob, abs=1e-4)
+    with pytest.raises(ValueError, match="logprobs=21"):
+        SamplingParams(logprobs=21)
+
+
+def test_logits_processing_fields_reach_the_engine(tiny_llama):
+    want = expected_of("tiny-llama")[0]
+    greedy = want["output_token_ids"]
+    only = greedy[1]
+    out = tiny_llama.generate(want["prompt"], SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, allowed_token_ids=[only]))[0].outputs[0]
+    assert out.token_ids == [only] * 4
+    biased = tiny_llama.generate(want["prompt"], SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={only: 100}))[0].outputs[0]
+    assert biased.token_ids == [only] * 4
+    penalised = tiny_llama.generate(want["prompt"], SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=3.0))[0].outputs[0]
+    assert penalised.token_ids != greedy
+    with pytest.raises(loraplex.RequestError, match="logprobs together with"):
+        tiny_llama.generate(want["prompt"], SamplingParams(logprobs=0, presence_penalty=1.0))
+
+
+def test_structured_outputs_hold_the_text(tiny_llama):
+    import json
+    import re
+    from loraplex import GuidedDecodingParams, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    params = [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=40, structured_outputs=StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True)) for s in range(3)
+    ] + [
+        SamplingParams(temperature=0.0, max_tokens=10,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=10,
+                       guided_decoding=GuidedDecodingParams(regex="[0-9]{3}-[a-z]{2}")),
+    ]
+    outs = [o.outputs[0] for o in tiny_llama.generate(["Answer:"] * len(params), params)]
+    for o in outs[:3]:
+        value = json.loads(o.text)
+        assert value["n"] in (1, 2, 3) and isinstance(value["ok"], bool) and len(value) == 2
+        assert o.finish_reason == "stop"
+    assert outs[3].text in ("yes", "no")
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", outs[4].text)
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=" ")
+    with pytest.raises(loraplex.RequestError, match="regex"):
+        tiny_llama.generate("x", SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex="(unclosed")))
+
+
 def test_chat_renders_the_template_and_generates_from_it(tiny_llama):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "The function"}]}]
