@@ -66,27 +66,42 @@ void GrammarState::constrain(std::vector<model::LogitAdjustment>& adjust, bool& 
     }
     return;
   }
+  // Bits past the vocabulary are cleared, so that whole words can be counted and walked.
+  const int64_t tail = v % 32;
+  if (tail != 0) words.back() &= static_cast<int32_t>((uint32_t{1} << tail) - 1u);
   int64_t count = 0;
-  for (int64_t id = 0; id < v; ++id) count += allowed(static_cast<int32_t>(id)) ? 1 : 0;
-  // The shorter list: the allowed ids (the rest -inf), or the disallowed ids at -inf.
+  for (int32_t w : words) count += std::popcount(static_cast<uint32_t>(w));
+  // The shorter list: the allowed ids (the rest -inf), or the refused ids at -inf.
   const bool list_allowed = count * 2 <= v;
   std::vector<model::LogitAdjustment> merged;
   merged.reserve(static_cast<size_t>(list_allowed ? count : v - count) + adjust.size());
   size_t next = 0;  // into adjust, sorted by id
-  for (int32_t id = 0; id < v; ++id) {
-    const bool has = next < adjust.size() && adjust[next].id == id;
-    const bool ok = allowed(id);
-    if (has) {
-      model::LogitAdjustment a = adjust[next++];
+  // Takes the request's own entries below `id` (kept when allowed, -inf when refused).
+  auto take_below = [&](int64_t id) {
+    for (; next < adjust.size() && adjust[next].id < id; ++next) {
+      model::LogitAdjustment a = adjust[next];
+      const bool ok = allowed(a.id);
       if (!ok) a.bias = kMinusInf;
       if (ok || !list_allowed) merged.push_back(a);
-    } else if (list_allowed ? ok : !ok) {
+    }
+  };
+  for (size_t w = 0; w < words.size(); ++w) {
+    // The ids to list in this word: the allowed ones, or the refused ones.
+    uint32_t bits = static_cast<uint32_t>(words[w]);
+    if (!list_allowed) bits = ~bits;
+    if (!list_allowed && w + 1 == words.size() && tail != 0) bits &= (uint32_t{1} << tail) - 1u;
+    while (bits != 0) {
+      const int32_t id = static_cast<int32_t>(w * 32) + std::countr_zero(bits);
+      bits &= bits - 1u;
+      take_below(id);
+      if (next < adjust.size() && adjust[next].id == id) continue;  // taken below, in order
       model::LogitAdjustment a;
       a.id = id;
-      a.bias = ok ? 0.0f : kMinusInf;
+      a.bias = list_allowed ? 0.0f : kMinusInf;
       merged.push_back(a);
     }
   }
+  take_below(v);
   adjust = std::move(merged);
   only_listed = list_allowed;
 }
