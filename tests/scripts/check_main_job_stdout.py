@@ -3,7 +3,7 @@
 
 The job runs in a copy of the repository's scripts with every tool it calls replaced by a stub
 that writes noise on standard output as the real ones do (apt-get's progress, pip, cmake's
-configure and build lines, the FlashInfer check) and a `build/tools/loraplex` that prints two
+configure and build lines, the FlashInfer and xgrammar checks) and a `build/tools/loraplex` that prints two
 JSON lines: standard output must hold exactly those two lines. Nothing is installed or built.
 
 usage: check_main_job_stdout.py REPO_ROOT
@@ -31,13 +31,14 @@ def write_exe(path, text):
 
 with tempfile.TemporaryDirectory(prefix="loraplex-main-job-") as tmp:
     shutil.copytree(os.path.join(ROOT, "scripts"), os.path.join(tmp, "scripts"))
-    # fetch_flashinfer.sh finds its headers present (and says so on stdout).
-    version = re.search(r"^version=(\S+)", open(os.path.join(ROOT, "scripts",
-                                                            "fetch_flashinfer.sh")).read(),
-                        re.M).group(1)
-    os.makedirs(os.path.join(tmp, ".cache", "flashinfer"))
-    with open(os.path.join(tmp, ".cache", "flashinfer", "VERSION"), "w") as f:
-        f.write(version)
+    # fetch_flashinfer.sh and fetch_xgrammar.sh find their files present (and say so on stdout).
+    for name in ("flashinfer", "xgrammar"):
+        version = re.search(r"^version=(\S+)", open(os.path.join(ROOT, "scripts",
+                                                                f"fetch_{name}.sh")).read(),
+                            re.M).group(1)
+        os.makedirs(os.path.join(tmp, ".cache", name))
+        with open(os.path.join(tmp, ".cache", name, "VERSION"), "w") as f:
+            f.write(version)
     stubs = os.path.join(tmp, "stubs")
     # Every package looks missing, so install_deps.sh runs apt-get and pip.
     write_exe(os.path.join(stubs, "dpkg-query"), "#!/bin/sh\nexit 1\n")
