@@ -293,13 +293,16 @@ class LLM:
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append({"prompt": p, "ids": self._engine.encode(p, True)})
+                out.append({"prompt": p, "ids": self._engine.encode(p, True), "special": True})
             elif isinstance(p, dict) and "prompt_token_ids" in p:
                 out.append({"prompt": p.get("prompt"), "ids": list(p["prompt_token_ids"])})
             elif isinstance(p, dict) and "prompt" in p:
                 if p.get("multi_modal_data"):
                     raise ValueError("multi-modal prompts are not supported")
-                out.append({"prompt": p["prompt"], "ids": self._engine.encode(p["prompt"], True)})
+                out.append(
+                    {"prompt": p["prompt"], "ids": self._engine.encode(p["prompt"], True),
+                     "special": True}
+                )
             else:
                 raise TypeError(
                     "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [ids]}, got "
@@ -315,66 +318,91 @@ class LLM:
             return list(value)
         return [value] * n
 
+    def _prompt_for(self, prompt: Dict[str, Any], p: SamplingParams) -> Dict[str, Any]:
+        """The prompt as this request runs it: truncated to its last truncate_prompt_tokens
+        tokens (-1: max_model_len) when asked, text prompts keeping their special tokens in
+        front as vLLM's tokenizer call does."""
+        k = p.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        k = self.max_model_len if k == -1 else k
+        if "special" in prompt:
+            ids = self._engine.encode_truncated(prompt["prompt"], prompt["special"], k)
+        else:
+            ids = self._engine.truncate_ids(prompt["ids"], k)
+        return dict(prompt, ids=list(ids))
+
     def _submit(
         self,
         prompts: List[Dict[str, Any]],
         sampling_params: Any,
         lora_request: Any,
     ) -> tuple:
+        """Submits every prompt's n requests; returns the handles, and per prompt its prompt as
+        run, its params, its LoRARequest and the indices of its n handles."""
         params = [
             p if p is not None else SamplingParams()
             for p in self._per_prompt(sampling_params, len(prompts), "sampling_params")
         ]
         loras = self._per_prompt(lora_request, len(prompts), "lora_requests")
         requests = []
+        run_prompts = []
+        groups = []
         for prompt, p, lora in zip(prompts, params, loras):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            r = _C.Request()
-            r.prompt_ids = prompt["ids"]
-            r.adapter = self._adapter_name(lora)
-            o = r.options
-            o.max_tokens = (
-                p.max_tokens
-                if p.max_tokens is not None
-                else max(1, self.max_model_len - len(prompt["ids"]))
-            )
-            o.min_tokens = p.min_tokens
-            o.temperature = p.temperature
-            o.top_p = p.top_p
-            o.top_k = p.top_k
-            o.seed = p.seed
-            o.stop = p.stop
-            o.stop_token_ids = p.stop_token_ids
-            o.ignore_eos = p.ignore_eos
-            o.logprobs = p.logprobs is not None
-            o.top_logprobs = p.logprobs or 0
-            o.include_stop_str_in_output = p.include_stop_str_in_output
-            o.skip_special_tokens = p.skip_special_tokens
-            o.presence_penalty = p.presence_penalty
-            o.frequency_penalty = p.frequency_penalty
-            o.repetition_penalty = p.repetition_penalty
-            o.logit_bias = {int(k): float(v) for k, v in (p.logit_bias or {}).items()}
-            o.allowed_token_ids = list(p.allowed_token_ids or [])
-            o.bad_words = list(p.bad_words or [])
-            structured = p.structured()
-            if structured is not None:
-                o.set_structured_output(*structured.engine_args())
-            r.options = o
-            requests.append(r)
+            prompt = self._prompt_for(prompt, p)
+            run_prompts.append(prompt)
+            groups.append(list(range(len(requests), len(requests) + p.n)))
+            # n > 1: n requests of the same prompt (the prefix cache shares its blocks); with a
+            # seed, choice i samples from seed + i, as the server's n does.
+            for choice in range(p.n):
+                requests.append(self._request(prompt, p, lora, choice))
         handles = self._engine.submit_all(requests)
         first_id = self._next_request_id
-        self._next_request_id += len(handles)
-        return handles, params, loras, first_id
+        self._next_request_id += len(prompts)
+        return handles, run_prompts, params, loras, groups, first_id
 
-    def _output(
-        self,
-        request_id: int,
-        prompt: Dict[str, Any],
-        params: SamplingParams,
-        lora: Optional[LoRARequest],
-        acc: _Accumulated,
-    ) -> RequestOutput:
+    def _request(
+        self, prompt: Dict[str, Any], p: SamplingParams, lora: Any, choice: int
+    ) -> "_C.Request":
+        r = _C.Request()
+        r.prompt_ids = prompt["ids"]
+        r.adapter = self._adapter_name(lora)
+        o = r.options
+        o.max_tokens = (
+            p.max_tokens
+            if p.max_tokens is not None
+            else max(1, self.max_model_len - len(prompt["ids"]))
+        )
+        o.min_tokens = p.min_tokens
+        o.temperature = p.temperature
+        o.top_p = p.top_p
+        o.top_k = p.top_k
+        o.seed = p.seed + choice if p.seed is not None else None
+        o.stop = p.stop
+        o.stop_token_ids = p.stop_token_ids
+        o.ignore_eos = p.ignore_eos
+        o.logprobs = p.logprobs is not None
+        o.top_logprobs = p.logprobs or 0
+        o.include_stop_str_in_output = p.include_stop_str_in_output
+        o.skip_special_tokens = p.skip_special_tokens
+        o.presence_penalty = p.presence_penalty
+        o.frequency_penalty = p.frequency_penalty
+        o.repetition_penalty = p.repetition_penalty
+        o.logit_bias = {int(k): float(v) for k, v in (p.logit_bias or {}).items()}
+        o.allowed_token_ids = list(p.allowed_token_ids or [])
+        o.bad_words = list(p.bad_words or [])
+        structured = p.structured()
+        if structured is not None:
+            o.set_structured_output(*structured.engine_args())
+        r.options = o
+        return r
+
+    @staticmethod
+    def _completion(
+        index: int, params: SamplingParams, lora: Optional[LoRARequest], acc: _Accumulated
+    ) -> CompletionOutput:
         logprobs = None
         cumulative = None
         if params.logprobs is not None:
@@ -388,9 +416,9 @@ class LLM:
                     entry.setdefault(tid, Logprob(tlp, r + 1, None))
                 logprobs.append(entry)
             cumulative = float(sum(acc.logprobs))
-        completion = CompletionOutput(
-            index=0,
-            text=acc.text,
+        return CompletionOutput(
+            index=index,
+            text=acc.text if params.detokenize else "",
             token_ids=list(acc.token_ids),
             cumulative_logprob=cumulative,
             logprobs=logprobs,
@@ -398,15 +426,24 @@ class LLM:
             stop_reason=_stop_reason(acc.stop_reason, params),
             lora_request=lora,
         )
+
+    @staticmethod
+    def _output(
+        request_id: int,
+        prompt: Dict[str, Any],
+        completions: List[CompletionOutput],
+        lora: Optional[LoRARequest],
+        cached_tokens: int,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=str(request_id),
             prompt=prompt["prompt"],
             prompt_token_ids=list(prompt["ids"]),
             prompt_logprobs=None,
-            outputs=[completion],
-            finished=acc.finish_reason is not None,
+            outputs=completions,
+            finished=all(c.finish_reason is not None for c in completions),
             lora_request=lora,
-            num_cached_tokens=acc.cached_tokens,
+            num_cached_tokens=cached_tokens,
         )
 
     def generate(
@@ -435,18 +472,25 @@ class LLM:
         lora_request: Any,
         use_tqdm: bool,
     ) -> List[RequestOutput]:
-        handles, params, loras, first_id = self._submit(items, sampling_params, lora_request)
+        handles, prompts, params, loras, groups, first_id = self._submit(
+            items, sampling_params, lora_request
+        )
         bar = ProgressBar("Processed prompts", unit="it", delay_s=1.0 if use_tqdm else float("inf"))
         results: List[RequestOutput] = []
         try:
-            for i, handle in enumerate(handles):
-                acc = _Accumulated()
-                while acc.finish_reason is None:
-                    acc.add(handle.next(_POLL_S))
-                if acc.finish_reason == "error":
-                    raise _C.LoraplexError(f"request {i}: {acc.error}")
-                results.append(self._output(first_id + i, items[i], params[i], loras[i], acc))
-                bar(i + 1, len(handles))
+            for i, group in enumerate(groups):
+                completions = []
+                cached = 0
+                for choice, h in enumerate(group):
+                    acc = _Accumulated()
+                    while acc.finish_reason is None:
+                        acc.add(handles[h].next(_POLL_S))
+                    if acc.finish_reason == "error":
+                        raise _C.LoraplexError(f"request {i}: {acc.error}")
+                    completions.append(self._completion(choice, params[i], loras[i], acc))
+                    cached = max(cached, acc.cached_tokens)
+                results.append(self._output(first_id + i, prompts[i], completions, loras[i], cached))
+                bar(i + 1, len(groups))
         except BaseException:
             for handle in handles:
                 handle.abort()
@@ -463,11 +507,18 @@ class LLM:
         *,
         delta: bool = False,
     ) -> Iterator[RequestOutput]:
-        """Submits the prompts and yields a RequestOutput each time one of them has new
-        tokens (the whole output so far, or only the new part with delta=True), the last one
-        of each with finished=True. Closing the iterator early aborts what is left."""
+        """Submits the prompts and yields a RequestOutput each time one of their completions
+        has new tokens (the whole completion so far, or only the new part with delta=True; with
+        n > 1 the one completion that progressed, by its index), the last one of each with
+        finished=True. Closing the iterator early aborts what is left."""
         items = self._prompts(prompts)
-        handles, params, loras, first_id = self._submit(items, sampling_params, lora_request)
+        handles, run_prompts, params, loras, groups, first_id = self._submit(
+            items, sampling_params, lora_request
+        )
+        owner = {}
+        for i, group in enumerate(groups):
+            for choice, h in enumerate(group):
+                owner[h] = (i, choice)
         accs = [_Accumulated() for _ in handles]
         pending = list(range(len(handles)))
         try:
@@ -475,27 +526,29 @@ class LLM:
                 progressed = False
                 # Each pending request is asked without waiting; when none had anything, the
                 # oldest is waited on (briefly, so that the others are asked again soon).
-                for n, i in enumerate(list(pending)):
-                    out = handles[i].next(0.0 if n or progressed else 0.005)
+                for n, h in enumerate(list(pending)):
+                    out = handles[h].next(0.0 if n or progressed else 0.005)
                     if not out.token_ids and not out.finished and not out.text:
                         continue
                     progressed = True
+                    i, choice = owner[h]
+                    accs[h].add(out)
+                    shown = accs[h]
                     if delta:
-                        piece = _Accumulated()
-                        piece.add(out)
-                        accs[i].add(out)
-                        piece.cached_tokens = accs[i].cached_tokens
-                        yield self._output(first_id + i, items[i], params[i], loras[i], piece)
-                    else:
-                        accs[i].add(out)
-                        yield self._output(first_id + i, items[i], params[i], loras[i], accs[i])
+                        shown = _Accumulated()
+                        shown.add(out)
+                        shown.cached_tokens = accs[h].cached_tokens
+                    completion = self._completion(choice, params[i], loras[i], shown)
+                    yield self._output(
+                        first_id + i, run_prompts[i], [completion], loras[i], shown.cached_tokens
+                    )
                     if out.finished:
-                        if accs[i].finish_reason == "error":
-                            raise _C.LoraplexError(f"request {i}: {accs[i].error}")
-                        pending.remove(i)
+                        if accs[h].finish_reason == "error":
+                            raise _C.LoraplexError(f"request {i}: {accs[h].error}")
+                        pending.remove(h)
         finally:
-            for i in pending:
-                handles[i].abort()
+            for h in pending:
+                handles[h].abort()
 
     # ---- chat -----------------------------------------------------------------------------
 
@@ -572,7 +625,9 @@ class LLM:
                 json.dumps(tools) if tools is not None else "",
                 json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
             )
-            items.append({"prompt": text, "ids": self._engine.encode(text, False)})
+            items.append(
+                {"prompt": text, "ids": self._engine.encode(text, False), "special": False}
+            )
         return self._run(items, sampling_params, lora_request, use_tqdm)
 
     def shutdown(self) -> None:

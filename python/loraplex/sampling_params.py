@@ -8,14 +8,10 @@ from typing import Any, Optional, Sequence, Union
 # Fields loraplex does not implement, with the value that means "off": a request that asks
 # for anything else is refused (ValueError naming the field), never run differently.
 _UNSUPPORTED_DEFAULTS = {
-    "n": 1,
-    "best_of": None,
     "min_p": 0.0,
     "prompt_logprobs": None,
-    "detokenize": True,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
-    "truncate_prompt_tokens": None,
 }
 
 # The most top log-probabilities a step returns per token (the engine's limit).
@@ -98,7 +94,8 @@ class SamplingParams:
 
     Implemented: temperature (0 = greedy), top_p, top_k (0 or -1 = off), seed, max_tokens
     (None = up to max_model_len), min_tokens, stop strings, stop_token_ids, ignore_eos,
-    include_stop_str_in_output, skip_special_tokens, logprobs (the sampled token's
+    include_stop_str_in_output, skip_special_tokens, n (n requests of the prompt; with a seed,
+    sample i uses seed + i), truncate_prompt_tokens, detokenize, logprobs (the sampled token's
     log-probability and up to 20 most likely tokens'), the presence, frequency and repetition
     penalties, logit_bias, allowed_token_ids, bad_words and structured_outputs (or
     guided_decoding). The rest of vLLM's fields are accepted only at their default values.
@@ -193,6 +190,18 @@ class SamplingParams:
             raise ValueError(
                 "SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(so).__name__}"
+            )
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n!r}, expected an integer >= 1")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"SamplingParams.best_of={self.best_of!r}: only best_of == n is supported "
+                "(every sample is returned)"
+            )
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or (k < 1 and k != -1)):
+            raise ValueError(
+                f"SamplingParams.truncate_prompt_tokens={k!r}, expected >= 1 or -1 (max_model_len)"
             )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}, expected >= 1")

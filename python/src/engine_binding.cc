@@ -23,6 +23,7 @@
 #include "loraplex/engine/model_files.h"
 #include "loraplex/model/load_model.h"
 #include "loraplex/template/chat_template.h"
+#include "loraplex/tokenizer/prompt_encoding.h"
 
 namespace loraplex::python {
 namespace {
@@ -118,6 +119,23 @@ class PyEngine {
   }
   std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const {
     return tokenizer_->encode(text, add_special_tokens);
+  }
+  /// vLLM's truncate_prompt_tokens on a text prompt: the last `truncate_to` tokens (-1:
+  /// max_model_len), the special tokens in front kept (tokenizer/prompt_encoding.h).
+  std::vector<int32_t> encode_truncated(const std::string& text, bool add_special_tokens,
+                                        int64_t truncate_to) {
+    tokenizer::PromptEncoding how;
+    how.add_special_tokens = add_special_tokens;
+    how.truncate_to = truncate_to;
+    how.max_model_len = get().options().max_model_len;
+    return tokenizer::encode_prompt(
+        [&](std::string_view t, bool special) { return tokenizer_->encode(t, special); }, text,
+        how);
+  }
+  /// The same on token ids: the last `truncate_to` of them.
+  std::vector<int32_t> truncate_ids(std::vector<int32_t> ids, int64_t truncate_to) {
+    tokenizer::truncate_prompt_left(ids, 0, truncate_to, get().options().max_model_len);
+    return ids;
   }
   std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
     return tokenizer_->decode(ids, skip_special_tokens);
@@ -288,6 +306,9 @@ void bind_engine(nb::module_& m) {
       .def("adapters", &PyEngine::adapters)
       .def("encode", &PyEngine::encode, nb::arg("text"), nb::arg("add_special_tokens"))
       .def("decode", &PyEngine::decode, nb::arg("ids"), nb::arg("skip_special_tokens"))
+      .def("encode_truncated", &PyEngine::encode_truncated, nb::arg("text"),
+           nb::arg("add_special_tokens"), nb::arg("truncate_to"))
+      .def("truncate_ids", &PyEngine::truncate_ids, nb::arg("ids"), nb::arg("truncate_to"))
       .def_prop_ro("options", &PyEngine::options)
       .def_prop_ro("eos_token_ids", &PyEngine::eos_token_ids)
       .def_prop_ro("vocab_size", &PyEngine::vocab_size)

@@ -221,7 +221,7 @@ def test_logits_processing_fields_reach_the_engine(tiny_llama):
         temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={only: 100}))[0].outputs[0]
     assert biased.token_ids == [only] * 4
     penalised = tiny_llama.generate(want["prompt"], SamplingParams(
-        temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=3.0))[0].outputs[0]
+        temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=2.0))[0].outputs[0]
     assert penalised.token_ids != greedy
     with pytest.raises(loraplex.RequestError, match="logprobs together with"):
         tiny_llama.generate(want["prompt"], SamplingParams(logprobs=0, presence_penalty=1.0))
@@ -257,6 +257,40 @@ def test_structured_outputs_hold_the_text(tiny_llama):
     with pytest.raises(loraplex.RequestError, match="regex"):
         tiny_llama.generate("x", SamplingParams(
             structured_outputs=StructuredOutputsParams(regex="(unclosed")))
+
+
+def test_n_truncation_and_detokenize(tiny_llama):
+    want = expected_of("tiny-llama")[0]
+    outs = tiny_llama.generate(
+        want["prompt"], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8))[0].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    # Choice i samples as a request of its own with seed 11 + i.
+    for i, o in enumerate(outs):
+        alone = tiny_llama.generate(
+            want["prompt"], SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8))
+        assert o.token_ids == alone[0].outputs[0].token_ids
+    greedy = tiny_llama.generate(
+        want["prompt"], SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert [o.token_ids for o in greedy.outputs] == [want["output_token_ids"]] * 2
+    # Truncation keeps a text prompt's BOS in front, and the last ids of an id prompt.
+    ids = want["prompt_token_ids"]
+    out = tiny_llama.generate(want["prompt"],
+                              SamplingParams(truncate_prompt_tokens=3, max_tokens=1))[0]
+    assert out.prompt_token_ids == [ids[0]] + ids[-2:]
+    out = tiny_llama.generate({"prompt_token_ids": ids},
+                              SamplingParams(truncate_prompt_tokens=3, max_tokens=1))[0]
+    assert out.prompt_token_ids == ids[-3:]
+    plain = tiny_llama.generate(want["prompt"], SamplingParams(
+        detokenize=False, temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert plain.text == "" and plain.token_ids == want["output_token_ids"][:4]
+    # A stream of n = 2 yields each completion under its index.
+    seen = {}
+    for o in tiny_llama.stream(want["prompt"], SamplingParams(n=2, temperature=0.0, max_tokens=5,
+                                                              ignore_eos=True)):
+        seen[o.outputs[0].index] = o.outputs[0]
+    assert sorted(seen) == [0, 1]
+    assert all(c.finish_reason == "length" and c.token_ids == want["output_token_ids"][:5]
+               for c in seen.values())
 
 
 def test_chat_renders_the_template_and_generates_from_it(tiny_llama):
@@ -308,8 +342,10 @@ def test_errors_are_python_exceptions_with_the_cpp_message(tiny_llama, tmp_path)
     assert isinstance(e.value, ValueError) and isinstance(e.value, loraplex.LoraplexError)
     with pytest.raises(loraplex.RequestError, match="top_p"):
         tiny_llama.generate("The function returns", SamplingParams(top_p=1.5))
-    with pytest.raises(ValueError, match="SamplingParams.n=2"):
-        SamplingParams(n=2)
+    with pytest.raises(ValueError, match="SamplingParams.n=0"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="SamplingParams.min_p=0.1"):
+        SamplingParams(min_p=0.1)
     with pytest.raises(ValueError, match="no chat template"):
         tiny_llama.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
