@@ -130,8 +130,11 @@ GrammarCompiler::GrammarCompiler(const Tokenizer& tokenizer, int64_t vocab_size,
   const xgrammar::TokenizerInfo info(
       vocab, static_cast<xgrammar::VocabType>(metadata.at("vocab_type").get<int>()),
       static_cast<int>(vocab_size), eos_token_ids, metadata.at("add_prefix_space").get<bool>());
-  // One thread: compiles run on the submitting request's thread.
-  impl_->compiler = std::make_unique<xgrammar::GrammarCompiler>(info, 1, true);
+  // One thread: compiles run on the submitting request's thread. The cache of compiled
+  // grammars is bounded (vLLM's default, VLLM_XGRAMMAR_CACHE_MB = 512), so that clients sending
+  // ever new schemas cannot grow it without end.
+  constexpr int64_t kCacheBytes = int64_t{512} << 20;
+  impl_->compiler = std::make_unique<xgrammar::GrammarCompiler>(info, 1, true, kCacheBytes);
   impl_->vocab_size = vocab_size;
 }
 
