@@ -225,7 +225,8 @@ void base_3d(const MoeProblem& p, Tensor& gate_up, Tensor& down) {
   }
 }
 
-std::vector<double> run_moe(const MoeProblem& p, Backend backend, int tp, bool fully_sharded) {
+std::vector<double> run_moe(const MoeProblem& p, Backend backend, int tp, bool fully_sharded,
+                            bool device_routing_on_cpu = false) {
   std::vector<std::vector<double>> outs(static_cast<size_t>(tp));
   test::run_ranks(backend, tp, [&](int rank, Communicator* comm) {
     const Device device = test::backend_device(backend, rank);
@@ -235,6 +236,7 @@ std::vector<double> run_moe(const MoeProblem& p, Backend backend, int tp, bool f
     MoeSpec spec{kExperts, p.top_k, kHidden, kInter, kF32, p.renormalize};
     FusedMoeWithLora layer(spec, {kMaxLoras, kMaxRank, kF32, fully_sharded}, comm, device,
                            p.tokens);
+    layer.route_on_device_on_cpu(device_routing_on_cpu);
     if (p.gate_up_3d) {
       Tensor gate_up, down;
       base_3d(p, gate_up, down);
@@ -379,6 +381,29 @@ TEST(FusedMoeRouting, Cuda_tp1) {
   check_moe(make_routed_problem(76, kTiedRouter, 3, false), Backend::kCuda, 1, false);
   check_moe(make_routed_problem(77, kOneExpertRouter, 2, true), Backend::kCuda, 1, false);
 }
+// The path a GPU takes for decode-sized steps (the pairs grouped by expert into a block table,
+// the expert GEMMs over it, pair-major rows), run with the ops' CPU versions: the same outputs
+// as the double reference, with LoRA, at tp 1/2/4, fully sharded, every token on one expert.
+TEST(FusedMoeLora, DeviceRoutingMatchesDoubleReference) {
+  struct Case {
+    MoeProblem p;
+    int tp;
+    bool fully_sharded;
+  };
+  std::vector<Case> cases;
+  cases.push_back({make_problem(81), 1, false});
+  cases.push_back({make_problem(82), 2, false});
+  cases.push_back({make_problem(83, 2), 4, true});
+  cases.push_back({make_routed_problem(84, kOneExpertRouter, 2, true), 1, false});
+  for (Case& c : cases) {
+    const std::vector<double> ref = reference(c.p);
+    const std::vector<double> got = run_moe(c.p, Backend::kCpu, c.tp, c.fully_sharded, true);
+    expect_matches(got, ref, "device routing on the CPU, tp " + std::to_string(c.tp));
+    expect_same_split(got, run_moe(c.p, Backend::kCpu, c.tp, c.fully_sharded), ref,
+                      "device routing vs host routing, tp " + std::to_string(c.tp));
+  }
+}
+
 TEST(FusedMoeLora, Nccl_tp2) { check_moe(make_problem(2), Backend::kNccl, 2, false); }
 TEST(FusedMoeLoraSharded, Nccl_tp2) { check_moe(make_problem(12), Backend::kNccl, 2, true); }
 

@@ -128,6 +128,9 @@ class FusedMoeWithLora {
   /// up to 256 sequences of a top-8 model fit; beyond that (prefill) one GEMM per expert with
   /// its whole M is the better kernel.
   static constexpr int64_t kDeviceRoutedMaxPairs = 2048;
+  /// Tests: a CPU layer routes on the device ops' CPU versions too (up to the same limit), so
+  /// that the path a GPU takes is checked where there is no GPU.
+  void route_on_device_on_cpu(bool on) { device_routing_on_cpu_ = on; }
   /// Adapter rank of (slot, projection): projection 0 = w1, 1 = w3, 2 = w2.
   int lora_rank(int slot, int projection) const;
 
@@ -210,6 +213,7 @@ class FusedMoeWithLora {
   std::vector<int64_t> expert_offsets_;
   Tensor out_buffer_;          // [max_num_tokens, hidden], on first use
   bool naive_blocks_ = false;  // this step's choice (vLLM's sparsity rule)
+  bool device_routing_on_cpu_ = false;
 };
 
 }  // namespace loraplex
