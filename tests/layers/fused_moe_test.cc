@@ -236,7 +236,7 @@ std::vector<double> run_moe(const MoeProblem& p, Backend backend, int tp, bool f
     MoeSpec spec{kExperts, p.top_k, kHidden, kInter, kF32, p.renormalize};
     FusedMoeWithLora layer(spec, {kMaxLoras, kMaxRank, kF32, fully_sharded}, comm, device,
                            p.tokens);
-    layer.route_on_device_on_cpu(device_routing_on_cpu);
+    if (device_routing_on_cpu) layer.set_routing(FusedMoeWithLora::Routing::kDevice);
     if (p.gate_up_3d) {
       Tensor gate_up, down;
       base_3d(p, gate_up, down);

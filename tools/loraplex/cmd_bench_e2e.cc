@@ -75,6 +75,7 @@ struct Options {
   std::string lora_decode = "auto";
   std::string lora_dtype = "auto";
   int64_t fused_lora_max_tokens = 512;
+  bool moe_host_routing = false;
   int top_kernels = 15;
   bool timeline = false;
 };
@@ -303,6 +304,9 @@ int run(const std::vector<std::string>& args) {
                  "with a scale per row)");
   app.add_option("--fused-lora-max-tokens", o.fused_lora_max_tokens,
                  "steps of up to this many tokens take the fused LoRA path (default 512)");
+  app.add_flag("--moe-host-routing", o.moe_host_routing,
+               "MoE steps group their pairs on the host, one cuBLASLt GEMM per expert (eager), "
+               "instead of the device-routed expert GEMMs: to measure the two");
   app.add_flag("!--enforce-eager", o.cuda_graphs, "no CUDA graphs");
   app.add_flag("!--no-async-scheduling", o.async_scheduling,
                "collect every decode step before launching the next (the host's work then sits "
@@ -362,6 +366,7 @@ int run(const std::vector<std::string>& args) {
   dopts.fully_sharded_loras = o.fully_sharded_loras;
   dopts.lora_tuning = o.lora_tuning;
   dopts.fused_lora_max_tokens = o.fused_lora_max_tokens;
+  dopts.moe_host_routing = o.moe_host_routing;
   dopts.lora_dtype = engine::parse_lora_dtype(o.lora_dtype);
   dopts.lora_decode = o.lora_decode == "overlap"   ? model::LoraDecode::kOverlap
                       : o.lora_decode == "kernels" ? model::LoraDecode::kKernels
@@ -474,6 +479,7 @@ int run(const std::vector<std::string>& args) {
   doc["lora_decode"] = o.lora_decode;
   doc["lora_dtype"] = o.lora_dtype;
   doc["fused_lora_max_tokens"] = o.fused_lora_max_tokens;
+  doc["moe_host_routing"] = o.moe_host_routing;
   const char* autotune = std::getenv("LORAPLEX_GEMM_AUTOTUNE");
   doc["gemm_autotune"] = autotune != nullptr && std::string(autotune) == "1";
   doc["decode_weight_bytes_per_gpu"] = weight_bytes / tp;

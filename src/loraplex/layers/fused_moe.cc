@@ -604,8 +604,8 @@ void FusedMoeWithLora::add_w2_lora(const Tensor& act, Tensor& down, const Punica
 }
 
 bool FusedMoeWithLora::routes_on_device(int64_t tokens) const {
-  return (!device_.is_cpu() || device_routing_on_cpu_) &&
-         tokens * spec_.top_k <= kDeviceRoutedMaxPairs;
+  if (routing_ == Routing::kHost || tokens * spec_.top_k > kDeviceRoutedMaxPairs) return false;
+  return routing_ == Routing::kDevice || !device_.is_cpu();
 }
 
 // Pairs grouped on the host: the x rows gathered by expert, one GEMM per expert, the gate_up

@@ -128,9 +128,12 @@ class FusedMoeWithLora {
   /// up to 256 sequences of a top-8 model fit; beyond that (prefill) one GEMM per expert with
   /// its whole M is the better kernel.
   static constexpr int64_t kDeviceRoutedMaxPairs = 2048;
-  /// Tests: a CPU layer routes on the device ops' CPU versions too (up to the same limit), so
-  /// that the path a GPU takes is checked where there is no GPU.
-  void route_on_device_on_cpu(bool on) { device_routing_on_cpu_ = on; }
+  /// kAuto: the device ops for steps of up to kDeviceRoutedMaxPairs pairs on a GPU, the host
+  /// otherwise; kHost: always the host (to measure the per-expert cuBLASLt GEMMs against the
+  /// device-routed kernel); kDevice: the device ops up to the limit on any device (tests: the
+  /// path a GPU takes, run with the ops' CPU versions where there is no GPU).
+  enum class Routing { kAuto, kHost, kDevice };
+  void set_routing(Routing routing) { routing_ = routing; }
   /// Adapter rank of (slot, projection): projection 0 = w1, 1 = w3, 2 = w2.
   int lora_rank(int slot, int projection) const;
 
@@ -213,7 +216,7 @@ class FusedMoeWithLora {
   std::vector<int64_t> expert_offsets_;
   Tensor out_buffer_;          // [max_num_tokens, hidden], on first use
   bool naive_blocks_ = false;  // this step's choice (vLLM's sparsity rule)
-  bool device_routing_on_cpu_ = false;
+  Routing routing_ = Routing::kAuto;
 };
 
 }  // namespace loraplex

@@ -359,6 +359,7 @@ void Decoder::bind_moe(const BindContext& b, const std::string& p, Layer& layer)
   spec.renormalize = c.moe_renormalize;
   layer.moe =
       std::make_unique<FusedMoeWithLora>(spec, b.lora, b.comm, b.dev, b.max_tokens, workspace_);
+  if (options_.moe_host_routing) layer.moe->set_routing(FusedMoeWithLora::Routing::kHost);
   // transformers 5 still saves Mixtral and Qwen3-MoE with the 4.x per-expert names
   // (block_sparse_moe.experts.N.w1/w3/w2; mlp.experts.N.gate_proj/up_proj/down_proj); a
   // checkpoint with the 5.x fused names (mlp.experts.gate_up_proj) is read as well.

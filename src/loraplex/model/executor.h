@@ -64,6 +64,10 @@ struct DecoderOptions {
   /// by the weight bytes) absorb and a long prefill's (bound by the arithmetic) do not.
   LoraDecode lora_decode = LoraDecode::kAuto;
   int64_t fused_lora_max_tokens = 512;
+  /// Every MoE step groups its routed pairs on the host and runs one cuBLASLt GEMM per expert
+  /// (eager steps), instead of the device-routed expert GEMMs decode steps take by default: to
+  /// measure the two against each other (bench e2e --moe-host-routing).
+  bool moe_host_routing = false;
   /// "key=value,..." over the device's LoRA kernel tuning table (kernels/planner/lora_tuning.h),
   /// for benchmarks that compare kernel paths inside a model; empty: the table as it is.
   std::string lora_tuning;
