@@ -608,40 +608,35 @@ bool FusedMoeWithLora::routes_on_device(int64_t tokens) const {
   return routing_ == Routing::kDevice || !device_.is_cpu();
 }
 
+// One GEMM per expert over its run of the expert-sorted rows (expert_offsets_).
+void FusedMoeWithLora::experts_on_host(const Tensor& sorted_in, const Tensor& w, Tensor& sorted_out,
+                                       const Stream& stream) {
+  for (int e = 0; e < spec_.num_experts; ++e) {
+    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
+    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
+    if (n == 0) continue;
+    Tensor dst = sorted_out.narrow(0, lo, n);
+    linear_base(sorted_in.narrow(0, lo, n), w.select(0, e), Tensor(), dst, stream);
+  }
+}
+
 // Pairs grouped on the host: the x rows gathered by expert, one GEMM per expert, the gate_up
 // rows scattered back into pair order.
 void FusedMoeWithLora::gate_up_on_host(const Tensor& x, const Stream& stream) {
   route_on_host(x.size(0), stream);
-  const Tensor order = s_.pair_index.select(0, 0);
-  const Tensor order_tokens = s_.pair_index.select(0, 1);
-  Tensor& x_sorted = s_.rows_h;
-  layer_ops::gather_rows(x, order_tokens, x_sorted, stream);
-  Tensor& gu_sorted = s_.gate_up_sorted;
-  for (int e = 0; e < spec_.num_experts; ++e) {
-    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
-    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
-    if (n == 0) continue;
-    Tensor dst = gu_sorted.narrow(0, lo, n);
-    linear_base(x_sorted.narrow(0, lo, n), w13_.select(0, e), Tensor(), dst, stream);
-  }
-  layer_ops::scatter_rows(gu_sorted, order, Tensor(), s_.gate_up, stream);
+  layer_ops::gather_rows(x, s_.pair_index.select(0, 1), s_.rows_h, stream);
+  experts_on_host(s_.rows_h, w13_, s_.gate_up_sorted, stream);
+  layer_ops::scatter_rows(s_.gate_up_sorted, s_.pair_index.select(0, 0), Tensor(), s_.gate_up,
+                          stream);
 }
 
 // The same grouping for the down projection; the router weights are applied in the scatter.
+// The gathered x rows are dead after the gate_up GEMMs: their rows hold the down outputs.
 void FusedMoeWithLora::down_on_host(const Stream& stream) {
   const Tensor order = s_.pair_index.select(0, 0);
-  Tensor& act_sorted = s_.act_sorted;
-  layer_ops::gather_rows(s_.act, order, act_sorted, stream);
-  // The gathered x rows are dead after the gate_up GEMMs: their rows hold the down outputs.
-  Tensor& down_sorted = s_.rows_h;
-  for (int e = 0; e < spec_.num_experts; ++e) {
-    const int64_t lo = expert_offsets_[static_cast<size_t>(e)];
-    const int64_t n = expert_offsets_[static_cast<size_t>(e + 1)] - lo;
-    if (n == 0) continue;
-    Tensor dst = down_sorted.narrow(0, lo, n);
-    linear_base(act_sorted.narrow(0, lo, n), w2_.select(0, e), Tensor(), dst, stream);
-  }
-  layer_ops::scatter_rows(down_sorted, order, s_.topk_weights, s_.down, stream);
+  layer_ops::gather_rows(s_.act, order, s_.act_sorted, stream);
+  experts_on_host(s_.act_sorted, w2_, s_.rows_h, stream);
+  layer_ops::scatter_rows(s_.rows_h, order, s_.topk_weights, s_.down, stream);
 }
 
 void FusedMoeWithLora::forward(const Tensor& x, Tensor& y, const PunicaWrapper& punica,

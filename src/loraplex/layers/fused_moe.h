@@ -145,6 +145,8 @@ class FusedMoeWithLora {
                     const std::vector<Tensor>& up, const std::vector<Tensor>& down,
                     WeightUpload* upload);
   void route_on_host(int64_t tokens, const Stream& stream);
+  void experts_on_host(const Tensor& sorted_in, const Tensor& w, Tensor& sorted_out,
+                       const Stream& stream);
   void gate_up_on_host(const Tensor& x, const Stream& stream);
   void down_on_host(const Stream& stream);
   void add_w13_lora(const Tensor& x, Tensor& gate_up, const PunicaWrapper& punica,
