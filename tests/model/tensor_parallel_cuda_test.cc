@@ -121,8 +121,8 @@ std::vector<std::vector<int32_t>> generate(model::ModelExecutor& m, std::vector<
 // the first decoded token is compared there.
 void check_graph_steps_equal_eager_steps(const model::ModelConfig& c, const std::string& tag) {
   const std::string dir = ::testing::TempDir() + "/loraplex_tp_graph_adapter_" + tag;
-  model::write_random_peft_adapter(dir + "0", c, 8, model::all_linear_targets(), 11);
-  model::write_random_peft_adapter(dir + "1", c, 16, model::all_linear_targets(), 12);
+  model::write_random_peft_adapter(dir + "0", c, 8, model::all_linear_targets(c), 11);
+  model::write_random_peft_adapter(dir + "1", c, 16, model::all_linear_targets(c), 12);
   std::mt19937_64 rng(3);
   std::vector<Seq> seqs(3);
   for (size_t i = 0; i < seqs.size(); ++i) {

@@ -412,12 +412,16 @@ int run(const std::vector<std::string>& args) {
     for (int i = 0; i < o.adapters; ++i) {
       const std::string name = "a" + std::to_string(i);
       const std::string dir = root + "/" + o.shape + "_r" + std::to_string(o.rank) + "_" + name;
+      const auto w0 = Clock::now();
       if (!std::filesystem::exists(dir + "/adapter_model.safetensors")) {
         model::write_random_peft_adapter(dir, config, o.rank, o.targets, o.seed + 100 + i);
       }
+      const auto w1 = Clock::now();
       manager.load(name, dir);
       leases.push_back(manager.acquire(name));
       for (const Stream& s : d->streams()) leases.back().wait_ready(s);
+      std::fprintf(stderr, "bench e2e: adapter %s written in %.1f s, loaded in %.1f s\n",
+                   name.c_str(), seconds(w0, w1), seconds(w1, Clock::now()));
     }
     adapter_s = seconds(a0, Clock::now());
   }

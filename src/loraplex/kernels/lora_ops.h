@@ -225,10 +225,18 @@ struct FusedMoeLoraArgs {
   const int32_t* sorted_ids = nullptr;  // from MoeAlignArgs (unless naive_blocks)
   const int32_t* expert_ids = nullptr;
   const int32_t* num_tokens_post_pad = nullptr;
+  // The rank-r intermediate between the CUDA shrink and expand kernels: scratch of
+  // fused_moe_lora_mid_floats() floats; the CPU op does not use it.
+  float* lora_mid = nullptr;
   void* out = nullptr;  // [num_tokens, top_k, out_row_width] in/out
   int64_t out_row_width = 0;
   int64_t offset = 0;  // first output column (fully sharded layers)
   bool add_inputs = true;
 };
+
+/// Floats of FusedMoeLoraArgs::lora_mid for a call: [num_tokens * top_k, num_slices, max_rank].
+inline int64_t fused_moe_lora_mid_floats(int64_t num_pairs, int num_slices, int max_rank) {
+  return num_pairs * num_slices * max_rank;
+}
 
 }  // namespace loraplex::kernels

@@ -197,6 +197,8 @@ FusedMoeWithLora::Scratch FusedMoeWithLora::carve(LayerWorkspace::Carver& carver
   s.sorted_ids = carver.take({L, s.align_padded}, DType::kI32);
   s.expert_ids = carver.take({L, s.align_blocks}, DType::kI32);
   s.num_post_pad = carver.take({L}, DType::kI32);
+  const int mid_rank = static_cast<int>(std::max<int64_t>(config_.max_lora_rank, rank_pad_));
+  s.lora_mid = carver.take({kernels::fused_moe_lora_mid_floats(P, 2, mid_rank)}, DType::kF32);
   const int64_t blocks = kernels::moe_expert_max_blocks(P, spec_.num_experts);
   s.block_expert = carver.take({blocks}, DType::kI32);
   s.block_pairs = carver.take({blocks * kernels::kMoeExpertBlockRows}, DType::kI32);
@@ -500,6 +502,7 @@ kernels::FusedMoeLoraArgs FusedMoeWithLora::lora_args(const PunicaWrapper& punic
   a.sorted_ids = s_.sorted_ids.data<int32_t>();
   a.expert_ids = s_.expert_ids.data<int32_t>();
   a.num_tokens_post_pad = s_.num_post_pad.data<int32_t>();
+  a.lora_mid = s_.lora_mid.data<float>();
   a.add_inputs = true;
   return a;
 }

@@ -201,6 +201,7 @@ class FusedMoeWithLora {
     Tensor sorted_ids;      // int32 [L, align_padded]
     Tensor expert_ids;      // int32 [L, align_blocks]
     Tensor num_post_pad;    // int32 [L]
+    Tensor lora_mid;        // f32: fused_moe_lora's rank-r intermediate
     Tensor block_expert;    // int32 [expert blocks]: device routing (moe_expert_blocks)
     Tensor block_pairs;     // int32 [expert blocks * 16]
     int64_t align_padded = 0;

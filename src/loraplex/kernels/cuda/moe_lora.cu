@@ -1,8 +1,11 @@
 // Fused MoE LoRA on CUDA: the per-slot expert alignment (moe_lora_align_block_size) and the
-// shrink + expand of the routed pairs. Small batches visit pairs directly (naive blocks, one
-// CTA per pair); large batches visit the aligned blocks, one CTA per (slot, block) so that a
-// block's rows share the slot/expert weights through L1/L2. In both, the rank-r intermediate
-// of the CTA's rows stays in shared memory.
+// shrink + expand of the routed pairs. A work item is one routed pair (naive blocks, small
+// batches) or one aligned block (one slot, one expert, up to block_size pairs). Two kernels
+// split each item across many thread blocks, because one thread block per item (the rank-r
+// intermediate kept in its shared memory) left a decode step's 40-odd items on a third of the
+// SMs, each streaming its slot's expert weights alone: the shrink over (item, slice, 8 ranks),
+// the expand over (item, 256 output columns), the intermediate between them in lora_mid.
+// Both read the weights in 16-byte accesses when the rows allow it.
 
 #include "loraplex/kernels/cuda/block_bucket.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -74,7 +77,14 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(AlignParams p,
   bucket_scatter(n, ne, nw, wc, bucket, [&](int i, int e, int pos) { sorted[base[e] + pos] = i; });
 }
 
-constexpr int kMoeThreads = 256;
+constexpr int kMoeWarps = 8;
+constexpr int kMoeThreads = 32 * kMoeWarps;
+// Rows of one work item are processed this many at a time (the accumulators of a thread).
+constexpr int kRowChunk = 4;
+// LoRA-A rows one shrink thread block reads: its x rows are loaded once for all of them.
+constexpr int kShrinkRanks = 8;
+// An aligned block has at most this many rows (the layer's blocks hold 16).
+constexpr int kMaxItemRows = 64;
 
 struct MoeParams {
   const void* x;
@@ -86,6 +96,7 @@ struct MoeParams {
   int64_t n;
   int max_loras;
   int max_rank;
+  int rank_groups;  // ceil(max_rank / kShrinkRanks)
   int num_experts;
   int top_k;
   int64_t num_pairs;
@@ -102,79 +113,186 @@ struct MoeParams {
   const int32_t* sorted_ids;
   const int32_t* expert_ids;
   const int32_t* num_tokens_post_pad;
+  float* mid;  // [num_pairs, num_slices, max_rank]
   void* out;
   int64_t out_row_width;
   int64_t offset;
   bool add_inputs;
 };
 
-template <typename T>
-__global__ void __launch_bounds__(kMoeThreads) fused_moe_lora_kernel(MoeParams p) {
-  extern __shared__ float smem_f[];
-  const int rows_max = p.naive ? 1 : p.block_size;
-  float* v = smem_f;  // [rows_max][num_slices][max_rank]
-  int* pairs = reinterpret_cast<int*>(v + rows_max * p.num_slices * p.max_rank);  // [rows_max]
-  const int64_t item = blockIdx.x;
-  int32_t slot;
-  int32_t expert;
+// V consecutive elements: one 16-byte access when V * sizeof(T) is 16, else V scalar loads.
+template <typename T, int V>
+struct alignas(V * sizeof(T) == 16 ? 16 : alignof(T)) Pack {
+  T e[V];
+};
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
+  Pack<T, V> r;
+  if constexpr (V * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) r.e[i] = p[i];
+  }
+  return r;
+}
+
+// The routed pairs of one work item (a pair when naive, else one aligned block: one slot, one
+// expert), compacted into `pairs`; 0 when the item has nothing to do. The early returns depend
+// on the item only, so the whole thread block takes them together before the barrier.
+__device__ int item_rows(const MoeParams& p, int64_t item, int* pairs, int& slot, int& expert) {
+  __shared__ int count;
+  int64_t block = 0;
   if (p.naive) {
     slot = p.mapping[item / p.top_k];
     expert = p.topk_ids[item];
   } else {
     slot = static_cast<int32_t>(item / p.max_num_m_blocks);
-    const int64_t block = item % p.max_num_m_blocks;
-    if (block * p.block_size >= p.num_tokens_post_pad[slot]) return;
+    block = item % p.max_num_m_blocks;
+    if (block * p.block_size >= p.num_tokens_post_pad[slot]) return 0;
     expert = p.expert_ids[item];
   }
-  if (!valid_slot(slot, p.max_loras)) return;
-  if (p.adapter_enabled != nullptr && p.adapter_enabled[slot] == 0) return;
-  if (expert < 0 || expert >= p.num_experts) return;
-  for (int i = static_cast<int>(threadIdx.x); i < rows_max; i += blockDim.x) {
-    int32_t pair = static_cast<int32_t>(item);
-    if (!p.naive) {
-      pair = p.sorted_ids[slot * p.max_num_tokens_padded +
-                          (item % p.max_num_m_blocks) * p.block_size + i];
+  if (!valid_slot(slot, p.max_loras)) return 0;
+  if (p.adapter_enabled != nullptr && p.adapter_enabled[slot] == 0) return 0;
+  if (expert < 0 || expert >= p.num_experts) return 0;
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    const int32_t* ids =
+        p.naive ? nullptr : p.sorted_ids + slot * p.max_num_tokens_padded + block * p.block_size;
+    const int width = p.naive ? 1 : p.block_size;
+    int n = 0;
+    for (int base = 0; base < width; base += 32) {
+      const int i = base + lane;
+      const int64_t id = i >= width ? -1 : p.naive ? item : ids[i];
+      const bool ok = id >= 0 && id < p.num_pairs;
+      const unsigned mask = __ballot_sync(kFullMask, ok);
+      if (ok) pairs[n + __popc(mask & ((1u << lane) - 1u))] = static_cast<int>(id);
+      n += __popc(mask);
     }
-    pairs[i] = pair >= 0 && pair < p.num_pairs ? pair : -1;
+    if (lane == 0) count = n;
   }
   __syncthreads();
-  const int64_t slot_expert = static_cast<int64_t>(slot) * p.num_experts + expert;
-  const int S = p.num_slices;
-  const int MR = p.max_rank;
+  return count;
+}
+
+// Shrink: mid[pair, s, r] = x_row . A_s[slot, expert, r, :] for kShrinkRanks ranks of one
+// slice (blockIdx.y) and the item's rows (blockIdx.x). The 256 threads split K; each reads its
+// x elements once for all ranks, the partial sums meet in shared memory.
+template <typename T, int V>
+__global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams p) {
+  __shared__ int pairs[kMaxItemRows];
+  __shared__ float partial[kMoeWarps][kRowChunk * kShrinkRanks];
+  int slot = 0;
+  int expert = 0;
+  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
+  if (rows == 0) return;
+  const int s = static_cast<int>(blockIdx.y) / p.rank_groups;
+  const int r0 = static_cast<int>(blockIdx.y) % p.rank_groups * kShrinkRanks;
+  const int rank = p.ranks[s * p.max_loras + slot];
+  if (r0 >= rank) return;
+  const int nr = min(kShrinkRanks, rank - r0);
+  const int64_t K = p.k_dim;
+  const T* a = static_cast<const T*>(p.a[s]) +
+               ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.max_rank + r0) * K;
+  const T* x = static_cast<const T*>(p.x);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  // Shrink: one warp per (row, slice, rank) dot product over K.
-  for (int idx = warp; idx < rows_max * S * MR; idx += kMoeThreads / 32) {
-    const int row = idx / (S * MR);
-    const int s = (idx / MR) % S;
-    const int r = idx % MR;
-    const int pair = pairs[row];
-    if (pair < 0 || r >= p.ranks[s * p.max_loras + slot]) continue;
-    const T* x =
-        static_cast<const T*>(p.x) + (p.x_rows_are_pairs ? pair : pair / p.top_k) * p.k_dim;
-    const T* a = static_cast<const T*>(p.a[s]) + (slot_expert * MR + r) * p.k_dim;
-    float acc = 0.0f;
-    for (int64_t k = lane; k < p.k_dim; k += 32) acc += to_float(x[k]) * to_float(a[k]);
-    acc = warp_sum(acc);
-    if (lane == 0) v[idx] = acc;
+  for (int c0 = 0; c0 < rows; c0 += kRowChunk) {
+    const T* xr[kRowChunk];
+#pragma unroll
+    for (int c = 0; c < kRowChunk; ++c) {
+      const int pair = pairs[min(c0 + c, rows - 1)];
+      xr[c] = x + (p.x_rows_are_pairs ? pair : pair / p.top_k) * K;
+    }
+    float acc[kRowChunk][kShrinkRanks] = {};
+    for (int64_t k = static_cast<int64_t>(threadIdx.x) * V; k < K; k += kMoeThreads * V) {
+      Pack<T, V> av[kShrinkRanks];
+#pragma unroll
+      for (int j = 0; j < kShrinkRanks; ++j) {
+        if (j < nr) av[j] = load_pack<T, V>(a + j * K + k);
+      }
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) {
+        if (c0 + c >= rows) break;
+        const Pack<T, V> xv = load_pack<T, V>(xr[c] + k);
+#pragma unroll
+        for (int j = 0; j < kShrinkRanks; ++j) {
+          if (j >= nr) break;
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[c][j] += to_float(xv.e[i]) * to_float(av[j].e[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kRowChunk; ++c) {
+#pragma unroll
+      for (int j = 0; j < kShrinkRanks; ++j) {
+        const float v = warp_sum(acc[c][j]);
+        if (lane == 0) partial[warp][c * kShrinkRanks + j] = v;
+      }
+    }
+    __syncthreads();
+    const int t = static_cast<int>(threadIdx.x);
+    if (t < kRowChunk * kShrinkRanks && c0 + t / kShrinkRanks < rows && t % kShrinkRanks < nr) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kMoeWarps; ++w) sum += partial[w][t];
+      const int64_t pair = pairs[c0 + t / kShrinkRanks];
+      p.mid[(pair * p.num_slices + s) * p.max_rank + r0 + t % kShrinkRanks] = sum;
+    }
+    __syncthreads();
+  }
+}
+
+// Expand: one output column per thread (blockIdx.y picks 256 of the slices' columns), for the
+// item's rows: out[pair, offset + col] (+)= w * sum_r mid[pair, s, r] * B_s[slot, expert, j, r].
+// A warp reads 32 consecutive B rows, contiguous memory.
+template <typename T, int V>
+__global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams p) {
+  extern __shared__ float v[];  // [ceil(rows, kRowChunk)][num_slices][max_rank], zero past rank
+  __shared__ int pairs[kMaxItemRows];
+  int slot = 0;
+  int expert = 0;
+  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
+  if (rows == 0) return;
+  const int S = p.num_slices;
+  const int MR = p.max_rank;
+  const int padded_rows = (rows + kRowChunk - 1) / kRowChunk * kRowChunk;
+  for (int i = static_cast<int>(threadIdx.x); i < padded_rows * S * MR; i += kMoeThreads) {
+    const int row = i / (S * MR);
+    const int sr = i % (S * MR);
+    const bool live = row < rows && sr % MR < p.ranks[sr / MR * p.max_loras + slot];
+    v[i] = live ? p.mid[static_cast<int64_t>(pairs[row]) * S * MR + sr] : 0.0f;
   }
   __syncthreads();
-  // Expand: one thread per output element of the rows.
-  for (int64_t idx = threadIdx.x; idx < rows_max * S * p.n; idx += kMoeThreads) {
-    const int row = static_cast<int>(idx / (S * p.n));
-    const int s = static_cast<int>((idx / p.n) % S);
-    const int64_t j = idx % p.n;
-    const int pair = pairs[row];
-    if (pair < 0) continue;
-    const int rank = p.ranks[s * p.max_loras + slot];
-    const T* b = static_cast<const T*>(p.b[s]) + (slot_expert * p.n + j) * MR;
-    const float* vr = v + (row * S + s) * MR;
-    float acc = 0.0f;
-    for (int r = 0; r < rank; ++r) acc += vr[r] * to_float(b[r]);
-    if (p.mul_routed_weight) acc *= p.topk_weights[pair];
-    T* o = static_cast<T*>(p.out) + pair * p.out_row_width + p.offset + s * p.n + j;
-    if (p.add_inputs) acc += to_float(*o);
-    *o = from_float<T>(acc);
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * kMoeThreads + threadIdx.x;
+  if (col >= S * p.n) return;
+  const int s = static_cast<int>(col / p.n);
+  const int64_t j = col % p.n;
+  const int rank = p.ranks[s * p.max_loras + slot];
+  const T* b = static_cast<const T*>(p.b[s]) +
+               ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.n + j) * MR;
+  for (int c0 = 0; c0 < rows; c0 += kRowChunk) {
+    float acc[kRowChunk] = {};
+    for (int r = 0; r < rank; r += V) {
+      const Pack<T, V> bp = load_pack<T, V>(b + r);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float bv = r + i < rank ? to_float(bp.e[i]) : 0.0f;
+#pragma unroll
+        for (int c = 0; c < kRowChunk; ++c) acc[c] += v[((c0 + c) * S + s) * MR + r + i] * bv;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kRowChunk; ++c) {
+      if (c0 + c >= rows) break;
+      const int64_t pair = pairs[c0 + c];
+      float o = acc[c];
+      if (p.mul_routed_weight) o *= p.topk_weights[pair];
+      T* dst = static_cast<T*>(p.out) + pair * p.out_row_width + p.offset + col;
+      if (p.add_inputs) o += to_float(*dst);
+      *dst = from_float<T>(o);
+    }
   }
 }
 
@@ -240,18 +358,27 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
     LORAPLEX_ENSURE(a.block_size >= 1 && a.max_num_m_blocks >= 1, op, ": block size ", a.block_size,
                     " and ", a.max_num_m_blocks, " blocks, expected >= 1");
   }
+  LORAPLEX_ENSURE(a.naive_blocks || a.block_size <= kMaxItemRows, op, ": block size ",
+                  a.block_size, ", at most ", kMaxItemRows);
+  LORAPLEX_ENSURE(a.lora_mid != nullptr, op,
+                  ": lora_mid is null (the rank-r intermediate, [pairs, slices, max_rank] floats)");
   MoeParams p{};
   p.x = a.x;
   p.x_rows_are_pairs = a.x_rows_are_pairs;
   p.k_dim = a.hidden_in;
   p.num_slices = a.num_slices;
+  bool aligned_a = aligned16(a.x);
+  bool aligned_b = true;
   for (int s = 0; s < a.num_slices; ++s) {
     p.a[s] = a.lora_a[s];
     p.b[s] = a.lora_b[s];
+    aligned_a = aligned_a && aligned16(a.lora_a[s]);
+    aligned_b = aligned_b && aligned16(a.lora_b[s]);
   }
   p.n = a.n;
   p.max_loras = a.max_loras;
   p.max_rank = a.max_rank;
+  p.rank_groups = static_cast<int>(ceil_div(a.max_rank, kShrinkRanks));
   p.num_experts = a.num_experts;
   p.top_k = a.top_k;
   p.num_pairs = a.num_tokens * a.top_k;
@@ -268,31 +395,52 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
   p.sorted_ids = a.sorted_ids;
   p.expert_ids = a.expert_ids;
   p.num_tokens_post_pad = a.num_tokens_post_pad;
+  p.mid = a.lora_mid;
   p.out = a.out;
   p.out_row_width = a.out_row_width;
   p.offset = a.offset;
   p.add_inputs = a.add_inputs;
   const int rows = a.naive_blocks ? 1 : a.block_size;
   const int64_t smem64 =
-      static_cast<int64_t>(rows) * a.num_slices * a.max_rank * 4 + static_cast<int64_t>(rows) * 4;
+      ceil_div(rows, kRowChunk) * kRowChunk * a.num_slices * int64_t{a.max_rank} * 4;
   LORAPLEX_ENSURE(smem64 <= 200 * 1024, op, ": block of ", rows, " rows x ", a.num_slices,
                   " slices x rank ", a.max_rank, " needs ", smem64, " bytes of shared memory");
   const int smem = static_cast<int>(smem64);
-  const int64_t grid = a.naive_blocks ? p.num_pairs : int64_t{a.max_loras} * a.max_num_m_blocks;
-  LORAPLEX_ENSURE(grid < (int64_t{1} << 31), op, ": ", grid, " work items exceed one launch");
+  const int64_t items = a.naive_blocks ? p.num_pairs : int64_t{a.max_loras} * a.max_num_m_blocks;
+  const int64_t column_blocks = ceil_div(a.num_slices * a.n, kMoeThreads);
+  LORAPLEX_ENSURE(items < (int64_t{1} << 31) && column_blocks < 65536, op, ": ", items,
+                  " work items of ", column_blocks, " column blocks exceed one launch");
+  if (items == 0) return Status();
   auto s = static_cast<cudaStream_t>(stream);
+  const dim3 shrink_grid(static_cast<unsigned>(items),
+                         static_cast<unsigned>(a.num_slices * p.rank_groups));
+  const dim3 expand_grid(static_cast<unsigned>(items), static_cast<unsigned>(column_blocks));
   Status status;
   dispatch_device_dtype(a.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    constexpr int kV = 16 / static_cast<int>(sizeof(T));
+    // 16-byte accesses when every row starts on 16 bytes; scalar ones otherwise.
+    if (aligned_a && a.hidden_in % kV == 0) {
+      moe_lora_shrink_kernel<T, kV><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+    } else {
+      moe_lora_shrink_kernel<T, 1><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+    }
+    (void)(status = launch_status("moe_lora_shrink_kernel"));
+    if (!status.ok()) return;
+    const bool vector_b = aligned_b && a.max_rank % kV == 0;
+    const void* expand = vector_b ? reinterpret_cast<const void*>(&moe_lora_expand_kernel<T, kV>)
+                                  : reinterpret_cast<const void*>(&moe_lora_expand_kernel<T, 1>);
     // (void): nvcc flags the discarded Status& of a [[nodiscard]] class's operator=.
-    (void)(status =
-               allow_dynamic_smem(reinterpret_cast<const void*>(&fused_moe_lora_kernel<T>), smem));
-    if (status.ok()) {
-      fused_moe_lora_kernel<T><<<static_cast<unsigned>(grid), kMoeThreads, smem, s>>>(p);
+    (void)(status = allow_dynamic_smem(expand, smem));
+    if (!status.ok()) return;
+    if (vector_b) {
+      moe_lora_expand_kernel<T, kV><<<expand_grid, kMoeThreads, smem, s>>>(p);
+    } else {
+      moe_lora_expand_kernel<T, 1><<<expand_grid, kMoeThreads, smem, s>>>(p);
     }
   });
   LORAPLEX_RETURN_IF_ERROR(status);
-  return launch_status("fused_moe_lora_kernel");
+  return launch_status("moe_lora_expand_kernel");
 }
 
 }  // namespace loraplex::kernels::cuda
