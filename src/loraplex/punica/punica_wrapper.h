@@ -213,6 +213,9 @@ class PunicaWrapper {
   Tensor moe_sorted_ids_;           // int32 [max_loras, padded ids of the largest call]
   Tensor moe_expert_ids_;           // int32 [max_loras, blocks of the largest call]
   Tensor moe_num_tokens_post_pad_;  // int32 [max_loras]
+  // fused_moe_lora's rank-r intermediate (kernels::FusedMoeLoraArgs::lora_mid), grown to the
+  // largest call; the layers carve their own, so this serves the op-level API only.
+  mutable Tensor moe_lora_mid_;
 };
 
 }  // namespace loraplex
