@@ -250,14 +250,14 @@ TEST(CudaMoeLora, AlignmentMatchesCpuExactlyAndFusedOpMatchesCpu) {
   Stream stream = Stream::create(test::gpu());
   Stream cpu;
   const std::vector<MoeCase> cases = {
-      {DType::kBF16, 5, 2, 32, 4, 16, 256, 128, 2, false, 16, true},  // naive (small batch)
-      {DType::kBF16, 70, 2, 8, 4, 16, 256, 128, 2, false, 16, true},  // aligned, w13
-      {DType::kF16, 90, 4, 16, 3, 8, 128, 96, 1, true, 32, true},     // aligned, w2
-      {DType::kF32, 33, 3, 6, 2, 12, 40, 24, 2, false, 16, false},    // aligned, overwrite
-      {DType::kBF16, 2, 1, 64, 8, 16, 64, 32, 1, true, 16, true},     // naive, w2
-      {DType::kBF16, 300, 2, 300, 3, 8, 32, 16, 1, false, 16, true},  // many experts
-      {DType::kBF16, 9, 2, 4, 3, 6, 50, 30, 2, false, 16, true},      // rows of odd width
-      {DType::kBF16, 400, 2, 8, 8, 16, 512, 700, 2, false, 16, true}, // prefill-sized blocks
+      {DType::kBF16, 5, 2, 32, 4, 16, 256, 128, 2, false, 16, true},   // naive (small batch)
+      {DType::kBF16, 70, 2, 8, 4, 16, 256, 128, 2, false, 16, true},   // aligned, w13
+      {DType::kF16, 90, 4, 16, 3, 8, 128, 96, 1, true, 32, true},      // aligned, w2
+      {DType::kF32, 33, 3, 6, 2, 12, 40, 24, 2, false, 16, false},     // aligned, overwrite
+      {DType::kBF16, 2, 1, 64, 8, 16, 64, 32, 1, true, 16, true},      // naive, w2
+      {DType::kBF16, 300, 2, 300, 3, 8, 32, 16, 1, false, 16, true},   // many experts
+      {DType::kBF16, 9, 2, 4, 3, 6, 50, 30, 2, false, 16, true},       // rows of odd width
+      {DType::kBF16, 400, 2, 8, 8, 16, 512, 700, 2, false, 16, true},  // prefill-sized blocks
   };
   for (const MoeCase& c : cases) {
     const int64_t pairs = static_cast<int64_t>(c.tokens) * c.top_k;
@@ -354,8 +354,8 @@ TEST(CudaMoeLora, AlignmentMatchesCpuExactlyAndFusedOpMatchesCpu) {
       f.sorted_ids = sorted_d.data<int32_t>();
       f.expert_ids = experts_d.data<int32_t>();
       f.num_tokens_post_pad = post_d.data<int32_t>();
-      Tensor mid = Tensor::empty(
-          {kernels::fused_moe_lora_mid_floats(pairs, c.slices, c.max_rank)}, DType::kF32, device);
+      Tensor mid = Tensor::empty({kernels::fused_moe_lora_mid_floats(pairs, c.slices, c.max_rank)},
+                                 DType::kF32, device);
       f.lora_mid = mid.data<float>();
       f.out = o.data_ptr();
       f.out_row_width = width;

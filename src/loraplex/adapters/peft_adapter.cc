@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string_view>
+#include <type_traits>
 
 #include "loraplex/adapters/safetensors.h"
 #include "loraplex/core/allocator.h"
@@ -89,10 +90,24 @@ int64_t first_non_finite(const Tensor& t) {
     using T = typename decltype(tag)::type;
     const T* p = t.data<const T>();
     const int64_t n = t.numel();
-    for (int64_t i = 0; i < n; ++i) {
-      if (!std::isfinite(load_float(p[i]))) {
-        bad = i;
-        return;
+    // Blocks without an early exit (vectorised), then the exact index inside a bad block.
+    constexpr int64_t kBlock = 4096;
+    for (int64_t lo = 0; lo < n; lo += kBlock) {
+      const int64_t hi = std::min(n, lo + kBlock);
+      bool finite = true;
+      if constexpr (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>) {
+        // An all-ones exponent is inf or NaN: a test on the bits, without converting.
+        constexpr uint16_t kExp = std::is_same_v<T, BFloat16> ? 0x7f80u : 0x7c00u;
+        for (int64_t i = lo; i < hi; ++i) finite &= (p[i].bits & kExp) != kExp;
+      } else {
+        for (int64_t i = lo; i < hi; ++i) finite &= std::isfinite(load_float(p[i]));
+      }
+      if (finite) continue;
+      for (int64_t i = lo; i < hi; ++i) {
+        if (!std::isfinite(load_float(p[i]))) {
+          bad = i;
+          return;
+        }
       }
     }
   });
@@ -109,30 +124,55 @@ std::string index_str(const Shape& shape, int64_t flat) {
   return shape_str(idx);
 }
 
-Tensor host_empty(const Shape& shape, const AdapterLoadOptions& options) {
-  if (options.pinned)
-    return Tensor::empty_with(shape, options.dtype, Device::cpu(), pinned_host_allocator());
-  return Tensor::empty(shape, options.dtype);
-}
+// Host tensors in the packing dtype, pinned when options.pinned. Pinned ones are carved from
+// chunks of kPinnedChunkBytes: one pinned allocation per tensor (about 0.4 ms each) took 30 s
+// for the 73,728 expert tensors of a Qwen3-30B-A3B adapter.
+class HostPacker {
+ public:
+  explicit HostPacker(const AdapterLoadOptions& options) : options_(options) {}
 
-// A copy of `a` (any layout) in the packing dtype.
-Tensor pack_a(const Tensor& a, const AdapterLoadOptions& options) {
-  Tensor out = host_empty(a.shape(), options);
-  out.copy_from(a);
-  return out;
-}
+  Tensor empty(const Shape& shape) {
+    if (!options_.pinned) return Tensor::empty(shape, options_.dtype);
+    const int64_t bytes = shape_numel(shape) * static_cast<int64_t>(dtype_size(options_.dtype));
+    if (bytes > kPinnedChunkBytes / 4) {
+      return Tensor::empty_with(shape, options_.dtype, Device::cpu(), pinned_host_allocator());
+    }
+    if (!chunk_.defined() || used_ + bytes > kPinnedChunkBytes) {
+      chunk_ = Tensor::empty_with({kPinnedChunkBytes}, DType::kU8, Device::cpu(),
+                                  pinned_host_allocator());
+      used_ = 0;
+    }
+    void* at = static_cast<char*>(chunk_.data_ptr()) + used_;
+    used_ += (bytes + kAlign - 1) / kAlign * kAlign;
+    return Tensor::from_blob(at, shape, options_.dtype, Device::cpu(), chunk_.storage(), true);
+  }
 
-// scale * b (any layout), computed in float32 and rounded to the packing dtype once.
-Tensor pack_b(const Tensor& b, double scale, const AdapterLoadOptions& options) {
-  Tensor f = Tensor::empty(b.shape(), DType::kF32);
-  f.copy_from(b);
-  float* p = f.data<float>();
-  const int64_t n = f.numel();
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<double>(p[i]) * scale);
-  Tensor out = host_empty(b.shape(), options);
-  out.copy_from(f);
-  return out;
-}
+  // A copy of `a` (any layout) in the packing dtype.
+  Tensor pack_a(const Tensor& a) {
+    Tensor out = empty(a.shape());
+    out.copy_from(a);
+    return out;
+  }
+
+  // scale * b (any layout), computed in float32 and rounded to the packing dtype once.
+  Tensor pack_b(const Tensor& b, double scale) {
+    Tensor f = Tensor::empty(b.shape(), DType::kF32);
+    f.copy_from(b);
+    float* p = f.data<float>();
+    const int64_t n = f.numel();
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<double>(p[i]) * scale);
+    Tensor out = empty(b.shape());
+    out.copy_from(f);
+    return out;
+  }
+
+ private:
+  static constexpr int64_t kPinnedChunkBytes = int64_t{64} << 20;
+  static constexpr int64_t kAlign = 256;  // each tensor starts where a 16-byte copy may read it
+  const AdapterLoadOptions& options_;
+  Tensor chunk_;
+  int64_t used_ = 0;
+};
 
 // What one (module, nesting depth) of the file holds.
 struct FilePair {
@@ -224,6 +264,7 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
   }
   const SafetensorsFile& file = *file_holder;
 
+  HostPacker packer(options);
   std::map<std::pair<std::string, int>, FilePair> pairs;
   std::vector<std::pair<std::string, std::string>> base_copies;  // (module, tensor)
   for (const std::string& tensor : file.names()) {
@@ -365,8 +406,8 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
 
     LoraSliceWeights slice;
     if (target->kind != TargetKind::kExperts3d) {
-      slice.a = pack_a(a, options);
-      slice.b = pack_b(b, scale, options);
+      slice.a = packer.pack_a(a);
+      slice.b = packer.pack_b(b, scale);
     } else {
       // PEFT's 3-D layout: A [E * r, .] with expert-major rows, B [., r * E] with rank-major
       // columns (ParamWrapper reshapes A to [E, r, .] and B to [., r, E]). Repacked per
@@ -375,11 +416,11 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
       const int64_t e = experts;
       const int64_t r = rank;
       if (!swapped_roles) {
-        slice.a = pack_a(a.view({e, r, a_cols}), options);
-        slice.b = pack_b(b.view({b_rows, r, e}).permute({2, 0, 1}), scale, options);
+        slice.a = packer.pack_a(a.view({e, r, a_cols}));
+        slice.b = packer.pack_b(b.view({b_rows, r, e}).permute({2, 0, 1}), scale);
       } else {
-        slice.a = pack_a(b.view({b_rows, r, e}).permute({2, 1, 0}), options);
-        slice.b = pack_b(a.view({e, r, a_cols}).permute({0, 2, 1}), scale, options);
+        slice.a = packer.pack_a(b.view({b_rows, r, e}).permute({2, 1, 0}));
+        slice.b = packer.pack_b(a.view({e, r, a_cols}).permute({0, 2, 1}), scale);
       }
     }
     const int64_t bad = first_non_finite(slice.b);

@@ -114,17 +114,6 @@ float f16_bits_to_float(uint16_t bits) {
   return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-uint16_t float_to_bf16_bits(float value) {
-  const uint32_t x = std::bit_cast<uint32_t>(value);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-  const uint32_t bias = 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<uint16_t>((x + bias) >> 16);
-}
-
-float bf16_bits_to_float(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
-
 uint8_t float_to_e4m3_bits(float value) { return float_to_fp8_satfinite<3, 7>(value, 0x7eu); }
 float e4m3_bits_to_float(uint8_t bits) { return kE4M3Table[bits]; }
 uint8_t float_to_e5m2_bits(float value) { return float_to_fp8_satfinite<2, 15>(value, 0x7bu); }

@@ -3,6 +3,7 @@
 // The 16- and 8-bit types are plain bit containers on the host so that CPU code, the
 // safetensors reader and CUDA kernels all agree on the memory layout.
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iosfwd>
@@ -29,8 +30,16 @@ std::ostream& operator<<(std::ostream& os, DType dtype);
 // __NV_SATFINITE does. NaN maps to the canonical NaN of the target.
 uint16_t float_to_f16_bits(float value);
 float f16_bits_to_float(uint16_t bits);
-uint16_t float_to_bf16_bits(float value);
-float bf16_bits_to_float(uint16_t bits);
+// Inline: adapters and random weights convert billions of elements through these.
+inline uint16_t float_to_bf16_bits(float value) {
+  const uint32_t x = std::bit_cast<uint32_t>(value);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  const uint32_t bias = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>((x + bias) >> 16);
+}
+inline float bf16_bits_to_float(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
 /// OCP E4M3FN: bias 7, max 448, no infinities, NaN = S.1111.111.
 uint8_t float_to_e4m3_bits(float value);
 float e4m3_bits_to_float(uint8_t bits);

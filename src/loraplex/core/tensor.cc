@@ -124,6 +124,21 @@ void copy_cpu_strided(const Tensor& dst, const Tensor& src) {
   }
   const DType dd = dst.dtype();
   const DType sd = src.dtype();
+  // Contiguous float conversions in typed loops (adapter packing converts every weight).
+  if (dst.is_contiguous() && src.is_contiguous()) {
+    const int64_t n = dst.numel();
+    bool done = false;
+    dispatch_activation_dtype(dd, [&](auto dtag) {
+      using D = typename decltype(dtag)::type;
+      done = dispatch_activation_dtype(sd, [&](auto stag) {
+        using S = typename decltype(stag)::type;
+        D* out = reinterpret_cast<D*>(d);
+        const S* in = reinterpret_cast<const S*>(s);
+        for (int64_t i = 0; i < n; ++i) out[i] = store_float<D>(load_float(in[i]));
+      });
+    });
+    if (done) return;
+  }
   for_each_offset(dst.shape(), dst.strides(), src.strides(), [&](int64_t di, int64_t si) {
     void* dp = d + di * static_cast<int64_t>(de);
     const void* sp = s + si * static_cast<int64_t>(se);
@@ -215,11 +230,11 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device, const Strea
 }
 
 Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device device,
-                         std::shared_ptr<void> keep_alive) {
+                         std::shared_ptr<void> keep_alive, bool page_locked) {
   const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(data, bytes, device,
-                                         [keep_alive](void*) mutable { keep_alive.reset(); });
+  t.storage_ = std::make_shared<Storage>(
+      data, bytes, device, [keep_alive](void*) mutable { keep_alive.reset(); }, page_locked);
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
   t.dtype_ = dtype;

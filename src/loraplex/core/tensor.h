@@ -65,8 +65,9 @@ class Tensor {
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu(),
                       const Stream& stream = Stream());
   /// Borrows `data` (contiguous); `keep_alive` is held as long as any view exists.
+  /// `page_locked`: host memory inside a pinned allocation (is_pinned() answers it).
   static Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
-                          std::shared_ptr<void> keep_alive = nullptr);
+                          std::shared_ptr<void> keep_alive = nullptr, bool page_locked = false);
   /// A CPU tensor holding a copy of `values`.
   template <typename T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape);

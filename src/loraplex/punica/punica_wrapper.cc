@@ -684,7 +684,8 @@ void PunicaWrapper::add_lora_fused_moe(Tensor& y, const Tensor& x, std::span<con
   a.offset = options.offset;
   a.add_inputs = options.add_inputs;
   if (token_meta_.no_lora()) return;
-  const int64_t mid = kernels::fused_moe_lora_mid_floats(num_tokens * top_k, num_slices, a.max_rank);
+  const int64_t mid =
+      kernels::fused_moe_lora_mid_floats(num_tokens * top_k, num_slices, a.max_rank);
   if (!moe_lora_mid_.defined() || moe_lora_mid_.numel() < mid) {
     moe_lora_mid_ = Tensor::empty({std::max<int64_t>(mid, 1)}, DType::kF32, device_);
   }

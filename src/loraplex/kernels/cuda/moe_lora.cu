@@ -358,8 +358,8 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
     LORAPLEX_ENSURE(a.block_size >= 1 && a.max_num_m_blocks >= 1, op, ": block size ", a.block_size,
                     " and ", a.max_num_m_blocks, " blocks, expected >= 1");
   }
-  LORAPLEX_ENSURE(a.naive_blocks || a.block_size <= kMaxItemRows, op, ": block size ",
-                  a.block_size, ", at most ", kMaxItemRows);
+  LORAPLEX_ENSURE(a.naive_blocks || a.block_size <= kMaxItemRows, op, ": block size ", a.block_size,
+                  ", at most ", kMaxItemRows);
   LORAPLEX_ENSURE(a.lora_mid != nullptr, op,
                   ": lora_mid is null (the rank-r intermediate, [pairs, slices, max_rank] floats)");
   MoeParams p{};
