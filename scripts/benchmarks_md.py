@@ -181,8 +181,9 @@ def e2e_table(doc, source, hf=None, explain=True):
     if doc.get("note"):
         text += " " + doc["note"] + "."
     hf_cfg = hf.get("configs", {}) if hf else {}
-    hf_fits = hf and w.get("requests") == 32 and w.get("prompt_len") == 128 and \
-        w.get("gen_len") == 64 and tp in (None, 1)
+    # The anchor runs Llama-3-8B shapes only.
+    hf_fits = hf and doc.get("shape") == "llama3-8b" and w.get("requests") == 32 and \
+        w.get("prompt_len") == 128 and w.get("gen_len") == 64 and tp in (None, 1)
     if hf_fits:
         text += (f" HF transformers {hf['versions'].get('transformers', '?')} + PEFT "
                  f"{hf['versions'].get('peft', '?')} on the same GPU type ({hf.get('device', '?')}), "
