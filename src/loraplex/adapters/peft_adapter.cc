@@ -125,8 +125,8 @@ std::string index_str(const Shape& shape, int64_t flat) {
 }
 
 // Host tensors in the packing dtype, pinned when options.pinned. Pinned ones are carved from
-// chunks of kPinnedChunkBytes: one pinned allocation per tensor (about 0.4 ms each) took 30 s
-// for the 73,728 expert tensors of a Qwen3-30B-A3B adapter.
+// chunks of kPinnedChunkBytes: each pinned allocation is a slow driver call, and a 128-expert
+// adapter holds tens of thousands of tensors.
 class HostPacker {
  public:
   explicit HostPacker(const AdapterLoadOptions& options) : options_(options) {}

@@ -355,8 +355,8 @@ void FusedMoeWithLora::write_lora(int slot, const MoeLoraWeights& weights, const
       expand13[p] = c * tp_;
     }
     // Stage the slot's full stacks on the host (zero-padded per expert), then one upload per
-    // stack: a copy per expert waits for the stream each time (pageable sources), which took
-    // 35 s for one rank-16 adapter on Qwen3-30B-A3B's 48 x 128 experts.
+    // stack: a copy per expert from pageable memory waits for the stream each time, and a
+    // 128-expert model has tens of thousands of them per adapter.
     Tensor a_host = Tensor::zeros(a_slot.shape(), dt);
     Tensor b_host = Tensor::zeros(b_slot.shape(), dt);
     for (int e = 0; e < E; ++e) {
