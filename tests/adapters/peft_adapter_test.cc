@@ -305,6 +305,14 @@ TEST_F(BrokenAdapter, NanOrInfInWeights) {
   b.narrow(0, 63, 1).narrow(1, 3, 1).fill_(-std::numeric_limits<double>::infinity());
   replace(t, kAttn + "v_proj.lora_B.weight", b);
   expect_refused(config(), t, {kAttn + "v_proj.lora_B.weight", "inf", "[63, 3]"});
+  // Past the first 4096 elements (the check scans blocks of them), in float16.
+  t = good_tensors();
+  Tensor big = rnd({40, 128}, DType::kF16);
+  big.narrow(0, 39, 1).narrow(1, 100, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+  replace(t, kAttn + "q_proj.lora_A.weight", big);
+  replace(t, kAttn + "q_proj.lora_B.weight", rnd({128, 40}, DType::kF16));
+  expect_refused(config(R"("rank_pattern": {"q_proj": 40})"), t,
+                 {kAttn + "q_proj.lora_A.weight", "nan", "[39, 100]"}, 64);
 }
 
 TEST_F(BrokenAdapter, OverflowOnceScaled) {

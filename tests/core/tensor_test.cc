@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "loraplex/core/device.h"
@@ -83,6 +85,42 @@ TEST(Tensor, DTypeConversionIsCorrectlyRounded) {
   EXPECT_EQ(back.item({0}), 1.0);
   Tensor i = Tensor::from_vector<int32_t>({-3, 7}, {2}).to(DType::kI64);
   EXPECT_EQ(i.item({0}), -3.0);
+}
+
+// Contiguous float conversions run typed loops, strided ones convert element by element: the
+// two give the same bits, specials and rounding ties included.
+TEST(Tensor, ContiguousAndStridedConversionsAgree) {
+  const std::vector<float> values = {0.0f,
+                                     -0.0f,
+                                     1.0f,
+                                     -2.5f,
+                                     1.0f / 3.0f,
+                                     65504.0f,
+                                     65520.0f,
+                                     1e-8f,
+                                     3.0e38f,
+                                     1.00390625f,
+                                     std::numeric_limits<float>::infinity(),
+                                     -std::numeric_limits<float>::infinity(),
+                                     std::numeric_limits<float>::quiet_NaN(),
+                                     2049.0f};
+  const int64_t n = static_cast<int64_t>(values.size());
+  std::vector<float> wide;
+  for (float v : values) wide.insert(wide.end(), {v, 7.0f});
+  for (DType sd : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const Tensor pairs = Tensor::from_vector<float>(wide, {n, 2}).to(sd);
+    const Tensor strided = pairs.select(1, 0);  // every other element
+    const Tensor contiguous = strided.contiguous();
+    ASSERT_FALSE(strided.is_contiguous());
+    for (DType dd : {DType::kF32, DType::kF16, DType::kBF16}) {
+      Tensor a = Tensor::empty({n}, dd);
+      Tensor b = Tensor::empty({n}, dd);
+      a.copy_from(contiguous);
+      b.copy_from(strided);
+      EXPECT_EQ(std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()), 0)
+          << dtype_name(sd) << " -> " << dtype_name(dd);
+    }
+  }
 }
 
 TEST(Tensor, StridedCopyConvertsDType) {
