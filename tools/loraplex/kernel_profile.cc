@@ -98,9 +98,9 @@ std::string kernel_component(const std::string& n) {
   }
   // Our own kernels: the decoder's and the layers' elementwise and gather kernels by name,
   // the rest of kernels/ is the LoRA layer ("loraplex" itself contains "lora").
-  for (const char* op : {"add_rms_norm", "rope_kv_write", "silu_mul", "embedding_kernel",
-                         "fill_uniform", "shard_ids", "topk_softmax", "sum_topk",
-                         "moe_expert_blocks"}) {
+  for (const char* op :
+       {"add_rms_norm", "rope_kv_write", "silu_mul", "embedding_kernel", "fill_uniform",
+        "shard_ids", "topk_softmax", "sum_topk", "moe_expert_blocks"}) {
     if (has(op)) return "norm_rope_act";
   }
   if (has("moe_expert_gemm")) return "base_gemm";  // the MoE experts' base weights
