@@ -1,5 +1,5 @@
-// FP8 expand and quantisation, embedding LoRA and fused MoE LoRA: GPU against the CPU
-// reference on the same random inputs.
+// FP8 expand and quantisation, embedding LoRA, MoE routing and fused MoE LoRA: GPU against the
+// CPU reference on the same random inputs.
 
 #include <gtest/gtest.h>
 
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "loraplex/kernels/dispatch/base_ops.h"
 #include "loraplex/punica/lora_dispatch.h"
 #include "loraplex/punica/punica_wrapper.h"
 
@@ -243,6 +244,54 @@ struct MoeCase {
   int block_size;
   bool add_inputs;
 };
+
+// Routing at Mixtral's and Qwen3-MoE's widths (8 and 128 experts, more than a warp's lanes),
+// with tied logits (integers / 4, so many rows hold equal probabilities): the same experts in
+// the same order as the CPU, ties to the lower id, and the same weights.
+TEST(CudaTopkSoftmax, SameExpertsAndWeightsAsCpuWithTies) {
+  LORAPLEX_REQUIRE_GPU();
+  std::mt19937_64 rng(515);
+  Stream stream = Stream::create(test::gpu());
+  const Stream cpu = Stream::default_for(Device::cpu());
+  struct Case {
+    int experts;
+    int top_k;
+    bool renormalize;
+    DType dtype;
+  };
+  for (const Case& c : {Case{8, 2, true, DType::kBF16}, Case{128, 8, false, DType::kBF16},
+                        Case{128, 8, true, DType::kF32}, Case{60, 4, true, DType::kF16},
+                        Case{128, 1, false, DType::kF32}}) {
+    const int64_t tokens = 37;
+    std::uniform_int_distribution<int> level(-12, 12);
+    std::vector<float> values(static_cast<size_t>(tokens * c.experts));
+    for (float& v : values) v = static_cast<float>(level(rng)) / 4.0f;
+    const Tensor logits = Tensor::from_vector(values, {tokens, c.experts}).to(c.dtype);
+    Tensor ids[2];
+    Tensor weights[2];
+    for (int dev = 0; dev < 2; ++dev) {
+      const Stream& s = dev == 0 ? stream : cpu;
+      const Tensor in = logits.to(device_of(dev), s);
+      ids[dev] = Tensor::empty({tokens, c.top_k}, DType::kI32, device_of(dev));
+      weights[dev] = Tensor::empty({tokens, c.top_k}, DType::kF32, device_of(dev));
+      kernels::TopkSoftmaxArgs a;
+      a.dtype = c.dtype;
+      a.logits = in.data_ptr();
+      a.logits_stride = c.experts;
+      a.num_tokens = tokens;
+      a.num_experts = c.experts;
+      a.top_k = c.top_k;
+      a.renormalize = c.renormalize;
+      a.ids = ids[dev].data<int32_t>();
+      a.weights = weights[dev].data<float>();
+      throw_if_error(kernels::dispatch_topk_softmax(a, s));
+    }
+    const std::string what = std::to_string(c.experts) + " experts, top " +
+                             std::to_string(c.top_k) + ", " + std::string(dtype_name(c.dtype));
+    test::expect_identical(ids[0], ids[1], stream, what + ": ids");
+    test::expect_matches(weights[0], weights[1], stream, 1e-5, 1e-7, what + ": weights");
+  }
+}
 
 TEST(CudaMoeLora, AlignmentMatchesCpuExactlyAndFusedOpMatchesCpu) {
   LORAPLEX_REQUIRE_GPU();

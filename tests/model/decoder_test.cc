@@ -10,6 +10,7 @@
 #include <random>
 
 #include "loraplex/adapters/adapter_manager.h"
+#include "loraplex/adapters/peft_adapter.h"
 #include "loraplex/core/device.h"
 #include "loraplex/core/error.h"
 #include "loraplex/model/decoder.h"
@@ -442,6 +443,35 @@ TEST(RandomDecoderCuda, MoeGraphStepsEqualEagerStepsAndTheCpu) {
       EXPECT_EQ(g, generate(*make(Device::cpu(), dt, true, true), seqs, 0, 8));
     }
   }
+}
+
+// The MoE layer stages its expert weights on the host before uploading them, so the loader
+// leaves exactly those in pageable memory (pinning is a slow driver call: a 128-expert adapter
+// is mostly expert weights) and pins the rest, which is uploaded straight from the packing.
+TEST(RandomDecoderCuda, PackedExpertWeightsArePageableAndTheRestPinned) {
+  LORAPLEX_REQUIRE_GPU();
+  auto d = make(Device::cuda(0), DType::kBF16, false, true);
+  const ModelConfig c = tiny_moe_config();
+  const std::string dir = ::testing::TempDir() + "/loraplex_moe_pinning_adapter";
+  write_random_peft_adapter(dir, c, 8, all_linear_targets(c), 3);
+  AdapterLoadOptions o;
+  o.max_lora_rank = 8;
+  o.dtype = DType::kBF16;
+  o.pinned = true;
+  const PackedAdapter packed = load_peft_adapter("a", dir, d->targets(), o);
+  int staged = 0;
+  int pinned = 0;
+  for (const LoraTarget& t : d->targets().targets()) {
+    EXPECT_EQ(t.staged_on_host, t.module.find(".experts") != std::string::npos) << t.module;
+    const auto& layer = packed.layers[d->targets().layer_index(t)];
+    if (layer.empty() || !layer[static_cast<size_t>(t.slice)].a.defined()) continue;
+    const LoraSliceWeights& w = layer[static_cast<size_t>(t.slice)];
+    EXPECT_EQ(w.a.is_pinned(), !t.staged_on_host) << t.module;
+    EXPECT_EQ(w.b.is_pinned(), !t.staged_on_host) << t.module;
+    ++(t.staged_on_host ? staged : pinned);
+  }
+  EXPECT_EQ(staged, 3 * c.num_experts * c.num_layers);
+  EXPECT_EQ(pinned, 4 * c.num_layers);
 }
 
 // Decode graphs fed from the step before (captured on their first, pipelined use, whose eager

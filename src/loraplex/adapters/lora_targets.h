@@ -131,6 +131,12 @@ struct LoraTarget {
   std::string parameter;
   int64_t num_experts = 0;
   bool parameter_out_in = false;
+
+  /// The layer copies these weights into a host staging buffer of its own before the upload
+  /// (the MoE layer does, one buffer per expert stack), so the adapter loader keeps them in
+  /// pageable memory: pinning host memory is a slow driver call, and pinned sources only pay
+  /// off for weights that are copied to the device directly.
+  bool staged_on_host = false;
 };
 
 /// Every target of one model. Built once by the model before adapters load; read-only after.

@@ -124,15 +124,16 @@ std::string index_str(const Shape& shape, int64_t flat) {
   return shape_str(idx);
 }
 
-// Host tensors in the packing dtype, pinned when options.pinned. Pinned ones are carved from
+// Host tensors in the packing dtype, pinned when options.pinned and the caller asks. Pinned ones
+// are carved from
 // chunks of kPinnedChunkBytes: each pinned allocation is a slow driver call, and a 128-expert
 // adapter holds tens of thousands of tensors.
 class HostPacker {
  public:
   explicit HostPacker(const AdapterLoadOptions& options) : options_(options) {}
 
-  Tensor empty(const Shape& shape) {
-    if (!options_.pinned) return Tensor::empty(shape, options_.dtype);
+  Tensor empty(const Shape& shape, bool pinned) {
+    if (!options_.pinned || !pinned) return Tensor::empty(shape, options_.dtype);
     const int64_t bytes = shape_numel(shape) * static_cast<int64_t>(dtype_size(options_.dtype));
     if (bytes > kPinnedChunkBytes / 4) {
       return Tensor::empty_with(shape, options_.dtype, Device::cpu(), pinned_host_allocator());
@@ -148,20 +149,20 @@ class HostPacker {
   }
 
   // A copy of `a` (any layout) in the packing dtype.
-  Tensor pack_a(const Tensor& a) {
-    Tensor out = empty(a.shape());
+  Tensor pack_a(const Tensor& a, bool pinned) {
+    Tensor out = empty(a.shape(), pinned);
     out.copy_from(a);
     return out;
   }
 
   // scale * b (any layout), computed in float32 and rounded to the packing dtype once.
-  Tensor pack_b(const Tensor& b, double scale) {
+  Tensor pack_b(const Tensor& b, double scale, bool pinned) {
     Tensor f = Tensor::empty(b.shape(), DType::kF32);
     f.copy_from(b);
     float* p = f.data<float>();
     const int64_t n = f.numel();
     for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<double>(p[i]) * scale);
-    Tensor out = empty(b.shape());
+    Tensor out = empty(b.shape(), pinned);
     out.copy_from(f);
     return out;
   }
@@ -405,9 +406,10 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
     }
 
     LoraSliceWeights slice;
+    const bool pin = !target->staged_on_host;
     if (target->kind != TargetKind::kExperts3d) {
-      slice.a = packer.pack_a(a);
-      slice.b = packer.pack_b(b, scale);
+      slice.a = packer.pack_a(a, pin);
+      slice.b = packer.pack_b(b, scale, pin);
     } else {
       // PEFT's 3-D layout: A [E * r, .] with expert-major rows, B [., r * E] with rank-major
       // columns (ParamWrapper reshapes A to [E, r, .] and B to [., r, E]). Repacked per
@@ -416,11 +418,11 @@ PackedAdapter load_peft_adapter(const std::string& name, const std::string& dir,
       const int64_t e = experts;
       const int64_t r = rank;
       if (!swapped_roles) {
-        slice.a = packer.pack_a(a.view({e, r, a_cols}));
-        slice.b = packer.pack_b(b.view({b_rows, r, e}).permute({2, 0, 1}), scale);
+        slice.a = packer.pack_a(a.view({e, r, a_cols}), pin);
+        slice.b = packer.pack_b(b.view({b_rows, r, e}).permute({2, 0, 1}), scale, pin);
       } else {
-        slice.a = packer.pack_a(b.view({b_rows, r, e}).permute({2, 1, 0}));
-        slice.b = packer.pack_b(a.view({e, r, a_cols}).permute({0, 2, 1}), scale);
+        slice.a = packer.pack_a(b.view({b_rows, r, e}).permute({2, 1, 0}), pin);
+        slice.b = packer.pack_b(a.view({e, r, a_cols}).permute({0, 2, 1}), scale, pin);
       }
     }
     const int64_t bad = first_non_finite(slice.b);

@@ -243,7 +243,8 @@ void Decoder::bind(const WeightSource& src, WeightUpload& upload) {
 }
 
 void Decoder::add_target(const std::string& module, const LoraLayerHandle& handle, int slice,
-                         int64_t in, int64_t out, TargetKind kind, Tensor base) {
+                         int64_t in, int64_t out, TargetKind kind, Tensor base,
+                         bool staged_on_host) {
   LoraTarget t;
   t.module = module;
   t.layer = handle;
@@ -252,6 +253,7 @@ void Decoder::add_target(const std::string& module, const LoraLayerHandle& handl
   t.out_features = out;
   t.kind = kind;
   t.base_weight = std::move(base);
+  t.staged_on_host = staged_on_host;
   targets_.add(std::move(t));
 }
 
@@ -402,14 +404,19 @@ void Decoder::bind_moe(const BindContext& b, const std::string& p, Layer& layer)
     t.parameter = param;
     t.num_experts = e_count;
     t.parameter_out_in = false;
+    t.staged_on_host = true;
     targets_.add(std::move(t));
   }
   for (int64_t e = 0; e < e_count; ++e) {
     const std::string ep = old_p + "experts." + std::to_string(e) + ".";
     const int base = 2 + 3 * static_cast<int>(e);
-    add_target(ep + names_2d[0], moe_h, base + 0, h, inter);
-    add_target(ep + names_2d[1], moe_h, base + 1, h, inter);
-    add_target(ep + names_2d[2], moe_h, base + 2, inter, h);
+    const auto add = [&](int k, int64_t in, int64_t out) {
+      add_target(ep + names_2d[k], moe_h, base + k, in, out, TargetKind::kLinear, Tensor(),
+                 /*staged_on_host=*/true);
+    };
+    add(0, h, inter);
+    add(1, h, inter);
+    add(2, inter, h);
   }
 }
 

@@ -183,7 +183,8 @@ class Decoder final : public ModelExecutor {
   void bind_moe(const BindContext& b, const std::string& prefix, Layer& layer);
   // Registers an adapter module's place: slice `slice` of `handle`'s layer, `in` -> `out`.
   void add_target(const std::string& module, const LoraLayerHandle& handle, int slice, int64_t in,
-                  int64_t out, TargetKind kind = TargetKind::kLinear, Tensor base = Tensor());
+                  int64_t out, TargetKind kind = TargetKind::kLinear, Tensor base = Tensor(),
+                  bool staged_on_host = false);
   void allocate_step_buffers();
   // The host half of a step: fills the staging inputs for `batch` (padded to `padded`
   // tokens, each padding token a sequence of its own on the pad block) and enqueues their

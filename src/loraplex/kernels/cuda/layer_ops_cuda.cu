@@ -7,13 +7,14 @@
 
 #include <cfloat>
 
+#include "loraplex/kernels/cuda/cuda_common.cuh"
 #include "loraplex/kernels/layer_ops.h"
 
 namespace loraplex::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Routing keeps per-token probabilities in registers of one thread.
+// The most experts routing takes (Qwen3-MoE has 128, DeepSeek-V3 256).
 constexpr int kMaxExperts = 512;
 
 __device__ inline float to_f(float v) { return v; }
@@ -52,12 +53,6 @@ bool dispatch(DType dtype, Fn&& fn) {
   }
 }
 
-Status launch_status(const char* op) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return Status();
-  return Status(StatusCode::kCudaError, detail::concat(op, ": ", cudaGetErrorString(err)));
-}
-
 Status bad_dtype(const char* op, DType dtype) {
   return invalid_argument(op, ": dtype ", dtype, ", expected float32, float16 or bfloat16");
 }
@@ -86,17 +81,24 @@ __global__ void shard_ids_kernel(const int32_t* ids, int64_t n, int64_t vocab_st
   local[t] = (l >= 0 && l < rows) ? static_cast<int32_t>(l) : outside;
 }
 
-// One thread per token: E is small (8..512) and the selection is sequential anyway.
+// One warp per token: each lane owns the experts e == lane (mod 32) and recomputes their
+// probabilities where needed, so nothing per expert is stored. A thread per token walked
+// top_k x E probabilities serially and left the GPU all but idle.
+constexpr int kTopkWarps = 4;
+
 template <typename T>
 __global__ void topk_softmax_kernel(const T* logits, int64_t stride, int64_t n, int num_experts,
                                     int top_k, bool renormalize, int32_t* ids, float* weights) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= n) return;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kTopkWarps + threadIdx.x / 32;
+  if (t >= n) return;  // the whole warp: the shuffles below see every lane
   const T* row = logits + t * stride;
   float mx = -FLT_MAX;
-  for (int e = 0; e < num_experts; ++e) mx = fmaxf(mx, to_f(row[e]));
+  for (int e = lane; e < num_experts; e += 32) mx = fmaxf(mx, to_f(row[e]));
+  mx = warp_max(mx);
   float sum = 0.0f;
-  for (int e = 0; e < num_experts; ++e) sum += expf(to_f(row[e]) - mx);
+  for (int e = lane; e < num_experts; e += 32) sum += expf(to_f(row[e]) - mx);
+  sum = warp_sum(sum);
   float picked = 0.0f;
   float prev = FLT_MAX;
   int prev_id = -1;
@@ -105,7 +107,7 @@ __global__ void topk_softmax_kernel(const T* logits, int64_t stride, int64_t n, 
     // first), so nothing per expert needs to be remembered.
     int best = -1;
     float best_p = -1.0f;
-    for (int e = 0; e < num_experts; ++e) {
+    for (int e = lane; e < num_experts; e += 32) {
       const float p = expf(to_f(row[e]) - mx) / sum;
       const bool after_prev = p < prev || (p == prev && e > prev_id);
       if (after_prev && (best < 0 || p > best_p)) {
@@ -113,13 +115,26 @@ __global__ void topk_softmax_kernel(const T* logits, int64_t stride, int64_t n, 
         best_p = p;
       }
     }
-    ids[t * top_k + k] = best;
-    weights[t * top_k + k] = best_p;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other_p = __shfl_xor_sync(kFullMask, best_p, o);
+      const int other = __shfl_xor_sync(kFullMask, best, o);
+      const bool wins =
+          other >= 0 && (best < 0 || other_p > best_p || (other_p == best_p && other < best));
+      if (wins) {
+        best = other;
+        best_p = other_p;
+      }
+    }
+    if (lane == 0) {
+      ids[t * top_k + k] = best;
+      weights[t * top_k + k] = best_p;
+    }
     picked += best_p;
     prev = best_p;
     prev_id = best;
   }
-  if (renormalize) {
+  if (renormalize && lane == 0) {
     for (int k = 0; k < top_k; ++k) weights[t * top_k + k] /= picked;
   }
 }
@@ -187,13 +202,13 @@ Status topk_softmax(const TopkSoftmaxArgs& a, cuda_rt::StreamHandle stream) {
                   "topk_softmax: ", a.num_experts, " experts and top_k ", a.top_k,
                   " (CUDA supports up to ", kMaxExperts, " experts)");
   if (a.num_tokens == 0) return Status();
-  const unsigned blocks = static_cast<unsigned>((a.num_tokens + 127) / 128);
+  const unsigned blocks = static_cast<unsigned>((a.num_tokens + kTopkWarps - 1) / kTopkWarps);
   const auto s = static_cast<cudaStream_t>(stream);
   const bool ok = dispatch(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    topk_softmax_kernel<T><<<blocks, 128, 0, s>>>(static_cast<const T*>(a.logits), a.logits_stride,
-                                                  a.num_tokens, a.num_experts, a.top_k,
-                                                  a.renormalize, a.ids, a.weights);
+    topk_softmax_kernel<T><<<blocks, 32 * kTopkWarps, 0, s>>>(
+        static_cast<const T*>(a.logits), a.logits_stride, a.num_tokens, a.num_experts, a.top_k,
+        a.renormalize, a.ids, a.weights);
   });
   if (!ok) return bad_dtype("topk_softmax", a.dtype);
   return launch_status("topk_softmax");

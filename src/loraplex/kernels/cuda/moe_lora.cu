@@ -3,9 +3,9 @@
 // batches) or one aligned block (one slot, one expert, up to block_size pairs). Two kernels
 // split each item across many thread blocks, because one thread block per item (the rank-r
 // intermediate kept in its shared memory) left a decode step's 40-odd items on a third of the
-// SMs, each streaming its slot's expert weights alone: the shrink over (item, slice, 8 ranks),
-// the expand over (item, 256 output columns), the intermediate between them in lora_mid.
-// Both read the weights in 16-byte accesses when the rows allow it.
+// SMs, each streaming its slot's expert weights alone: the shrink over (item, slice, 8 ranks,
+// a warp each), the expand over (item, 256 output columns), the intermediate between them in
+// lora_mid. Both read the weights in 16-byte accesses when the rows allow it.
 
 #include "loraplex/kernels/cuda/block_bucket.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -81,8 +81,8 @@ constexpr int kMoeWarps = 8;
 constexpr int kMoeThreads = 32 * kMoeWarps;
 // Rows of one work item are processed this many at a time (the accumulators of a thread).
 constexpr int kRowChunk = 4;
-// LoRA-A rows one shrink thread block reads: its x rows are loaded once for all of them.
-constexpr int kShrinkRanks = 8;
+// LoRA-A rows one shrink thread block reads, a warp each.
+constexpr int kShrinkRanks = kMoeWarps;
 // An aligned block has at most this many rows (the layer's blocks hold 16).
 constexpr int kMaxItemRows = 64;
 
@@ -176,71 +176,53 @@ __device__ int item_rows(const MoeParams& p, int64_t item, int* pairs, int& slot
 }
 
 // Shrink: mid[pair, s, r] = x_row . A_s[slot, expert, r, :] for kShrinkRanks ranks of one
-// slice (blockIdx.y) and the item's rows (blockIdx.x). The 256 threads split K; each reads its
-// x elements once for all ranks, the partial sums meet in shared memory.
+// slice (blockIdx.y) and the item's rows (blockIdx.x): a warp per rank, its lanes splitting K,
+// so a thread holds a few accumulators (a thread block resident per SM would leave most
+// decode items waiting for one, and most aligned blocks of a decode step are empty).
 template <typename T, int V>
 __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams p) {
   __shared__ int pairs[kMaxItemRows];
-  __shared__ float partial[kMoeWarps][kRowChunk * kShrinkRanks];
   int slot = 0;
   int expert = 0;
   const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
   if (rows == 0) return;
   const int s = static_cast<int>(blockIdx.y) / p.rank_groups;
-  const int r0 = static_cast<int>(blockIdx.y) % p.rank_groups * kShrinkRanks;
-  const int rank = p.ranks[s * p.max_loras + slot];
-  if (r0 >= rank) return;
-  const int nr = min(kShrinkRanks, rank - r0);
-  const int64_t K = p.k_dim;
-  const T* a = static_cast<const T*>(p.a[s]) +
-               ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.max_rank + r0) * K;
-  const T* x = static_cast<const T*>(p.x);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int r = static_cast<int>(blockIdx.y) % p.rank_groups * kShrinkRanks + warp;
+  // No barrier follows item_rows', so a warp past the slot's rank may leave alone.
+  if (r >= p.ranks[s * p.max_loras + slot]) return;
+  const int64_t K = p.k_dim;
+  const T* a = static_cast<const T*>(p.a[s]) +
+               ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.max_rank + r) * K;
+  const T* x = static_cast<const T*>(p.x);
   for (int c0 = 0; c0 < rows; c0 += kRowChunk) {
+    const int live = min(kRowChunk, rows - c0);
     const T* xr[kRowChunk];
 #pragma unroll
     for (int c = 0; c < kRowChunk; ++c) {
-      const int pair = pairs[min(c0 + c, rows - 1)];
+      const int pair = pairs[c0 + min(c, live - 1)];
       xr[c] = x + (p.x_rows_are_pairs ? pair : pair / p.top_k) * K;
     }
-    float acc[kRowChunk][kShrinkRanks] = {};
-    for (int64_t k = static_cast<int64_t>(threadIdx.x) * V; k < K; k += kMoeThreads * V) {
-      Pack<T, V> av[kShrinkRanks];
-#pragma unroll
-      for (int j = 0; j < kShrinkRanks; ++j) {
-        if (j < nr) av[j] = load_pack<T, V>(a + j * K + k);
-      }
+    float acc[kRowChunk] = {};
+#pragma unroll 4
+    for (int64_t k = static_cast<int64_t>(lane) * V; k < K; k += 32 * V) {
+      const Pack<T, V> av = load_pack<T, V>(a + k);
 #pragma unroll
       for (int c = 0; c < kRowChunk; ++c) {
-        if (c0 + c >= rows) break;
+        if (c >= live) break;
         const Pack<T, V> xv = load_pack<T, V>(xr[c] + k);
 #pragma unroll
-        for (int j = 0; j < kShrinkRanks; ++j) {
-          if (j >= nr) break;
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[c][j] += to_float(xv.e[i]) * to_float(av[j].e[i]);
-        }
+        for (int i = 0; i < V; ++i) acc[c] += to_float(xv.e[i]) * to_float(av.e[i]);
       }
     }
 #pragma unroll
     for (int c = 0; c < kRowChunk; ++c) {
-#pragma unroll
-      for (int j = 0; j < kShrinkRanks; ++j) {
-        const float v = warp_sum(acc[c][j]);
-        if (lane == 0) partial[warp][c * kShrinkRanks + j] = v;
-      }
+      if (c >= live) break;
+      const float v = warp_sum(acc[c]);
+      if (lane == 0)
+        p.mid[(static_cast<int64_t>(pairs[c0 + c]) * p.num_slices + s) * p.max_rank + r] = v;
     }
-    __syncthreads();
-    const int t = static_cast<int>(threadIdx.x);
-    if (t < kRowChunk * kShrinkRanks && c0 + t / kShrinkRanks < rows && t % kShrinkRanks < nr) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kMoeWarps; ++w) sum += partial[w][t];
-      const int64_t pair = pairs[c0 + t / kShrinkRanks];
-      p.mid[(pair * p.num_slices + s) * p.max_rank + r0 + t % kShrinkRanks] = sum;
-    }
-    __syncthreads();
   }
 }
 
