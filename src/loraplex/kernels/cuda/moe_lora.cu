@@ -3,9 +3,9 @@
 // batches) or one aligned block (one slot, one expert, up to block_size pairs). Two kernels
 // split each item across many thread blocks, because one thread block per item (the rank-r
 // intermediate kept in its shared memory) left a decode step's 40-odd items on a third of the
-// SMs, each streaming its slot's expert weights alone: the shrink over (item, slice, 8 ranks,
-// a warp each), the expand over (item, 256 output columns), the intermediate between them in
-// lora_mid. Both read the weights in 16-byte accesses when the rows allow it.
+// SMs, each streaming its slot's expert weights alone: the shrink over (item, slice, rank group),
+// the expand over (item, 256 output columns), the intermediate between them in lora_mid. Both read
+// the weights in 16-byte accesses when the rows allow it.
 
 #include "loraplex/kernels/cuda/block_bucket.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
@@ -81,8 +81,8 @@ constexpr int kMoeWarps = 8;
 constexpr int kMoeThreads = 32 * kMoeWarps;
 // Rows of one work item are processed this many at a time (the accumulators of a thread).
 constexpr int kRowChunk = 4;
-// LoRA-A rows one shrink thread block reads, a warp each.
-constexpr int kShrinkRanks = kMoeWarps;
+// Elements of K one shrink warp should stream at most, before the row is split over warps.
+constexpr int64_t kShrinkWarpK = 2048;
 // An aligned block has at most this many rows (the layer's blocks hold 16).
 constexpr int kMaxItemRows = 64;
 
@@ -96,7 +96,8 @@ struct MoeParams {
   int64_t n;
   int max_loras;
   int max_rank;
-  int rank_groups;  // ceil(max_rank / kShrinkRanks)
+  int k_split;      // warps sharing one LoRA-A row: 1, 2, 4 or 8
+  int rank_groups;  // ceil(max_rank / (kMoeWarps / k_split))
   int num_experts;
   int top_k;
   int64_t num_pairs;
@@ -175,26 +176,34 @@ __device__ int item_rows(const MoeParams& p, int64_t item, int* pairs, int& slot
   return count;
 }
 
-// Shrink: mid[pair, s, r] = x_row . A_s[slot, expert, r, :] for kShrinkRanks ranks of one
-// slice (blockIdx.y) and the item's rows (blockIdx.x): a warp per rank, its lanes splitting K,
-// so a thread holds a few accumulators (a thread block resident per SM would leave most
-// decode items waiting for one, and most aligned blocks of a decode step are empty).
+// Shrink: mid[pair, s, r] = x_row . A_s[slot, expert, r, :] for the ranks of one rank group
+// of one slice (blockIdx.y) and the item's rows (blockIdx.x). p.k_split warps share a rank,
+// each taking every k_split-th run of 32 x V elements of K, so a thread holds a few
+// accumulators (a thread block resident per SM would leave most decode items waiting for one,
+// and most aligned blocks of a decode step are empty) while a long K still has its loads spread
+// over several warps instead of one warp's serial chain.
 template <typename T, int V>
 __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams p) {
   __shared__ int pairs[kMaxItemRows];
+  __shared__ float partial[kMoeWarps][kRowChunk];
   int slot = 0;
   int expert = 0;
   const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
   if (rows == 0) return;
+  const int split = p.k_split;
   const int s = static_cast<int>(blockIdx.y) / p.rank_groups;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int r = static_cast<int>(blockIdx.y) % p.rank_groups * kShrinkRanks + warp;
-  // No barrier follows item_rows', so a warp past the slot's rank may leave alone.
-  if (r >= p.ranks[s * p.max_loras + slot]) return;
+  const int r0 = static_cast<int>(blockIdx.y) % p.rank_groups * (kMoeWarps / split);
+  const int rank = p.ranks[s * p.max_loras + slot];
+  if (r0 >= rank) return;  // the same for the whole thread block, before any barrier below
+  const int r = r0 + warp / split;
+  const bool live_rank = r < rank;
   const int64_t K = p.k_dim;
-  const T* a = static_cast<const T*>(p.a[s]) +
-               ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.max_rank + r) * K;
+  const T* a =
+      static_cast<const T*>(p.a[s]) +
+      ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.max_rank + (live_rank ? r : r0)) *
+          K;
   const T* x = static_cast<const T*>(p.x);
   for (int c0 = 0; c0 < rows; c0 += kRowChunk) {
     const int live = min(kRowChunk, rows - c0);
@@ -205,24 +214,46 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams 
       xr[c] = x + (p.x_rows_are_pairs ? pair : pair / p.top_k) * K;
     }
     float acc[kRowChunk] = {};
+    if (live_rank) {
 #pragma unroll 4
-    for (int64_t k = static_cast<int64_t>(lane) * V; k < K; k += 32 * V) {
-      const Pack<T, V> av = load_pack<T, V>(a + k);
+      for (int64_t k = (static_cast<int64_t>(warp % split) * 32 + lane) * V; k < K;
+           k += int64_t{32} * V * split) {
+        const Pack<T, V> av = load_pack<T, V>(a + k);
 #pragma unroll
-      for (int c = 0; c < kRowChunk; ++c) {
-        if (c >= live) break;
-        const Pack<T, V> xv = load_pack<T, V>(xr[c] + k);
+        for (int c = 0; c < kRowChunk; ++c) {
+          if (c >= live) break;
+          const Pack<T, V> xv = load_pack<T, V>(xr[c] + k);
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[c] += to_float(xv.e[i]) * to_float(av.e[i]);
+          for (int i = 0; i < V; ++i) acc[c] += to_float(xv.e[i]) * to_float(av.e[i]);
+        }
       }
     }
 #pragma unroll
-    for (int c = 0; c < kRowChunk; ++c) {
-      if (c >= live) break;
-      const float v = warp_sum(acc[c]);
-      if (lane == 0)
-        p.mid[(static_cast<int64_t>(pairs[c0 + c]) * p.num_slices + s) * p.max_rank + r] = v;
+    for (int c = 0; c < kRowChunk; ++c) acc[c] = warp_sum(acc[c]);
+    if (split == 1) {
+      if (lane == 0 && live_rank) {
+#pragma unroll
+        for (int c = 0; c < kRowChunk; ++c) {
+          if (c >= live) break;
+          p.mid[(static_cast<int64_t>(pairs[c0 + c]) * p.num_slices + s) * p.max_rank + r] = acc[c];
+        }
+      }
+      continue;
     }
+    if (lane == 0) {
+#pragma unroll
+      for (int c = 0; c < kRowChunk; ++c) partial[warp][c] = acc[c];
+    }
+    __syncthreads();
+    const int t = static_cast<int>(threadIdx.x);
+    const int rr = t / kRowChunk;
+    const int c = t % kRowChunk;
+    if (rr < kMoeWarps / split && r0 + rr < rank && c < live) {
+      float sum = 0.0f;
+      for (int w = 0; w < split; ++w) sum += partial[rr * split + w][c];
+      p.mid[(static_cast<int64_t>(pairs[c0 + c]) * p.num_slices + s) * p.max_rank + r0 + rr] = sum;
+    }
+    __syncthreads();
   }
 }
 
@@ -276,6 +307,13 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams 
       *dst = from_float<T>(o);
     }
   }
+}
+
+// Warps per LoRA-A row: enough that none streams more than kShrinkWarpK elements of K.
+int shrink_k_split(int64_t k) {
+  int split = 1;
+  while (split < kMoeWarps && k > kShrinkWarpK * split) split *= 2;
+  return split;
 }
 
 }  // namespace
@@ -360,7 +398,8 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
   p.n = a.n;
   p.max_loras = a.max_loras;
   p.max_rank = a.max_rank;
-  p.rank_groups = static_cast<int>(ceil_div(a.max_rank, kShrinkRanks));
+  p.k_split = shrink_k_split(a.hidden_in);
+  p.rank_groups = static_cast<int>(ceil_div(a.max_rank, kMoeWarps / p.k_split));
   p.num_experts = a.num_experts;
   p.top_k = a.top_k;
   p.num_pairs = a.num_tokens * a.top_k;
