@@ -7,6 +7,8 @@
 // the expand over (item, 256 output columns), the intermediate between them in lora_mid. Both read
 // the weights in 16-byte accesses when the rows allow it.
 
+#include <algorithm>
+
 #include "loraplex/kernels/cuda/block_bucket.cuh"
 #include "loraplex/kernels/cuda/lora_ops_cuda.h"
 
@@ -138,41 +140,66 @@ __device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
   return r;
 }
 
-// The routed pairs of one work item (a pair when naive, else one aligned block: one slot, one
-// expert), compacted into `pairs`; 0 when the item has nothing to do. The early returns depend
-// on the item only, so the whole thread block takes them together before the barrier.
+// The routed pairs of one work item, compacted into `pairs`; 0 when the item has nothing to
+// do. A naive item is one pair. Otherwise the item-th aligned block that holds pairs, counting
+// slot by slot: every block below a slot's num_tokens_post_pad holds at least one pair, so a
+// launch of min(pairs, all blocks) items covers them, where one item per (slot, block) would
+// spend most of a decode step's thread blocks on empty ones. Warp 0 decides; the barrier
+// publishes its answer to the whole thread block.
 __device__ int item_rows(const MoeParams& p, int64_t item, int* pairs, int& slot, int& expert) {
   __shared__ int count;
-  int64_t block = 0;
-  if (p.naive) {
-    slot = p.mapping[item / p.top_k];
-    expert = p.topk_ids[item];
-  } else {
-    slot = static_cast<int32_t>(item / p.max_num_m_blocks);
-    block = item % p.max_num_m_blocks;
-    if (block * p.block_size >= p.num_tokens_post_pad[slot]) return 0;
-    expert = p.expert_ids[item];
-  }
-  if (!valid_slot(slot, p.max_loras)) return 0;
-  if (p.adapter_enabled != nullptr && p.adapter_enabled[slot] == 0) return 0;
-  if (expert < 0 || expert >= p.num_experts) return 0;
+  __shared__ int item_slot;
+  __shared__ int item_expert;
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
-    const int32_t* ids =
-        p.naive ? nullptr : p.sorted_ids + slot * p.max_num_tokens_padded + block * p.block_size;
-    const int width = p.naive ? 1 : p.block_size;
-    int n = 0;
-    for (int base = 0; base < width; base += 32) {
-      const int i = base + lane;
-      const int64_t id = i >= width ? -1 : p.naive ? item : ids[i];
-      const bool ok = id >= 0 && id < p.num_pairs;
-      const unsigned mask = __ballot_sync(kFullMask, ok);
-      if (ok) pairs[n + __popc(mask & ((1u << lane) - 1u))] = static_cast<int>(id);
-      n += __popc(mask);
+    int s = -1;
+    int e = -1;
+    int64_t block = 0;
+    if (p.naive) {
+      s = p.mapping[item / p.top_k];
+      e = p.topk_ids[item];
+    } else {
+      int64_t start = 0;
+      for (int s0 = 0; s0 < p.max_loras && s < 0; s0 += 32) {
+        const int sl = s0 + lane;
+        const int blocks = sl < p.max_loras ? p.num_tokens_post_pad[sl] / p.block_size : 0;
+        const int incl = warp_inclusive_sum(blocks, lane);
+        const unsigned past = __ballot_sync(kFullMask, item < start + incl);
+        if (past != 0) {
+          const int l = __ffs(past) - 1;
+          s = s0 + l;
+          block = item - start - __shfl_sync(kFullMask, incl - blocks, l);
+        }
+        start += __shfl_sync(kFullMask, incl, 31);
+      }
+      if (s >= 0) e = p.expert_ids[s * p.max_num_m_blocks + block];
     }
-    if (lane == 0) count = n;
+    int n = 0;
+    const bool usable = valid_slot(s, p.max_loras) &&
+                        (p.adapter_enabled == nullptr || p.adapter_enabled[s] != 0) && e >= 0 &&
+                        e < p.num_experts;
+    if (usable) {
+      const int32_t* ids =
+          p.naive ? nullptr : p.sorted_ids + s * p.max_num_tokens_padded + block * p.block_size;
+      const int width = p.naive ? 1 : p.block_size;
+      for (int base = 0; base < width; base += 32) {
+        const int i = base + lane;
+        const int64_t id = i >= width ? -1 : p.naive ? item : ids[i];
+        const bool ok = id >= 0 && id < p.num_pairs;
+        const unsigned mask = __ballot_sync(kFullMask, ok);
+        if (ok) pairs[n + __popc(mask & ((1u << lane) - 1u))] = static_cast<int>(id);
+        n += __popc(mask);
+      }
+    }
+    if (lane == 0) {
+      count = n;
+      item_slot = s;
+      item_expert = e;
+    }
   }
   __syncthreads();
+  slot = item_slot;
+  expert = item_expert;
   return count;
 }
 
@@ -427,7 +454,9 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
   LORAPLEX_ENSURE(smem64 <= 200 * 1024, op, ": block of ", rows, " rows x ", a.num_slices,
                   " slices x rank ", a.max_rank, " needs ", smem64, " bytes of shared memory");
   const int smem = static_cast<int>(smem64);
-  const int64_t items = a.naive_blocks ? p.num_pairs : int64_t{a.max_loras} * a.max_num_m_blocks;
+  const int64_t items = a.naive_blocks
+                            ? p.num_pairs
+                            : std::min(p.num_pairs, int64_t{a.max_loras} * a.max_num_m_blocks);
   const int64_t column_blocks = ceil_div(a.num_slices * a.n, kMoeThreads);
   LORAPLEX_ENSURE(items < (int64_t{1} << 31) && column_blocks < 65536, op, ": ", items,
                   " work items of ", column_blocks, " column blocks exceed one launch");
