@@ -379,6 +379,7 @@ class LLM:
         o.temperature = p.temperature
         o.top_p = p.top_p
         o.top_k = p.top_k
+        o.min_p = p.min_p
         o.seed = p.seed + choice if p.seed is not None else None
         o.stop = p.stop
         o.stop_token_ids = p.stop_token_ids

@@ -8,7 +8,6 @@ from typing import Any, Optional, Sequence, Union
 # Fields loraplex does not implement, with the value that means "off": a request that asks
 # for anything else is refused (ValueError naming the field), never run differently.
 _UNSUPPORTED_DEFAULTS = {
-    "min_p": 0.0,
     "prompt_logprobs": None,
     "spaces_between_special_tokens": True,
     "logits_processors": None,
@@ -203,6 +202,8 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.truncate_prompt_tokens={k!r}, expected >= 1 or -1 (max_model_len)"
             )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p={self.min_p!r}, expected a value in [0, 1]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}, expected >= 1")
 
@@ -220,7 +221,7 @@ class SamplingParams:
     def __repr__(self) -> str:
         return (
             f"SamplingParams(temperature={self.temperature}, top_p={self.top_p}, "
-            f"top_k={self.top_k}, seed={self.seed}, stop={self.stop}, "
+            f"top_k={self.top_k}, min_p={self.min_p}, seed={self.seed}, stop={self.stop}, "
             f"stop_token_ids={self.stop_token_ids}, ignore_eos={self.ignore_eos}, "
             f"max_tokens={self.max_tokens}, min_tokens={self.min_tokens}, "
             f"logprobs={self.logprobs})"

@@ -231,6 +231,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("temperature", &engine::RequestOptions::temperature)
       .def_rw("top_p", &engine::RequestOptions::top_p)
       .def_rw("top_k", &engine::RequestOptions::top_k)
+      .def_rw("min_p", &engine::RequestOptions::min_p)
       .def_rw("seed", &engine::RequestOptions::seed)
       .def_rw("stop", &engine::RequestOptions::stop)
       .def_rw("stop_token_ids", &engine::RequestOptions::stop_token_ids)

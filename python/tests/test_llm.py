@@ -194,6 +194,18 @@ def test_logprobs_stop_tokens_and_seeds(tiny_llama):
     assert sampled[0] == sampled[1]
 
 
+def test_min_p_keeps_only_tokens_near_the_most_probable(tiny_llama):
+    want = expected_of("tiny-llama")[0]
+    tokens = want["output_token_ids"]
+    # min_p 1 keeps only the most probable token, so even a hot sampler follows PEFT's greedy
+    # tokens; without it the same seed wanders off them.
+    hot = dict(temperature=5.0, seed=3, max_tokens=12, ignore_eos=True)
+    out = tiny_llama.generate(want["prompt"], SamplingParams(min_p=1.0, **hot))[0].outputs[0]
+    assert out.token_ids == tokens
+    out = tiny_llama.generate(want["prompt"], SamplingParams(**hot))[0].outputs[0]
+    assert out.token_ids != tokens
+
+
 def test_top_logprobs_are_pefts(tiny_llama):
     want = expected_of("tiny-llama")[0]
     out = tiny_llama.generate(
@@ -344,8 +356,8 @@ def test_errors_are_python_exceptions_with_the_cpp_message(tiny_llama, tmp_path)
         tiny_llama.generate("The function returns", SamplingParams(top_p=1.5))
     with pytest.raises(ValueError, match="SamplingParams.n=0"):
         SamplingParams(n=0)
-    with pytest.raises(ValueError, match="SamplingParams.min_p=0.1"):
-        SamplingParams(min_p=0.1)
+    with pytest.raises(ValueError, match=r"SamplingParams.min_p=1.5, expected a value in \[0, 1\]"):
+        SamplingParams(min_p=1.5)
     with pytest.raises(ValueError, match="no chat template"):
         tiny_llama.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):

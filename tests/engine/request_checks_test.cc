@@ -68,6 +68,13 @@ TEST(RequestChecks, SamplingValuesOutOfRangeAreNamed) {
   o.top_k = -1;  // vLLM's "off"
   EXPECT_NO_THROW(engine::check_request_options(o, limits()));
   o = {};
+  o.min_p = -0.1f;
+  expect_options_refused(o, {"min_p -0.1", "[0, 1]"});
+  o.min_p = 1.5f;
+  expect_options_refused(o, {"min_p 1.5", "[0, 1]"});
+  o.min_p = 1.0f;
+  EXPECT_NO_THROW(engine::check_request_options(o, limits()));
+  o = {};
   o.stop_token_ids = {5, 1000};
   expect_options_refused(o, {"stop token id 1000", "[0, 1000)"});
   o = {};
@@ -135,12 +142,14 @@ TEST(RequestChecks, TemperaturesBelowVllmsEpsilonAreGreedy) {
   RequestOptions o;
   o.top_k = 40;
   o.top_p = 0.9f;
+  o.min_p = 0.2f;
   for (const float t : {0.0f, 1e-40f, 1e-20f, 9.9e-6f}) {
     o.temperature = t;
     const model::SamplingParams p = engine::sampling_params_of(o);
     EXPECT_EQ(p.temperature, 0.0f) << t;
     EXPECT_EQ(p.top_k, 0) << t;
     EXPECT_EQ(p.top_p, 1.0f) << t;
+    EXPECT_EQ(p.min_p, 0.0f) << t;
   }
   for (const float t : {1e-5f, 0.7f}) {
     o.temperature = t;
@@ -148,6 +157,7 @@ TEST(RequestChecks, TemperaturesBelowVllmsEpsilonAreGreedy) {
     EXPECT_EQ(p.temperature, t);
     EXPECT_EQ(p.top_k, 40);
     EXPECT_EQ(p.top_p, 0.9f);
+    EXPECT_EQ(p.min_p, 0.2f);
   }
   o.temperature = 1.0f;
   o.top_k = -1;

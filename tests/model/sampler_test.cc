@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -26,7 +27,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 std::string describe(int64_t vocab, test::RowKind kind, const SamplingParams& p, double u) {
   return "vocab " + std::to_string(vocab) + " " + test::row_kind_name(kind) + " T " +
          std::to_string(p.temperature) + " top_k " + std::to_string(p.top_k) + " top_p " +
-         std::to_string(p.top_p) + " u " + std::to_string(u);
+         std::to_string(p.top_p) + " min_p " + std::to_string(p.min_p) + " u " + std::to_string(u);
 }
 
 TEST(SamplingExp, WithinFewUlpsOfStdExpAndExactAtZero) {
@@ -70,7 +71,9 @@ TEST(Sampler, SampleRowMatchesTheReferenceEverywhere) {
             const test::RowKind kind = test::kAllRowKinds[(rows + rep) % 5];
             const std::vector<float> logits = test::random_logits(vocab, kind, rng);
             const std::vector<int32_t> banned = test::random_banned(vocab, rng);
-            const SamplingParams p{temperature, top_k, top_p};
+            // min_p off, moderate and strict, in turn.
+            const float min_p = std::array{0.0f, 0.05f, 0.6f}[static_cast<size_t>(rows % 3)];
+            const SamplingParams p{temperature, top_k, top_p, min_p};
             const double u = unit(rng);
             const test::ReferencePick ref = test::reference_sample(logits, p, u, banned);
             const int32_t got = model::sample_row(logits, p, u, banned);
@@ -129,16 +132,17 @@ TEST(Sampler, SpecialRows) {
 TEST(SampleOpCpu, MatchesSampleRowAndReferenceLogprobs) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
-  const std::vector<SamplingParams> params = {{0.0f, 0, 1.0f},   {0.7f, 0, 1.0f},  {1.3f, 40, 1.0f},
-                                              {1.0f, 0, 0.85f},  {0.9f, 17, 0.5f}, {2.0f, 1, 0.3f},
-                                              {1.0f, 3000, 1.0f}};
+  const std::vector<SamplingParams> params = {
+      {0.0f, 0, 1.0f},    {0.7f, 0, 1.0f},       {1.3f, 40, 1.0f},
+      {1.0f, 0, 0.85f},   {0.9f, 17, 0.5f},      {2.0f, 1, 0.3f},
+      {1.0f, 3000, 1.0f}, {1.0f, 0, 1.0f, 0.1f}, {0.8f, 20, 0.9f, 0.3f}};
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (int64_t vocab : {1, 77, 2053}) {
       const int64_t rows = 9;
       const int64_t stride = vocab + 5;
       std::vector<float> values(static_cast<size_t>(rows * stride), 1e30f);
       std::vector<uint16_t> bits(values.size(), 0);
-      std::vector<float> temperature, top_p;
+      std::vector<float> temperature, top_p, min_p;
       std::vector<int32_t> top_k, banned(static_cast<size_t>(rows * model::kMaxBannedTokens), -1);
       std::vector<double> uniform;
       for (int64_t r = 0; r < rows; ++r) {
@@ -159,6 +163,7 @@ TEST(SampleOpCpu, MatchesSampleRowAndReferenceLogprobs) {
         temperature.push_back(p.temperature);
         top_k.push_back(p.top_k);
         top_p.push_back(p.top_p);
+        min_p.push_back(p.min_p);
         uniform.push_back(unit(rng));
         const std::vector<int32_t> b = test::random_banned(vocab, rng);
         std::copy(b.begin(), b.end(), banned.begin() + r * model::kMaxBannedTokens);
@@ -175,6 +180,7 @@ TEST(SampleOpCpu, MatchesSampleRowAndReferenceLogprobs) {
       a.temperature = temperature.data();
       a.top_k = top_k.data();
       a.top_p = top_p.data();
+      a.min_p = min_p.data();
       a.uniform = uniform.data();
       a.banned = banned.data();
       a.ids = ids.data();
@@ -186,7 +192,7 @@ TEST(SampleOpCpu, MatchesSampleRowAndReferenceLogprobs) {
         const std::span<const float> row(values.data() + r * stride, static_cast<size_t>(vocab));
         const std::span<const int32_t> b(banned.data() + r * model::kMaxBannedTokens,
                                          model::kMaxBannedTokens);
-        const SamplingParams p{temperature[r], top_k[r], top_p[r]};
+        const SamplingParams p{temperature[r], top_k[r], top_p[r], min_p[r]};
         const std::string what = std::string(dtype_name(dtype)) + " vocab " +
                                  std::to_string(vocab) + " row " + std::to_string(r);
         EXPECT_EQ(ids[r], model::sample_row(row, p, uniform[r], b)) << what;
@@ -224,6 +230,13 @@ TEST(SampleOpCpu, RejectsBadArguments) {
   p = 0.0f;
   EXPECT_EQ(model::ops::cpu::sample(a).code(), StatusCode::kInvalidArgument);
   p = 1.0f;
+  float min_p = 1.5f;
+  a.min_p = &min_p;
+  EXPECT_EQ(model::ops::cpu::sample(a).code(), StatusCode::kInvalidArgument);
+  min_p = 1.0f;  // keeps only the most probable ids
+  EXPECT_TRUE(model::ops::cpu::sample(a).ok());
+  EXPECT_EQ(id, 2);
+  a.min_p = nullptr;
   u = 1.0;
   EXPECT_EQ(model::ops::cpu::sample(a).code(), StatusCode::kInvalidArgument);
   u = 0.5;
@@ -243,9 +256,10 @@ TEST(Sampler, FrequenciesFollowTheFilteredSoftmax) {
   std::vector<float> logits = test::random_logits(vocab, test::RowKind::kNormal, rng);
   logits[4] = logits[9];  // a tie
   const std::vector<int32_t> banned = {2, -1, 40};
-  const std::vector<SamplingParams> params = {{1.0f, 0, 1.0f}, {0.6f, 0, 1.0f}, {2.5f, 0, 1.0f},
-                                              {1.0f, 6, 1.0f}, {1.0f, 0, 0.7f}, {1.7f, 9, 0.9f},
-                                              {0.8f, 4, 0.5f}};
+  const std::vector<SamplingParams> params = {
+      {1.0f, 0, 1.0f}, {0.6f, 0, 1.0f},       {2.5f, 0, 1.0f},
+      {1.0f, 6, 1.0f}, {1.0f, 0, 0.7f},       {1.7f, 9, 0.9f},
+      {0.8f, 4, 0.5f}, {1.0f, 0, 1.0f, 0.2f}, {1.2f, 0, 0.8f, 0.05f}};
   const int draws = 60000;
   for (size_t c = 0; c < params.size(); ++c) {
     const SamplingParams& p = params[c];

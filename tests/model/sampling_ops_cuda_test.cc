@@ -69,7 +69,7 @@ struct Batch {
   int64_t stride = 0;
   std::vector<float> values;   // [rows, stride]: the logits as floats (after rounding to dtype)
   std::vector<uint16_t> bits;  // [rows, stride] for f16 / bf16
-  std::vector<float> temperature, top_p;
+  std::vector<float> temperature, top_p, min_p;
   std::vector<int32_t> top_k, banned;
   std::vector<double> uniform;
 
@@ -79,13 +79,13 @@ struct Batch {
   std::span<const int32_t> banned_of(int64_t r) const {
     return {banned.data() + r * kMaxBannedTokens, static_cast<size_t>(kMaxBannedTokens)};
   }
-  SamplingParams params(int64_t r) const { return {temperature[r], top_k[r], top_p[r]}; }
+  SamplingParams params(int64_t r) const { return {temperature[r], top_k[r], top_p[r], min_p[r]}; }
 };
 
 // Mixed parameters, one set per row: greedy, temperature only, top-k small and large, top-p,
-// both, top_k >= vocab, top_k 1.
+// both, top_k >= vocab, top_k 1, min_p alone and with top-k and top-p.
 SamplingParams random_params(int64_t vocab, std::mt19937_64& rng) {
-  std::uniform_int_distribution<int> pick(0, 9);
+  std::uniform_int_distribution<int> pick(0, 11);
   std::uniform_real_distribution<float> t(0.25f, 2.5f);
   std::uniform_real_distribution<float> p(0.05f, 0.99f);
   std::uniform_int_distribution<int> k(2, 200);
@@ -109,6 +109,10 @@ SamplingParams random_params(int64_t vocab, std::mt19937_64& rng) {
       return {t(rng), 1, 1.0f};
     case 8:
       return {1.0f, 50, 0.95f};
+    case 10:
+      return {t(rng), 0, 1.0f, p(rng) * 0.5f};
+    case 11:
+      return {t(rng), k(rng), p(rng), 0.1f};
     default:
       return {0.8f, 0, 0.9f};
   }
@@ -141,6 +145,7 @@ Batch make_batch(DType dtype, int64_t rows, int64_t vocab, int64_t stride, std::
     b.temperature.push_back(p.temperature);
     b.top_k.push_back(p.top_k);
     b.top_p.push_back(p.top_p);
+    b.min_p.push_back(p.min_p);
     b.uniform.push_back(unit(rng));
     std::vector<int32_t> ban = test::random_banned(vocab, rng);
     ban.resize(kMaxBannedTokens, -1);
@@ -167,6 +172,7 @@ Picks run_cpu(const Batch& b) {
   a.temperature = b.temperature.data();
   a.top_k = b.top_k.data();
   a.top_p = b.top_p.data();
+  a.min_p = b.min_p.data();
   a.uniform = b.uniform.data();
   a.banned = b.banned.data();
   a.ids = out.ids.data();
@@ -184,6 +190,7 @@ struct GpuBatch {
         temperature(b.rows * sizeof(float)),
         top_k(b.rows * sizeof(int32_t)),
         top_p(b.rows * sizeof(float)),
+        min_p(b.rows * sizeof(float)),
         uniform(b.rows * sizeof(double)),
         banned(b.banned.size() * sizeof(int32_t)),
         ids(b.rows * sizeof(int32_t)),
@@ -202,6 +209,7 @@ struct GpuBatch {
     args.temperature = temperature.as<float>();
     args.top_k = top_k.as<int32_t>();
     args.top_p = top_p.as<float>();
+    args.min_p = min_p.as<float>();
     args.uniform = uniform.as<double>();
     args.banned = banned.as<int32_t>();
     args.ids = ids.as<int32_t>();
@@ -211,6 +219,7 @@ struct GpuBatch {
     temperature.upload(b.temperature, s);
     top_k.upload(b.top_k, s);
     top_p.upload(b.top_p, s);
+    min_p.upload(b.min_p, s);
     uniform.upload(b.uniform, s);
     banned.upload(b.banned, s);
   }
@@ -218,7 +227,7 @@ struct GpuBatch {
     return {ids.download<int32_t>(static_cast<size_t>(b.rows), s),
             logprobs.download<float>(static_cast<size_t>(b.rows), s)};
   }
-  DeviceBuffer logits, temperature, top_k, top_p, uniform, banned, ids, logprobs;
+  DeviceBuffer logits, temperature, top_k, top_p, min_p, uniform, banned, ids, logprobs;
   model::ops::SampleArgs args;
 };
 
@@ -234,10 +243,10 @@ double top_p_bound(int64_t vocab) {
 int expect_agreement(const Batch& b, const Picks& gpu, const Picks& cpu, const std::string& what) {
   int unclear = 0;
   for (int64_t r = 0; r < b.rows; ++r) {
-    const std::string row_what = what + " row " + std::to_string(r) + " T " +
-                                 std::to_string(b.temperature[r]) + " top_k " +
-                                 std::to_string(b.top_k[r]) + " top_p " +
-                                 std::to_string(b.top_p[r]) + " u " + std::to_string(b.uniform[r]);
+    const std::string row_what =
+        what + " row " + std::to_string(r) + " T " + std::to_string(b.temperature[r]) + " top_k " +
+        std::to_string(b.top_k[r]) + " top_p " + std::to_string(b.top_p[r]) + " min_p " +
+        std::to_string(b.min_p[r]) + " u " + std::to_string(b.uniform[r]);
     const int32_t id = gpu.ids[r];
     EXPECT_TRUE(id >= 0 && id < b.vocab) << row_what << ": id " << id;
     if (id < 0 || id >= b.vocab) continue;
@@ -251,7 +260,8 @@ int expect_agreement(const Batch& b, const Picks& gpu, const Picks& cpu, const s
     const test::ReferencePick ref =
         test::reference_sample(b.row(r), b.params(r), b.uniform[r], b.banned_of(r));
     const bool near = ref.walk_margin <= walk_bound(b.vocab) ||
-                      ref.top_p_margin <= top_p_bound(b.vocab) + walk_bound(b.vocab);
+                      ref.top_p_margin <= top_p_bound(b.vocab) + walk_bound(b.vocab) ||
+                      ref.min_p_margin <= 1e-6;
     EXPECT_TRUE(near) << row_what << ": GPU " << id << ", CPU " << cpu.ids[r] << ", reference "
                       << ref.id << " (margins " << ref.walk_margin << ", " << ref.top_p_margin
                       << ")";
@@ -316,6 +326,7 @@ TEST(SampleOpCuda, SpecialRowsMatchCpu) {
     b.temperature[r] = p.temperature;
     b.top_k[r] = p.top_k;
     b.top_p[r] = p.top_p;
+    b.min_p[r] = p.min_p;
     b.uniform[r] = u;
     std::fill_n(b.banned.begin() + r * kMaxBannedTokens, kMaxBannedTokens, -1);
   };
@@ -423,6 +434,7 @@ TEST(SampleOpCuda, CapturedGraphSamplesTheNewParameters) {
         b.temperature[r] = p.temperature;
         b.top_k[r] = p.top_k;
         b.top_p[r] = p.top_p;
+        b.min_p[r] = p.min_p;
         b.uniform[r] = unit(rng);
         std::vector<int32_t> ban = test::random_banned(b.vocab, rng);
         ban.resize(kMaxBannedTokens, -1);

@@ -27,6 +27,7 @@ ReferencePick reference_sample(std::span<const float> logits, const model::Sampl
   ReferencePick out;
   out.walk_margin = kInf;
   out.top_p_margin = kInf;
+  out.min_p_margin = kInf;
   // Ids by scaled logit, largest first, ties by id.
   std::vector<int32_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), 0);
@@ -51,7 +52,14 @@ ReferencePick reference_sample(std::span<const float> logits, const model::Sampl
   if (p.top_k > 0 && p.top_k < n) kth = l[order[p.top_k - 1]];
   std::vector<int32_t> kept;
   for (int32_t j = 0; j < n; ++j) {
-    if (l[j] != neg_inf && l[j] >= kth) kept.push_back(j);
+    if (l[j] == neg_inf || l[j] < kth) continue;
+    if (p.min_p > 0.0f) {
+      // min_p: the id's probability over the largest, exp(l - m), in double.
+      const double ratio = l[j] == m ? 1.0 : std::exp(static_cast<double>(l[j]) - m);
+      out.min_p_margin = std::min(out.min_p_margin, std::abs(ratio - p.min_p));
+      if (ratio < p.min_p) continue;
+    }
+    kept.push_back(j);
   }
   std::vector<float> w(static_cast<size_t>(n), 0.0f);
   for (int32_t j : kept) w[j] = l[j] == m ? 1.0f : model::sampling_exp(l[j] - m);

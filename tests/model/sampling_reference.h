@@ -4,8 +4,8 @@
 // the weight function sampling_exp (itself tested against std::exp), so that its picks can
 // be compared id for id. It also says how far the decision was from flipping: the distance of
 // the target to the picked id's interval ends and of top_p * mass to the masses on either side
-// of the chosen top-p threshold, so a test can tell a wrong pick from one that a last-bit
-// difference in a sum could move.
+// of the chosen top-p threshold (and of min_p to the probabilities beside it), so a test can tell a
+// wrong pick from one that a last-bit difference in a sum could move.
 
 #include <cstdint>
 #include <random>
@@ -24,12 +24,18 @@ struct ReferencePick {
   /// Distance of top_p * mass to the nearest mass that decides the top-p threshold, over
   /// the mass (infinite when top-p is off).
   double top_p_margin = 0.0;
+  /// Distance of min_p to the nearest probability over the largest of an id it kept or
+  /// dropped (infinite when min_p is off).
+  double min_p_margin = 0.0;
   /// The kept ids with their probabilities under the filtered softmax, from std::exp in
   /// double (for frequency tests); empty for greedy picks.
   std::vector<std::pair<int32_t, double>> kept;
 
-  /// Both margins above `relative` (the pick cannot move by sums wrong by less than that).
-  bool clear(double relative) const { return walk_margin > relative && top_p_margin > relative; }
+  /// The margins above `relative` (the pick cannot move by sums wrong by less than that), and
+  /// min_p's clear of the float weights' few ulps of error.
+  bool clear(double relative) const {
+    return walk_margin > relative && top_p_margin > relative && min_p_margin > 1e-6;
+  }
 };
 
 ReferencePick reference_sample(std::span<const float> logits, const model::SamplingParams& p,

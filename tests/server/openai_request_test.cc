@@ -19,7 +19,7 @@ using json = nlohmann::ordered_json;
 TEST(OpenAIRequest, CompletionFieldsReachTheEngineRequest) {
   const GenerationRequest r = parse_completion_request(R"({
     "model": "sql", "prompt": "SELECT", "max_tokens": 33, "temperature": 0.7, "top_p": 0.9,
-    "top_k": 40, "seed": 7, "stop": ["\n\n", "END"], "stop_token_ids": [2, 5],
+    "top_k": 40, "min_p": 0.05, "seed": 7, "stop": ["\n\n", "END"], "stop_token_ids": [2, 5],
     "ignore_eos": true, "min_tokens": 3, "logprobs": 0, "stream": true,
     "stream_options": {"include_usage": true}, "user": "u", "unknown_field": [1]})");
   EXPECT_EQ(r.kind, GenerationRequest::Kind::kCompletion);
@@ -30,6 +30,7 @@ TEST(OpenAIRequest, CompletionFieldsReachTheEngineRequest) {
   EXPECT_FLOAT_EQ(r.options.temperature, 0.7f);
   EXPECT_FLOAT_EQ(r.options.top_p, 0.9f);
   EXPECT_EQ(r.options.top_k, 40);
+  EXPECT_FLOAT_EQ(r.options.min_p, 0.05f);
   ASSERT_TRUE(r.options.seed.has_value());
   EXPECT_EQ(*r.options.seed, 7u);
   EXPECT_EQ(r.options.stop, (std::vector<std::string>{"\n\n", "END"}));
@@ -171,7 +172,6 @@ TEST(OpenAIRequest, UnimplementedVllmFieldsAreRefusedUnlessNeutral) {
       {"audio", "{}"},
       {"modalities", R"(["text", "audio"])"},
       {"prediction", "{}"},
-      {"min_p", "0.1"},
   };
   for (const auto& [name, value] : refused) {
     for (const bool chat : {false, true}) {

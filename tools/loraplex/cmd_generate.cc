@@ -69,6 +69,15 @@ int run(const std::vector<std::string>& args) {
          },
          "nucleus sampling threshold (default 1 = off)")
       ->type_name("FLOAT");
+  app.add_option_function<std::string>(
+         "--min-p",
+         [&](const std::string& value) {
+           cfg.min_p = parse_float("--min-p", value);
+           LORAPLEX_CHECK(cfg.min_p >= 0.0f && cfg.min_p <= 1.0f, "--min-p must be in [0, 1], got ",
+                          value);
+         },
+         "drop tokens less likely than this times the most likely one (default 0 = off)")
+      ->type_name("FLOAT");
   add_int(app, "--seed", cfg.seed, 0, "random seed for sampling (default 0)");
   app.add_flag("--ignore-eos", cfg.ignore_eos, "keep generating past the end-of-sequence token");
   app.add_option_function<std::string>(

@@ -134,7 +134,8 @@ struct RequestOptions {
   int64_t min_tokens = 0;  // stop tokens and EOS are banned until this many are generated
   float temperature = 1.0f;
   float top_p = 1.0f;
-  int top_k = 0;  // 0 = off (-1 is accepted as vLLM's "off" too)
+  int top_k = 0;       // 0 = off (-1 is accepted as vLLM's "off" too)
+  float min_p = 0.0f;  // 0 = off; else ids below min_p x the most probable one's probability
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;        // stop strings (not included in the output text)
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids

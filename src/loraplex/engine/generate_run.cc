@@ -145,6 +145,7 @@ GenerateReport run_generate(const GenerateConfig& cfg) {
     o.temperature = cfg.temperature;
     o.top_k = cfg.top_k;
     o.top_p = cfg.top_p;
+    o.min_p = cfg.min_p;
     o.ignore_eos = cfg.ignore_eos;
   }
   report.load_seconds = seconds_since(t0);

@@ -34,6 +34,7 @@ struct GenerateConfig {
   float temperature = 0.0f;
   int top_k = 0;
   float top_p = 1.0f;
+  float min_p = 0.0f;
   uint64_t seed = 0;
   bool ignore_eos = false;
   Device device = Device::cpu();

@@ -32,7 +32,7 @@ std::string length_sum(int64_t len, int64_t max_tokens) {
 
 model::SamplingParams sampling_params_of(const RequestOptions& o) {
   if (o.temperature < kGreedyTemperatureBelow) return model::SamplingParams{0.0f, 0, 1.0f};
-  return model::SamplingParams{o.temperature, o.top_k < 0 ? 0 : o.top_k, o.top_p};
+  return model::SamplingParams{o.temperature, o.top_k < 0 ? 0 : o.top_k, o.top_p, o.min_p};
 }
 
 std::vector<int32_t> min_tokens_banned_ids(const RequestOptions& o,
@@ -58,6 +58,9 @@ void check_request_options(const RequestOptions& o, const RequestLimits& limits)
     refuse(kInvalid, "top_p ", o.top_p, ", expected a value in (0, 1]");
   }
   if (o.top_k < -1) refuse(kInvalid, "top_k ", o.top_k, ", expected -1 or 0 (off) or >= 1");
+  if (!(o.min_p >= 0.0f && o.min_p <= 1.0f)) {
+    refuse(kInvalid, "min_p ", o.min_p, ", expected a value in [0, 1]");
+  }
   for (size_t i = 0; i < o.stop.size(); ++i) {
     if (!limits.has_tokenizer) {
       refuse(kInvalid, "stop strings need a tokenizer, and this engine has none");

@@ -485,8 +485,9 @@ void Decoder::allocate_step_buffers() {
     join_ = std::make_unique<Event>();
   }
   // Section sizes in bytes, each 16-byte aligned.
-  const int64_t sizes[kSections] = {
-      4 * t, 4 * t, 4 * t, 4 * t, 4 * s, 4 * s, 4 * s, 4 * s, 4 * s * kMaxBannedTokens, 8 * s};
+  const int64_t sizes[kSections] = {4 * t, 4 * t, 4 * t, 4 * t, 4 * s,
+                                    4 * s, 4 * s, 4 * s, 4 * s, 4 * s * kMaxBannedTokens,
+                                    8 * s};
   int64_t total = 0;
   for (int i = 0; i < kSections; ++i) {
     in_.offset[i] = total;
@@ -528,6 +529,7 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
   int32_t* sample_rows = in_.host_at<int32_t>(kSampleRows);
   float* temperature = in_.host_at<float>(kTemperature);
   float* top_p = in_.host_at<float>(kTopP);
+  float* min_p = in_.host_at<float>(kMinP);
   int32_t* top_k = in_.host_at<int32_t>(kTopK);
   int32_t* banned = in_.host_at<int32_t>(kBanned);
   double* uniform = in_.host_at<double>(kUniform);
@@ -544,6 +546,7 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
     sample_rows[r] = static_cast<int32_t>(row);
     temperature[r] = p.temperature;
     top_p[r] = p.top_p;
+    min_p[r] = p.min_p;
     top_k[r] = p.top_k;
     uniform[r] = u;
     for (size_t k = 0; k < static_cast<size_t>(kMaxBannedTokens); ++k) {
@@ -589,7 +592,8 @@ Decoder::Staged Decoder::stage(const StepBatch& batch, int64_t padded, bool grap
     in_.upload(s, static_cast<size_t>(t) * 4, stream_);
   }
   if (fed) in_.upload(kFeedRows, static_cast<size_t>(t) * 4, stream_);
-  for (Section s : {kSampleRows, kTemperature, kTopP, kTopK}) in_.upload(s, rows * 4, stream_);
+  for (Section s : {kSampleRows, kTemperature, kTopP, kMinP, kTopK})
+    in_.upload(s, rows * 4, stream_);
   in_.upload(kBanned, rows * 4 * kMaxBannedTokens, stream_);
   in_.upload(kUniform, rows * 8, stream_);
   attention_->plan(att, stream_, graph ? padded : 0);
@@ -807,6 +811,7 @@ void Decoder::run_device(int64_t n, int64_t num_sampled, bool token_lora, bool s
   sa.temperature = in_.device_at<float>(kTemperature);
   sa.top_k = in_.device_at<int32_t>(kTopK);
   sa.top_p = in_.device_at<float>(kTopP);
+  sa.min_p = in_.device_at<float>(kMinP);
   sa.uniform = in_.device_at<double>(kUniform);
   sa.banned = in_.device_at<int32_t>(kBanned);
   sa.ids = act_.ids.data<int32_t>();

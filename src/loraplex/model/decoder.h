@@ -126,8 +126,8 @@ class Decoder final : public ModelExecutor {
   // (the same tensor on the CPU, where a step has run when launch returns), uploaded section
   // by section (the used part of each): int32 token ids, positions, KV-cache slots and the
   // feed rows (SequenceStep::feed_row per token, -1 for the others) [max_num_tokens] and the
-  // sampled token rows [max_num_seqs]; then the sampled rows' parameters: temperature and
-  // top_p (float), top_k and banned ids (int32, kMaxBannedTokens per row) and the uniform
+  // sampled token rows [max_num_seqs]; then the sampled rows' parameters: temperature, top_p
+  // and min_p (float), top_k and banned ids (int32, kMaxBannedTokens per row) and the uniform
   // draws (double).
   enum Section {
     kTokenIds,
@@ -137,6 +137,7 @@ class Decoder final : public ModelExecutor {
     kSampleRows,
     kTemperature,
     kTopP,
+    kMinP,
     kTopK,
     kBanned,
     kUniform,

@@ -86,6 +86,7 @@ void check_sampling_params(const SamplingParams& p) {
                  "temperature must be a finite number >= 0, got ", p.temperature);
   LORAPLEX_CHECK(p.top_k >= 0, "top_k must be >= 0 (0 = off), got ", p.top_k);
   LORAPLEX_CHECK(p.top_p > 0.0f && p.top_p <= 1.0f, "top_p must be in (0, 1], got ", p.top_p);
+  LORAPLEX_CHECK(p.min_p >= 0.0f && p.min_p <= 1.0f, "min_p must be in [0, 1], got ", p.min_p);
 }
 
 int32_t sample_row(std::span<const float> logits, const SamplingParams& p, double uniform,
@@ -128,6 +129,18 @@ int32_t sample_row(std::span<const float> logits, const SamplingParams& p, doubl
   // From here l[j] is the weight exp(l - m) of a kept id and -1 for the others. Weights are
   // floats; sums are in double, in ascending id order.
   double total = weigh_dispatch(l, n, kth, m);
+  if (p.min_p > 0.0f) {
+    // The largest weight is 1, so a weight is its id's probability over the largest one.
+    total = 0.0;
+    for (size_t j = 0; j < n; ++j) {
+      if (l[j] < 0.0f) continue;
+      if (l[j] < p.min_p) {
+        l[j] = -1.0f;
+      } else {
+        total += l[j];
+      }
+    }
+  }
   float threshold = 0.0f;  // kept: weight >= threshold
   if (p.top_p < 1.0f) {
     // The weights in descending order until their running sum reaches top_p * total. Ids

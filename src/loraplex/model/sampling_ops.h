@@ -37,6 +37,7 @@ struct SampleArgs {
   const float* temperature = nullptr;  // [num_rows] in (0 = greedy)
   const int32_t* top_k = nullptr;      // [num_rows] in (0 = off)
   const float* top_p = nullptr;        // [num_rows] in (1 = off)
+  const float* min_p = nullptr;        // [num_rows] in (0 = off), or nullptr: off for all rows
   const double* uniform = nullptr;     // [num_rows] in [0, 1), unused by greedy rows
   const int32_t* banned = nullptr;  // [num_rows, kMaxBannedTokens] in, -1 (or out of range) = none
   int32_t* ids = nullptr;           // [num_rows] out

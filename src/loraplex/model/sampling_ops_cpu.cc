@@ -25,6 +25,8 @@ Status check_params(const SampleArgs& a, int64_t r) {
                   a.top_k[r]);
   LORAPLEX_ENSURE(a.top_p[r] > 0.0f && a.top_p[r] <= 1.0f, "sample: row ", r,
                   " top_p must be in (0, 1], got ", a.top_p[r]);
+  LORAPLEX_ENSURE(a.min_p == nullptr || (a.min_p[r] >= 0.0f && a.min_p[r] <= 1.0f), "sample: row ",
+                  r, " min_p must be in [0, 1], got ", a.min_p == nullptr ? 0.0f : a.min_p[r]);
   const bool greedy = t == 0.0f || a.top_k[r] == 1;
   LORAPLEX_ENSURE(greedy || (a.uniform[r] >= 0.0 && a.uniform[r] < 1.0), "sample: row ", r,
                   " uniform must be in [0, 1), got ", a.uniform[r]);
@@ -66,7 +68,8 @@ Status sample(const SampleArgs& a) {
         }
       }
       const std::span<const float> logits(row, n);
-      const SamplingParams params{a.temperature[r], a.top_k[r], a.top_p[r]};
+      const SamplingParams params{a.temperature[r], a.top_k[r], a.top_p[r],
+                                  a.min_p == nullptr ? 0.0f : a.min_p[r]};
       const std::span<const int32_t> banned(a.banned + r * kMaxBannedTokens, kMaxBannedTokens);
       const int32_t id = sample_row(logits, params, a.uniform[r], banned, scratch);
       a.ids[r] = id;

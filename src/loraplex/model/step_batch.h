@@ -34,6 +34,9 @@ struct SamplingParams {
   float temperature = 0.0f;  // 0 = greedy
   int top_k = 0;             // 0 = all tokens
   float top_p = 1.0f;        // 1 = all tokens
+  // 0 = all tokens; else only ids whose probability is at least min_p times the largest
+  // (vLLM's min_p, applied before top-k and top-p, which then see only what it kept).
+  float min_p = 0.0f;
 };
 
 struct SequenceStep {

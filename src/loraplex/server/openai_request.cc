@@ -200,9 +200,7 @@ void parse_common(const json& body, GenerationRequest& r) {
   if (auto p = get_number(body, "repetition_penalty")) {
     o.repetition_penalty = static_cast<float>(*p);
   }
-  if (auto p = get_number(body, "min_p")) {
-    refuse_unless(*p == 0.0, "min_p", "'min_p' is not supported (use 0)");
-  }
+  if (auto p = get_number(body, "min_p")) o.min_p = static_cast<float>(*p);
   if (const json* lb = field(body, "logit_bias")) {
     if (!lb->is_object()) bad_type("logit_bias", "an object of token ids to biases", *lb);
     for (const auto& [key, value] : lb->items()) {

@@ -14,7 +14,8 @@
 //      A row with no allowed id takes the argmax of its raw logits (sample_row's rule).
 //   2. top-k: radix select (4 passes of 8 bits) of the k-th largest l over order-preserving
 //      keys of the float bits, with integer counts: exact, as std::nth_element.
-//   3. weights w = exp(l - max) (sampling_math.h: the same bits as the CPU), -1 for dropped ids.
+//   3. weights w = exp(l - max) (sampling_math.h: the same bits as the CPU), -1 for dropped ids
+//      (below the k-th largest l, or min_p: w < min_p, w being the probability over the largest).
 //   4. top-p: radix select over the weights' bits of the largest w whose mass "w' >= w" reaches
 //      top_p * total, with 64-bit fixed-point masses (integers: order-free, deterministic).
 //   5. walk: each thread sums the weights of a contiguous run of ids in double, in id order;
@@ -32,8 +33,8 @@
 //    the total is >= 1, the largest weight being 1); the thresholds differ only where top_p *
 //    total lies that close to the mass above some weight.
 // Out-of-range parameters cannot be rejected here (they are device memory): a temperature that
-// is not > 0 means greedy, top_k < 0 means off, top_p outside (0, 1) means off; ids outside
-// [0, vocab) in `banned` are ignored.
+// is not > 0 means greedy, top_k < 0 means off, top_p outside (0, 1) and min_p outside (0, 1]
+// mean off; ids outside [0, vocab) in `banned` are ignored.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -364,6 +365,8 @@ __device__ void sample_row(const SampleArgs& a, int64_t r, int64_t chunk, float*
   const bool greedy = !(temperature > 0.0f) || top_k == 1;
   const bool use_top_k = !greedy && top_k > 0 && top_k < vocab;
   const float top_p = !greedy && top_p_in > 0.0f && top_p_in < 1.0f ? top_p_in : 0.0f;
+  const float min_p_in = a.min_p == nullptr ? 0.0f : a.min_p[r];
+  const float min_p = !greedy && min_p_in > 0.0f && min_p_in <= 1.0f ? min_p_in : 0.0f;
   const bool want_logprob = a.logprobs != nullptr;
 
   auto is_banned = [&](int64_t j) {
@@ -538,8 +541,11 @@ __device__ void sample_row(const SampleArgs& a, int64_t r, int64_t chunk, float*
 #pragma unroll 4
   for (int i = t0; i < t1; ++i) {
     const float l = buf[i];
-    const bool keep = l != -INFINITY && l >= kth;
-    const float w = keep ? sampling_detail::weight<DeviceArith>(l, m) : -1.0f;
+    const float weight =
+        l != -INFINITY && l >= kth ? sampling_detail::weight<DeviceArith>(l, m) : -1.0f;
+    // min_p: the largest weight is 1, so a weight is its id's probability over the largest.
+    const bool keep = weight >= 0.0f && weight >= min_p;
+    const float w = keep ? weight : -1.0f;
     buf[i] = w;
     if (keep && top_p == 0.0f) {
       mass += w;
