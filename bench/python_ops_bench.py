@@ -5,7 +5,8 @@ cases: hidden 4096, bf16, ranks {16, 64}, adapters {1, 8, 32}, decode-sized toke
 
 Per case and op (linear = add_lora_linear, shrink = lora_shrink, expand = lora_expand):
   graph_us   20 calls captured in one CUDA graph, replayed; GPU time per call (what the
-             kernels cost, binding included: lora_shrink zeroes its output first, as vLLM's)
+             kernels cost, binding included: lora_shrink zeroes its output first, as vLLM's,
+             unless every token has an adapter and the kernel writes the whole output)
   eager_us   200 calls back to back on one stream, events around them, per call: the GPU time
              when the host keeps up, else the host's launch rate
   host_us    the Python call alone (perf_counter around the same 200 calls, no sync)

@@ -91,6 +91,8 @@ class KernelMeta {
     meta().prepare(slots, s);
     no_lora_ = meta().no_lora() ? 1 : 0;
     num_active_ = static_cast<int32_t>(std::set<int32_t>(slots.begin(), slots.end()).size());
+    every_token_lora_ = std::all_of(slots.begin(), slots.end(),
+                                    [&](int32_t s) { return s >= 0 && s < max_loras(); });
   }
 
   /// vLLM's meta_args: (token_lora_mapping[:num_tokens], token_indices_sorted_by_lora_ids
@@ -133,8 +135,11 @@ class KernelMeta {
 
   Device device() const { return device_; }
   bool no_lora() const { return meta().no_lora(); }
+  /// Every token of the prepared mapping has an adapter (a slot in [0, max_loras)).
+  bool every_token_lora() const { return every_token_lora_; }
   int max_loras() const { return punica_.max_loras(); }
   int max_num_tokens() const { return meta().max_num_tokens(); }
+  int64_t num_tokens() const { return meta().num_tokens(); }
   PunicaWrapper& punica() { return punica_; }
 
   /// Every slot of every slice at the full rank: vLLM's ops run each slot at the rank of the
@@ -180,6 +185,7 @@ class KernelMeta {
   Device device_;
   PunicaWrapper punica_;
   uint8_t no_lora_ = 1;
+  bool every_token_lora_ = false;
   int32_t num_active_ = 0;
   int32_t default_active_ = 0;
   std::map<std::pair<int, int>, SlotRanks> ranks_;
@@ -227,8 +233,14 @@ void lora_shrink(const Array& inputs, const std::vector<Array>& lora_a, const Ar
       meta.full_ranks(static_cast<int>(a.size()), static_cast<int>(a[0].size(1)));
   const Stream s = stream_of(meta.device(), stream);
   nb::gil_scoped_release release;
-  // vLLM's shrink writes every row (rows of tokens without LoRA are zero).
-  if (out.is_contiguous()) out.zero_(s);
+  // vLLM's shrink zeroes its output first (rows of tokens without LoRA are zero). Ours writes
+  // every rank of every token with an adapter (the ops' slots all have the full rank), so
+  // when all tokens have one and the output is exactly [slices, tokens, rank] nothing is left
+  // to zero, and the memset (a launch of its own) is skipped.
+  const bool covered = meta.every_token_lora() && out.dim() == 3 &&
+                       out.size(0) == static_cast<int64_t>(a.size()) &&
+                       out.size(1) == meta.num_tokens() && out.size(2) == a[0].size(1);
+  if (out.is_contiguous() && !covered) out.zero_(s);
   meta.punica().add_shrink(out, x, a, ranks, scaling, s);
 }
 
