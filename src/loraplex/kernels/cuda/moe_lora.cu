@@ -206,9 +206,9 @@ __device__ int item_rows(const MoeParams& p, int64_t item, int* pairs, int& slot
 // Shrink: mid[pair, s, r] = x_row . A_s[slot, expert, r, :] for the ranks of one rank group
 // of one slice (blockIdx.y) and the item's rows (blockIdx.x). p.k_split warps share a rank,
 // each taking every k_split-th run of 32 x V elements of K, so a thread holds a few
-// accumulators (a thread block resident per SM would leave most decode items waiting for one,
-// and most aligned blocks of a decode step are empty) while a long K still has its loads spread
-// over several warps instead of one warp's serial chain.
+// accumulators (with one thread block resident per SM most decode items would wait for one)
+// while a long K still has its loads spread over several warps instead of one warp's serial
+// chain.
 template <typename T, int V>
 __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams p) {
   __shared__ int pairs[kMaxItemRows];
