@@ -9,7 +9,6 @@ from typing import Any, Optional, Sequence, Union
 # for anything else is refused (ValueError naming the field), never run differently.
 _UNSUPPORTED_DEFAULTS = {
     "prompt_logprobs": None,
-    "spaces_between_special_tokens": True,
     "logits_processors": None,
 }
 
@@ -91,13 +90,15 @@ GuidedDecodingParams = StructuredOutputsParams
 class SamplingParams:
     """How to sample, with vLLM's names and defaults (vllm.SamplingParams).
 
-    Implemented: temperature (0 = greedy), top_p, top_k (0 or -1 = off), seed, max_tokens
+    Implemented: temperature (0 = greedy), top_p, top_k (0 or -1 = off), min_p, seed, max_tokens
     (None = up to max_model_len), min_tokens, stop strings, stop_token_ids, ignore_eos,
     include_stop_str_in_output, skip_special_tokens, n (n requests of the prompt; with a seed,
     sample i uses seed + i), truncate_prompt_tokens, detokenize, logprobs (the sampled token's
     log-probability and up to 20 most likely tokens'), the presence, frequency and repetition
     penalties, logit_bias, allowed_token_ids, bad_words and structured_outputs (or
-    guided_decoding). The rest of vLLM's fields are accepted only at their default values.
+    guided_decoding). spaces_between_special_tokens is accepted and has no effect: only slow
+    tokenizers read it, and loraplex reads tokenizer.json (vLLM ignores it there too, as the
+    server does). The rest of vLLM's fields are accepted only at their default values.
     """
 
     def __init__(

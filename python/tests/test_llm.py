@@ -356,6 +356,10 @@ def test_errors_are_python_exceptions_with_the_cpp_message(tiny_llama, tmp_path)
         tiny_llama.generate("The function returns", SamplingParams(top_p=1.5))
     with pytest.raises(ValueError, match="SamplingParams.n=0"):
         SamplingParams(n=0)
+    # Read by slow tokenizers only (vLLM ignores it with tokenizer.json, as loraplex does).
+    SamplingParams(spaces_between_special_tokens=False)
+    with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs=1"):
+        SamplingParams(prompt_logprobs=1)
     with pytest.raises(ValueError, match=r"SamplingParams.min_p=1.5, expected a value in \[0, 1\]"):
         SamplingParams(min_p=1.5)
     with pytest.raises(ValueError, match="no chat template"):

@@ -362,7 +362,7 @@ constexpr int kStagedPartRows = 64;
 // of them). Part q of the item's row m lives at scratch row q * num_tokens + start + m (start:
 // the item's first sorted position), so the scratch holds k_split x num_tokens rows whatever the
 // tiles: a bound of (tiles + slots) x 128 rows per part overflowed it at 32 adapters x 256
-// tokens (q/k/v, rank 16) and sent the reduction to clusters of 8 (two waves: +34%).
+// tokens (q/k/v, rank 16) and sent the reduction to clusters of 8 (two waves).
 template <typename T, bool kWg, int kAccTiles, int kRows, bool kTrace>
 __device__ __forceinline__ void reduce_through_global(const PrefillParams& p,
                                                       const float (&acc)[kAccTiles * 4], float* red,
