@@ -87,6 +87,10 @@ constexpr int kRowChunk = 4;
 constexpr int64_t kShrinkWarpK = 2048;
 // An aligned block has at most this many rows (the layer's blocks hold 16).
 constexpr int kMaxItemRows = 64;
+// From this many routed pairs the tensor-core kernels take the step (prefill). Decode steps
+// (at most 2,048 pairs in the MoE layer) keep the CUDA-core kernels: their items hold one or
+// two pairs, which a 16-row tile would mostly waste.
+constexpr int64_t kMmaMinPairs = 4096;
 
 struct MoeParams {
   const void* x;
@@ -284,6 +288,128 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams 
   }
 }
 
+// Tensor-core forms for prefill-sized steps (bf16/f16, aligned blocks of at most 16 pairs, K
+// and max_rank multiples of 16, 4-byte aligned rows): a block's pairs are the 16 rows of an
+// m16n8k16 tile, so a step of tens of thousands of pairs is not multiplied out on CUDA cores.
+// Fragments are read straight from global memory (rows past the item's repeat its last pair;
+// their results are dropped).
+__device__ __forceinline__ uint32_t ld_pair(const void* p) {
+  return *static_cast<const uint32_t*>(p);
+}
+
+// Shrink: the item's 16 x 8 tile of mid for 8 ranks of one slice (blockIdx.y), the 8 warps
+// splitting K in steps of 16, their partial tiles summed in shared memory in warp order.
+template <typename T>
+__global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_mma_kernel(MoeParams p) {
+  __shared__ int pairs[kMaxItemRows];
+  __shared__ float partial[kMoeWarps][16 * 8];
+  int slot = 0;
+  int expert = 0;
+  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
+  if (rows == 0) return;
+  const int s = static_cast<int>(blockIdx.y) / p.rank_groups;
+  const int r0 = static_cast<int>(blockIdx.y) % p.rank_groups * 8;
+  const int rank = p.ranks[s * p.max_loras + slot];
+  if (r0 >= rank) return;  // the same for the whole thread block, before its barrier
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int64_t K = p.k_dim;
+  const T* x = static_cast<const T*>(p.x);
+  auto x_row = [&](int r) {
+    const int pair = pairs[min(r, rows - 1)];
+    return x + (p.x_rows_are_pairs ? pair : pair / p.top_k) * K;
+  };
+  const T* x0 = x_row(g);
+  const T* x1 = x_row(g + 8);
+  const T* a = static_cast<const T*>(p.a[s]) +
+               ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.max_rank + r0 + g) * K;
+  float c[4] = {};
+#pragma unroll 4
+  for (int64_t k = static_cast<int64_t>(warp) * 16 + 2 * t; k < K; k += 16 * kMoeWarps) {
+    const uint32_t af[4] = {ld_pair(x0 + k), ld_pair(x1 + k), ld_pair(x0 + k + 8),
+                            ld_pair(x1 + k + 8)};
+    const uint32_t bf[2] = {ld_pair(a + k), ld_pair(a + k + 8)};
+    mma_16816<T>(c, af, bf);
+  }
+  partial[warp][g * 8 + 2 * t] = c[0];
+  partial[warp][g * 8 + 2 * t + 1] = c[1];
+  partial[warp][(g + 8) * 8 + 2 * t] = c[2];
+  partial[warp][(g + 8) * 8 + 2 * t + 1] = c[3];
+  __syncthreads();
+  const int i = static_cast<int>(threadIdx.x);
+  const int row = i / 8;
+  const int col = i % 8;
+  if (i < 16 * 8 && row < rows && r0 + col < rank) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMoeWarps; ++w) sum += partial[w][i];
+    p.mid[(static_cast<int64_t>(pairs[row]) * p.num_slices + s) * p.max_rank + r0 + col] = sum;
+  }
+}
+
+// Expand: the item's rows against 256 output columns (blockIdx.y), a warp taking 32 of them
+// as four 8-column tiles; the intermediate enters as the tile's A operand in T (zero past the
+// slot's rank and past the item's rows), B's rows as its B operand.
+template <typename T>
+__global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_mma_kernel(MoeParams p) {
+  __shared__ int pairs[kMaxItemRows];
+  int slot = 0;
+  int expert = 0;
+  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
+  if (rows == 0) return;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int S = p.num_slices;
+  const int MR = p.max_rank;
+  const bool live0 = g < rows;
+  const bool live1 = g + 8 < rows;
+  const int64_t pair0 = pairs[min(g, rows - 1)];
+  const int64_t pair1 = pairs[min(g + 8, rows - 1)];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kMoeThreads + warp * 32 + q * 8;
+    if (col0 >= S * p.n) break;
+    const int s = static_cast<int>(col0 / p.n);
+    const int64_t j0 = col0 % p.n;
+    const int rank = p.ranks[s * p.max_loras + slot];
+    if (rank == 0) continue;
+    const T* b = static_cast<const T*>(p.b[s]) +
+                 ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.n + j0 + g) * MR;
+    const float* m0 = p.mid + (pair0 * S + s) * MR;
+    const float* m1 = p.mid + (pair1 * S + s) * MR;
+    auto mid_pair = [&](const float* m, bool live, int r) {
+      const float lo = live && r < rank ? m[r] : 0.0f;
+      const float hi = live && r + 1 < rank ? m[r + 1] : 0.0f;
+      return pack2<T>(lo, hi);
+    };
+    float c[4] = {};
+    for (int r16 = 0; r16 < rank; r16 += 16) {  // the same trip count in every lane
+      const int r = r16 + 2 * t;
+      const uint32_t af[4] = {mid_pair(m0, live0, r), mid_pair(m1, live1, r),
+                              mid_pair(m0, live0, r + 8), mid_pair(m1, live1, r + 8)};
+      const uint32_t bf[2] = {ld_pair(b + r), ld_pair(b + r + 8)};
+      mma_16816<T>(c, af, bf);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!(h == 0 ? live0 : live1)) continue;
+      const int64_t pair = h == 0 ? pair0 : pair1;
+      const float w = p.mul_routed_weight ? p.topk_weights[pair] : 1.0f;
+      T* dst = static_cast<T*>(p.out) + pair * p.out_row_width + p.offset + col0 + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float o = c[2 * h + e] * w;
+        if (p.add_inputs) o += to_float(dst[e]);
+        dst[e] = from_float<T>(o);
+      }
+    }
+  }
+}
+
 // Expand: one output column per thread (blockIdx.y picks 256 of the slices' columns), for the
 // item's rows: out[pair, offset + col] (+)= w * sum_r mid[pair, s, r] * B_s[slot, expert, j, r].
 // A warp reads 32 consecutive B rows, contiguous memory.
@@ -462,6 +588,25 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
                   " work items of ", column_blocks, " column blocks exceed one launch");
   if (items == 0) return Status();
   auto s = static_cast<cudaStream_t>(stream);
+  const bool mma = (a.dtype == DType::kBF16 || a.dtype == DType::kF16) && !a.naive_blocks &&
+                   a.block_size <= 16 && p.num_pairs >= kMmaMinPairs && a.hidden_in % 16 == 0 &&
+                   a.max_rank % 16 == 0 && a.n % 8 == 0 && aligned_a && aligned_b;
+  if (mma) {
+    p.rank_groups = a.max_rank / 8;
+    const dim3 mma_shrink_grid(static_cast<unsigned>(items),
+                               static_cast<unsigned>(a.num_slices * p.rank_groups));
+    const dim3 mma_expand_grid(static_cast<unsigned>(items), static_cast<unsigned>(column_blocks));
+    if (a.dtype == DType::kBF16) {
+      moe_lora_shrink_mma_kernel<bf16><<<mma_shrink_grid, kMoeThreads, 0, s>>>(p);
+      LORAPLEX_RETURN_IF_ERROR(launch_status("moe_lora_shrink_mma_kernel"));
+      moe_lora_expand_mma_kernel<bf16><<<mma_expand_grid, kMoeThreads, 0, s>>>(p);
+    } else {
+      moe_lora_shrink_mma_kernel<f16><<<mma_shrink_grid, kMoeThreads, 0, s>>>(p);
+      LORAPLEX_RETURN_IF_ERROR(launch_status("moe_lora_shrink_mma_kernel"));
+      moe_lora_expand_mma_kernel<f16><<<mma_expand_grid, kMoeThreads, 0, s>>>(p);
+    }
+    return launch_status("moe_lora_expand_mma_kernel");
+  }
   const dim3 shrink_grid(static_cast<unsigned>(items),
                          static_cast<unsigned>(a.num_slices * p.rank_groups));
   const dim3 expand_grid(static_cast<unsigned>(items), static_cast<unsigned>(column_blocks));
