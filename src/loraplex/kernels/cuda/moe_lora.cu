@@ -87,8 +87,8 @@ constexpr int kRowChunk = 4;
 constexpr int64_t kShrinkWarpK = 2048;
 // An aligned block has at most this many rows (the layer's blocks hold 16).
 constexpr int kMaxItemRows = 64;
-// From this many routed pairs the tensor-core kernels take the step (prefill). Decode steps
-// (at most 2,048 pairs in the MoE layer) keep the CUDA-core kernels: their items hold one or
+// From this many routed pairs the tensor-core shrink takes the step (prefill). Decode steps
+// (at most 2,048 pairs in the MoE layer) keep the CUDA-core shrink: their items hold one or
 // two pairs, which a 16-row tile would mostly waste.
 constexpr int64_t kMmaMinPairs = 4096;
 
@@ -288,11 +288,11 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams 
   }
 }
 
-// Tensor-core forms for prefill-sized steps (bf16/f16, aligned blocks of at most 16 pairs, K
-// and max_rank multiples of 16, 4-byte aligned rows): a block's pairs are the 16 rows of an
-// m16n8k16 tile, so a step of tens of thousands of pairs is not multiplied out on CUDA cores.
-// Fragments are read straight from global memory (rows past the item's repeat its last pair;
-// their results are dropped).
+// The tensor-core shrink for prefill-sized steps (bf16/f16, aligned blocks of at most 16 pairs,
+// K a multiple of 16 and max_rank of 8, rows on 16 bytes): a block's pairs are the 16 rows of
+// an m16n8k16 tile, so a step of tens of thousands of pairs is not multiplied out on CUDA
+// cores. Fragments are read straight from global memory (rows past the item's repeat its last
+// pair; their results are dropped).
 __device__ __forceinline__ uint32_t ld_pair(const void* p) {
   return *static_cast<const uint32_t*>(p);
 }
@@ -346,67 +346,6 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_mma_kernel(MoePar
 #pragma unroll
     for (int w = 0; w < kMoeWarps; ++w) sum += partial[w][i];
     p.mid[(static_cast<int64_t>(pairs[row]) * p.num_slices + s) * p.max_rank + r0 + col] = sum;
-  }
-}
-
-// Expand: the item's rows against 256 output columns (blockIdx.y), a warp taking 32 of them
-// as four 8-column tiles; the intermediate enters as the tile's A operand in T (zero past the
-// slot's rank and past the item's rows), B's rows as its B operand.
-template <typename T>
-__global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_mma_kernel(MoeParams p) {
-  __shared__ int pairs[kMaxItemRows];
-  int slot = 0;
-  int expert = 0;
-  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
-  if (rows == 0) return;
-  const int warp = static_cast<int>(threadIdx.x) >> 5;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int S = p.num_slices;
-  const int MR = p.max_rank;
-  const bool live0 = g < rows;
-  const bool live1 = g + 8 < rows;
-  const int64_t pair0 = pairs[min(g, rows - 1)];
-  const int64_t pair1 = pairs[min(g + 8, rows - 1)];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kMoeThreads + warp * 32 + q * 8;
-    if (col0 >= S * p.n) break;
-    const int s = static_cast<int>(col0 / p.n);
-    const int64_t j0 = col0 % p.n;
-    const int rank = p.ranks[s * p.max_loras + slot];
-    if (rank == 0) continue;
-    const T* b = static_cast<const T*>(p.b[s]) +
-                 ((static_cast<int64_t>(slot) * p.num_experts + expert) * p.n + j0 + g) * MR;
-    const float* m0 = p.mid + (pair0 * S + s) * MR;
-    const float* m1 = p.mid + (pair1 * S + s) * MR;
-    auto mid_pair = [&](const float* m, bool live, int r) {
-      const float lo = live && r < rank ? m[r] : 0.0f;
-      const float hi = live && r + 1 < rank ? m[r + 1] : 0.0f;
-      return pack2<T>(lo, hi);
-    };
-    float c[4] = {};
-    for (int r16 = 0; r16 < rank; r16 += 16) {  // the same trip count in every lane
-      const int r = r16 + 2 * t;
-      const uint32_t af[4] = {mid_pair(m0, live0, r), mid_pair(m1, live1, r),
-                              mid_pair(m0, live0, r + 8), mid_pair(m1, live1, r + 8)};
-      const uint32_t bf[2] = {ld_pair(b + r), ld_pair(b + r + 8)};
-      mma_16816<T>(c, af, bf);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (!(h == 0 ? live0 : live1)) continue;
-      const int64_t pair = h == 0 ? pair0 : pair1;
-      const float w = p.mul_routed_weight ? p.topk_weights[pair] : 1.0f;
-      T* dst = static_cast<T*>(p.out) + pair * p.out_row_width + p.offset + col0 + 2 * t;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float o = c[2 * h + e] * w;
-        if (p.add_inputs) o += to_float(dst[e]);
-        dst[e] = from_float<T>(o);
-      }
-    }
   }
 }
 
@@ -588,37 +527,35 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
                   " work items of ", column_blocks, " column blocks exceed one launch");
   if (items == 0) return Status();
   auto s = static_cast<cudaStream_t>(stream);
+  // The tensor-core shrink for prefill-sized steps; the expand stays on CUDA cores, whose
+  // thread per column stores each pair's output row coalesced (the tensor-core expand's 8-column
+  // tiles stored a row 16 bytes at a time and took longer than this one).
   const bool mma = (a.dtype == DType::kBF16 || a.dtype == DType::kF16) && !a.naive_blocks &&
                    a.block_size <= 16 && p.num_pairs >= kMmaMinPairs && a.hidden_in % 16 == 0 &&
-                   a.max_rank % 16 == 0 && a.n % 8 == 0 && aligned_a && aligned_b;
-  if (mma) {
-    p.rank_groups = a.max_rank / 8;
-    const dim3 mma_shrink_grid(static_cast<unsigned>(items),
-                               static_cast<unsigned>(a.num_slices * p.rank_groups));
-    const dim3 mma_expand_grid(static_cast<unsigned>(items), static_cast<unsigned>(column_blocks));
-    if (a.dtype == DType::kBF16) {
-      moe_lora_shrink_mma_kernel<bf16><<<mma_shrink_grid, kMoeThreads, 0, s>>>(p);
-      LORAPLEX_RETURN_IF_ERROR(launch_status("moe_lora_shrink_mma_kernel"));
-      moe_lora_expand_mma_kernel<bf16><<<mma_expand_grid, kMoeThreads, 0, s>>>(p);
-    } else {
-      moe_lora_shrink_mma_kernel<f16><<<mma_shrink_grid, kMoeThreads, 0, s>>>(p);
-      LORAPLEX_RETURN_IF_ERROR(launch_status("moe_lora_shrink_mma_kernel"));
-      moe_lora_expand_mma_kernel<f16><<<mma_expand_grid, kMoeThreads, 0, s>>>(p);
-    }
-    return launch_status("moe_lora_expand_mma_kernel");
-  }
-  const dim3 shrink_grid(static_cast<unsigned>(items),
-                         static_cast<unsigned>(a.num_slices * p.rank_groups));
+                   a.max_rank % 8 == 0 && aligned_a;
   const dim3 expand_grid(static_cast<unsigned>(items), static_cast<unsigned>(column_blocks));
   Status status;
   dispatch_device_dtype(a.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int kV = 16 / static_cast<int>(sizeof(T));
-    // 16-byte accesses when every row starts on 16 bytes; scalar ones otherwise.
-    if (aligned_a && a.hidden_in % kV == 0) {
-      moe_lora_shrink_kernel<T, kV><<<shrink_grid, kMoeThreads, 0, s>>>(p);
-    } else {
-      moe_lora_shrink_kernel<T, 1><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (mma) {
+        MoeParams q = p;
+        q.rank_groups = a.max_rank / 8;
+        const dim3 grid(static_cast<unsigned>(items),
+                        static_cast<unsigned>(a.num_slices * q.rank_groups));
+        moe_lora_shrink_mma_kernel<T><<<grid, kMoeThreads, 0, s>>>(q);
+      }
+    }
+    if (!mma) {
+      const dim3 shrink_grid(static_cast<unsigned>(items),
+                             static_cast<unsigned>(a.num_slices * p.rank_groups));
+      // 16-byte accesses when every row starts on 16 bytes; scalar ones otherwise.
+      if (aligned_a && a.hidden_in % kV == 0) {
+        moe_lora_shrink_kernel<T, kV><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+      } else {
+        moe_lora_shrink_kernel<T, 1><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+      }
     }
     (void)(status = launch_status("moe_lora_shrink_kernel"));
     if (!status.ok()) return;
