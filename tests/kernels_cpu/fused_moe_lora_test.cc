@@ -185,11 +185,12 @@ TEST_F(MoeLoraAlign, BufferSizesCoverVllms) {
 }
 
 TEST_F(MoeLoraAlign, NaiveAssignmentRule) {
-  // vLLM skips alignment when tokens * top_k * 8 <= experts * max_loras.
-  EXPECT_TRUE(kernels::moe_use_naive_blocks(4, 2, 8, 8));   // 64 <= 64
-  EXPECT_FALSE(kernels::moe_use_naive_blocks(5, 2, 8, 8));  // 80 > 64
-  EXPECT_FALSE(kernels::moe_use_naive_blocks(1, 1, 1, 1));
-  EXPECT_TRUE(kernels::moe_use_naive_blocks(1, 8, 64, 1));
+  // Alignment is skipped when tokens * top_k <= experts * max_loras.
+  EXPECT_TRUE(kernels::moe_use_naive_blocks(32, 2, 8, 8));   // 64 <= 64
+  EXPECT_FALSE(kernels::moe_use_naive_blocks(33, 2, 8, 8));  // 66 > 64
+  EXPECT_TRUE(kernels::moe_use_naive_blocks(1, 1, 1, 1));
+  EXPECT_FALSE(kernels::moe_use_naive_blocks(2, 1, 1, 1));
+  EXPECT_TRUE(kernels::moe_use_naive_blocks(32, 8, 128, 8));  // Qwen3-30B-A3B, 32 decodes
   PunicaWrapper wrapper(8, 16, 1, kCpu);
   Stream cpu;
   wrapper.reserve_moe_lora(8, 2, 16);
@@ -201,7 +202,9 @@ TEST_F(MoeLoraAlign, NaiveAssignmentRule) {
   wrapper.update_metadata(std::vector<int32_t>(5, 1), {}, cpu);
   const Tensor topk5 =
       Tensor::from_vector(std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {5, 2});
-  const MoeLoraAlignment al = wrapper.moe_lora_align_block_size(topk5, 8, 16, enabled, cpu);
+  EXPECT_TRUE(wrapper.moe_lora_align_block_size(topk5, 8, 16, enabled, cpu).naive);
+  const MoeLoraAlignment al =
+      wrapper.moe_lora_align_block_size(topk5, 8, 16, enabled, cpu, /*allow_naive=*/false);
   EXPECT_FALSE(al.naive);
   EXPECT_EQ(al.num_tokens_post_pad.item({1}), 16 * 8);  // slot 1: 8 experts, one block each
   EXPECT_EQ(al.num_tokens_post_pad.item({0}), 0);

@@ -188,7 +188,8 @@ struct MoeAlignSizes {
 /// Buffer sizes for moe_lora_align_block_size: vLLM's worst case (every expert group padded),
 /// rounded up to whole blocks.
 MoeAlignSizes moe_align_sizes(int64_t num_pairs, int num_experts, int block_size);
-/// True when vLLM would skip alignment: num_tokens * top_k * 8 <= num_experts * max_loras.
+/// True when alignment is skipped (naive blocks): num_tokens * top_k <= num_experts * max_loras,
+/// at most one routed pair per (slot, expert) on average (vLLM skips it from 8 times fewer).
 bool moe_use_naive_blocks(int64_t num_tokens, int top_k, int num_experts, int max_loras);
 
 /// Fused MoE LoRA, shrink and expand for one projection of the routed experts:

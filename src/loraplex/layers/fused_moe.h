@@ -218,7 +218,7 @@ class FusedMoeWithLora {
   Tensor host_order_;  // CUDA: pinned int32 [2, max pairs]
   std::vector<int64_t> expert_offsets_;
   Tensor out_buffer_;          // [max_num_tokens, hidden], on first use
-  bool naive_blocks_ = false;  // this step's choice (vLLM's sparsity rule)
+  bool naive_blocks_ = false;  // this step's choice (kernels::moe_use_naive_blocks)
   Routing routing_ = Routing::kAuto;
 };
 

@@ -152,7 +152,7 @@ class PunicaWrapper {
   void reserve_moe_lora(int num_experts, int max_top_k, int max_block_size);
   /// vLLM's moe_lora_align_block_size: for each enabled slot, its (token, k) pairs grouped
   /// by expert, each group padded to a multiple of block_size with the id num_tokens * top_k.
-  /// When allow_naive and tokens * top_k * 8 <= num_experts * max_loras, alignment is
+  /// When allow_naive and tokens * top_k <= num_experts * max_loras, alignment is
   /// skipped (naive blocks). topk_ids: int32 [num_tokens, top_k]; adapter_enabled: int32
   /// [max_loras] or undefined (every slot enabled). Needs reserve_moe_lora first.
   MoeLoraAlignment moe_lora_align_block_size(const Tensor& topk_ids, int num_experts,

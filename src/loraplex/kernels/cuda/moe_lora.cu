@@ -401,8 +401,8 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams 
   }
 }
 
-// Expand with 16 bytes of output columns per thread (eight in bf16/f16, four in fp32): B's rows
-// are read as 16-byte packs and each pair's output is read and written 16 bytes at a time. One
+// Expand with eight output columns per thread (bf16/f16): B's eight rows are read as 16-byte
+// packs and each pair's output is read and written 16 bytes at a time. One
 // thread block covers up to 2,048 columns of an item, so the item lookup and the intermediate's
 // staging are paid once per 2,048 columns instead of once per 256.
 template <typename T>
@@ -625,19 +625,28 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
     (void)(status = launch_status("moe_lora_shrink_kernel"));
     if (!status.ok()) return;
     const bool vector_b = aligned_b && a.max_rank % kV == 0;
-    const bool vector_out = vector_b && a.n % kV == 0 && a.offset % kV == 0 &&
-                            a.out_row_width % kV == 0 && aligned16(a.out);
-    const void* expand = vector_out ? reinterpret_cast<const void*>(&moe_lora_expand_vec_kernel<T>)
-                         : vector_b ? reinterpret_cast<const void*>(&moe_lora_expand_kernel<T, kV>)
-                                    : reinterpret_cast<const void*>(&moe_lora_expand_kernel<T, 1>);
+    // The 16-byte expand for prefill-sized steps only: with a decode step's one or two pairs an
+    // item, a thread per column keeps more loads in flight than a thread per eight columns.
+    const bool vector_out = sizeof(T) == 2 && vector_b && p.num_pairs >= kMmaMinPairs &&
+                            a.n % kV == 0 && a.offset % kV == 0 && a.out_row_width % kV == 0 &&
+                            aligned16(a.out);
+    const void* expand = vector_b ? reinterpret_cast<const void*>(&moe_lora_expand_kernel<T, kV>)
+                                  : reinterpret_cast<const void*>(&moe_lora_expand_kernel<T, 1>);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (vector_out) expand = reinterpret_cast<const void*>(&moe_lora_expand_vec_kernel<T>);
+    }
     // (void): nvcc flags the discarded Status& of a [[nodiscard]] class's operator=.
     (void)(status = allow_dynamic_smem(expand, smem));
     if (!status.ok()) return;
-    if (vector_out) {
-      const dim3 grid(static_cast<unsigned>(items),
-                      static_cast<unsigned>(ceil_div(a.num_slices * a.n, kMoeThreads * kV)));
-      moe_lora_expand_vec_kernel<T><<<grid, kMoeThreads, smem, s>>>(p);
-    } else if (vector_b) {
+    if constexpr (!std::is_same_v<T, float>) {
+      if (vector_out) {
+        const dim3 grid(static_cast<unsigned>(items),
+                        static_cast<unsigned>(ceil_div(a.num_slices * a.n, kMoeThreads * kV)));
+        moe_lora_expand_vec_kernel<T><<<grid, kMoeThreads, smem, s>>>(p);
+        return;
+      }
+    }
+    if (vector_b) {
       moe_lora_expand_kernel<T, kV><<<expand_grid, kMoeThreads, smem, s>>>(p);
     } else {
       moe_lora_expand_kernel<T, 1><<<expand_grid, kMoeThreads, smem, s>>>(p);
