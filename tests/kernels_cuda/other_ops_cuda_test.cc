@@ -400,6 +400,7 @@ TEST(CudaMoeLora, AlignmentMatchesCpuExactlyAndFusedOpMatchesCpu) {
       f.topk_weights = w_d.data<float>();
       f.mul_routed_weight = c.w2;
       f.naive_blocks = naive;
+      f.overlap_preceding_kernel = naive;  // the op's inputs were copied, not computed
       f.block_size = c.block_size;
       f.max_num_tokens_padded = sizes.max_num_tokens_padded;
       f.max_num_m_blocks = sizes.max_num_m_blocks;

@@ -233,6 +233,11 @@ struct FusedMoeLoraArgs {
   int64_t out_row_width = 0;
   int64_t offset = 0;  // first output column (fully sharded layers)
   bool add_inputs = true;
+  // True when the kernel just before this op on its stream wrote none of x, the routing, the
+  // mapping, the ranks or the LoRA weights, and naive_blocks holds: the CUDA shrink may then run
+  // beside that kernel's last thread blocks (programmatic dependent launch; it ends only after
+  // that kernel has). The CPU ignores it.
+  bool overlap_preceding_kernel = false;
 };
 
 /// Floats of FusedMoeLoraArgs::lora_mid for a call: [num_tokens * top_k, num_slices, max_rank].

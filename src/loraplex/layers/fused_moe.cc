@@ -495,6 +495,7 @@ void FusedMoeWithLora::add_w13_lora(const Tensor& x, Tensor& gate_up, const Puni
   a.out = gate_up.data_ptr();
   a.out_row_width = 2 * inter_local_;
   if (!config_.fully_sharded) {
+    a.overlap_preceding_kernel = lora_follows_expert_gemm(tokens);
     a.hidden_in = spec_.hidden;
     a.x = x.data_ptr();
     for (int s = 0; s < 2; ++s) {
@@ -550,6 +551,7 @@ void FusedMoeWithLora::add_w2_lora(const Tensor& act, Tensor& down, const Punica
   a.out = down.data_ptr();
   a.out_row_width = spec_.hidden;
   if (!config_.fully_sharded) {
+    a.overlap_preceding_kernel = lora_follows_expert_gemm(tokens);
     a.hidden_in = inter_local_;
     a.x = act.data_ptr();
     a.lora_a[0] = w2_a_.data_ptr();
@@ -582,6 +584,12 @@ void FusedMoeWithLora::add_w2_lora(const Tensor& act, Tensor& down, const Punica
   expand.offset = rank_ * w2_b_.size(2);
   expand.mul_routed_weight = true;
   throw_if_error(dispatch_fused_moe_lora(expand, stream));
+}
+
+// On the device-routed path without alignment, the expert GEMM is the kernel just before each
+// of the two LoRA calls, and it writes none of their shrinks' inputs.
+bool FusedMoeWithLora::lora_follows_expert_gemm(int64_t tokens) const {
+  return routes_on_device(tokens) && naive_blocks_;
 }
 
 bool FusedMoeWithLora::routes_on_device(int64_t tokens) const {

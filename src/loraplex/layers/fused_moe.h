@@ -154,6 +154,7 @@ class FusedMoeWithLora {
   void add_w2_lora(const Tensor& act, Tensor& down, const PunicaWrapper& punica,
                    const Stream& stream);
   kernels::FusedMoeLoraArgs lora_args(const PunicaWrapper& punica, int64_t tokens) const;
+  bool lora_follows_expert_gemm(int64_t tokens) const;
 
   MoeSpec spec_;
   LoraConfig config_;

@@ -98,6 +98,9 @@ struct GemmParams {
 
 template <typename T>
 __global__ void __launch_bounds__(kGemmThreads) moe_expert_gemm_mma_kernel(const GemmParams p) {
+  // The expert LoRA shrink that follows reads none of this kernel's output (PDL; it waits for
+  // this kernel before it ends), so it may fill the SMs this kernel's last blocks leave.
+  pdl_launch_dependents();
   const int64_t block = blockIdx.x;
   const int expert = p.block_expert[block];
   if (expert < 0) return;

@@ -214,7 +214,7 @@ __device__ int item_rows(const MoeParams& p, int64_t item, int* pairs, int& slot
 // while a long K still has its loads spread over several warps instead of one warp's serial
 // chain.
 template <typename T, int V>
-__global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams p) {
+__device__ void shrink_blocks(const MoeParams& p) {
   __shared__ int pairs[kMaxItemRows];
   __shared__ float partial[kMoeWarps][kRowChunk];
   int slot = 0;
@@ -286,6 +286,14 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams 
     }
     __syncthreads();
   }
+}
+
+// Launched with PDL (overlap_preceding_kernel) it may start before the kernel ahead of it ends;
+// the wait at the end keeps the stream's order for whatever follows it.
+template <typename T, int V>
+__global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_kernel(MoeParams p) {
+  shrink_blocks<T, V>(p);
+  pdl_wait();
 }
 
 // The tensor-core shrink for prefill-sized steps (bf16/f16, aligned blocks of at most 16 pairs,
@@ -616,10 +624,20 @@ Status fused_moe_lora(const FusedMoeLoraArgs& a, StreamHandle stream) {
       const dim3 shrink_grid(static_cast<unsigned>(items),
                              static_cast<unsigned>(a.num_slices * p.rank_groups));
       // 16-byte accesses when every row starts on 16 bytes; scalar ones otherwise.
-      if (aligned_a && a.hidden_in % kV == 0) {
-        moe_lora_shrink_kernel<T, kV><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+      const bool vector_a = aligned_a && a.hidden_in % kV == 0;
+      auto shrink = vector_a ? &moe_lora_shrink_kernel<T, kV> : &moe_lora_shrink_kernel<T, 1>;
+      if (a.overlap_preceding_kernel && a.naive_blocks) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = shrink_grid;
+        cfg.blockDim = dim3(kMoeThreads);
+        cfg.stream = s;
+        cudaLaunchAttribute attr[1] = {pdl_launch_attribute()};
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        (void)(status = cuda_status(cudaLaunchKernelEx(&cfg, shrink, p), "moe_lora_shrink_kernel"));
+        if (!status.ok()) return;
       } else {
-        moe_lora_shrink_kernel<T, 1><<<shrink_grid, kMoeThreads, 0, s>>>(p);
+        shrink<<<shrink_grid, kMoeThreads, 0, s>>>(p);
       }
     }
     (void)(status = launch_status("moe_lora_shrink_kernel"));
