@@ -62,7 +62,8 @@ class Server:
     """A `loraplex serve` process; its port is read from the 'listening on' line."""
 
     def __init__(self, args, model=MODEL, port=0):
-        self.proc = subprocess.Popen([BIN, "serve", "--model", model, "--port", str(port), *args],
+        where = ["--model", model] if model else []  # None: args give --shape
+        self.proc = subprocess.Popen([BIN, "serve", *where, "--port", str(port), *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.log = []
@@ -282,6 +283,28 @@ try:
                 name="--enable-lora-loading with nowhere to load from: exit 1 saying so")
     p = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=60)
     check("--help exits 0", p.returncode == 0 and "--lora-dir" in p.stdout, p.stderr)
+    start_fails(["--port", "0"], "--model DIR or --shape NAME",
+                name="neither --model nor --shape: exit 1 saying so")
+    start_fails(["--shape", "llama9", "--port", "0"], "llama9", "llama3-8b",
+                name="an unknown --shape: exit 1 naming it and the known ones")
+
+    # --shape: random weights of a named shape, no tokenizer: token-id prompts are served, a
+    # text prompt is a 400 saying so, tokens in logprobs are vLLM's "token_id:N".
+    shaped = Server(["--shape", "tiny", "--layers", "1", "--device", "cpu"], model=None)
+    status, body = post(shaped.port, "/v1/completions",
+                        {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5, "ignore_eos": True,
+                         "temperature": 0, "logprobs": 1, "return_token_ids": True})
+    choice = body["choices"][0] if status == 200 else {}
+    check("--shape: token-id prompts get their tokens and no text",
+          status == 200 and len(choice.get("token_ids", [])) == 5 and choice.get("text") == ""
+          and choice["logprobs"]["tokens"] == [f"token_id:{i}" for i in choice["token_ids"]],
+          (status, body))
+    status, body = post(shaped.port, "/v1/completions",
+                        {"model": "tiny", "prompt": "hello", "max_tokens": 5})
+    check("--shape: a text prompt is a 400 asking for token ids",
+          status == 400 and "token ids" in error_of(body).get("message", ""), (status, body))
+    rc, _ = shaped.stop()
+    check("--shape: SIGTERM exits 0", rc == 0, "".join(shaped.log))
 
     # SIGTERM as soon as the server has blocked the signal (its first act), mostly while the
     # model loads: it exits 0 at once, whether start-up had finished or not.

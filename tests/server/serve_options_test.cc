@@ -115,6 +115,28 @@ TEST(ServeOptions, RefusalsNameTheFlag) {
   }
 }
 
+// --shape: random weights of a named shape instead of a checkpoint, named after the shape.
+TEST(ServeOptions, ShapeInsteadOfModel) {
+  const auto o = parse_serve_options({"--shape", "tiny", "--layers", "1"}, nullptr);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->shape, "tiny");
+  EXPECT_EQ(o->shape_layers, 1);
+  EXPECT_TRUE(o->model_dir.empty());
+  EXPECT_EQ(o->served_model_name, "tiny");
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  auto refusal = [](const std::vector<std::string>& args) {
+    try {
+      (void)parse_serve_options(args, nullptr);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal({}).find("--model DIR or --shape NAME"), std::string::npos);
+  EXPECT_NE(refusal({"--model", dir, "--shape", "tiny"}).find("--shape"), std::string::npos);
+  EXPECT_NE(refusal({"--model", dir, "--layers", "2"}).find("--layers"), std::string::npos);
+}
+
 TEST(ServeOptions, RuntimeLoadingIsOptInAndNeedsRoots) {
   const std::string dir = std::filesystem::temp_directory_path().string();
   ::unsetenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING");

@@ -404,9 +404,12 @@ const EngineOptions& Engine::options() const { return impl_->options; }
 const model::ModelConfig& Engine::model_config() const { return impl_->decoder->config(); }
 
 const Tokenizer& Engine::tokenizer() const {
-  LORAPLEX_CHECK(impl_->tokenizer != nullptr, "this engine has no tokenizer");
+  LORAPLEX_CHECK(impl_->tokenizer != nullptr,
+                 "the model has no tokenizer: prompts must be token ids");
   return *impl_->tokenizer;
 }
+
+bool Engine::has_tokenizer() const { return impl_->tokenizer != nullptr; }
 
 EngineMetrics Engine::metrics() const {
   std::lock_guard<std::mutex> lock(impl_->metrics_mutex);

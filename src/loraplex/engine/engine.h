@@ -296,6 +296,7 @@ class Engine {
   const model::ModelConfig& model_config() const;
   /// Throws when the engine has no tokenizer.
   const Tokenizer& tokenizer() const;
+  bool has_tokenizer() const;
 
  private:
   struct Impl;

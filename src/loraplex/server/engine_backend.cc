@@ -54,6 +54,9 @@ std::vector<int32_t> EngineBackend::encode(const std::string& text, bool add_spe
 }
 
 std::string EngineBackend::token_text(int32_t id) const {
+  // Without a tokenizer (serve --shape) a token is written as vLLM's return_tokens_as_token_ids
+  // writes it.
+  if (!engine_.has_tokenizer()) return "token_id:" + std::to_string(id);
   return engine_.tokenizer().decode({id}, false);
 }
 

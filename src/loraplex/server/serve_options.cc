@@ -40,9 +40,18 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
       "Prometheus metrics (/metrics).",
       "loraplex serve"};
   std::vector<std::string> loras;
-  app.add_option("--model", o.model_dir, "checkpoint directory (config.json, weights, tokenizer)")
-      ->required()
-      ->check(CLI::ExistingDirectory);
+  CLI::Option* model = app.add_option("--model", o.model_dir,
+                                      "checkpoint directory (config.json, weights, tokenizer)")
+                           ->check(CLI::ExistingDirectory);
+  CLI::Option* shape =
+      app.add_option("--shape", o.shape,
+                     "instead of --model, random weights of a named shape (as bench e2e --shape "
+                     "names them: llama3-8b, mixtral-8x7b, ...), to measure the server at a real "
+                     "model's size; no tokenizer: prompts are token ids, no text comes back")
+          ->excludes(model);
+  app.add_option("--layers", o.shape_layers, "--shape: keep this many decoder layers (0 = all)")
+      ->check(CLI::NonNegativeNumber)
+      ->needs(shape);
   app.add_option("--lora", loras, "NAME=DIR: a PEFT adapter loaded at start-up (repeatable)");
   app.add_option("--lora-dir", o.lora_dir,
                  "a request naming an adapter that is not loaded loads DIR/NAME on first use")
@@ -193,7 +202,10 @@ std::optional<ServeOptions> parse_serve_options(const std::vector<std::string>& 
     }
     o.loras.emplace_back(std::move(name), spec.substr(eq + 1));
   }
-  if (o.served_model_name.empty()) o.served_model_name = o.model_dir;
+  if (o.model_dir.empty() && o.shape.empty()) {
+    throw Error("--model DIR or --shape NAME is required (see loraplex serve --help)");
+  }
+  if (o.served_model_name.empty()) o.served_model_name = o.shape.empty() ? o.model_dir : o.shape;
   for (const auto& [n, d] : o.loras) {
     if (n == o.served_model_name) {
       throw Error("--lora: adapter name '" + n + "' is the served model's name");

@@ -15,6 +15,11 @@ namespace loraplex::server {
 
 struct ServeOptions {
   std::string model_dir;
+  /// Instead of model_dir: random weights of a named shape (model::model_shape) with this many
+  /// layers (0 = all), for measuring the server at a real model's size without a checkpoint.
+  /// Such a model has no tokenizer: prompts are token ids, no text comes back.
+  std::string shape;
+  int64_t shape_layers = 0;
   std::vector<std::pair<std::string, std::string>> loras;  // --lora NAME=DIR, in order
   std::string lora_dir;
   /// vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter

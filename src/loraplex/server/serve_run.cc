@@ -24,6 +24,7 @@
 #include "loraplex/engine/engine.h"
 #include "loraplex/engine/model_files.h"
 #include "loraplex/model/load_model.h"
+#include "loraplex/model/model_shapes.h"
 #include "loraplex/server/engine_backend.h"
 #include "loraplex/server/http_server.h"
 #include "loraplex/server/openai_service.h"
@@ -102,6 +103,37 @@ std::shared_ptr<const jinja::ChatTemplate> load_chat_template(const ServeOptions
                "one with --chat-template FILE)\n",
                o.model_dir.c_str());
   return nullptr;
+}
+
+// What the server needs to know of its model before the weights load: a checkpoint
+// directory's config, tokenizer, EOS ids and chat template, or a named shape's config alone
+// (--shape: random weights, no tokenizer, no chat template).
+struct ModelSource {
+  model::ModelConfig config;
+  std::shared_ptr<const Tokenizer> tokenizer;
+  std::vector<int32_t> eos;
+  std::shared_ptr<const jinja::ChatTemplate> chat_template;
+};
+
+ModelSource read_model_source(const ServeOptions& o, std::FILE* log) {
+  ModelSource s;
+  if (!o.shape.empty()) {
+    LORAPLEX_CHECK(o.chat_template.empty(), "--chat-template: a --shape model has no tokenizer");
+    s.config = model::model_shape(o.shape, o.shape_layers);
+    s.eos = s.config.eos_token_ids;
+    std::fprintf(log,
+                 "loraplex serve: --shape %s: random weights, no tokenizer (prompts are token "
+                 "ids, no text comes back) and no chat template\n",
+                 o.shape.c_str());
+    return s;
+  }
+  const fs::path config_path = fs::path(o.model_dir) / "config.json";
+  LORAPLEX_CHECK(fs::exists(config_path), o.model_dir, ": not a model directory (no config.json)");
+  s.config = model::ModelConfig::from_file(config_path.string());
+  s.tokenizer = engine::read_tokenizer(o.model_dir);
+  s.eos = engine::read_eos_token_ids(o.model_dir, s.config);
+  s.chat_template = load_chat_template(o, log);
+  return s;
 }
 
 // Each --lora adapter's rank, from its config, read before the model loads so that a broken
@@ -243,12 +275,11 @@ int run_serve(const ServeOptions& options_in, std::FILE* log) {
 
   // The quick checks first: a bad template, adapter config or address fails in milliseconds,
   // not after the weights have loaded.
-  const fs::path config_path = fs::path(o.model_dir) / "config.json";
-  LORAPLEX_CHECK(fs::exists(config_path), o.model_dir, ": not a model directory (no config.json)");
-  const model::ModelConfig config = model::ModelConfig::from_file(config_path.string());
-  const std::shared_ptr<const Tokenizer> tokenizer = engine::read_tokenizer(o.model_dir);
-  const std::vector<int32_t> eos = engine::read_eos_token_ids(o.model_dir, config);
-  const std::shared_ptr<const jinja::ChatTemplate> chat_template = load_chat_template(o, log);
+  const ModelSource source = read_model_source(o, log);
+  const model::ModelConfig& config = source.config;
+  const std::shared_ptr<const Tokenizer>& tokenizer = source.tokenizer;
+  const std::vector<int32_t>& eos = source.eos;
+  const std::shared_ptr<const jinja::ChatTemplate>& chat_template = source.chat_template;
   for (const std::string& line : settle_serve_options(o, config, adapter_ranks(o))) {
     std::fprintf(log, "loraplex serve: %s\n", line.c_str());
   }
@@ -257,8 +288,11 @@ int run_serve(const ServeOptions& options_in, std::FILE* log) {
 
   const auto t0 = std::chrono::steady_clock::now();
   engine::EngineOptions options = o.engine;
+  const model::DecoderOptions decoder_options =
+      engine::engine_decoder_options(options, dtype, device);
   std::unique_ptr<model::ModelExecutor> decoder =
-      model::load_model(o.model_dir, engine::engine_decoder_options(options, dtype, device));
+      o.shape.empty() ? model::load_model(o.model_dir, decoder_options)
+                      : model::create_random_model(config, decoder_options, /*seed=*/1);
   if (options.num_kv_blocks == 0 && device.is_cpu()) {
     options.num_kv_blocks = cpu_kv_blocks(options, *decoder);
   }
