@@ -357,17 +357,9 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_shrink_mma_kernel(MoePar
   }
 }
 
-// Expand: one output column per thread (blockIdx.y picks 256 of the slices' columns), for the
-// item's rows: out[pair, offset + col] (+)= w * sum_r mid[pair, s, r] * B_s[slot, expert, j, r].
-// A warp reads 32 consecutive B rows, contiguous memory.
-template <typename T, int V>
-__global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams p) {
-  extern __shared__ float v[];  // [ceil(rows, kRowChunk)][num_slices][max_rank], zero past rank
-  __shared__ int pairs[kMaxItemRows];
-  int slot = 0;
-  int expert = 0;
-  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
-  if (rows == 0) return;
+// The item's rows of the intermediate in shared memory, [ceil(rows, kRowChunk)][num_slices]
+// [max_rank], zero past each slice's rank and past the item's rows; ends with a barrier.
+__device__ void stage_mid(const MoeParams& p, int rows, const int* pairs, int slot, float* v) {
   const int S = p.num_slices;
   const int MR = p.max_rank;
   const int padded_rows = (rows + kRowChunk - 1) / kRowChunk * kRowChunk;
@@ -378,6 +370,22 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams 
     v[i] = live ? p.mid[static_cast<int64_t>(pairs[row]) * S * MR + sr] : 0.0f;
   }
   __syncthreads();
+}
+
+// Expand: one output column per thread (blockIdx.y picks 256 of the slices' columns), for the
+// item's rows: out[pair, offset + col] (+)= w * sum_r mid[pair, s, r] * B_s[slot, expert, j, r].
+// A warp reads 32 consecutive B rows, contiguous memory.
+template <typename T, int V>
+__global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams p) {
+  extern __shared__ float v[];  // stage_mid's
+  __shared__ int pairs[kMaxItemRows];
+  int slot = 0;
+  int expert = 0;
+  const int rows = item_rows(p, blockIdx.x, pairs, slot, expert);
+  if (rows == 0) return;
+  const int S = p.num_slices;
+  const int MR = p.max_rank;
+  stage_mid(p, rows, pairs, slot, v);
   const int64_t col = static_cast<int64_t>(blockIdx.y) * kMoeThreads + threadIdx.x;
   if (col >= S * p.n) return;
   const int s = static_cast<int>(col / p.n);
@@ -416,7 +424,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams 
 template <typename T>
 __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_vec_kernel(MoeParams p) {
   constexpr int kCols = 16 / static_cast<int>(sizeof(T));
-  extern __shared__ float v[];  // as in moe_lora_expand_kernel
+  extern __shared__ float v[];  // stage_mid's
   __shared__ int pairs[kMaxItemRows];
   int slot = 0;
   int expert = 0;
@@ -424,14 +432,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_vec_kernel(MoePar
   if (rows == 0) return;
   const int S = p.num_slices;
   const int MR = p.max_rank;
-  const int padded_rows = (rows + kRowChunk - 1) / kRowChunk * kRowChunk;
-  for (int i = static_cast<int>(threadIdx.x); i < padded_rows * S * MR; i += kMoeThreads) {
-    const int row = i / (S * MR);
-    const int sr = i % (S * MR);
-    const bool live = row < rows && sr % MR < p.ranks[sr / MR * p.max_loras + slot];
-    v[i] = live ? p.mid[static_cast<int64_t>(pairs[row]) * S * MR + sr] : 0.0f;
-  }
-  __syncthreads();
+  stage_mid(p, rows, pairs, slot, v);
   const int64_t col = (static_cast<int64_t>(blockIdx.y) * kMoeThreads + threadIdx.x) * kCols;
   if (col >= S * p.n) return;
   const int s = static_cast<int>(col / p.n);
