@@ -418,9 +418,9 @@ __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_kernel(MoeParams 
 }
 
 // Expand with eight output columns per thread (bf16/f16): B's eight rows are read as 16-byte
-// packs and each pair's output is read and written 16 bytes at a time. One
-// thread block covers up to 2,048 columns of an item, so the item lookup and the intermediate's
-// staging are paid once per 2,048 columns instead of once per 256.
+// packs and each pair's output is read and written 16 bytes at a time. One thread block covers
+// up to 2,048 columns of an item, so the item lookup and the intermediate's staging are paid
+// once per 2,048 columns instead of once per 256.
 template <typename T>
 __global__ void __launch_bounds__(kMoeThreads) moe_lora_expand_vec_kernel(MoeParams p) {
   constexpr int kCols = 16 / static_cast<int>(sizeof(T));
