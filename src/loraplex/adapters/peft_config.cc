@@ -85,23 +85,9 @@ void refuse_if_set(const json& config, const std::string& source, const char* fi
   }
 }
 
-}  // namespace
+// The steps of PeftLoraConfig::from_json, in order.
 
-PeftLoraConfig PeftLoraConfig::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LORAPLEX_CHECK(in.good(), "cannot open adapter config '", path, "'");
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  LORAPLEX_CHECK(size >= 0 && size <= kMaxConfigBytes, "adapter config '", path, "' has ", size,
-                 " bytes, more than the ", kMaxConfigBytes, " bytes a config can have");
-  in.seekg(0);
-  std::string text(static_cast<size_t>(size), '\0');
-  in.read(text.data(), size);
-  LORAPLEX_CHECK(in.good() || in.eof(), "cannot read adapter config '", path, "'");
-  return from_json(text, path);
-}
-
-PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::string& source) {
+json parse_config_object(const std::string& text, const std::string& source) {
   json config;
   try {
     config = json::parse(text);
@@ -110,6 +96,11 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
   }
   LORAPLEX_CHECK(config.is_object(), source, ": must be a JSON object, got ", config.type_name());
 
+  return config;
+}
+
+// Fields that change the math and are not served, each refused naming it.
+void refuse_unserved_fields(const json& config, const std::string& source) {
   if (config.contains("peft_type") && !config["peft_type"].is_null()) {
     LORAPLEX_CHECK(config["peft_type"] == "LORA", source, ": field 'peft_type' is ",
                    short_dump(config["peft_type"]), ": only LORA adapters are served");
@@ -146,8 +137,10 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
                      "\": this initialisation modifies the base weights, which is not served");
     }
   }
+}
 
-  PeftLoraConfig c;
+// r, lora_alpha and use_rslora: the adapter's scale.
+void read_rank_and_alpha(const json& config, const std::string& source, PeftLoraConfig& c) {
   LORAPLEX_CHECK(config.contains("r") && config["r"].is_number_integer(), source,
                  ": field 'r' must be a positive integer, got ",
                  config.contains("r") ? short_dump(config["r"]) : "nothing");
@@ -166,7 +159,11 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
                    short_dump(config["use_rslora"]));
     c.use_rslora = config["use_rslora"].get<bool>();
   }
+}
 
+// target_modules, target_parameters and exclude_modules: which modules the adapter touches.
+void read_targets(const json& config, const std::string& source, PeftLoraConfig& c) {
+  using TargetMode = PeftLoraConfig::TargetMode;
   if (config.contains("target_modules") && !config["target_modules"].is_null()) {
     const json& t = config["target_modules"];
     if (t.is_string()) {
@@ -201,7 +198,10 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
       c.exclude_modules = string_list(e, source, "exclude_modules");
     }
   }
+}
 
+// layers_to_transform and layers_pattern: which layers.
+void read_layer_selection(const json& config, const std::string& source, PeftLoraConfig& c) {
   if (config.contains("layers_to_transform") && !config["layers_to_transform"].is_null()) {
     const json& l = config["layers_to_transform"];
     auto add = [&](const json& v) {
@@ -231,7 +231,10 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
           compile(s, ".*\\." + s + "\\.(\\d+)\\.", source, "layers_pattern"));
     }
   }
+}
 
+// peft_version, rank_pattern and alpha_pattern: per-module ranks and alphas.
+void read_patterns(const json& config, const std::string& source, PeftLoraConfig& c) {
   if (config.contains("peft_version") && config["peft_version"].is_string()) {
     int major = 0;
     int minor = 0;
@@ -262,6 +265,32 @@ PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::str
       }
     }
   }
+}
+
+}  // namespace
+
+PeftLoraConfig PeftLoraConfig::from_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LORAPLEX_CHECK(in.good(), "cannot open adapter config '", path, "'");
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  LORAPLEX_CHECK(size >= 0 && size <= kMaxConfigBytes, "adapter config '", path, "' has ", size,
+                 " bytes, more than the ", kMaxConfigBytes, " bytes a config can have");
+  in.seekg(0);
+  std::string text(static_cast<size_t>(size), '\0');
+  in.read(text.data(), size);
+  LORAPLEX_CHECK(in.good() || in.eof(), "cannot read adapter config '", path, "'");
+  return from_json(text, path);
+}
+
+PeftLoraConfig PeftLoraConfig::from_json(const std::string& text, const std::string& source) {
+  const json config = parse_config_object(text, source);
+  refuse_unserved_fields(config, source);
+  PeftLoraConfig c;
+  read_rank_and_alpha(config, source, c);
+  read_targets(config, source, c);
+  read_layer_selection(config, source, c);
+  read_patterns(config, source, c);
   return c;
 }
 
