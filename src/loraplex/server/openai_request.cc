@@ -107,14 +107,10 @@ std::vector<int32_t> token_ids(const json& list, const char* param) {
   return ids;
 }
 
-// The sampling fields shared by both endpoints (OpenAI's and vLLM's extra ones).
-void parse_common(const json& body, GenerationRequest& r) {
-  refuse_unsupported_fields(body);
-  if (const json* m = field(body, "model")) {
-    if (!m->is_string()) bad_type("model", "a string", *m);
-    r.model = m->get<std::string>();
-  }
-  engine::RequestOptions& o = r.options;
+// The steps of parse_common, in the order the fields are checked.
+
+// temperature, top_p, top_k, seed, min_tokens.
+void parse_sampling(const json& body, engine::RequestOptions& o) {
   if (auto t = get_number(body, "temperature")) {
     refuse_unless(*t >= 0.0, "temperature",
                   "'temperature' must be >= 0, got " + std::to_string(*t));
@@ -135,6 +131,11 @@ void parse_common(const json& body, GenerationRequest& r) {
     refuse_unless(*m >= 0, "min_tokens", "'min_tokens' must be >= 0, got " + std::to_string(*m));
     o.min_tokens = *m;
   }
+}
+
+// What the output keeps: EOS, stop strings, special tokens; the prompt's truncation.
+void parse_output_options(const json& body, GenerationRequest& r) {
+  engine::RequestOptions& o = r.options;
   if (auto e = get_bool(body, "ignore_eos")) o.ignore_eos = *e;
   if (auto i = get_bool(body, "include_stop_str_in_output")) o.include_stop_str_in_output = *i;
   if (auto k = get_bool(body, "skip_special_tokens")) o.skip_special_tokens = *k;
@@ -146,6 +147,10 @@ void parse_common(const json& body, GenerationRequest& r) {
         "'truncate_prompt_tokens' must be -1 (max_model_len) or >= 1, got " + std::to_string(*t));
     r.truncate_prompt_tokens = *t;
   }
+}
+
+// stop and stop_token_ids.
+void parse_stops(const json& body, engine::RequestOptions& o) {
   if (const json* stop = field(body, "stop")) {
     if (stop->is_string()) {
       o.stop.push_back(stop->get<std::string>());
@@ -171,6 +176,10 @@ void parse_common(const json& body, GenerationRequest& r) {
       o.stop_token_ids.push_back(id.get<int32_t>());
     }
   }
+}
+
+// n, best_of, stream, return_token_ids, stream_options.
+void parse_choices_and_stream(const json& body, GenerationRequest& r) {
   if (auto n = get_int(body, "n")) {
     refuse_unless(
         *n >= 1 && *n <= kMaxChoices, "n",
@@ -194,6 +203,10 @@ void parse_common(const json& body, GenerationRequest& r) {
       refuse_unless(!*c, "stream_options", "continuous_usage_stats is not supported");
     }
   }
+}
+
+// Penalties, min_p, logit_bias, allowed_token_ids, bad_words.
+void parse_logits_processing(const json& body, engine::RequestOptions& o) {
   // vLLM's logits processing: ranges are the engine's to check (it names the limit).
   if (auto p = get_number(body, "presence_penalty")) o.presence_penalty = static_cast<float>(*p);
   if (auto p = get_number(body, "frequency_penalty")) o.frequency_penalty = static_cast<float>(*p);
@@ -234,6 +247,21 @@ void parse_common(const json& body, GenerationRequest& r) {
       o.bad_words.push_back(w.get<std::string>());
     }
   }
+}
+
+// The sampling fields shared by both endpoints (OpenAI's and vLLM's extra ones).
+void parse_common(const json& body, GenerationRequest& r) {
+  refuse_unsupported_fields(body);
+  if (const json* m = field(body, "model")) {
+    if (!m->is_string()) bad_type("model", "a string", *m);
+    r.model = m->get<std::string>();
+  }
+  engine::RequestOptions& o = r.options;
+  parse_sampling(body, o);
+  parse_output_options(body, r);
+  parse_stops(body, o);
+  parse_choices_and_stream(body, r);
+  parse_logits_processing(body, o);
   o.structured = structured_output_of(body);
   if (auto e = get_bool(body, "echo")) refuse_unless(!*e, "echo", "'echo' is not supported");
   if (const json* u = field(body, "user")) {
