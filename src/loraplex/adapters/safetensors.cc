@@ -149,6 +149,84 @@ class HeaderBuilder {
   json* value_slot_ = nullptr;
 };
 
+// The steps of SafetensorsFile::parse.
+
+// A tensor's header entry, checked against the data section (data_size bytes from
+// data_offset): its fields, dtype, shape and byte range.
+SafetensorsTensorInfo parse_tensor_entry(const std::string& where, const json& entry,
+                                         uint64_t data_offset, uint64_t data_size) {
+  LORAPLEX_CHECK(entry.is_object(), where, ": entry must be an object, got ", entry.type_name());
+  for (auto f = entry.begin(); f != entry.end(); ++f) {
+    LORAPLEX_CHECK(f.key() == "dtype" || f.key() == "shape" || f.key() == "data_offsets", where,
+                   ": unknown field '", f.key(), "' (expected dtype, shape, data_offsets)");
+  }
+  LORAPLEX_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), where,
+                 ": missing string field 'dtype'");
+  LORAPLEX_CHECK(entry.contains("shape") && entry["shape"].is_array(), where,
+                 ": missing array field 'shape'");
+  LORAPLEX_CHECK(entry.contains("data_offsets") && entry["data_offsets"].is_array(), where,
+                 ": missing array field 'data_offsets'");
+
+  SafetensorsTensorInfo info;
+  info.file_dtype = entry["dtype"].get<std::string>();
+  try {
+    info.dtype = safetensors_dtype(info.file_dtype);
+  } catch (const Error& e) {
+    LORAPLEX_FAIL(where, ": ", e.what());
+  }
+  uint64_t numel = 1;
+  // Strides multiply the non-zero sizes even when the tensor is empty, so their product must
+  // fit int64 too: [2^62, 2^62, 0] holds nothing but cannot be indexed.
+  int64_t stride_product = 1;
+  for (const json& d : entry["shape"]) {
+    uint64_t dim = 0;
+    LORAPLEX_CHECK(json_to_u63(d, dim), where, ": shape entries must be integers >= 0, got ",
+                   d.dump());
+    info.shape.push_back(static_cast<int64_t>(dim));
+    numel *= dim;
+    LORAPLEX_CHECK(
+        !__builtin_mul_overflow(stride_product, std::max<int64_t>(dim, 1), &stride_product), where,
+        ": shape ", entry["shape"].dump(), " is too large to index");
+  }
+  const json& offsets = entry["data_offsets"];
+  LORAPLEX_CHECK(offsets.size() == 2 && json_to_u63(offsets[0], info.data_begin) &&
+                     json_to_u63(offsets[1], info.data_end),
+                 where, ": data_offsets must be two integers >= 0, got ", offsets.dump());
+  LORAPLEX_CHECK(info.data_begin <= info.data_end, where, ": data_offsets ", offsets.dump(),
+                 " end before they begin");
+  LORAPLEX_CHECK(info.data_end <= data_size, where, ": data_offsets ", offsets.dump(),
+                 " reach past the data section of ", data_size, " bytes");
+  uint64_t nbytes = 0;
+  LORAPLEX_CHECK(!__builtin_mul_overflow(numel, dtype_size(info.dtype), &nbytes) &&
+                     nbytes == info.data_end - info.data_begin,
+                 where, ": shape ", shape_str(info.shape), " of ", info.file_dtype, " needs ",
+                 numel, " x ", dtype_size(info.dtype), " bytes but data_offsets ", offsets.dump(),
+                 " hold ", info.data_end - info.data_begin);
+  info.file_begin = data_offset + info.data_begin;
+  info.file_end = data_offset + info.data_end;
+  return info;
+}
+
+// A tensor's bytes in the data section, for the overlap check.
+struct Range {
+  uint64_t begin;
+  uint64_t end;
+  const std::string* name;
+};
+
+// No two tensors' bytes overlap (empty tensors have no range).
+void check_disjoint(std::vector<Range>& ranges, const std::string& path) {
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    LORAPLEX_CHECK(ranges[i].begin >= ranges[i - 1].end, "safetensors file '", path, "': tensors '",
+                   *ranges[i - 1].name, "' [", ranges[i - 1].begin, ", ", ranges[i - 1].end,
+                   ") and '", *ranges[i].name, "' [", ranges[i].begin, ", ", ranges[i].end,
+                   ") overlap");
+  }
+}
+
 }  // namespace
 
 DType safetensors_dtype(const std::string& text) {
@@ -233,11 +311,6 @@ void SafetensorsFile::parse(const std::string& path) {
   }
   LORAPLEX_CHECK(header.is_object(), "safetensors file '", path, "': header is not a JSON object");
 
-  struct Range {
-    uint64_t begin;
-    uint64_t end;
-    const std::string* name;
-  };
   std::vector<Range> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
@@ -253,69 +326,13 @@ void SafetensorsFile::parse(const std::string& path) {
       continue;
     }
     const std::string where = detail::concat("safetensors file '", path, "': tensor '", name, "'");
-    LORAPLEX_CHECK(entry.is_object(), where, ": entry must be an object, got ", entry.type_name());
-    for (auto f = entry.begin(); f != entry.end(); ++f) {
-      LORAPLEX_CHECK(f.key() == "dtype" || f.key() == "shape" || f.key() == "data_offsets", where,
-                     ": unknown field '", f.key(), "' (expected dtype, shape, data_offsets)");
-    }
-    LORAPLEX_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), where,
-                   ": missing string field 'dtype'");
-    LORAPLEX_CHECK(entry.contains("shape") && entry["shape"].is_array(), where,
-                   ": missing array field 'shape'");
-    LORAPLEX_CHECK(entry.contains("data_offsets") && entry["data_offsets"].is_array(), where,
-                   ": missing array field 'data_offsets'");
-
-    SafetensorsTensorInfo info;
-    info.file_dtype = entry["dtype"].get<std::string>();
-    try {
-      info.dtype = safetensors_dtype(info.file_dtype);
-    } catch (const Error& e) {
-      LORAPLEX_FAIL(where, ": ", e.what());
-    }
-    uint64_t numel = 1;
-    // Strides multiply the non-zero sizes even when the tensor is empty, so their product must
-    // fit int64 too: [2^62, 2^62, 0] holds nothing but cannot be indexed.
-    int64_t stride_product = 1;
-    for (const json& d : entry["shape"]) {
-      uint64_t dim = 0;
-      LORAPLEX_CHECK(json_to_u63(d, dim), where, ": shape entries must be integers >= 0, got ",
-                     d.dump());
-      info.shape.push_back(static_cast<int64_t>(dim));
-      numel *= dim;
-      LORAPLEX_CHECK(
-          !__builtin_mul_overflow(stride_product, std::max<int64_t>(dim, 1), &stride_product),
-          where, ": shape ", entry["shape"].dump(), " is too large to index");
-    }
-    const json& offsets = entry["data_offsets"];
-    LORAPLEX_CHECK(offsets.size() == 2 && json_to_u63(offsets[0], info.data_begin) &&
-                       json_to_u63(offsets[1], info.data_end),
-                   where, ": data_offsets must be two integers >= 0, got ", offsets.dump());
-    LORAPLEX_CHECK(info.data_begin <= info.data_end, where, ": data_offsets ", offsets.dump(),
-                   " end before they begin");
-    LORAPLEX_CHECK(info.data_end <= data_size_, where, ": data_offsets ", offsets.dump(),
-                   " reach past the data section of ", data_size_, " bytes");
-    uint64_t nbytes = 0;
-    LORAPLEX_CHECK(!__builtin_mul_overflow(numel, dtype_size(info.dtype), &nbytes) &&
-                       nbytes == info.data_end - info.data_begin,
-                   where, ": shape ", shape_str(info.shape), " of ", info.file_dtype, " needs ",
-                   numel, " x ", dtype_size(info.dtype), " bytes but data_offsets ", offsets.dump(),
-                   " hold ", info.data_end - info.data_begin);
-    info.file_begin = data_offset_ + info.data_begin;
-    info.file_end = data_offset_ + info.data_end;
+    SafetensorsTensorInfo info = parse_tensor_entry(where, entry, data_offset_, data_size_);
     auto [pos, inserted] = infos_.emplace(name, std::move(info));
     if (pos->second.data_end > pos->second.data_begin)
       ranges.push_back({pos->second.data_begin, pos->second.data_end, &pos->first});
   }
 
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    LORAPLEX_CHECK(ranges[i].begin >= ranges[i - 1].end, "safetensors file '", path, "': tensors '",
-                   *ranges[i - 1].name, "' [", ranges[i - 1].begin, ", ", ranges[i - 1].end,
-                   ") and '", *ranges[i].name, "' [", ranges[i].begin, ", ", ranges[i].end,
-                   ") overlap");
-  }
+  check_disjoint(ranges, path);
 }
 
 std::vector<std::string> SafetensorsFile::names() const {
