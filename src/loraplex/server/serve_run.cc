@@ -264,6 +264,52 @@ class StopWatcher {
   std::thread thread_;
 };
 
+// The start-up line that says what is served, where and how.
+void log_ready(std::FILE* log, const ServeOptions& o, const engine::Engine& engine,
+               const model::ModelConfig& config, DType dtype, const Device& device,
+               const jinja::ChatTemplate* chat_template, double seconds) {
+  const engine::EngineMetrics m = engine.metrics();
+  std::string where = device.str();
+  if (engine.options().tensor_parallel_size > 1) {
+    where +=
+        " (tensor-parallel size " + std::to_string(engine.options().tensor_parallel_size) + ")";
+  }
+  std::fprintf(log,
+               "loraplex serve: %s (%s) on %s, %s: %lld KV blocks of %lld tokens, max_model_len "
+               "%lld, %zu adapter(s) loaded, max_loras %d, max_lora_rank %d, runtime adapter "
+               "loading %s, chat template: %s; ready in %.2f s\n",
+               o.served_model_name.c_str(), model::architecture_name(config.arch), where.c_str(),
+               std::string(dtype_name(dtype)).c_str(), static_cast<long long>(m.num_kv_blocks),
+               static_cast<long long>(m.kv_block_size),
+               static_cast<long long>(engine.options().max_model_len), o.loras.size(),
+               engine.options().max_loras, engine.options().max_lora_rank,
+               o.enable_lora_loading ? "on" : "off",
+               chat_template ? chat_template->origin().c_str() : "none", seconds);
+}
+
+// The OpenAI service's configuration from the options.
+ServiceConfig service_config(const ServeOptions& o,
+                             const std::shared_ptr<const jinja::ChatTemplate>& chat_template,
+                             std::FILE* log) {
+  ServiceConfig sc;
+  sc.served_model_name = o.served_model_name;
+  sc.model_root = o.model_dir;
+  sc.lora_dir = o.lora_dir;
+  sc.runtime_lora_updating = o.enable_lora_loading;
+  if (o.enable_lora_loading) {
+    if (!o.lora_dir.empty()) sc.lora_roots.push_back(o.lora_dir);
+    sc.lora_roots.insert(sc.lora_roots.end(), o.allowed_lora_paths.begin(),
+                         o.allowed_lora_paths.end());
+  }
+  sc.log = [log](const std::string& line) {
+    std::fprintf(log, "loraplex serve: %s\n", line.c_str());
+    std::fflush(log);
+  };
+  sc.chat_template = chat_template;
+  sc.version = LORAPLEX_VERSION;
+  return sc;
+}
+
 }  // namespace
 
 int run_serve(const ServeOptions& options_in, std::FILE* log) {
@@ -304,41 +350,12 @@ int run_serve(const ServeOptions& options_in, std::FILE* log) {
       LORAPLEX_FAIL("--lora ", name, "=", dir, ": ", e.what());
     }
   }
-  const engine::EngineMetrics m = engine.metrics();
-  std::string where = device.str();
-  if (options.tensor_parallel_size > 1) {
-    where += " (tensor-parallel size " + std::to_string(options.tensor_parallel_size) + ")";
-  }
-  std::fprintf(log,
-               "loraplex serve: %s (%s) on %s, %s: %lld KV blocks of %lld tokens, max_model_len "
-               "%lld, %zu adapter(s) loaded, max_loras %d, max_lora_rank %d, runtime adapter "
-               "loading %s, chat template: %s; ready in %.2f s\n",
-               o.served_model_name.c_str(), model::architecture_name(config.arch), where.c_str(),
-               std::string(dtype_name(dtype)).c_str(), static_cast<long long>(m.num_kv_blocks),
-               static_cast<long long>(m.kv_block_size),
-               static_cast<long long>(engine.options().max_model_len), o.loras.size(),
-               engine.options().max_loras, engine.options().max_lora_rank,
-               o.enable_lora_loading ? "on" : "off",
-               chat_template ? chat_template->origin().c_str() : "none",
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const double load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  log_ready(log, o, engine, config, dtype, device, chat_template.get(), load_seconds);
 
   EngineBackend backend(engine);
-  ServiceConfig sc;
-  sc.served_model_name = o.served_model_name;
-  sc.model_root = o.model_dir;
-  sc.lora_dir = o.lora_dir;
-  sc.runtime_lora_updating = o.enable_lora_loading;
-  if (o.enable_lora_loading) {
-    if (!o.lora_dir.empty()) sc.lora_roots.push_back(o.lora_dir);
-    sc.lora_roots.insert(sc.lora_roots.end(), o.allowed_lora_paths.begin(),
-                         o.allowed_lora_paths.end());
-  }
-  sc.log = [log](const std::string& line) {
-    std::fprintf(log, "loraplex serve: %s\n", line.c_str());
-    std::fflush(log);
-  };
-  sc.chat_template = chat_template;
-  sc.version = LORAPLEX_VERSION;
+  const ServiceConfig sc = service_config(o, chat_template, log);
   OpenAIService service(backend, sc);
   HttpServer http(service, o.http);
   const int port = http.bind();
